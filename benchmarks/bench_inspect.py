@@ -1,0 +1,393 @@
+"""Benchmark `qtool inspect` against safetensors' own way of listing a checkpoint.
+
+DESIGN.md: "`inspect` costs the header, not the file: a 100 GB sharded checkpoint lists as fast as
+a 1 MB one", and `inspect` never imports torch.
+
+The script synthesizes LLaMA-2-7B- and LLaMA-2-70B-shaped sharded bf16 checkpoints whose headers
+are real and whose data is a sparse hole (the file is truncated to its full length without writing
+a byte of data), so 150 GB of checkpoints take a few hundred KB of disk. It then times, as whole
+processes with the same interpreter, round-robin so that noise hits every variant alike:
+
+  qtool            python -m qtool inspect DIR --json
+  safe_open(pt)    for each shard: safe_open(f, framework="pt"), get_slice(k) dtype and shape
+  safe_open(numpy) the same with framework="numpy"
+
+Targets:
+  1. qtool <= 1.0x safe_open(numpy), the cheaper baseline, which pays no torch import;
+     the ratio against safe_open(pt) is printed too;
+  2. qtool on 70B <= 1.5x qtool on 7B (inspect costs the header, not the file);
+  3. `python -X importtime -m qtool inspect 7B --json` imports no `torch` (numpy reported too).
+
+The parent process uses the standard library only: it imports neither torch, numpy nor
+safetensors. Exit status is 0 whatever the result, unless --strict is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BF16_BYTES = 2
+TARGET_VS_BASELINE = 1.0
+TARGET_70B_OVER_7B = 1.5
+BASELINE = "safe_open(numpy)"  # the named baseline of target 1
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The shapes of a HF LlamaForCausalLM checkpoint, and how HF shards it."""
+
+    key: str
+    title: str
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    max_shard_bytes: int
+    rms_norm_eps: float
+
+    def tensors(self) -> list[tuple[str, list[int]]]:
+        """Names and shapes in state-dict order."""
+        h, kv = self.hidden, self.kv_heads * (self.hidden // self.heads)
+        out = [("model.embed_tokens.weight", [self.vocab, h])]
+        for i in range(self.layers):
+            p = f"model.layers.{i}"
+            out += [
+                (f"{p}.self_attn.q_proj.weight", [h, h]),
+                (f"{p}.self_attn.k_proj.weight", [kv, h]),
+                (f"{p}.self_attn.v_proj.weight", [kv, h]),
+                (f"{p}.self_attn.o_proj.weight", [h, h]),
+                (f"{p}.mlp.gate_proj.weight", [self.intermediate, h]),
+                (f"{p}.mlp.up_proj.weight", [self.intermediate, h]),
+                (f"{p}.mlp.down_proj.weight", [h, self.intermediate]),
+                (f"{p}.input_layernorm.weight", [h]),
+                (f"{p}.post_attention_layernorm.weight", [h]),
+            ]
+        out += [("model.norm.weight", [h]), ("lm_head.weight", [self.vocab, h])]
+        return out
+
+    def shards(self) -> list[list[tuple[str, list[int]]]]:
+        """Split in state-dict order, starting a new shard when the next tensor would overflow."""
+        groups: list[list[tuple[str, list[int]]]] = [[]]
+        size = 0
+        for name, shape in self.tensors():
+            nbytes = math.prod(shape) * BF16_BYTES
+            if groups[-1] and size + nbytes > self.max_shard_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append((name, shape))
+            size += nbytes
+        return groups
+
+    def config(self) -> dict:
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden,
+            "initializer_range": 0.02,
+            "intermediate_size": self.intermediate,
+            "max_position_embeddings": 4096,
+            "model_type": "llama",
+            "num_attention_heads": self.heads,
+            "num_hidden_layers": self.layers,
+            "num_key_value_heads": self.kv_heads,
+            "pretraining_tp": 1,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_scaling": None,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "transformers_version": "4.31.0.dev0",
+            "use_cache": True,
+            "vocab_size": self.vocab,
+        }
+
+
+MODELS = {
+    m.key: m
+    for m in (
+        LlamaShape("7b", "LLaMA-2-7B", 32000, 4096, 11008, 32, 32, 32, 10 * 10**9, 1e-5),
+        LlamaShape("70b", "LLaMA-2-70B", 32000, 8192, 28672, 80, 64, 8, 5 * 10**9, 1e-5),
+    )
+}
+
+
+# ---------------------------------------------------------------------------------- synthesis
+
+
+def write_sparse_shard(path: Path, tensors: list[tuple[str, list[int]]]) -> int:
+    """Write a real safetensors header, then extend the file over a hole. Returns data bytes."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in sorted(tensors):  # safetensors lays same-dtype tensors out by name
+        end = offset + math.prod(shape) * BF16_BYTES
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, end]}
+        offset = end
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+    os.truncate(path, 8 + len(blob) + offset)
+    return offset
+
+
+def synthesize(model: LlamaShape, root: Path) -> Path:
+    directory = root / f"llama-2-{model.key}-sparse"
+    if directory.exists():
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True)
+    shards = model.shards()
+    weight_map = {}
+    total = 0
+    for i, group in enumerate(shards, start=1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        total += write_sparse_shard(directory / fname, group)
+        weight_map.update({name: fname for name, _ in group})
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (directory / "config.json").write_text(json.dumps(model.config(), indent=2) + "\n")
+
+    apparent = sum(p.stat().st_size for p in directory.iterdir())
+    on_disk = sum(p.stat().st_blocks * 512 for p in directory.iterdir())
+    if on_disk > 64 * 2**20:
+        raise SystemExit(
+            f"error: {directory} takes {on_disk / 2**20:.0f} MiB on disk for {apparent / 1e9:.1f} GB "
+            "apparent: this filesystem does not keep sparse files sparse.\n"
+            "hint: pass --workdir on a filesystem that does (ext4, xfs, btrfs, tmpfs)."
+        )
+    print(
+        f"  {model.title:<12} {len(weight_map)} tensors, {len(shards)} shards, "
+        f"{total / 1e9:.1f} GB bf16 apparent, {on_disk / 2**10:.0f} KiB on disk  ({directory})"
+    )
+    return directory
+
+
+# ------------------------------------------------------------------------------------- timing
+
+BASELINE_CODE = """\
+import json, os, sys
+from safetensors import safe_open
+framework, model_dir = sys.argv[1], sys.argv[2]
+with open(os.path.join(model_dir, "model.safetensors.index.json")) as f:
+    shards = sorted(set(json.load(f)["weight_map"].values()))
+for shard in shards:
+    with safe_open(os.path.join(model_dir, shard), framework=framework) as fh:
+        for k in fh.keys():
+            s = fh.get_slice(k)
+            print(k, s.get_dtype(), s.get_shape())
+"""
+
+
+def command(variant: str, model_dir: Path) -> list[str]:
+    if variant == "qtool":
+        return [sys.executable, "-m", "qtool", "inspect", str(model_dir), "--json"]
+    framework = {"safe_open(pt)": "pt", "safe_open(numpy)": "numpy"}[variant]
+    return [sys.executable, "-c", BASELINE_CODE, framework, str(model_dir)]
+
+
+VARIANTS = ("qtool", "safe_open(pt)", "safe_open(numpy)")
+
+
+def run_once(cmd: list[str]) -> float:
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    elapsed = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"exit {proc.returncode}: {proc.stderr.decode(errors='replace')}")
+    return elapsed
+
+
+def warm_up(variant: str, model_dir: Path, n_tensors: int) -> str | None:
+    """Run once, discarded, checking the output. Returns an error message or None."""
+    proc = subprocess.run(command(variant, model_dir), cwd=REPO, capture_output=True)
+    if proc.returncode != 0:
+        err = proc.stderr.decode(errors="replace").strip() or "(no stderr)"
+        return f"exit status {proc.returncode}; stderr:\n" + indent(tail(err, 25))
+    out = proc.stdout.decode(errors="replace")
+    if variant == "qtool":
+        try:
+            json.loads(out)
+        except ValueError as e:
+            print(f"  warning: qtool inspect --json on {model_dir.name}: stdout is not JSON ({e})")
+    elif len(out.splitlines()) != n_tensors:
+        return f"listed {len(out.splitlines())} tensors, expected {n_tensors}"
+    return None
+
+
+def tail(text: str, lines: int) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def indent(text: str) -> str:
+    return "\n".join("    | " + line for line in text.splitlines())
+
+
+def imported_modules(model_dir: Path) -> tuple[set[str], str | None]:
+    """Top-level module names that `-X importtime` reports for qtool inspect."""
+    cmd = [sys.executable, "-X", "importtime", "-m", "qtool", "inspect", str(model_dir), "--json"]
+    proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    err = proc.stderr.decode(errors="replace")
+    names = set()
+    for line in err.splitlines():
+        if line.startswith("import time:") and line.count("|") == 2:
+            name = line.rsplit("|", 1)[1].strip()
+            names.add(name.split(".")[0])
+    bad = None
+    if proc.returncode != 0:
+        bad = f"exit status {proc.returncode}; stderr:\n" + indent(
+            tail("\n".join(l for l in err.splitlines() if not l.startswith("import time:")), 25)
+        )
+    return names, bad
+
+
+# --------------------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Time `qtool inspect --json` on sparse LLaMA-2-7B/70B checkpoints against "
+        "safetensors safe_open listings (pt and numpy), and check that inspect imports no torch.",
+    )
+    p.add_argument("--repeats", type=int, default=7, help="timed runs per variant (default 7)")
+    p.add_argument("--workdir", type=Path, help="where to synthesize checkpoints (default: a temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the synthesized checkpoints")
+    p.add_argument("--models", default="7b,70b", help="comma list of: " + ",".join(MODELS))
+    p.add_argument("--strict", action="store_true", help="exit 1 if a target fails or qtool fails")
+    args = p.parse_args(argv)
+    args.models = [m.strip().lower() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown or not args.models:
+        p.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    print(
+        f"python {platform.python_version()}  safetensors {metadata.version('safetensors')}  "
+        f"{platform.machine()} {os.cpu_count()} cpus  {platform.platform()}"
+    )
+
+    if args.workdir:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="bench-inspect-", dir=args.workdir))
+    try:
+        return run(args, root)
+    finally:
+        if args.keep:
+            print(f"kept: {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, root: Path) -> int:
+    free = shutil.disk_usage(root).free
+    print(f"synthesizing in {root} ({free / 2**30:.1f} GiB free; sparse files need only their headers)")
+    dirs = {key: synthesize(MODELS[key], root) for key in args.models}
+    counts = {key: len(MODELS[key].tensors()) for key in args.models}
+
+    # Warm-up: one discarded run of each, which also checks that each variant works.
+    failed: dict[tuple[str, str], str] = {}
+    for key in args.models:
+        for variant in VARIANTS:
+            msg = warm_up(variant, dirs[key], counts[key])
+            if msg:
+                failed[key, variant] = msg
+                print(f"\nERROR: {variant} on {MODELS[key].title} failed, so it is not timed: {msg}\n")
+
+    jobs = [(k, v) for k in args.models for v in VARIANTS if (k, v) not in failed]
+    times: dict[tuple[str, str], list[float]] = {job: [] for job in jobs}
+    print(f"timing {len(jobs)} variants x {args.repeats} runs, round-robin ...")
+    for r in range(args.repeats):
+        shift = r % len(jobs) if jobs else 0
+        for key, variant in jobs[shift:] + jobs[:shift]:  # rotate the order too
+            try:
+                times[key, variant].append(run_once(command(variant, dirs[key])))
+            except RuntimeError as e:
+                failed[key, variant] = str(e)
+    for job in list(times):
+        if job in failed:
+            del times[job]
+            print(f"ERROR: {job[1]} on {MODELS[job[0]].title} failed during timing: {failed[job]}")
+
+    med = {job: statistics.median(ts) for job, ts in times.items()}
+
+    def ratio(a: tuple[str, str], b: tuple[str, str]) -> str:
+        return f"{med[a] / med[b]:.2f}x" if a in med and b in med else "n/a"
+
+    print()
+    head = f"{'model':<12} {'variant':<17} {'median s':>9} {'/pt':>7} {'/numpy':>7}  runs (s)"
+    print(head)
+    print("-" * len(head))
+    for key in args.models:
+        for variant in VARIANTS:
+            job = (key, variant)
+            if job not in med:
+                print(f"{MODELS[key].title:<12} {variant:<17} {'FAILED':>9}")
+                continue
+            pt, npy = ratio(job, (key, "safe_open(pt)")), ratio(job, (key, "safe_open(numpy)"))
+            runs = " ".join(f"{t:.3f}" for t in times[job])
+            print(f"{MODELS[key].title:<12} {variant:<17} {med[job]:>9.3f} {pt:>7} {npy:>7}  {runs}")
+    if ("7b", "qtool") in med and ("70b", "qtool") in med:
+        print(f"qtool 70B/7B: {ratio(('70b', 'qtool'), ('7b', 'qtool'))}")
+
+    # Targets.
+    print("\ntargets")
+    results: list[bool] = []
+
+    def verdict(ok: bool | None, text: str) -> None:
+        if ok is not None:
+            results.append(ok)
+        print(f"  {'n/a ' if ok is None else 'PASS' if ok else 'FAIL'}  {text}")
+
+    for key in args.models:
+        q, b = (key, "qtool"), (key, BASELINE)
+        if q in med and b in med:
+            verdict(
+                med[q] <= TARGET_VS_BASELINE * med[b],
+                f"{MODELS[key].title}: qtool {med[q]:.3f}s <= {TARGET_VS_BASELINE}x {BASELINE} "
+                f"{med[b]:.3f}s: {ratio(q, b)} (vs safe_open(pt): {ratio(q, (key, 'safe_open(pt)'))})",
+            )
+        else:
+            verdict(False if q in failed else None, f"{MODELS[key].title}: qtool vs {BASELINE}: not measured")
+    if ("7b", "qtool") in med and ("70b", "qtool") in med:
+        r = med["70b", "qtool"] / med["7b", "qtool"]
+        verdict(r <= TARGET_70B_OVER_7B, f"qtool 70B/7B = {r:.2f}x <= {TARGET_70B_OVER_7B}x")
+    else:
+        verdict(None, "qtool 70B/7B: needs both models and a working qtool")
+
+    probe = args.models[0]
+    names, msg = imported_modules(dirs[probe])
+    if msg:
+        verdict(False, f"no torch import on `qtool inspect {MODELS[probe].title} --json`: qtool failed, {msg}")
+    else:
+        verdict("torch" not in names, f"`qtool inspect --json` imports torch: {'yes' if 'torch' in names else 'no'}")
+        print(f"  info  `qtool inspect --json` imports numpy: {'yes' if 'numpy' in names else 'no'}")
+
+    assert not {"torch", "numpy", "safetensors"} & set(sys.modules), "the parent must stay stdlib-only"
+    failed_any = bool(failed and any(v == "qtool" for _, v in failed)) or not all(results)
+    return 1 if args.strict and failed_any else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

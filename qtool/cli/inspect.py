@@ -1,0 +1,150 @@
+"""`qtool inspect`: what is in a checkpoint, weight by weight."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from qtool.cli.options import CheckpointArg, FilterOpt, FormatOpt, JsonOpt, OutputFormat, QuietOpt
+from qtool.cli.output import Column, Output, Rows, Section, progress
+from qtool.cli.text import human_bytes, human_count
+
+HELP = """Show every weight of a checkpoint: shape, dtype, quantization scheme, size.
+
+A quantized weight's packed data, scales and zero points are one row. Plain tensors show
+'—' as their scheme. Only the headers are read, unless --stats is given.
+
+\b
+Examples:
+  qtool inspect model/                           # a folder, file, or *.index.json
+  qtool inspect model.safetensors --json | jq .summary
+  qtool inspect model/ -k 're:.*\\.mlp\\.' --no-collapse
+  qtool inspect model/ --raw -f tsv              # stored tensors, not weights
+  qtool inspect model/ --stats                   # min/max/mean/std/NaN per plain weight
+"""
+
+NO_SCHEME = "—"
+
+
+def inspect_command(
+    path: CheckpointArg,
+    fmt: FormatOpt = OutputFormat.auto,
+    json_: JsonOpt = False,
+    filter_: FilterOpt = None,
+    raw: Annotated[bool, typer.Option("--raw", help="List stored tensors instead of logical weights.")] = False,
+    collapse: Annotated[
+        bool, typer.Option("--collapse/--no-collapse", help="Fold repeated layers into one row (human table only).")
+    ] = True,
+    stats: Annotated[bool, typer.Option("--stats", help="Read the data and add value statistics per plain weight.")] = False,
+    quiet: QuietOpt = False,
+) -> None:
+    from qtool import api
+    from qtool.patterns import compile_pattern
+
+    output = Output("json" if json_ else fmt.value, collapse=collapse)
+    keep = compile_pattern(filter_) if filter_ else None
+    report = api.inspect(path)
+    if keep:
+        report.weights = [w for w in report.weights if keep(w.name)]
+    if stats:
+        total = sum(w.nbytes for w in report.weights if not w.quantized)
+        with progress("reading", total, quiet) as advance:
+            api.collect_stats(report, advance)
+    document = report.to_json()
+    if raw:
+        tensors = [t for t in report.checkpoint.tensors.values() if keep is None or keep(t.name)]
+        document["tensors"] = [
+            {"name": t.name, "dtype": t.dtype.name, "shape": list(t.shape), "bytes": t.nbytes, "file": t.file, "offset": t.begin}
+            for t in tensors
+        ]
+        output.emit(document, _tensor_rows(tensors))
+    else:
+        output.emit(document, _weight_rows(document["weights"], stats), _summary_sections(document))
+
+
+def _weight_rows(weights: list[dict[str, Any]], stats: bool) -> Rows:
+    columns = [
+        Column("name"),
+        Column("shape"),
+        Column("dtype"),
+        Column("scheme", human=lambda v: v or NO_SCHEME),
+        Column("parameters", human=human_count, justify="right"),
+        Column("size", human=human_bytes, justify="right"),
+    ]
+    rows = [
+        [w["name"], w["shape"], w["dtype"], w["scheme"]["label"] if w["scheme"] else None, w["parameters"], w["bytes"]]
+        for w in weights
+    ]
+    if stats:
+        keys = ("min", "max", "mean", "std", "absmax", "nan", "inf")
+        columns += [Column(k, human=_stat, justify="right") for k in keys]
+        for row, w in zip(rows, weights):
+            row += [(w.get("stats") or {}).get(k) for k in keys]
+    notes_present = any(w["notes"] for w in weights)
+    if notes_present:
+        columns.append(Column("notes"))
+        for row, w in zip(rows, weights):
+            row.append("; ".join(w["notes"]))
+    keys_for_collapse = [i for i in range(1, len(columns)) if columns[i].header not in ("parameters", "size")]
+    return Rows(columns, rows, collapse_keys=keys_for_collapse if not stats else (), collapse_sums=(4, 5), title="Weights")
+
+
+def _stat(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _tensor_rows(tensors) -> Rows:
+    columns = [
+        Column("name"),
+        Column("dtype"),
+        Column("shape"),
+        Column("bytes", human=human_bytes, justify="right"),
+        Column("file"),
+        Column("offset", justify="right"),
+    ]
+    rows = [[t.name, t.dtype.name, list(t.shape), t.nbytes, t.file, t.begin] for t in tensors]
+    return Rows(columns, rows, title="Stored tensors")
+
+
+def _summary_sections(document: dict[str, Any]) -> list[Section]:
+    summary = document["summary"]
+    key, value = Column("", justify="left"), Column("", justify="right")
+    facts = Section(
+        "Summary",
+        [key, value],
+        [
+            ["stored tensors", summary["tensors"]],
+            ["weights", f"{summary['weights']} ({summary['quantized_weights']} quantized)"],
+            ["parameters", f"{human_count(summary['parameters'])} ({summary['parameters']:,})"],
+            ["bytes on disk", f"{human_bytes(summary['bytes'])} ({summary['bytes']:,})"],
+            ["bits per weight", f"{summary['bits_per_weight']:.3f}"],
+            ["conventions", ", ".join(document["conventions"]) or NO_SCHEME],
+            ["format", document["format"]],
+            ["files", len(document["files"])],
+        ],
+    )
+    by_dtype = Section(
+        "Bytes by dtype",
+        [Column("dtype"), Column("tensors", justify="right"), Column("bytes", human=human_bytes, justify="right"), Column("share", justify="right")],
+        [[d, v["tensors"], v["bytes"], _share(v["bytes"], summary["bytes"])] for d, v in summary["by_dtype"].items()],
+    )
+    by_scheme = Section(
+        "Parameters by scheme",
+        [Column("scheme"), Column("weights", justify="right"), Column("parameters", human=human_count, justify="right"), Column("share", justify="right")],
+        [[s, v["weights"], v["parameters"], _share(v["parameters"], summary["parameters"])] for s, v in summary["by_scheme"].items()],
+    )
+    metadata = Section(
+        "Metadata",
+        [Column("key"), Column("value")],
+        [[k, v if len(v) <= 200 else v[:197] + "..."] for k, v in document["metadata"].items()],
+    )
+    return [facts, by_dtype, by_scheme, metadata]
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "—"

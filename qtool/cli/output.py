@@ -1,0 +1,146 @@
+"""The one output sink. Commands hand it a JSON document and rows; it renders them as a human
+table, JSON, TSV or names. Data goes to stdout; errors, warnings and progress to stderr.
+
+Only this module writes to the terminal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+from qtool.cli.collapse import collapse_rows
+from qtool.cli.text import escape
+
+__all__ = ["FORMATS", "Column", "Rows", "Section", "Output", "print_error", "print_warning", "progress"]
+
+FORMATS = ("auto", "table", "json", "tsv", "names")
+
+
+@dataclass
+class Column:
+    header: str
+    human: Callable[[Any], str] | None = None  # how the human table shows a raw value
+    justify: str = "left"
+
+
+@dataclass
+class Rows:
+    """Raw values, one list per row; column 0 is the name. TSV shows them as they are."""
+
+    columns: list[Column]
+    rows: list[list[Any]]
+    collapse_keys: Sequence[int] = ()  # columns that must agree for repeated layers to fold
+    collapse_sums: Sequence[int] = ()  # columns added up when they fold
+    title: str | None = None
+
+
+@dataclass
+class Section:
+    """Extra tables for the human view only (the summary). JSON carries the same facts."""
+
+    title: str
+    columns: list[Column]
+    rows: list[list[Any]] = field(default_factory=list)
+
+
+def _stdout_is_tty() -> bool:
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+class Output:
+    def __init__(self, fmt: str = "auto", collapse: bool = True) -> None:
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown output format {fmt!r}")
+        # auto: a table for a person at a terminal, TSV for a pipe
+        self.format = ("table" if _stdout_is_tty() else "tsv") if fmt == "auto" else fmt
+        self.collapse = collapse
+
+    def emit(self, document: dict[str, Any], rows: Rows, sections: Sequence[Section] = ()) -> None:
+        if self.format == "json":
+            sys.stdout.write(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
+        elif self.format == "tsv":
+            lines = ["\t".join(c.header for c in rows.columns)]
+            lines += ["\t".join(escape(_raw(v)) for v in row) for row in rows.rows]
+            sys.stdout.write("\n".join(lines) + "\n")
+        elif self.format == "names":
+            sys.stdout.write("".join(escape(str(row[0])) + "\n" for row in rows.rows))
+        else:
+            self._table(rows, sections)
+        sys.stdout.flush()
+
+    def _table(self, rows: Rows, sections: Sequence[Section]) -> None:
+        from rich.console import Console
+
+        console = Console(highlight=False, soft_wrap=False)
+        if not console.is_terminal:
+            console.width = 240
+        data = rows.rows
+        if self.collapse and rows.collapse_keys:
+            data = collapse_rows(data, rows.collapse_keys, rows.collapse_sums)
+        console.print(_rich_table(rows.title, rows.columns, data))
+        for section in sections:
+            if section.rows:
+                console.print(_rich_table(section.title, section.columns, section.rows))
+
+
+def _raw(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, (list, tuple)):
+        return "x".join(str(v) for v in value)
+    return str(value)
+
+
+def _rich_table(title: str | None, columns: list[Column], rows: list[list[Any]]):
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=title, title_justify="left", title_style="bold", show_edge=False, pad_edge=False)
+    for column in columns:
+        table.add_column(column.header, justify=column.justify, overflow="fold")  # type: ignore[arg-type]
+    for row in rows:
+        cells = [column.human(value) if column.human else _raw(value) for column, value in zip(columns, row)]
+        table.add_row(*(Text(escape(cell)) for cell in cells))  # Text: no markup from file contents
+    return table
+
+
+def print_error(message: str, hint: str | None = None) -> None:
+    sys.stderr.write(f"error: {escape(message)}\n")
+    if hint:
+        sys.stderr.write(f"hint: {escape(hint)}\n")
+    sys.stderr.flush()
+
+
+def print_warning(message: str) -> None:
+    sys.stderr.write(f"warning: {escape(message)}\n")
+
+
+@contextlib.contextmanager
+def progress(description: str, total: int, quiet: bool = False) -> Iterator[Callable[[int], None]]:
+    """A Rich progress bar on stderr, advanced by the callback it yields. Silent when stderr is
+    not a terminal, or when quiet."""
+    if quiet or not sys.stderr.isatty():
+        yield lambda _advance: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+    with bar:
+        task = bar.add_task(description, total=total)
+        yield lambda advance: bar.advance(task, advance)

@@ -1,0 +1,289 @@
+"""compressed-tensors (CONVENTIONS §1): the layout vLLM and transformers load.
+
+Verified against compressed-tensors 0.20.1 (`compressors/*/base.py`, `utils/match.py`).
+Per module `m`, by format:
+
+    pack-quantized        m.weight_packed I32 [O, ceil(I*b/32)], m.weight_shape I64|I32 [2],
+                          m.weight_scale, m.weight_zero_point I32 [ceil(O*b/32), G] if asym
+    naive/int-quantized   m.weight I8 [O, I] (unpacked even for 4-bit), m.weight_scale, ...
+    float-quantized       m.weight F8_E4M3 [O, I], m.weight_scale
+    nvfp4-pack-quantized  m.weight_packed U8 [O, I/2], m.weight_scale F8_E4M3 [O, I/16],
+                          m.weight_global_scale F32 [1]
+    mxfp4-pack-quantized  m.weight_packed U8 [O, I/2], m.weight_scale U8 (E8M0) [O, I/32]
+    mxfp6-pack-quantized  m.weight_packed U8 [O, I*3/4], m.weight_scale U8 (E8M0) [O, I/32]
+    mxfp8-quantized       m.weight F8_E4M3 [O, I], m.weight_scale U8 (E8M0) [O, I/32]
+
+The scheme comes from `quantization_config` when the checkpoint has one (config.json, or the
+safetensors `__metadata__` key below for a single file), else from names and shapes. Where the
+config and the tensors disagree, the tensors win and the weight carries a note.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from qtool.conventions.base import Pool, block_from_scale, by_module, plain_weights
+from qtool.formats.checkpoint import Checkpoint, StoredTensor
+from qtool.scheme import QScheme, QType, qtype
+from qtool.weight import DATA, Weight
+
+__all__ = ["CompressedTensors", "METADATA_KEY", "quantization_config"]
+
+NAME = "compressed-tensors"
+METADATA_KEY = "quantization_config"  # single-file checkpoints carry the config here
+_QUANT_METHODS = ("compressed-tensors", "sparseml")
+
+# module leaf -> role; activation parameters belong to the module, so they fold into its weight
+_ROLES = {
+    "weight_scale": "scale",
+    "weight_zero_point": "zero_point",
+    "weight_g_idx": "g_idx",
+    "weight_global_scale": "global_scale",
+    "weight_shape": "shape",
+    "input_scale": "input_scale",
+    "input_zero_point": "input_zero_point",
+    "input_global_scale": "input_global_scale",
+    "output_scale": "output_scale",
+}
+_E8M0 = ("U8", "F8_E8M0")
+
+
+def quantization_config(checkpoint: Checkpoint) -> dict[str, Any] | None:
+    """The checkpoint's compressed-tensors config, or None if it has none."""
+    config = checkpoint.config.get("quantization_config")
+    if config is None and METADATA_KEY in checkpoint.metadata:
+        try:
+            config = json.loads(checkpoint.metadata[METADATA_KEY])
+        except json.JSONDecodeError:
+            return None
+    if isinstance(config, dict) and config.get("quant_method") in _QUANT_METHODS:
+        return config
+    return None
+
+
+@dataclass(frozen=True)
+class _Args:
+    """The weight arguments of the config group that targets a module."""
+
+    num_bits: int | None = None
+    type: str | None = None  # "int" | "float"
+    symmetric: bool | None = None
+    strategy: str | None = None
+    group_size: int | None = None
+    block_structure: tuple[int, int] | None = None
+    format: str | None = None
+
+
+def _matches(target: str, module: str) -> bool:
+    """compressed-tensors' `match_name`: `re:` is re.match, else an exact name. A bare class
+    name such as "Linear" can't be resolved from a header, so it matches every module."""
+    if target.startswith("re:"):
+        try:
+            return re.match(target[3:], module) is not None
+        except re.error:
+            return False
+    if target == module:
+        return True
+    return "." not in target and target[:1].isupper()
+
+
+class _Config:
+    def __init__(self, config: dict[str, Any] | None) -> None:
+        self.config = config or {}
+        self.ignore = [str(i) for i in self.config.get("ignore") or []]
+        groups = self.config.get("config_groups") or {}
+        self.groups = [g for g in groups.values() if isinstance(g, dict)] if isinstance(groups, dict) else []
+
+    def ignored(self, module: str) -> bool:
+        # class names in `ignore` (rare) can't be resolved from a header; only names count here
+        return any(_matches(t, module) and (t.startswith("re:") or t == module) for t in self.ignore)
+
+    def args_for(self, module: str) -> _Args | None:
+        if not self.config or self.ignored(module):
+            return None
+        for group in self.groups:
+            targets = group.get("targets") or []
+            if any(_matches(str(t), module) for t in targets):
+                weights = group.get("weights") or {}
+                block = weights.get("block_structure")
+                return _Args(
+                    num_bits=weights.get("num_bits"),
+                    type=weights.get("type"),
+                    symmetric=weights.get("symmetric"),
+                    strategy=weights.get("strategy"),
+                    group_size=weights.get("group_size"),
+                    block_structure=tuple(block) if isinstance(block, list) and len(block) == 2 else None,
+                    format=group.get("format") or self.config.get("format"),
+                )
+        return None
+
+
+class CompressedTensors:
+    name = NAME
+
+    def detect(self, checkpoint: Checkpoint, pool: Pool) -> list[Weight]:
+        raw_config = quantization_config(checkpoint)
+        config = _Config(raw_config)
+        weights: list[Weight] = []
+        for module, leaves in by_module(pool).items():
+            if "weight_scale" not in leaves:
+                continue
+            data_leaf = "weight_packed" if "weight_packed" in leaves else "weight" if "weight" in leaves else None
+            if data_leaf is None:
+                continue
+            data = leaves[data_leaf]
+            # A float8 weight with a scale and no compressed-tensors config is the plain fp8
+            # convention's (same math, different toolchain); leave it for that one.
+            if raw_config is None and data_leaf == "weight" and data.dtype.name.startswith("F8_") and leaves["weight_scale"].dtype.name not in _E8M0:
+                continue
+            if data_leaf == "weight" and not (data.dtype.name == "I8" or data.dtype.name.startswith("F8_")):
+                continue
+            members = {DATA: data}
+            for leaf, role in _ROLES.items():
+                if leaf in leaves:
+                    members[role] = leaves[leaf]
+            prefix = f"{module}." if module else ""
+            args = config.args_for(module)
+            try:
+                weight = _resolve(checkpoint, prefix + "weight", members, args)
+            except _Unfit as exc:
+                weights.extend(plain_weights(members, f"looks like compressed-tensors, but {exc}; left plain"))
+                continue
+            if config.config and config.ignored(module):
+                weight.notes.append("quantized although the config's `ignore` lists this module")
+            weights.append(weight)
+        return weights
+
+
+class _Unfit(ValueError):
+    """The tensors half-match the layout; the message says which part does not fit."""
+
+
+def _resolve(checkpoint: Checkpoint, name: str, members: dict[str, StoredTensor], args: _Args | None) -> Weight:
+    data, scale = members[DATA], members["scale"]
+    notes: list[str] = []
+    if data.name.endswith("weight_packed"):
+        if data.dtype.name == "I32":
+            shape, value_type, packing, fmt = _int_packed(checkpoint, members, args, notes)
+        elif data.dtype.name == "U8":
+            shape, value_type, packing, fmt = _fp_packed(members, args)
+        else:
+            raise _Unfit(f"weight_packed is {data.dtype.name}, expected I32 or U8")
+    else:
+        shape = data.shape
+        if data.dtype.name == "I8":
+            bits = args.num_bits if args and args.num_bits and args.num_bits <= 8 else 8
+            value_type, packing, fmt = qtype(f"int{bits}"), "int8, one value per byte", "int-quantized"
+        else:
+            value_type = qtype("fp8_e5m2" if data.dtype.name == "F8_E5M2" else "fp8_e4m3")
+            packing, fmt = None, "mxfp8-quantized" if scale.dtype.name in _E8M0 else "float-quantized"
+    if len(shape) != 2:
+        raise _Unfit(f"the weight has {len(shape)} dims, expected 2")
+
+    hint = _block_hint(args)
+    block = block_from_scale(shape, scale.shape, hint)
+    if block is None:
+        raise _Unfit(f"weight_scale shape {list(scale.shape)} does not fit a {list(shape)} weight")
+    zero_point = "zero_point" in members
+    scheme = QScheme(
+        qtype=value_type,
+        block=block,
+        symmetric=not zero_point,
+        scale_dtype="E8M0" if scale.dtype.name in _E8M0 and value_type.kind == "float" else scale.dtype.name,
+        zero_point=zero_point,
+        global_scale="global_scale" in members,
+        packing=packing,
+        convention=NAME,
+        extra=(("format", args.format if args and args.format else fmt),),
+    )
+    notes.extend(_disagreements(args, scheme, fmt))
+    logical_dtype = scale.dtype.name if scale.dtype.name in ("BF16", "F16", "F32") else "BF16"
+    return Weight(name, tuple(shape), logical_dtype, members, scheme, NAME, notes)
+
+
+def _int_packed(checkpoint: Checkpoint, members: dict[str, StoredTensor], args: _Args | None, notes: list[str]):
+    data = members[DATA]
+    if len(data.shape) != 2:
+        raise _Unfit(f"weight_packed has shape {list(data.shape)}, expected 2 dims")
+    rows, words = data.shape
+    stored_shape = _read_weight_shape(checkpoint, members.get("shape"))
+    config_bits = args.num_bits if args and args.num_bits else None
+    if stored_shape is not None:
+        out_features, in_features = stored_shape
+        if out_features != rows:
+            raise _Unfit(f"weight_shape {list(stored_shape)} does not match weight_packed rows {rows}")
+        fits = [b for b in range(1, 9) if math.ceil(in_features * b / 32) == words]
+        if not fits:
+            raise _Unfit(f"weight_packed has {words} int32 words per row, which no bit width fits for {in_features} inputs")
+        bits = config_bits if config_bits in fits else fits[0]
+    else:
+        bits = config_bits or 4
+        in_features = words * 32 // bits
+        notes.append(f"no weight_shape tensor: in_features taken as {in_features} from the packed width")
+    return (rows, in_features), qtype(f"int{bits}"), "int32 along in, LSB first, stored as q + 2^(b-1)", "pack-quantized"
+
+
+def _fp_packed(members: dict[str, StoredTensor], args: _Args | None):
+    data, scale = members[DATA], members["scale"]
+    if len(data.shape) != 2 or len(scale.shape) != 2:
+        raise _Unfit("weight_packed and weight_scale must both be 2-D")
+    rows, cols = data.shape
+    if scale.dtype.name == "F8_E4M3":
+        if "global_scale" not in members:
+            raise _Unfit("an fp8 weight_scale with packed fp4 needs weight_global_scale (nvfp4)")
+        return (rows, cols * 2), qtype("fp4_e2m1"), "uint8, two per byte, low nibble first", "nvfp4-pack-quantized"
+    if scale.dtype.name in _E8M0:
+        scale_cols = scale.shape[1]
+        if args and args.num_bits == 6 or cols == 24 * scale_cols:
+            return (rows, cols * 4 // 3), qtype("fp6_e2m3"), "uint8, 6-bit stream", "mxfp6-pack-quantized"
+        return (rows, cols * 2), qtype("fp4_e2m1"), "uint8, two per byte, low nibble first", "mxfp4-pack-quantized"
+    raise _Unfit(f"weight_scale is {scale.dtype.name}, expected F8_E4M3 (nvfp4) or U8 (mxfp4)")
+
+
+def _read_weight_shape(checkpoint: Checkpoint, tensor: StoredTensor | None) -> tuple[int, int] | None:
+    """`weight_shape` is a 2-element I64 (old files: I32) tensor: metadata stored as data."""
+    if tensor is None:
+        return None
+    if tensor.dtype.name not in ("I64", "I32") or tensor.numel != 2:
+        raise _Unfit(f"weight_shape is {tensor.dtype.name} {list(tensor.shape)}, expected 2 integers")
+    raw = checkpoint.read_small(tensor)
+    width = tensor.dtype.bits // 8
+    values = [int.from_bytes(raw[i : i + width], "little", signed=True) for i in range(0, len(raw), width)]
+    if any(v < 0 for v in values):
+        raise _Unfit(f"weight_shape holds negative sizes {values}")
+    return values[0], values[1]
+
+
+def _block_hint(args: _Args | None) -> tuple[int, int] | None:
+    if args is None:
+        return None
+    if args.block_structure:
+        return args.block_structure
+    if args.group_size and args.group_size > 0:
+        return (1, args.group_size)
+    return None
+
+
+def _disagreements(args: _Args | None, scheme: QScheme, fmt: str) -> list[str]:
+    if args is None:
+        return []
+    notes = []
+    if args.num_bits and args.num_bits != scheme.bits:
+        notes.append(f"config says {args.num_bits}-bit, tensors show {scheme.bits}-bit")
+    if args.symmetric is not None and args.symmetric != scheme.symmetric and scheme.qtype.kind == "int":
+        said = "symmetric" if args.symmetric else "asymmetric"
+        notes.append(f"config says {said}, tensors show {'symmetric' if scheme.symmetric else 'asymmetric'}")
+    strategy = {"tensor_group": "group"}.get(args.strategy or "", args.strategy)
+    if strategy in ("tensor", "channel", "group", "block") and strategy != scheme.granularity:
+        notes.append(f"config says strategy {args.strategy}, tensors show {scheme.granularity}")
+    if args.group_size and args.group_size > 0 and scheme.group_size and args.group_size != scheme.group_size:
+        notes.append(f"config says group_size {args.group_size}, tensors show {scheme.group_size}")
+    if args.format and args.format not in (fmt, "mixed-precision") and not (
+        {args.format, fmt} <= {"int-quantized", "naive-quantized", "float-quantized"}
+    ):
+        notes.append(f"config says format {args.format}, tensors look like {fmt}")
+    return notes

@@ -1,0 +1,48 @@
+"""The errors qtool expects, each carrying the exit code the CLI turns it into.
+
+Exit codes are a contract with CI scripts (see README "Exit codes"):
+0 success, 1 a check or comparison found a violation, 2 bad usage or unreadable input.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EXIT_OK",
+    "EXIT_VIOLATION",
+    "EXIT_USAGE",
+    "QtoolError",
+    "UsageError",
+    "CheckpointError",
+    "NotQuantizedError",
+]
+
+EXIT_OK = 0
+EXIT_VIOLATION = 1
+EXIT_USAGE = 2
+
+
+class QtoolError(Exception):
+    """An expected failure: the CLI prints `error: <message>` and `hint: <hint>`, no traceback."""
+
+    exit_code: int = EXIT_USAGE
+
+    def __init__(self, message: str, *, hint: str | None = None, path: str | None = None) -> None:
+        self.message = message
+        self.hint = hint
+        self.path = path
+        super().__init__(self.__str__())
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.path else self.message
+
+
+class UsageError(QtoolError):
+    """Bad options or arguments."""
+
+
+class CheckpointError(QtoolError):
+    """A checkpoint that cannot be read, or is invalid; always names the file."""
+
+
+class NotQuantizedError(QtoolError):
+    """Raised by `Weight.require_scheme()` on a plain weight: being plain is not a bug in the file."""

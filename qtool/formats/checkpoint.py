@@ -1,0 +1,126 @@
+"""What every container reader produces: stored tensors plus the side files beside them.
+
+A `StoredTensor` is a name, a storage dtype, a shape and a byte range in a file: physical
+facts only. Which stored tensors make up one logical weight is decided later, by
+`qtool.conventions`.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from qtool.dtypes import StorageDType
+from qtool.errors import CheckpointError
+
+__all__ = ["StoredTensor", "Checkpoint", "SMALL_TENSOR_LIMIT"]
+
+# Tensors this small may be read while inspecting: they hold metadata (compressed-tensors'
+# `weight_shape`, bitsandbytes' quant-state JSON), not weights.
+SMALL_TENSOR_LIMIT = 64 * 1024
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    name: str
+    dtype: StorageDType
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offset of the data in `file`
+    end: int
+    file: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass
+class Checkpoint:
+    """A container's contents: stored tensors in file order, metadata and side files."""
+
+    path: str  # what the user named
+    format: str  # "safetensors", ...
+    files: list[str]
+    tensors: dict[str, StoredTensor]
+    metadata: dict[str, str] = field(default_factory=dict)
+    side_files: dict[str, Any] = field(default_factory=dict)  # "config.json" -> parsed JSON
+    _maps: dict[str, mmap.mmap] = field(default_factory=dict, repr=False)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        config = self.side_files.get("config.json")
+        return config if isinstance(config, dict) else {}
+
+    # -- data access: lazy, and only where a command needs it ------------------------------------
+
+    def read_small(self, tensor: StoredTensor) -> bytes:
+        """The raw bytes of a small metadata tensor, read with pread: no mmap, no torch."""
+        if tensor.nbytes > SMALL_TENSOR_LIMIT:
+            raise CheckpointError(
+                f"tensor {tensor.name!r} is {tensor.nbytes} bytes, too large to read as metadata",
+                path=tensor.file,
+            )
+        fd = os.open(tensor.file, os.O_RDONLY)
+        try:
+            data = os.pread(fd, tensor.nbytes, tensor.begin)
+        finally:
+            os.close(fd)
+        if len(data) != tensor.nbytes:
+            raise CheckpointError(f"tensor {tensor.name!r} is cut short", path=tensor.file)
+        return data
+
+    def _map(self, file: str) -> mmap.mmap:
+        mapped = self._maps.get(file)
+        if mapped is None:
+            with open(file, "rb") as handle:
+                # ACCESS_COPY: writable for torch.frombuffer, yet the file is never modified.
+                mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+            self._maps[file] = mapped
+        return mapped
+
+    def load(self, tensor: StoredTensor):  # -> torch.Tensor
+        """A torch view of the tensor's bytes through mmap; sub-byte dtypes come back as raw uint8."""
+        import torch
+
+        if tensor.nbytes == 0:
+            dtype = torch.uint8 if tensor.dtype.torch_name is None else tensor.dtype.torch_dtype()
+            return torch.empty(tensor.shape if tensor.dtype.torch_name else (0,), dtype=dtype)
+        raw = torch.frombuffer(self._map(tensor.file), dtype=torch.uint8, count=tensor.nbytes, offset=tensor.begin)
+        if tensor.dtype.torch_name is None:
+            return raw
+        return raw.view(tensor.dtype.torch_dtype()).reshape(tensor.shape)
+
+    def release(self, tensor: StoredTensor) -> None:
+        """Tell the kernel we are done with a tensor's pages, so streaming keeps RSS bounded."""
+        mapped = self._maps.get(tensor.file)
+        if mapped is None or tensor.nbytes == 0:
+            return
+        page = mmap.PAGESIZE
+        start = tensor.begin - tensor.begin % page
+        length = min(tensor.end, len(mapped)) - start
+        if hasattr(mapped, "madvise") and length > 0:
+            mapped.madvise(mmap.MADV_DONTNEED, start, length)
+
+    def close(self) -> None:
+        for mapped in self._maps.values():
+            try:
+                mapped.close()
+            except BufferError:  # a torch view still holds it; the GC will unmap
+                pass
+        self._maps.clear()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __iter__(self) -> Iterator[StoredTensor]:
+        return iter(self.tensors.values())

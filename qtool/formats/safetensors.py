@@ -1,0 +1,153 @@
+"""Read safetensors headers without touching tensor data, validating what the reference does.
+
+Layout (CONVENTIONS §12): `u64 LE N`, N bytes of UTF-8 JSON, then the data buffer. The JSON maps
+each name to `{dtype, shape, data_offsets: [begin, end)}` relative to the buffer, plus an optional
+`__metadata__` of string to string. The checks below mirror huggingface/safetensors
+`safetensors/src/tensor.rs` (`Metadata::validate`), and add the duplicate-name check that
+serde's map silently drops.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from typing import Any
+
+from qtool.dtypes import DTYPES, nbytes_for
+from qtool.errors import CheckpointError
+from qtool.formats.checkpoint import StoredTensor
+
+__all__ = ["MAX_HEADER_SIZE", "read_header", "parse_header", "read_safetensors_file"]
+
+MAX_HEADER_SIZE = 100_000_000  # the reference reader's limit
+_HINT = "the file is not a valid safetensors file; re-export it, or check that the download finished"
+
+
+def _fail(path: str, message: str, hint: str = _HINT) -> CheckpointError:
+    return CheckpointError(message, path=path, hint=hint)
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKey(key)
+        result[key] = value
+    return result
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def read_header(path: str) -> tuple[bytes, int]:
+    """Return the raw header bytes and the file size, checking the size limits."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except IsADirectoryError:
+        raise _fail(path, "is a directory, expected a .safetensors file") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot open: {exc.strerror}", path=path) from None
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            raise _fail(path, "file is empty (0 bytes)")
+        if size < 8:
+            raise _fail(path, f"file is {size} bytes, shorter than the 8-byte header length")
+        (header_len,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+        if header_len > MAX_HEADER_SIZE:
+            raise _fail(path, f"header length {header_len} is over the {MAX_HEADER_SIZE}-byte limit")
+        if 8 + header_len > size:
+            raise _fail(path, f"header length {header_len} runs past the end of the {size}-byte file")
+        header = os.pread(fd, header_len, 8)
+    finally:
+        os.close(fd)
+    if len(header) != header_len:
+        raise _fail(path, "file changed while it was read")
+    return header, size
+
+
+def parse_header(path: str, header: bytes, file_size: int) -> tuple[list[StoredTensor], dict[str, str]]:
+    """Validate a header and return its tensors in data order plus `__metadata__`."""
+    try:
+        text = header.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _fail(path, f"header is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        parsed = json.loads(text, object_pairs_hook=_reject_duplicates)
+    except _DuplicateKey as exc:
+        raise _fail(path, f"tensor name {exc.key!r} appears twice in the header") from None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise _fail(path, f"header is not JSON ({getattr(exc, 'msg', 'too deeply nested')})") from None
+    if not isinstance(parsed, dict):
+        raise _fail(path, f"header is JSON {type(parsed).__name__}, expected an object")
+
+    metadata = parsed.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise _fail(path, "__metadata__ must map strings to strings")
+
+    data_start = 8 + len(header)
+    buffer_size = file_size - data_start
+    entries = []
+    for name, info in parsed.items():
+        entries.append(_tensor_entry(path, name, info))
+    entries.sort(key=lambda e: (e[3], e[4]))
+
+    tensors = []
+    expected_begin = 0
+    for name, dtype, shape, begin, end in entries:
+        if begin != expected_begin:
+            what = "overlaps the previous tensor" if begin < expected_begin else "leaves a gap before it"
+            raise _fail(path, f"tensor {name!r} data_offsets [{begin}, {end}) {what} (expected begin {expected_begin})")
+        if end > buffer_size:
+            raise _fail(path, f"tensor {name!r} data_offsets end {end} is past the end of the {buffer_size}-byte data")
+        tensors.append(StoredTensor(name, dtype, shape, data_start + begin, data_start + end, path))
+        expected_begin = end
+    if expected_begin != buffer_size:
+        raise _fail(path, f"{buffer_size - expected_begin} trailing bytes after the last tensor")
+    return tensors, metadata
+
+
+def _tensor_entry(path: str, name: str, info: Any):
+    if not isinstance(info, dict):
+        raise _fail(path, f"tensor {name!r} entry is not an object")
+    dtype_name = info.get("dtype")
+    dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+    if dtype is None:
+        raise _fail(
+            path,
+            f"tensor {name!r} has unknown dtype {dtype_name!r}",
+            hint=f"known safetensors dtypes: {' '.join(DTYPES)}",
+        )
+    shape = info.get("shape")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise _fail(path, f"tensor {name!r} shape {shape!r} is not a list of non-negative integers")
+    offsets = info.get("data_offsets")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+        raise _fail(path, f"tensor {name!r} data_offsets {offsets!r} is not a pair of non-negative integers")
+    begin, end = offsets
+    if end < begin:
+        raise _fail(path, f"tensor {name!r} data_offsets [{begin}, {end}) end before they begin")
+    numel = math.prod(shape)
+    nbytes = nbytes_for(dtype, numel)
+    if nbytes is None:
+        raise _fail(path, f"tensor {name!r}: {numel} elements of {dtype.name} do not fill whole bytes")
+    if nbytes != end - begin:
+        raise _fail(
+            path,
+            f"tensor {name!r} is {end - begin} bytes but shape {shape} of {dtype.name} needs {nbytes}",
+        )
+    return name, dtype, tuple(shape), begin, end
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def read_safetensors_file(path: str) -> tuple[list[StoredTensor], dict[str, str]]:
+    header, size = read_header(path)
+    return parse_header(path, header, size)

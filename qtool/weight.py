@@ -1,0 +1,64 @@
+"""A logical weight: one model parameter, made of one or more stored tensors with roles."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from qtool.errors import NotQuantizedError
+from qtool.formats.checkpoint import StoredTensor
+from qtool.scheme import QScheme
+
+__all__ = ["Weight", "DATA"]
+
+DATA = "data"  # the role of the tensor holding the values; every weight has one
+
+
+@dataclass
+class Weight:
+    """`members` maps a role ("data", "scale", "zero_point", "g_idx", ...) to a stored tensor.
+
+    A plain weight has one member, `data`, and `scheme is None`. That is an ordinary value,
+    not an error: code that needs a scheme asks `require_scheme()`.
+    """
+
+    name: str
+    shape: tuple[int, ...]  # logical shape, PyTorch row-major order
+    dtype: str  # logical dtype where the file records it, else the data tensor's storage dtype
+    members: dict[str, StoredTensor]
+    scheme: QScheme | None = None
+    convention: str = "plain"
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if DATA not in self.members:
+            raise ValueError(f"weight {self.name!r} has no {DATA!r} member")
+
+    @property
+    def data(self) -> StoredTensor:
+        return self.members[DATA]
+
+    @property
+    def quantized(self) -> bool:
+        return self.scheme is not None
+
+    @property
+    def parameters(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.members.values())
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Storage bits per logical parameter, scales and zero points included."""
+        return self.nbytes * 8 / self.parameters if self.parameters else 0.0
+
+    def require_scheme(self) -> QScheme:
+        if self.scheme is None:
+            raise NotQuantizedError(
+                f"weight {self.name!r} is not quantized: it is a plain {self.dtype} tensor",
+                hint="read it as it is, or quantize it first with `qtool quantize`",
+            )
+        return self.scheme
