@@ -304,6 +304,9 @@ def run(args: argparse.Namespace, root: Path) -> int:
     free = shutil.disk_usage(root).free
     print(f"synthesizing in {root} ({free / 2**30:.1f} GiB free; sparse files need only their headers)")
     dirs = {key: synthesize(MODELS[key], root) for key in args.models}
+    # `pip install` compiles bytecode for users; a source checkout under PYTHONDONTWRITEBYTECODE
+    # would otherwise recompile qtool on every run and time the compiler, not qtool.
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "qtool")], check=True)
     counts = {key: len(MODELS[key].tensors()) for key in args.models}
 
     # Warm-up: one discarded run of each, which also checks that each variant works.

@@ -64,7 +64,9 @@ class Output:
 
     def emit(self, document: dict[str, Any], rows: Rows, sections: Sequence[Section] = ()) -> None:
         if self.format == "json":
-            sys.stdout.write(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
+            # indented for a person; compact for a pipe, where json's C encoder is ~10x faster
+            indent = 2 if _stdout_is_tty() else None
+            sys.stdout.write(json.dumps(document, indent=indent, ensure_ascii=False) + "\n")
         elif self.format == "tsv":
             lines = ["\t".join(c.header for c in rows.columns)]
             lines += ["\t".join(escape(_raw(v)) for v in row) for row in rows.rows]
