@@ -53,15 +53,21 @@ app = typer.Typer(
 app.command("inspect", help=INSPECT_HELP)(inspect_command)
 
 
-@app.callback()
-def _root(
-    version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True),
-) -> None:
-    if version:
+def _print_version(value: bool) -> None:
+    if value:
         from qtool import __version__
 
         typer.echo(f"qtool {__version__}")
         raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", help="Print the version and exit.", is_eager=True, callback=_print_version
+    ),
+) -> None:
+    """See inside model checkpoints: every weight's shape, dtype and quantization scheme."""
 
 
 def main() -> None:

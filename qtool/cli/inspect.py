@@ -113,7 +113,7 @@ def _tensor_rows(tensors) -> Rows:
 
 def _summary_sections(document: dict[str, Any]) -> list[Section]:
     summary = document["summary"]
-    key, value = Column("", justify="left"), Column("", justify="right")
+    key, value = Column("fact"), Column("value", justify="right")
     facts = Section(
         "Summary",
         [key, value],
@@ -127,6 +127,7 @@ def _summary_sections(document: dict[str, Any]) -> list[Section]:
             ["format", document["format"]],
             ["files", len(document["files"])],
         ],
+        show_header=False,
     )
     by_dtype = Section(
         "Bytes by dtype",
@@ -142,6 +143,7 @@ def _summary_sections(document: dict[str, Any]) -> list[Section]:
         "Metadata",
         [Column("key"), Column("value")],
         [[k, v if len(v) <= 200 else v[:197] + "..."] for k, v in document["metadata"].items()],
+        show_header=False,
     )
     return [facts, by_dtype, by_scheme, metadata]
 

@@ -45,6 +45,7 @@ class Section:
     title: str
     columns: list[Column]
     rows: list[list[Any]] = field(default_factory=list)
+    show_header: bool = True
 
 
 def _stdout_is_tty() -> bool:
@@ -89,7 +90,8 @@ class Output:
         console.print(_rich_table(rows.title, rows.columns, data))
         for section in sections:
             if section.rows:
-                console.print(_rich_table(section.title, section.columns, section.rows))
+                console.print()
+                console.print(_rich_table(section.title, section.columns, section.rows, section.show_header))
 
 
 def _raw(value: Any) -> str:
@@ -100,11 +102,13 @@ def _raw(value: Any) -> str:
     return str(value)
 
 
-def _rich_table(title: str | None, columns: list[Column], rows: list[list[Any]]):
+def _rich_table(title: str | None, columns: list[Column], rows: list[list[Any]], show_header: bool = True):
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(title=title, title_justify="left", title_style="bold", show_edge=False, pad_edge=False)
+    table = Table(
+        title=title, title_justify="left", title_style="bold", show_edge=False, pad_edge=False, show_header=show_header
+    )
     for column in columns:
         table.add_column(column.header, justify=column.justify, overflow="fold")  # type: ignore[arg-type]
     for row in rows:
