@@ -90,9 +90,10 @@ def _open_index(index_path: str, display: str) -> Checkpoint:
             )
         files.append(shard_path)
     checkpoint = _open_files(display, files, base_dir=base_dir)
+    shard_paths = dict(zip(shards, files))
     for name, shard in weight_map.items():
         tensor = checkpoint.tensors.get(name)
-        if tensor is None or tensor.file != os.path.join(base_dir, shard):
+        if tensor is None or tensor.file != shard_paths[shard]:
             raise CheckpointError(
                 f"index maps tensor {name!r} to {shard!r}, but that shard does not hold it",
                 path=index_path,

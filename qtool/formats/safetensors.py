@@ -130,7 +130,7 @@ def _tensor_entry(path: str, name: str, info: Any):
             hint=f"known safetensors dtypes: {' '.join(DTYPES)}",
         )
     shape = info.get("shape")
-    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
         raise _fail(path, f"tensor {name!r} shape {shape!r} is not a list of non-negative integers")
     offsets = info.get("data_offsets")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
@@ -151,7 +151,7 @@ def _tensor_entry(path: str, name: str, info: Any):
 
 
 def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return type(value) is int and value >= 0  # not isinstance: True is an int too
 
 
 def read_safetensors_file(path: str) -> tuple[list[StoredTensor], dict[str, str]]:
