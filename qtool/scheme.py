@@ -18,6 +18,8 @@ dimensions; leading dimensions (MoE experts, say) get 1.
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -31,6 +33,13 @@ __all__ = [
     "TENSOR",
     "CHANNEL",
     "group",
+    "AUTO",
+    "PRESETS",
+    "SHORT_FORMS",
+    "SchemeError",
+    "parse_scheme",
+    "scheme_names",
+    "nominal_bits_per_weight",
 ]
 
 QKind = Literal["int", "float", "codebook", "unknown"]
@@ -184,3 +193,132 @@ class QScheme:
             parts.append("sym" if self.symmetric else "asym")
         parts.append(self.granularity_label)
         return " ".join(parts)
+
+
+# -- scheme strings ------------------------------------------------------------------------------
+#
+# The CLI accepts compressed-tensors preset names where they exist, and a short form
+# `<type>[:<granularity>][:sym|asym]`, granularity being tensor | channel | g<N> | block<H>x<W>.
+# Presets and words such as "channel" and "g128" become a block shape here, once.
+
+AUTO = "auto"  # scale dtype: the weight's own dtype, as compressed-tensors stores it
+
+CT = "compressed-tensors"
+BNB = "bitsandbytes"
+GGUF = "gguf"
+
+
+def _ct(name: str, block: Block, symmetric: bool = True, scale: str = AUTO, global_scale: bool = False) -> QScheme:
+    return QScheme(qtype(name), block, symmetric, scale, zero_point=not symmetric, global_scale=global_scale, convention=CT)
+
+
+def _gguf(value: str, gguf_type: str, symmetric: bool, scale: str = "F16") -> QScheme:
+    return QScheme(qtype(value), group(32), symmetric, scale, zero_point=not symmetric, convention=GGUF, extra=(("gguf_type", gguf_type),))
+
+
+# name -> (scheme, what it is). Presets are matched case-insensitively.
+PRESETS: dict[str, tuple[QScheme, str]] = {
+    "W8A16": (_ct("int8", group(128)), "int8 weights, symmetric, group 128 (compressed-tensors preset)"),
+    "W4A16": (_ct("int4", group(128)), "int4 weights, symmetric, group 128 (compressed-tensors preset)"),
+    "W4A16_ASYM": (_ct("int4", group(128), symmetric=False), "int4 weights with zero points, group 128"),
+    "FP8": (_ct("fp8_e4m3", TENSOR), "fp8 e4m3 weights, one scale per tensor"),
+    "FP8_DYNAMIC": (_ct("fp8_e4m3", CHANNEL), "fp8 e4m3 weights, one scale per output channel; dynamic per-token activations"),
+    "FP8_BLOCK": (_ct("fp8_e4m3", (128, 128)), "fp8 e4m3 weights in 128x128 blocks (DeepSeek-V3 style)"),
+    "NVFP4A16": (_ct("fp4_e2m1", group(16), scale="F8_E4M3", global_scale=True), "fp4 e2m1, e4m3 scales per 16, one f32 global scale"),
+    "MXFP4A16": (_ct("fp4_e2m1", group(32), scale="E8M0"), "fp4 e2m1 with power-of-two e8m0 scales per 32 (OCP MX)"),
+}
+
+# short-form aliases of named formats whose granularity is fixed
+_FIXED = {
+    "mxfp4": PRESETS["MXFP4A16"][0],
+    "nvfp4": PRESETS["NVFP4A16"][0],
+    "q8_0": _gguf("int8", "Q8_0", True),
+    "q4_0": _gguf("int4", "Q4_0", True),
+    "q4_1": _gguf("uint4", "Q4_1", False),
+    "q5_0": _gguf("int5", "Q5_0", True),
+    "q5_1": _gguf("uint5", "Q5_1", False),
+}
+_DEFAULT_BLOCK = {"int8": CHANNEL, "int4": group(128), "int3": group(128), "int2": group(64), "fp8_e4m3": TENSOR, "fp8_e5m2": TENSOR, "nf4": group(64)}
+_ALIASES = {"fp8": "fp8_e4m3", "int8": "int8", "int4": "int4", "int3": "int3", "int2": "int2", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "nf4": "nf4"}
+
+# the examples `qtool schemes` lists besides the presets; every one must parse
+SHORT_FORMS = (
+    "int8", "int4:g128", "int4:g64:asym", "int2:g64", "fp8_e4m3:channel", "fp8:block128x128",
+    "nf4:g64", "mxfp4", "nvfp4", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
+)
+
+
+def scheme_names() -> list[str]:
+    return [*PRESETS, *SHORT_FORMS]
+
+
+def parse_scheme(text: str) -> QScheme:
+    """A preset name or short form -> QScheme. ValueError lists the valid names and a close match."""
+    name = text.strip()
+    for preset, (scheme, _) in PRESETS.items():
+        if name.upper() == preset:
+            return scheme
+    lowered = name.lower()
+    if lowered in _FIXED:
+        return _FIXED[lowered]
+    head, *mods = lowered.split(":")
+    if head in _FIXED:
+        raise _unknown(text, f"{head} has a fixed layout; write just {head!r}")
+    if head not in _ALIASES:
+        raise _unknown(text)
+    value = _ALIASES[head]
+    block: Block = _DEFAULT_BLOCK[value]
+    symmetric = True
+    for mod in mods:
+        if mod in ("sym", "asym"):
+            symmetric = mod == "sym"
+        elif mod == "tensor":
+            block = TENSOR
+        elif mod == "channel":
+            block = CHANNEL
+        elif re.fullmatch(r"g[1-9]\d*", mod):
+            block = group(int(mod[1:]))
+        elif re.fullmatch(r"block[1-9]\d*x[1-9]\d*", mod):
+            rows, cols = mod[5:].split("x")
+            block = (int(rows), int(cols))
+        else:
+            raise _unknown(text, f"unknown part {mod!r}: use tensor, channel, g<N>, block<H>x<W>, sym or asym")
+    if not symmetric and value.startswith(("fp8", "nf4")):
+        raise _unknown(text, f"{value} is symmetric only")
+    if value == "nf4":
+        if block[0] != 1 or block[-1] is None:
+            raise _unknown(text, "nf4 takes a group size, e.g. nf4:g64")
+        return QScheme(qtype("nf4"), block, True, "F32", convention=BNB)
+    return _ct(value, block, symmetric)
+
+
+class SchemeError(ValueError):
+    def __init__(self, message: str, hint: str) -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+def _unknown(text: str, why: str | None = None) -> SchemeError:
+    import difflib
+
+    names = scheme_names()
+    close = difflib.get_close_matches(text, names, n=1, cutoff=0.5) or difflib.get_close_matches(
+        text.upper(), [n.upper() for n in names], n=1, cutoff=0.5
+    )
+    message = f"unknown scheme {text!r}" + (f": {why}" if why else "")
+    hint = (f"did you mean {close[0]!r}? " if close else "") + "valid: " + ", ".join(names)
+    return SchemeError(message, hint)
+
+
+def nominal_bits_per_weight(scheme: QScheme, shape: tuple[int, int] = (4096, 4096), weight_bits: int = 16) -> float:
+    """Storage bits per weight for a `shape` weight: values plus scales, zero points, global scale."""
+    rows, cols = shape
+    block = scheme.block_for(shape)
+    blocks = math.ceil(rows / block[0]) * math.ceil(cols / block[1])
+    scale_bits = {AUTO: weight_bits, "F32": 32, "F16": 16, "BF16": 16, "E8M0": 8, "F8_E4M3": 8}.get(scheme.scale_dtype, 32)
+    total = rows * cols * scheme.bits + blocks * scale_bits
+    if scheme.zero_point:  # packed at the value width (compressed-tensors), an f16 minimum (GGUF), else int8
+        total += blocks * {CT: scheme.bits, GGUF: 16}.get(scheme.convention, 8)
+    if scheme.global_scale:
+        total += 32
+    return total / (rows * cols)

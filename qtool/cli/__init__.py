@@ -12,7 +12,7 @@ from typer.core import TyperGroup
 from qtool.cli.inspect import HELP as INSPECT_HELP
 from qtool.cli.inspect import inspect_command
 from qtool.cli.output import print_error
-from qtool.errors import EXIT_USAGE, QtoolError
+from qtool.errors import QtoolError
 
 __all__ = ["app", "main"]
 
@@ -76,6 +76,8 @@ def main() -> None:
     except KeyboardInterrupt:
         print_error("interrupted")
         sys.exit(130)
-    except QtoolError as exc:  # raised outside a command (QTOOL_DEBUG re-raises before this)
+    except QtoolError as exc:  # raised outside a command, or re-raised under QTOOL_DEBUG
+        if _debug():
+            raise
         print_error(str(exc), exc.hint)
-        sys.exit(exc.exit_code if not _debug() else EXIT_USAGE)
+        sys.exit(exc.exit_code)

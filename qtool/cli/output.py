@@ -65,9 +65,11 @@ class Output:
 
     def emit(self, document: dict[str, Any], rows: Rows, sections: Sequence[Section] = ()) -> None:
         if self.format == "json":
-            # indented for a person; compact for a pipe, where json's C encoder is ~10x faster
-            indent = 2 if _stdout_is_tty() else None
-            sys.stdout.write(json.dumps(document, indent=indent, ensure_ascii=False) + "\n")
+            # For a person: indented, and ASCII-only so no name from a file reaches the terminal
+            # raw (C1 controls, bidi overrides). For a pipe: compact, where json's C encoder is
+            # ~10x faster, and UTF-8.
+            tty = _stdout_is_tty()
+            sys.stdout.write(json.dumps(document, indent=2 if tty else None, ensure_ascii=tty) + "\n")
         elif self.format == "tsv":
             lines = ["\t".join(c.header for c in rows.columns)]
             lines += ["\t".join(escape(_raw(v)) for v in row) for row in rows.rows]

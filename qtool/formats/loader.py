@@ -52,7 +52,7 @@ def _open_directory(path: str) -> Checkpoint:
         indexes = preferred
     if indexes:
         return _open_index(os.path.join(path, indexes[0]), display=path)
-    files = [os.path.join(path, n) for n in names if n.endswith(".safetensors")]
+    files = [os.path.join(path, n) for n in names if n.endswith(".safetensors") and os.path.isfile(os.path.join(path, n))]
     if not files:
         raise CheckpointError(
             "directory holds no checkpoint (no *.safetensors or *.safetensors.index.json)",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from typing import Any
 
@@ -22,6 +23,7 @@ from qtool.formats.checkpoint import StoredTensor
 __all__ = ["MAX_HEADER_SIZE", "read_header", "parse_header", "read_safetensors_file"]
 
 MAX_HEADER_SIZE = 100_000_000  # the reference reader's limit
+_USIZE_MAX = 2**64 - 1
 _HINT = "the file is not a valid safetensors file; re-export it, or check that the download finished"
 
 
@@ -29,13 +31,21 @@ def _fail(path: str, message: str, hint: str = _HINT) -> CheckpointError:
     return CheckpointError(message, path=path, hint=hint)
 
 
-def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise _DuplicateKey(key)
-        result[key] = value
+def _strict_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """serde refuses duplicate keys at every level; json.loads keeps the last. dict() is C, so
+    the common case costs one length check."""
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
     return result
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 class _DuplicateKey(ValueError):
@@ -48,12 +58,13 @@ def read_header(path: str) -> tuple[bytes, int]:
     """Return the raw header bytes and the file size, checking the size limits."""
     try:
         fd = os.open(path, os.O_RDONLY)
-    except IsADirectoryError:
-        raise _fail(path, "is a directory, expected a .safetensors file") from None
     except OSError as exc:
         raise CheckpointError(f"cannot open: {exc.strerror}", path=path) from None
     try:
-        size = os.fstat(fd).st_size
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _fail(path, "is not a regular file", hint="pass a .safetensors file or the folder that holds it")
+        size = info.st_size
         if size == 0:
             raise _fail(path, "file is empty (0 bytes)")
         if size < 8:
@@ -78,21 +89,20 @@ def parse_header(path: str, header: bytes, file_size: int) -> tuple[list[StoredT
     except UnicodeDecodeError as exc:
         raise _fail(path, f"header is not valid UTF-8 (byte {exc.start})") from None
     try:
-        parsed = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise _fail(path, f"header is not JSON ({getattr(exc, 'msg', 'too deeply nested')})") from None
+        parsed = json.loads(text, object_pairs_hook=_strict_object, parse_constant=_no_constants)
+    except _DuplicateKey as exc:
+        if exc.key in ("dtype", "shape", "data_offsets"):
+            raise _fail(path, f"field {exc.key!r} appears twice in a tensor entry") from None
+        raise _fail(path, f"tensor name {exc.key!r} appears twice in the header") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError; so are 5000-digit ints
+        raise _fail(path, f"header is not JSON ({getattr(exc, 'msg', None) or exc or 'too deeply nested'})") from None
     if not isinstance(parsed, dict):
         raise _fail(path, f"header is JSON {type(parsed).__name__}, expected an object")
-    # json.loads keeps the last of duplicate keys silently. Each entry has one "data_offsets",
-    # so a count that differs means a duplicate (or that string inside a name): only then pay
-    # for the slow parse that finds it.
-    if text.count('"data_offsets"') != len(parsed) - ("__metadata__" in parsed):
-        try:
-            json.loads(text, object_pairs_hook=_reject_duplicates)
-        except _DuplicateKey as exc:
-            raise _fail(path, f"tensor name {exc.key!r} appears twice in the header") from None
+    if "\\u" in text and _has_lone_surrogate(parsed):  # only a \u escape can make one
+        raise _fail(path, "header holds a lone UTF-16 surrogate, which is not valid UTF-8 text")
 
-    metadata = parsed.pop("__metadata__", None) or {}
+    metadata = parsed.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata  # null is allowed (an Option in the reference)
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise _fail(path, "__metadata__ must map strings to strings")
 
@@ -138,7 +148,13 @@ def _tensor_entry(path: str, name: str, info: Any):
     begin, end = offsets
     if end < begin:
         raise _fail(path, f"tensor {name!r} data_offsets [{begin}, {end}) end before they begin")
-    numel = math.prod(shape)
+    numel = 1
+    for dim in shape:  # the reference multiplies in usize and refuses overflow, even before a 0
+        numel *= dim
+        if numel > _USIZE_MAX:
+            raise _fail(path, f"tensor {name!r} shape {shape} overflows 64 bits")
+    if end > _USIZE_MAX:
+        raise _fail(path, f"tensor {name!r} data_offsets overflow 64 bits")
     nbytes = nbytes_for(dtype, numel)
     if nbytes is None:
         raise _fail(path, f"tensor {name!r}: {numel} elements of {dtype.name} do not fill whole bytes")
@@ -157,3 +173,17 @@ def _is_count(value: Any) -> bool:
 def read_safetensors_file(path: str) -> tuple[list[StoredTensor], dict[str, str]]:
     header, size = read_header(path)
     return parse_header(path, header, size)
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(v) for v in value)
+    return False
