@@ -3,7 +3,7 @@
 Imports stay light: `import qtool` does not import torch.
 """
 
-from qtool.api import collect_stats, inspect, open_checkpoint
+from qtool.api import collect_stats, dequantize, inspect, open_checkpoint, quantize
 from qtool.errors import CheckpointError, NotQuantizedError, QtoolError, UsageError
 from qtool.scheme import QScheme, QType
 from qtool.weight import Weight
@@ -15,6 +15,8 @@ __all__ = [
     "open_checkpoint",
     "inspect",
     "collect_stats",
+    "quantize",
+    "dequantize",
     "QtoolError",
     "UsageError",
     "CheckpointError",

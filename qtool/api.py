@@ -9,13 +9,28 @@
 from __future__ import annotations
 
 import os
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Sequence
 
+from qtool.errors import UsageError
 from qtool.formats import Checkpoint
 from qtool.formats import open_checkpoint as _open_checkpoint
 from qtool.inspection import Inspection, inspect_checkpoint
 
-__all__ = ["open_checkpoint", "inspect", "collect_stats"]
+if TYPE_CHECKING:
+    from qtool.pipeline import Plan, Result
+
+__all__ = [
+    "open_checkpoint",
+    "inspect",
+    "collect_stats",
+    "Task",
+    "prepare_quantize",
+    "prepare_dequantize",
+    "run",
+    "quantize",
+    "dequantize",
+]
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
@@ -39,3 +54,145 @@ def collect_stats(inspection: Inspection, on_bytes: Callable[[int], None] | None
                 inspection.stats[weight.name] = weight_stats(checkpoint, weight, on_bytes)
     finally:
         checkpoint.close()
+
+
+# -- quantize and dequantize -------------------------------------------------------------------
+
+
+@dataclass
+class Task:
+    """A planned job: what `--dry-run` shows, and what `run` writes."""
+
+    plan: "Plan"
+    output: str
+    single_file: bool
+    warnings: list[str] = field(default_factory=list)
+
+
+def _check_output(source_path: str, output: str, checkpoint: Checkpoint) -> bool:
+    """The output is never the input, nor inside it. Returns whether it is a single file."""
+    out = os.path.realpath(output)
+    sources = [os.path.realpath(source_path), *(os.path.realpath(f) for f in checkpoint.files)]
+    if out in sources or any(s.startswith(out + os.sep) for s in sources):
+        raise UsageError(f"output {output} is the input", hint="write to a new path; qtool never modifies its input")
+    if os.path.isdir(source_path) and out.startswith(os.path.realpath(source_path) + os.sep):
+        raise UsageError(f"output {output} is inside the input folder", hint="write beside the input, not into it")
+    return output.endswith(".safetensors")
+
+
+def prepare_quantize(
+    path: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    scheme: str = "W4A16",
+    *,
+    include: Sequence[str] = (),
+    ignore: Sequence[str] = (),
+    tensor_schemes: Sequence[str] = (),
+    format: str = "auto",
+    dtype: str | None = None,
+    max_shard_size: str | None = None,
+    allow_requantize: bool = False,
+) -> Task:
+    """Plan a quantization: which weights, which scheme, every output tensor. Writes nothing."""
+    from qtool.pipeline import parse_dtype, parse_size, plan_quantize
+    from qtool.selection import Selection
+
+    selection = Selection.from_options(scheme, list(include), list(ignore), list(tensor_schemes))
+    checkpoint = _open_checkpoint(path)
+    output = os.fspath(output)
+    single_file = _check_output(os.fspath(path), output, checkpoint)
+    weights = inspect_checkpoint(checkpoint).weights
+    warnings = []
+    quantized = [w for w in weights if w.quantized]
+    if quantized:
+        example = quantized[0]
+        if not allow_requantize:
+            raise UsageError(
+                f"{path} is already quantized ({len(quantized)} weights, e.g. {example.name}: {example.scheme.label})",
+                hint="pass --allow-requantize to dequantize it first and quantize again (error compounds)",
+            )
+        warnings.append(f"requantizing {len(quantized)} already-quantized weights: they are dequantized first, and errors compound")
+    chosen = selection.choose(weights)
+    schemes = {s.convention for s in chosen.values() if s is not None}
+    if not schemes:
+        raise UsageError(
+            f"no weight of {path} matches the selection",
+            hint="by default 2-D float *.weight tensors of linear layers are quantized; see --include",
+        )
+    if len(schemes) > 1:
+        raise UsageError(f"the chosen schemes write different layouts ({', '.join(sorted(schemes))})", hint="pick schemes of one layout per run")
+    layout = schemes.pop()
+    if format not in ("auto", layout):
+        raise UsageError(f"--format {format} cannot express {selection.scheme.label}", hint=f"that scheme writes {layout}; drop --format")
+    plan = plan_quantize(
+        checkpoint,
+        weights,
+        chosen,
+        output_format=layout,
+        out_dtype=parse_dtype(dtype),
+        single_file=single_file,
+        max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
+    )
+    return Task(plan, output, single_file, warnings)
+
+
+def prepare_dequantize(
+    path: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    *,
+    dtype: str | None = None,
+    max_shard_size: str | None = None,
+) -> Task:
+    """Plan decoding every quantized weight to float, keyed by its logical name. Writes nothing."""
+    from qtool.pipeline import parse_dtype, parse_size, plan_dequantize
+
+    checkpoint = _open_checkpoint(path)
+    output = os.fspath(output)
+    single_file = _check_output(os.fspath(path), output, checkpoint)
+    weights = inspect_checkpoint(checkpoint).weights
+    warnings = [] if any(w.quantized for w in weights) else [f"{path} has no quantized weights; the output is a copy"]
+    plan = plan_dequantize(
+        checkpoint,
+        weights,
+        dtype=parse_dtype(dtype),
+        single_file=single_file,
+        max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
+    )
+    return Task(plan, output, single_file, warnings)
+
+
+def run(
+    task: Task,
+    *,
+    device: str = "cpu",
+    threads: int | None = None,
+    overwrite: bool = False,
+    on_progress: Callable[[int], None] | None = None,
+    measure: bool = True,
+) -> "Result":
+    """Stream a planned task to its output, atomically. Imports torch."""
+    import torch
+
+    from qtool.formats.writer import Output
+    from qtool.pipeline import execute, resolve_device
+
+    resolved = resolve_device(device)
+    if threads:
+        if threads < 1:
+            raise UsageError(f"--threads {threads} must be at least 1")
+        torch.set_num_threads(threads)
+    output = Output(task.output, single_file=task.single_file, overwrite=overwrite)
+    try:
+        return execute(task.plan, output, device=resolved, measure=measure, on_progress=on_progress)
+    finally:
+        task.plan.source.close()
+
+
+def quantize(path, output, scheme: str = "W4A16", *, device: str = "cpu", overwrite: bool = False, **options) -> "Result":
+    """Quantize a checkpoint into `output` (a folder, or a .safetensors file)."""
+    return run(prepare_quantize(path, output, scheme, **options), device=device, overwrite=overwrite)
+
+
+def dequantize(path, output, *, dtype: str | None = None, device: str = "cpu", overwrite: bool = False) -> "Result":
+    """Decode every quantized weight of a checkpoint to float, into `output`."""
+    return run(prepare_dequantize(path, output, dtype=dtype), device=device, overwrite=overwrite, measure=False)

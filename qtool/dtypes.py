@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["StorageDType", "DTYPES", "storage_dtype", "nbytes_for"]
+__all__ = ["StorageDType", "DTYPES", "storage_dtype", "nbytes_for", "from_torch"]
 
 Kind = Literal["bool", "int", "uint", "float", "complex"]
 
@@ -84,3 +84,14 @@ def nbytes_for(dtype: StorageDType, numel: int) -> int | None:
     """Bytes that `numel` elements occupy, or None when they don't fill whole bytes."""
     bits = dtype.bits * numel
     return bits // 8 if bits % 8 == 0 else None
+
+
+def from_torch(dtype) -> StorageDType:
+    """The safetensors dtype of a torch dtype (uint8 for torch's packed fp4)."""
+    name = str(dtype).removeprefix("torch.")
+    for entry in _TABLE:
+        if entry.torch_name == name:
+            return entry
+    if name == "float4_e2m1fn_x2":
+        return DTYPES["U8"]
+    raise KeyError(f"torch dtype {dtype} has no safetensors dtype")

@@ -9,9 +9,9 @@ import sys
 import typer
 from typer.core import TyperGroup
 
-from qtool.cli.inspect import HELP as INSPECT_HELP
-from qtool.cli.inspect import inspect_command
+from qtool.cli import dequantize, inspect, quantize, schemes
 from qtool.cli.output import print_error
+from qtool.cli.text import paragraphs
 from qtool.errors import QtoolError
 
 __all__ = ["app", "main"]
@@ -50,7 +50,10 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-app.command("inspect", help=INSPECT_HELP)(inspect_command)
+app.command("inspect", help=paragraphs(inspect.HELP))(inspect.inspect_command)
+app.command("quantize", help=paragraphs(quantize.HELP))(quantize.quantize_command)
+app.command("dequantize", help=paragraphs(dequantize.HELP))(dequantize.dequantize_command)
+app.command("schemes", help=paragraphs(schemes.HELP))(schemes.schemes_command)
 
 
 def _print_version(value: bool) -> None:

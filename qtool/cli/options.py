@@ -36,3 +36,16 @@ FilterOpt = Annotated[
     typer.Option("--filter", "-k", help="Only names matching a glob ('*.q_proj.*'), or a regex after 're:' (anchored at the start)."),
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
+
+OutputPathOpt = Annotated[
+    Path,
+    typer.Option("--output", "-o", help="Where to write: a folder, or a path ending in .safetensors for one file.", show_default=False),
+]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N, or auto (CUDA when present).")]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: torch's own choice).", min=1)]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output (atomically, when the new one is complete).")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan (per-weight scheme, size before and after) and write nothing.")]
+MaxShardOpt = Annotated[
+    Optional[str],
+    typer.Option("--max-shard-size", help="Split the output into shards of at most this size (5GB, 500MB). Default: follow the input's sharding."),
+]

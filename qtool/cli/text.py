@@ -40,3 +40,12 @@ def human_count(count: int) -> str:
             return f"{int(value)}" if unit == "" else f"{value:.2f}{unit}"
         value /= 1000
     raise AssertionError("unreachable")
+
+
+def paragraphs(text: str) -> str:
+    """Join each prose paragraph's lines into one, so the help renderer can wrap it to the
+    terminal; a paragraph starting with \\b (examples) keeps its lines."""
+    out = []
+    for block in text.strip("\n").split("\n\n"):
+        out.append(block if block.startswith("\b") else " ".join(line.strip() for line in block.splitlines()))
+    return "\n\n".join(out)

@@ -155,6 +155,13 @@ class Output:
         except OSError as exc:
             raise _io_error(path, exc) from None
 
+    def copy_side_file(self, source: str, filename: str) -> None:
+        """Carry a small file (tokenizer, generation config) over unchanged."""
+        try:
+            shutil.copyfile(source, os.path.join(self.staging, filename))
+        except OSError as exc:
+            raise _io_error(os.path.join(self.staging, filename), exc) from None
+
     def commit(self) -> None:
         for writer in self.writers:
             if writer.fd >= 0:

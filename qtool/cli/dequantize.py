@@ -1,0 +1,87 @@
+"""`qtool dequantize`: any checkpoint qtool reads, back to plain float safetensors."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from qtool.cli.options import (
+    CheckpointArg,
+    DeviceOpt,
+    DryRunOpt,
+    FormatOpt,
+    JsonOpt,
+    MaxShardOpt,
+    OutputFormat,
+    OutputPathOpt,
+    OverwriteOpt,
+    QuietOpt,
+    ThreadsOpt,
+)
+from qtool.cli.output import Column, Output, Rows, Section
+from qtool.cli.tasks import run_task, show_plan
+from qtool.cli.text import human_bytes
+
+HELP = """Decode every quantized weight to float, keyed by its logical name.
+
+The output is a plain safetensors checkpoint (a folder, or one file when -o ends in
+.safetensors): `...q_proj.weight` instead of weight_packed/weight_scale, with the plain
+tensors copied through. The dtype defaults to the one the input records, else bf16.
+
+\b
+Examples:
+  qtool dequantize model-w4/ -o back.safetensors
+  qtool dequantize model-fp8/ -o model-bf16/ --dtype bf16 --device cuda
+"""
+
+
+def dequantize_command(
+    path: CheckpointArg,
+    output_path: OutputPathOpt,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="bf16, f16 or f32 (default: as the input records, else bf16).")] = None,
+    dry_run: DryRunOpt = False,
+    max_shard_size: MaxShardOpt = None,
+    overwrite: OverwriteOpt = False,
+    device: DeviceOpt = "cpu",
+    threads: ThreadsOpt = None,
+    fmt: FormatOpt = OutputFormat.auto,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    from qtool import api
+
+    sink = Output("json" if json_ else fmt.value)
+    task = api.prepare_dequantize(path, output_path, dtype=dtype, max_shard_size=max_shard_size)
+    if dry_run:
+        show_plan(task, sink)
+        return
+    result = run_task(task, device=device, threads=threads, overwrite=overwrite, quiet=quiet, measure=False)
+    plan = task.plan.to_json()
+    decoded = [w for w in plan["weights"] if w["action"] == "dequantize"]
+    document = {
+        "schema_version": 1,
+        "input": task.plan.source.path,
+        "output": task.output,
+        "seconds": round(result.seconds, 3),
+        "summary": plan["summary"],
+        "weights": decoded,
+    }
+    rows = Rows(
+        [Column("weight"), Column("from"), Column("shape"), Column("dtype")],
+        [[w["name"], w["scheme"], w["shape"], w["tensors"][0]["dtype"]] for w in decoded],
+        collapse_keys=(1, 2, 3),
+        title="Decoded weights",
+    )
+    facts = Section(
+        "Summary",
+        [Column("fact"), Column("value", justify="right")],
+        [
+            ["output", task.output],
+            ["weights decoded", f"{len(decoded)} of {plan['summary']['weights']}"],
+            ["size", f"{human_bytes(plan['summary']['bytes_before'])} -> {human_bytes(plan['summary']['bytes_after'])}"],
+            ["time", f"{result.seconds:.1f} s"],
+        ],
+        show_header=False,
+    )
+    sink.emit(document, rows, [facts])

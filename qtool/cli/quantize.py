@@ -1,0 +1,133 @@
+"""`qtool quantize`: a float checkpoint in, a quantized one out, with each weight's error."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, List, Optional
+
+import typer
+
+from qtool.cli.options import (
+    CheckpointArg,
+    DeviceOpt,
+    DryRunOpt,
+    FormatOpt,
+    JsonOpt,
+    MaxShardOpt,
+    OutputFormat,
+    OutputPathOpt,
+    OverwriteOpt,
+    QuietOpt,
+    ThreadsOpt,
+)
+from qtool.cli.output import Column, Output, Rows, Section
+from qtool.cli.tasks import report_json, run_task, show_plan
+from qtool.cli.text import human_bytes
+
+HELP = """Quantize a checkpoint's linear weights and write a layout real loaders accept.
+
+By default the 2-D float *.weight tensors of linear layers are quantized; embeddings,
+lm_head, norms and biases are copied. The output is compressed-tensors (what vLLM and
+transformers load) unless the scheme needs another layout (nf4: bitsandbytes). Every
+quantized weight's error (SQNR, relative RMSE, max abs error, cosine) is measured on the
+way; the worst 10 are shown. Run `qtool schemes` for the schemes.
+
+\b
+Examples:
+  qtool quantize model/ -o model-w4/ --scheme W4A16
+  qtool quantize model.safetensors -o out/ --scheme int8 --device cuda --report report.json
+  qtool quantize model/ -o out/ --scheme fp8:block128x128 --ignore 're:.*lm_head' --dry-run
+  qtool quantize model/ -o out/ --scheme W4A16 --tensor-scheme 're:.*down_proj.*=W8A16'
+"""
+
+
+def quantize_command(
+    path: CheckpointArg,
+    output_path: OutputPathOpt,
+    scheme: Annotated[str, typer.Option("--scheme", "-s", help="A preset (W4A16, FP8_BLOCK, ...) or a short form (int4:g64:asym).")] = "W4A16",
+    include: Annotated[Optional[List[str]], typer.Option("--include", help="Quantize only names matching (glob, or re:regex). Repeatable.")] = None,
+    ignore: Annotated[Optional[List[str]], typer.Option("--ignore", help="Never quantize names matching (glob, or re:regex). Repeatable.")] = None,
+    tensor_scheme: Annotated[
+        Optional[List[str]], typer.Option("--tensor-scheme", help="PATTERN=SCHEME: another scheme for matching weights. Repeatable.")
+    ] = None,
+    layout: Annotated[str, typer.Option("--format", help="Output layout: auto, compressed-tensors or bitsandbytes.")] = "auto",
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Cast the float tensors that stay unquantized: bf16, f16 or f32.")] = None,
+    allow_requantize: Annotated[bool, typer.Option("--allow-requantize", help="Accept an already-quantized input: dequantize it first.")] = False,
+    report: Annotated[Optional[str], typer.Option("--report", help="Write every quantized weight's error to this JSON file.")] = None,
+    dry_run: DryRunOpt = False,
+    max_shard_size: MaxShardOpt = None,
+    overwrite: OverwriteOpt = False,
+    device: DeviceOpt = "cpu",
+    threads: ThreadsOpt = None,
+    fmt: FormatOpt = OutputFormat.auto,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    from qtool import api
+
+    sink = Output("json" if json_ else fmt.value)
+    task = api.prepare_quantize(
+        path,
+        output_path,
+        scheme,
+        include=include or (),
+        ignore=ignore or (),
+        tensor_schemes=tensor_scheme or (),
+        format=layout,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        allow_requantize=allow_requantize,
+    )
+    if dry_run:
+        show_plan(task, sink)
+        return
+    result = run_task(task, device=device, threads=threads, overwrite=overwrite, quiet=quiet, measure=True)
+    document = report_json(task, result, device)
+    if report:
+        _write_report(report, document)
+    _show_summary(document, sink)
+
+
+def _write_report(path: str, document: dict) -> None:
+    from qtool.errors import UsageError
+
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(document, handle, indent=2)
+            handle.write("\n")
+    except OSError as exc:
+        raise UsageError(f"cannot write the report {path}: {exc.strerror}") from None
+
+
+def _db(value) -> str:
+    return "exact" if value is None else f"{value:.2f}"
+
+
+def _show_summary(document: dict, sink: Output) -> None:
+    rows = Rows(
+        [
+            Column("weight"),
+            Column("scheme"),
+            Column("SQNR dB", human=_db, justify="right"),
+            Column("rel RMSE", human=lambda v: "0" if v is None else f"{v:.4f}", justify="right"),
+            Column("max abs err", human=lambda v: "0" if v is None else f"{v:.4g}", justify="right"),
+            Column("cosine", human=lambda v: "1" if v is None else f"{v:.6f}", justify="right"),
+        ],
+        [[w["name"], w["scheme"], w["sqnr_db"], w["rel_rmse"], w["max_abs_err"], w["cosine"]] for w in document["weights"][:10]],
+        title="Worst weights by SQNR",
+    )
+    summary = document["summary"]
+    facts = Section(
+        "Summary",
+        [Column("fact"), Column("value", justify="right")],
+        [
+            ["output", document["output"]],
+            ["weights quantized", f"{summary['quantized_weights']} of {summary['weights']}"],
+            ["size", f"{human_bytes(summary['bytes_before'])} -> {human_bytes(summary['bytes_after'])}"],
+            ["bits per weight", f"{summary['bits_per_weight']:.3f}"],
+            ["model SQNR", f"{_db(summary['sqnr_db'])} dB"],
+            ["time", f"{document['seconds']:.1f} s on {document['device']}"],
+        ],
+        show_header=False,
+    )
+    sink.emit(document, rows, [facts])
