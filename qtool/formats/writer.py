@@ -135,6 +135,7 @@ class Output:
             raise UsageError(f"output folder {parent} does not exist", hint="create it first")
         try:
             self.staging = tempfile.mkdtemp(prefix=f".{os.path.basename(self.target)}.qtool-tmp-", dir=parent)
+            os.chmod(self.staging, 0o777 & ~_umask())  # mkdtemp makes it 0700; the output is an ordinary folder
         except OSError as exc:
             raise _io_error(self.target, exc) from None
         self.writers: list[ShardWriter] = []
@@ -189,6 +190,12 @@ class Output:
         for writer in self.writers:
             writer.close()
         shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _fsync_dir(path: str) -> None:
