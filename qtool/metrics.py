@@ -75,7 +75,7 @@ class ErrorStats:
 
     def to_json(self) -> dict[str, float | None]:
         def finite(value: float) -> float | None:  # JSON has no inf; null means "no error at all"
-            return None if math.isinf(value) or math.isnan(value) else round(value, 6)
+            return None if math.isinf(value) or math.isnan(value) else float(f"{value:.9g}")
 
         return {
             "sqnr_db": finite(self.sqnr_db),

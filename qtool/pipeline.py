@@ -92,6 +92,7 @@ class Plan:
                     "name": j.weight.name,
                     "action": j.action,
                     "scheme": j.scheme.label if j.scheme else None,
+                    "from": j.weight.scheme.label if j.weight.scheme else None,
                     "shape": list(j.weight.shape),
                     "bytes_before": j.bytes_in,
                     "bytes_after": j.bytes_out,

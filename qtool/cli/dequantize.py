@@ -10,12 +10,12 @@ from qtool.cli.options import (
     CheckpointArg,
     DeviceOpt,
     DryRunOpt,
-    FormatOpt,
     JsonOpt,
     MaxShardOpt,
     OutputFormat,
     OutputPathOpt,
     OverwriteOpt,
+    PrintOpt,
     QuietOpt,
     ThreadsOpt,
 )
@@ -45,7 +45,7 @@ def dequantize_command(
     overwrite: OverwriteOpt = False,
     device: DeviceOpt = "cpu",
     threads: ThreadsOpt = None,
-    fmt: FormatOpt = OutputFormat.auto,
+    fmt: PrintOpt = OutputFormat.auto,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -69,7 +69,7 @@ def dequantize_command(
     }
     rows = Rows(
         [Column("weight"), Column("from"), Column("shape"), Column("dtype")],
-        [[w["name"], w["scheme"], w["shape"], w["tensors"][0]["dtype"]] for w in decoded],
+        [[w["name"], w["from"], w["shape"], w["tensors"][0]["dtype"]] for w in decoded],
         collapse_keys=(1, 2, 3),
         title="Decoded weights",
     )

@@ -49,3 +49,8 @@ MaxShardOpt = Annotated[
     Optional[str],
     typer.Option("--max-shard-size", help="Split the output into shards of at most this size (5GB, 500MB). Default: follow the input's sharding."),
 ]
+# quantize/dequantize: --format names the layout written, so the printed summary takes --print
+PrintOpt = Annotated[
+    OutputFormat,
+    typer.Option("--print", "-f", help="How to print the summary: table, json, tsv or names. auto = a table on a terminal, else TSV."),
+]

@@ -11,12 +11,12 @@ from qtool.cli.options import (
     CheckpointArg,
     DeviceOpt,
     DryRunOpt,
-    FormatOpt,
     JsonOpt,
     MaxShardOpt,
     OutputFormat,
     OutputPathOpt,
     OverwriteOpt,
+    PrintOpt,
     QuietOpt,
     ThreadsOpt,
 )
@@ -59,7 +59,7 @@ def quantize_command(
     overwrite: OverwriteOpt = False,
     device: DeviceOpt = "cpu",
     threads: ThreadsOpt = None,
-    fmt: FormatOpt = OutputFormat.auto,
+    fmt: PrintOpt = OutputFormat.auto,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:

@@ -16,14 +16,18 @@ def show_plan(task, output: Output) -> None:
             Column("name"),
             Column("action"),
             Column("scheme", human=lambda v: v or "—"),
+            Column("from", human=lambda v: v or "—"),
             Column("shape"),
             Column("before", human=human_bytes, justify="right"),
             Column("after", human=human_bytes, justify="right"),
             Column("bits/weight", human=lambda v: f"{v:.3f}", justify="right"),
         ],
-        [[w["name"], w["action"], w["scheme"], w["shape"], w["bytes_before"], w["bytes_after"], w["bits_per_weight"]] for w in document["weights"]],
-        collapse_keys=(1, 2, 3, 6),
-        collapse_sums=(4, 5),
+        [
+            [w["name"], w["action"], w["scheme"], w["from"], w["shape"], w["bytes_before"], w["bytes_after"], w["bits_per_weight"]]
+            for w in document["weights"]
+        ],
+        collapse_keys=(1, 2, 3, 4, 7),
+        collapse_sums=(5, 6),
         title=f"Plan: {task.output}",
     )
     summary = document["summary"]
