@@ -7,16 +7,25 @@
 
 A float8 weight with neither scale is a low-precision float tensor, not a quantized one: the
 plain convention takes it.
+
+`decode` multiplies in float32 and casts once to the weight's logical dtype (config
+`torch_dtype`; float32 when the checkpoint names none), as DeepSeek's `weight_dequant` and
+vLLM do. Partial edge blocks take their block's scale.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from qtool.conventions.base import Pool, block_from_scale, by_module, plain_weights
 from qtool.formats.checkpoint import Checkpoint
 from qtool.scheme import QScheme, qtype
 from qtool.weight import DATA, Weight
 
-__all__ = ["Fp8"]
+if TYPE_CHECKING:  # torch is imported where data is touched, never at import time
+    import torch
+
+__all__ = ["Fp8", "decode"]
 
 NAME = "fp8"
 _VALUE_TYPES = {"F8_E4M3": "fp8_e4m3", "F8_E5M2": "fp8_e5m2", "F8_E4M3FNUZ": "fp8_e4m3fnuz", "F8_E5M2FNUZ": "fp8_e5m2fnuz"}
@@ -24,6 +33,9 @@ _VALUE_TYPES = {"F8_E4M3": "fp8_e4m3", "F8_E5M2": "fp8_e5m2", "F8_E4M3FNUZ": "fp
 
 class Fp8:
     name = NAME
+
+    def decode(self, checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu") -> torch.Tensor:
+        return decode(checkpoint, weight, device)
 
     def detect(self, checkpoint: Checkpoint, pool: Pool) -> list[Weight]:
         config = checkpoint.config.get("quantization_config")
@@ -59,3 +71,19 @@ class Fp8:
             dtype = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(logical, data.dtype.name)
             weights.append(Weight(data.name, data.shape, dtype, members, scheme, NAME))
         return weights
+
+
+def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu") -> torch.Tensor:
+    """The float weight: w[i, j] * scale[block of (i, j)], in the weight's logical dtype."""
+    import torch
+
+    from qtool import kernels
+    from qtool.errors import UsageError
+
+    scheme = weight.require_scheme()
+    if scheme.convention != NAME:
+        raise UsageError(f"{weight.name} is a {scheme.convention} weight, not fp8")
+    dtype = {"BF16": torch.bfloat16, "F16": torch.float16}.get(weight.dtype, torch.float32)
+    values = checkpoint.load(weight.data).to(device)
+    scale = checkpoint.load(weight.members["scale"]).to(device)
+    return kernels.dequantize(values, scale.float(), None, scheme.block_for(weight.shape), dtype)

@@ -1,0 +1,279 @@
+"""bitsandbytes 4-bit (nf4, fp4), as transformers saves it (CONVENTIONS §4).
+
+Verified against bitsandbytes 0.50 (`functional.QuantState.as_dict`, `get_4bit_type`,
+`backends/default/ops.py`). Per weight `w` (e.g. `model.layers.0.mlp.up_proj.weight`):
+
+    w                                   U8 [ceil(O*I/2), 1]  codes of the flattened weight,
+                                        two per byte, HIGH nibble = even element
+    w.absmax                            F32 [ceil(O*I/bs)]   (U8 when nested)
+    w.quant_map                         F32 [16]             the codebook
+    w.nested_absmax, w.nested_quant_map F32                  double quantization only
+    w.quant_state.bitsandbytes__nf4     U8 [len]             JSON {quant_type, blocksize,
+                                        (or __fp4)           dtype, shape, nested_*}
+
+Blocks of `bs` (32..4096, default 64) run over the flattened weight, across row ends.
+`w = quant_map[code] * absmax[k // bs]` in float32, cast to the JSON's dtype. Nested:
+`absmax = nested_quant_map[absmax_u8] * nested_absmax[j // nested_blocksize] + offset`.
+qtool writes non-nested nf4 and fp4 and reads nested too. The 8-bit layout (`SCB`) is not
+read here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from typing import TYPE_CHECKING, Any
+
+from qtool.conventions.base import Pool, plain_weights
+from qtool.formats.checkpoint import Checkpoint, StoredTensor
+from qtool.scheme import QScheme, qtype
+from qtool.weight import DATA, Weight
+
+if TYPE_CHECKING:  # torch is imported where data is touched, never at import time
+    import torch
+
+__all__ = ["Bitsandbytes", "BLOCKSIZES", "encode", "encoded_layout", "config_for", "decode"]
+
+NAME = "bitsandbytes"
+BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # what bitsandbytes 0.50 accepts
+_STATE = ".quant_state.bitsandbytes__"
+_QUANT_TYPES = {"nf4": "nf4", "fp4": "fp4_bnb"}  # JSON quant_type -> qtool value type
+_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+_PACKING = "uint8, two per byte, high nibble first, over the flattened weight"
+
+
+class _Unfit(ValueError):
+    pass
+
+
+class Bitsandbytes:
+    name = NAME
+
+    def detect(self, checkpoint: Checkpoint, pool: Pool) -> list[Weight]:
+        weights: list[Weight] = []
+        for state_name in [n for n in pool if _STATE in n]:
+            base, _, quant_type = state_name.partition(_STATE)
+            members = {"quant_state": pool[state_name]}
+            for leaf, role in (("", DATA), (".absmax", "scale"), (".quant_map", "quant_map"),
+                               (".nested_absmax", "nested_absmax"), (".nested_quant_map", "nested_quant_map")):  # fmt: skip
+                if base + leaf in pool:
+                    members[role] = pool[base + leaf]
+            try:
+                weights.append(_resolve(checkpoint, base, quant_type, members))
+            except _Unfit as exc:
+                weights.extend(plain_weights(members, f"looks like bitsandbytes 4-bit, but {exc}; left plain"))
+        return weights
+
+    def decode(self, checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu") -> torch.Tensor:
+        return decode(checkpoint, weight, device)
+
+
+def _read_state(checkpoint: Checkpoint, tensor: StoredTensor) -> dict[str, Any]:
+    if tensor.dtype.name != "U8" or len(tensor.shape) != 1:
+        raise _Unfit(f"{tensor.name} is {tensor.dtype.name} {list(tensor.shape)}, expected U8 JSON bytes")
+    try:
+        state = json.loads(checkpoint.read_small(tensor).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise _Unfit(f"{tensor.name} is not UTF-8 JSON") from None
+    if not isinstance(state, dict):
+        raise _Unfit(f"{tensor.name} holds {type(state).__name__}, expected a JSON object")
+    return state
+
+
+def _resolve(checkpoint: Checkpoint, base: str, quant_type: str, members: dict[str, StoredTensor]) -> Weight:
+    if quant_type not in _QUANT_TYPES:
+        raise _Unfit(f"quant type {quant_type!r} is neither nf4 nor fp4")
+    for role, leaf in ((DATA, ""), ("scale", ".absmax"), ("quant_map", ".quant_map")):
+        if role not in members:
+            raise _Unfit(f"{base + leaf} is missing")
+    state = _read_state(checkpoint, members["quant_state"])
+    shape, blocksize, dtype = state.get("shape"), state.get("blocksize"), state.get("dtype")
+    if state.get("quant_type") != quant_type:
+        raise _Unfit(f"the quant state says {state.get('quant_type')!r}, its name says {quant_type!r}")
+    if not (isinstance(shape, list) and shape and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise _Unfit(f"the quant state's shape {shape!r} is not a list of sizes")
+    if blocksize not in BLOCKSIZES:
+        raise _Unfit(f"blocksize {blocksize!r} is not one of {list(BLOCKSIZES)}")
+    numel = math.prod(shape)
+    data, absmax, quant_map = members[DATA], members["scale"], members["quant_map"]
+    if data.nbytes != math.ceil(numel / 2):
+        raise _Unfit(f"{data.name} holds {data.nbytes} bytes, {list(shape)} needs {math.ceil(numel / 2)}")
+    nested = "nested_absmax" in members
+    blocks = math.ceil(numel / blocksize)
+    if absmax.shape != (blocks,) or absmax.dtype.name != ("U8" if nested else "F32"):
+        raise _Unfit(f"absmax is {absmax.dtype.name} {list(absmax.shape)}, expected {'U8' if nested else 'F32'} [{blocks}]")
+    if quant_map.dtype.name != "F32" or quant_map.shape != (16,):
+        raise _Unfit(f"quant_map is {quant_map.dtype.name} {list(quant_map.shape)}, expected F32 [16]")
+    notes = []
+    if nested:
+        if "nested_quant_map" not in members or not isinstance(state.get("nested_blocksize"), int) or state["nested_blocksize"] < 1:
+            raise _Unfit("double quantization needs nested_quant_map and a nested_blocksize")
+        if not isinstance(state.get("nested_offset"), (int, float)):
+            raise _Unfit("double quantization needs a numeric nested_offset")
+        nested_blocks = math.ceil(blocks / state["nested_blocksize"])
+        if members["nested_absmax"].shape != (nested_blocks,) or members["nested_quant_map"].shape != (256,):
+            raise _Unfit(f"nested_absmax {list(members['nested_absmax'].shape)} / nested_quant_map do not fit {blocks} blocks")
+    value_type = qtype(_QUANT_TYPES[quant_type])
+    expected_map = struct.pack("<16f", *_codebook_values(value_type.name))
+    if checkpoint.read_small(quant_map) != expected_map:
+        notes.append(f"quant_map differs from bitsandbytes' {quant_type} table; bitsandbytes decodes with its table, so does qtool")
+    if len(shape) >= 2 and shape[-1] % blocksize:
+        notes.append(f"blocks of {blocksize} run across rows of {shape[-1]} (bitsandbytes blocks the flattened weight)")
+    scheme = QScheme(
+        qtype=value_type,
+        block=(1, blocksize),
+        symmetric=True,
+        scale_dtype="F32",
+        packing=_PACKING,
+        convention=NAME,
+        extra=(("blocks", "over the flattened weight"), ("double_quant", "yes" if nested else "no")),
+    )
+    return Weight(base, tuple(shape), _DTYPES.get(str(dtype), "F32"), members, scheme, NAME, notes)
+
+
+def _codebook_values(name: str) -> list[float]:
+    """The float32 table as bitsandbytes builds it (divided by its absmax in float32)."""
+    from qtool.kernels.floats import FP4_BNB_CODEBOOK, NF4_CODEBOOK
+
+    values = FP4_BNB_CODEBOOK if name == "fp4_bnb" else NF4_CODEBOOK
+    largest = struct.unpack("<f", struct.pack("<f", max(abs(v) for v in values)))[0]
+    return [struct.unpack("<f", struct.pack("<f", v / largest))[0] if v else v for v in values]
+
+
+# -- codec ----------------------------------------------------------------------------------------
+
+
+def _settings(name: str, shape: tuple[int, ...], scheme: QScheme) -> tuple[str, int]:
+    from qtool.errors import UsageError
+
+    quant_type = {value: key for key, value in _QUANT_TYPES.items()}.get(scheme.qtype.name)
+    if quant_type is None:
+        raise UsageError(f"bitsandbytes 4-bit stores nf4 or fp4_bnb, not {scheme.qtype.name}", hint="e.g. nf4:g64")
+    blocksize = scheme.group_size
+    if blocksize is None:
+        raise UsageError(f"bitsandbytes quantizes in blocks (nf4:g64), not per {scheme.granularity}")
+    if blocksize not in BLOCKSIZES:
+        raise UsageError(f"bitsandbytes blocksize must be one of {list(BLOCKSIZES)}, not {blocksize}")
+    if scheme.scale_dtype.upper() not in ("F32", "AUTO"):
+        raise UsageError(f"bitsandbytes stores float32 absmax scales, not {scheme.scale_dtype}")
+    if math.prod(shape) == 0:
+        raise UsageError(f"{name} has no elements to quantize")
+    return quant_type, blocksize
+
+
+def _state_blob(quant_type: str, blocksize: int, dtype: str, shape: tuple[int, ...]) -> bytes:
+    # QuantState.as_dict(packed=True): the non-tensor items, in this order, json.dumps defaults
+    torch_name = {value: key for key, value in _DTYPES.items()}.get(dtype)
+    if torch_name is None:
+        from qtool.errors import UsageError
+
+        raise UsageError(f"bitsandbytes quantizes float16/bfloat16/float32 weights, not {dtype}")
+    state = {"quant_type": quant_type, "blocksize": blocksize, "dtype": torch_name, "shape": list(shape)}
+    return json.dumps(state).encode("utf-8")
+
+
+def encoded_layout(name: str, shape: tuple[int, ...], dtype: str, scheme: QScheme) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(stored name, safetensors dtype, shape) of every tensor `encode` writes, from the shape alone."""
+    quant_type, blocksize = _settings(name, tuple(shape), scheme)
+    numel = math.prod(shape)
+    blob = _state_blob(quant_type, blocksize, dtype, tuple(shape))
+    return [
+        (name, "U8", (math.ceil(numel / 2), 1)),
+        (f"{name}.absmax", "F32", (math.ceil(numel / blocksize),)),
+        (f"{name}.quant_map", "F32", (16,)),
+        (f"{name}{_STATE}{quant_type}", "U8", (len(blob),)),
+    ]
+
+
+def encode(name: str, weight: torch.Tensor, scheme: QScheme) -> dict[str, torch.Tensor]:
+    """The stored tensors of one weight, byte for byte as bitsandbytes' CPU `quantize_4bit`
+    (non-nested) and transformers' save write them."""
+    import torch
+
+    from qtool import kernels
+
+    dtype = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}.get(weight.dtype, str(weight.dtype))
+    layout = encoded_layout(name, tuple(weight.shape), dtype, scheme)
+    quant_type, blocksize = _settings(name, tuple(weight.shape), scheme)
+    value_type = scheme.qtype
+    flat = weight.reshape(-1)
+    numel, block = flat.numel(), (blocksize,)
+    absmax, _ = kernels.choose_qparams(flat, block, value_type, True, "F32")
+    codes = kernels.quantize(flat, absmax, None, block, value_type)
+    full = numel - numel % blocksize
+    if full < numel:
+        # bitsandbytes treats a partial last block apart: it divides by the absmax there (the
+        # full blocks multiply by its reciprocal) and stores that absmax clamped to 1e-38
+        tail_max = absmax[-1:].clamp(min=1e-38)
+        tail = torch.clamp(flat[full:].float() / tail_max, -1, 1)
+        codes[full:] = kernels.codebook_encode(tail, value_type.name)
+        absmax = torch.cat([absmax[:-1], tail_max])
+    if numel % 2:  # the odd last byte pairs with the code of 0.0, as bitsandbytes pads
+        zero = kernels.codebook_encode(torch.zeros(1, device=flat.device), value_type.name)
+        codes = torch.cat([codes, zero])
+    blob = _state_blob(quant_type, blocksize, dtype, tuple(weight.shape))
+    tensors = (
+        kernels.pack_nibbles(codes, high_first=True).reshape(-1, 1),
+        absmax,
+        kernels.codebook(value_type.name, flat.device).clone(),
+        torch.tensor(list(blob), dtype=torch.uint8, device=flat.device),
+    )
+    return {entry[0]: tensor.contiguous() for entry, tensor in zip(layout, tensors)}
+
+
+def config_for(schemes_by_module: dict[str, QScheme], ignore: list[str], dtype: str | None = None) -> dict[str, Any]:
+    """transformers' `BitsAndBytesConfig(load_in_4bit=True, ...).to_dict()` for these modules.
+    The blocksize is not in it: a pre-quantized weight's quant state carries its own."""
+    from qtool.errors import UsageError
+
+    if not schemes_by_module:
+        raise UsageError("no quantized modules: a bitsandbytes config needs at least one")
+    quant_types = {_settings(module, (1,), scheme)[0] for module, scheme in schemes_by_module.items()}
+    if len(quant_types) > 1:
+        raise UsageError(f"one bitsandbytes config holds one 4-bit type, got {' and '.join(sorted(quant_types))}")
+    compute = {value: key for key, value in _DTYPES.items()}.get(str(dtype).upper() if dtype else "F32")
+    if compute is None:
+        raise UsageError(f"the model dtype must be BF16, F16 or F32, got {dtype!r}")
+    return {
+        "quant_method": "bitsandbytes",
+        "_load_in_8bit": False,
+        "_load_in_4bit": True,
+        "llm_int8_threshold": 6.0,
+        "llm_int8_skip_modules": list(ignore),
+        "llm_int8_enable_fp32_cpu_offload": False,
+        "llm_int8_has_fp16_weight": False,
+        "bnb_4bit_quant_type": quant_types.pop(),
+        "bnb_4bit_use_double_quant": False,
+        "bnb_4bit_compute_dtype": compute,
+        "bnb_4bit_quant_storage": "uint8",
+        "load_in_4bit": True,
+        "load_in_8bit": False,
+    }
+
+
+def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu") -> torch.Tensor:
+    """The float weight in its logical shape and dtype, as bitsandbytes' `dequantize_4bit`."""
+    import torch
+
+    from qtool import kernels
+    from qtool.errors import UsageError
+
+    scheme = weight.require_scheme()
+    if scheme.convention != NAME:
+        raise UsageError(f"{weight.name} is a {scheme.convention} weight, not bitsandbytes")
+    numel = math.prod(weight.shape)
+    blocksize = scheme.block[-1]
+    packed = checkpoint.load(weight.data).to(device).reshape(-1)
+    codes = kernels.unpack_nibbles(packed.view(torch.uint8), high_first=True)[:numel]
+    absmax = checkpoint.load(weight.members["scale"]).to(device)
+    if "nested_absmax" in weight.members:
+        state = _read_state(checkpoint, weight.members["quant_state"])
+        nested_map = checkpoint.load(weight.members["nested_quant_map"]).to(device)
+        nested_absmax = checkpoint.load(weight.members["nested_absmax"]).to(device)
+        values = nested_map[absmax.long()]
+        absmax = kernels.dequantize(values, nested_absmax, None, (state["nested_blocksize"],), torch.float32)
+        absmax = absmax + torch.tensor(float(state["nested_offset"]), device=absmax.device)
+    dtype = {"BF16": torch.bfloat16, "F16": torch.float16}.get(weight.dtype, torch.float32)
+    out = kernels.dequantize(codes, absmax, None, (blocksize,), dtype, qtype=scheme.qtype)
+    return out.reshape(weight.shape)
