@@ -286,3 +286,17 @@ def test_quantize_in_a_real_process(tmp_path):
     assert result.stdout.startswith("weight\tscheme\tSQNR dB")  # not a terminal: TSV
     assert result.stderr == ""  # no progress bar off a terminal
     assert json.loads((tmp_path / "r.json").read_text())["summary"]["sqnr_db"] > 35
+
+
+@pytest.mark.parametrize("scheme", ["W4A16_ASYM", "int8", "FP8_BLOCK", "int2:g64", "W4A16"])
+def test_row_chunked_encoding_is_identical_to_whole_weights(tmp_path, monkeypatch, scheme):
+    import qtool.pipeline
+
+    ok("quantize", TINY, "-o", tmp_path / "whole", "--scheme", scheme, "--report", tmp_path / "whole.json", "-q")
+    monkeypatch.setattr(qtool.pipeline, "CHUNK_ELEMENTS", 1)  # the smallest chunk each scheme allows
+    assert qtool.pipeline._row_chunk(qtool.scheme.parse_scheme(scheme), (256, 256)) is not None
+    ok("quantize", TINY, "-o", tmp_path / "chunked", "--scheme", scheme, "--report", tmp_path / "chunked.json", "-q")
+    assert (tmp_path / "whole" / "model.safetensors").read_bytes() == (tmp_path / "chunked" / "model.safetensors").read_bytes()
+    whole, chunked = (json.loads((tmp_path / f"{n}.json").read_text())["weights"] for n in ("whole", "chunked"))
+    for a, b in zip(sorted(whole, key=lambda w: w["name"]), sorted(chunked, key=lambda w: w["name"])):
+        assert a["sqnr_db"] == pytest.approx(b["sqnr_db"], abs=1e-6)
