@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 __all__ = ["ErrorStats"]
 
+_SLICE = 1 << 20
+
 
 @dataclass
 class ErrorStats:
@@ -27,18 +29,29 @@ class ErrorStats:
     count: int = 0
 
     def update(self, original, reconstructed) -> "ErrorStats":
-        """Add one chunk (torch tensors of the same shape, any float dtype, any device)."""
+        """Add one chunk (torch tensors of the same shape, any float dtype, any device).
+
+        Three BLAS dot products and one min/max pass over float32: x.y and y.y follow from
+        x.x, x.e and e.e (y = x - e). Dots run over 1M-element slices (relative error ~2e-5)
+        and add up in float64, which keeps SQNR within ~1e-4 dB of a float64 computation.
+        """
         import torch
 
-        x = original.to(torch.float64)
-        y = reconstructed.to(torch.float64)
-        error = x - y
-        self.signal += float((x * x).sum())
-        self.noise += float((error * error).sum())
-        self.recon += float((y * y).sum())
-        self.dot += float((x * y).sum())
+        x = original.reshape(-1).to(torch.float32)
+        error = x - reconstructed.reshape(-1).to(torch.float32)
+        xx = xe = ee = 0.0
+        for start in range(0, x.numel(), _SLICE):  # float32 dots over 1M terms err ~1e-5; sums in float64
+            xs, es = x[start : start + _SLICE], error[start : start + _SLICE]
+            xx += float(torch.dot(xs, xs))
+            xe += float(torch.dot(xs, es))
+            ee += float(torch.dot(es, es))
+        self.signal += xx
+        self.noise += ee
+        self.dot += xx - xe
+        self.recon += xx - 2 * xe + ee
         if error.numel():
-            self.max_abs = max(self.max_abs, float(error.abs().max()))
+            low, high = torch.aminmax(error)
+            self.max_abs = max(self.max_abs, float(high), -float(low))
         self.count += x.numel()
         return self
 

@@ -192,6 +192,9 @@ class QScheme:
         if self.qtype.kind == "int":
             parts.append("sym" if self.symmetric else "asym")
         parts.append(self.granularity_label)
+        gguf_type = dict(self.extra).get("gguf_type")
+        if self.convention == "gguf" and gguf_type and gguf_type.lower() != self.family:
+            parts.insert(0, gguf_type)  # "Q4_K uint4 asym g256": the name llama.cpp users know
         return " ".join(parts)
 
 

@@ -299,4 +299,4 @@ def test_row_chunked_encoding_is_identical_to_whole_weights(tmp_path, monkeypatc
     assert (tmp_path / "whole" / "model.safetensors").read_bytes() == (tmp_path / "chunked" / "model.safetensors").read_bytes()
     whole, chunked = (json.loads((tmp_path / f"{n}.json").read_text())["weights"] for n in ("whole", "chunked"))
     for a, b in zip(sorted(whole, key=lambda w: w["name"]), sorted(chunked, key=lambda w: w["name"])):
-        assert a["sqnr_db"] == pytest.approx(b["sqnr_db"], abs=1e-6)
+        assert a["sqnr_db"] == pytest.approx(b["sqnr_db"], abs=1e-4)  # float32 dots over other slices

@@ -14,8 +14,10 @@ from types import ModuleType
 from typing import Any
 
 from qtool.conventions.base import Convention, Pool
+from qtool.conventions.bitsandbytes import Bitsandbytes
 from qtool.conventions.compressed_tensors import CompressedTensors
 from qtool.conventions.fp8 import Fp8
+from qtool.conventions.gguf import Gguf
 from qtool.conventions.plain import Plain
 from qtool.errors import QtoolError
 from qtool.formats.checkpoint import Checkpoint
@@ -25,7 +27,7 @@ from qtool.weight import Weight
 
 __all__ = ["REGISTRY", "resolve", "Convention", "ClaimConflict", "Encoder", "encoder_for", "decoder_for"]
 
-REGISTRY: tuple[Convention, ...] = (CompressedTensors(), Fp8(), Plain())
+REGISTRY: tuple[Convention, ...] = (CompressedTensors(), Fp8(), Bitsandbytes(), Gguf(), Plain())
 
 
 class ClaimConflict(RuntimeError):
@@ -58,7 +60,7 @@ def decoder_for(weight: Weight) -> Any:
     )
 
 
-_WRITERS = {"compressed-tensors": "qtool.conventions.compressed_tensors"}
+_WRITERS = {"compressed-tensors": "qtool.conventions.compressed_tensors", "bitsandbytes": "qtool.conventions.bitsandbytes"}
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,10 @@ class StoredTensor:
     begin: int  # absolute byte offset of the data in `file`
     end: int
     file: str
+    # Block-quantized data (GGUF): the container's own type name, e.g. "Q4_K", and the logical
+    # shape in PyTorch order. The stored tensor itself is then raw bytes: dtype U8, shape (nbytes,).
+    encoding: str | None = None
+    logical_shape: tuple[int, ...] | None = None
 
     @property
     def numel(self) -> int:

@@ -23,7 +23,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     path = os.fspath(path)
     if not os.path.exists(path):
         raise CheckpointError(
-            "no such file or directory", path=path, hint="pass a .safetensors file, a *.safetensors.index.json, or a model folder"
+            "no such file or directory", path=path, hint="pass a .safetensors or .gguf file, a *.safetensors.index.json, or a model folder"
         )
     if os.path.isdir(path):
         return _open_directory(path)
@@ -31,10 +31,12 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         return _open_index(path, display=path)
     if path.endswith(".safetensors"):
         return _open_files(path, [path], base_dir=os.path.dirname(path) or ".")
+    if path.endswith(".gguf"):
+        return _open_gguf(path, path)
     raise CheckpointError(
         f"unsupported file type {os.path.splitext(path)[1] or '(no extension)'!r}",
         path=path,
-        hint="qtool reads .safetensors files, *.safetensors.index.json shards, and model folders",
+        hint="qtool reads .safetensors and .gguf files, *.safetensors.index.json shards, and model folders",
     )
 
 
@@ -53,6 +55,15 @@ def _open_directory(path: str) -> Checkpoint:
     if indexes:
         return _open_index(os.path.join(path, indexes[0]), display=path)
     files = [os.path.join(path, n) for n in names if n.endswith(".safetensors") and os.path.isfile(os.path.join(path, n))]
+    ggufs = [os.path.join(path, n) for n in names if n.endswith(".gguf") and os.path.isfile(os.path.join(path, n))]
+    if not files and len(ggufs) == 1:
+        return _open_gguf(path, ggufs[0])
+    if not files and ggufs:
+        raise CheckpointError(
+            f"holds {len(ggufs)} GGUF files ({', '.join(os.path.basename(g) for g in ggufs)})",
+            path=path,
+            hint="pass the .gguf file you mean",
+        )
     if not files:
         raise CheckpointError(
             "directory holds no checkpoint (no *.safetensors or *.safetensors.index.json)",
@@ -124,6 +135,15 @@ def _open_files(display: str, files: list[str], base_dir: str) -> Checkpoint:
         metadata=metadata,
         side_files=_read_side_files(base_dir),
     )
+
+
+def _open_gguf(display: str, file: str) -> Checkpoint:
+    """A GGUF file describes itself: no side files are read (a config.json beside it may belong
+    to another checkpoint in the same folder)."""
+    from qtool.formats.gguf import read_gguf_file
+
+    tensors, metadata = read_gguf_file(file)
+    return Checkpoint(path=display, format="gguf", files=[file], tensors={t.name: t for t in tensors}, metadata=metadata)
 
 
 def _read_side_files(base_dir: str) -> dict[str, Any]:

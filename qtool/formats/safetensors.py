@@ -38,8 +38,8 @@ def _strict_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     if len(result) != len(pairs):
         seen: set[str] = set()
         for key, _ in pairs:
-            if key in seen:
-                raise _DuplicateKey(key)
+            if key in seen:  # only the top level holds objects (the entries and __metadata__)
+                raise _DuplicateKey(key, top_level=any(isinstance(value, dict) for _, value in pairs))
             seen.add(key)
     return result
 
@@ -49,9 +49,10 @@ def _no_constants(name: str) -> Any:
 
 
 class _DuplicateKey(ValueError):
-    def __init__(self, key: str) -> None:
+    def __init__(self, key: str, top_level: bool) -> None:
         super().__init__(key)
         self.key = key
+        self.top_level = top_level
 
 
 def read_header(path: str) -> tuple[bytes, int]:
@@ -91,8 +92,8 @@ def parse_header(path: str, header: bytes, file_size: int) -> tuple[list[StoredT
     try:
         parsed = json.loads(text, object_pairs_hook=_strict_object, parse_constant=_no_constants)
     except _DuplicateKey as exc:
-        if exc.key in ("dtype", "shape", "data_offsets"):
-            raise _fail(path, f"field {exc.key!r} appears twice in a tensor entry") from None
+        if not exc.top_level:
+            raise _fail(path, f"field {exc.key!r} appears twice in an entry") from None
         raise _fail(path, f"tensor name {exc.key!r} appears twice in the header") from None
     except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError; so are 5000-digit ints
         raise _fail(path, f"header is not JSON ({getattr(exc, 'msg', None) or exc or 'too deeply nested'})") from None
