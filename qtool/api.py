@@ -77,7 +77,7 @@ def _check_output(source_path: str, output: str, checkpoint: Checkpoint) -> bool
         raise UsageError(f"output {output} is the input", hint="write to a new path; qtool never modifies its input")
     if os.path.isdir(source_path) and out.startswith(os.path.realpath(source_path) + os.sep):
         raise UsageError(f"output {output} is inside the input folder", hint="write beside the input, not into it")
-    return output.endswith(".safetensors")
+    return output.endswith((".safetensors", ".gguf"))
 
 
 def prepare_quantize(
@@ -119,6 +119,8 @@ def prepare_quantize(
             f"no weight of {path} matches the selection",
             hint="by default 2-D float *.weight tensors of linear layers are quantized; see --include",
         )
+    if format == "gguf" or schemes == {"gguf"} or output.endswith(".gguf"):
+        return _prepare_gguf(checkpoint, weights, chosen, output, warnings)
     if len(schemes) > 1:
         raise UsageError(f"the chosen schemes write different layouts ({', '.join(sorted(schemes))})", hint="pick schemes of one layout per run")
     layout = schemes.pop()
@@ -134,6 +136,22 @@ def prepare_quantize(
         max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
     )
     return Task(plan, output, single_file, warnings)
+
+
+def _prepare_gguf(checkpoint: Checkpoint, weights, chosen, output: str, warnings: list[str]) -> Task:
+    """`--format gguf`: one .gguf file, written through the gguf package."""
+    from qtool.gguf_export import gguf_type_for, plan_gguf
+
+    if not output.endswith(".gguf"):
+        raise UsageError(f"a GGUF output is one file: -o {output} should end in .gguf", hint="e.g. -o model-q4_0.gguf")
+    for scheme in {s for s in chosen.values() if s is not None}:
+        try:
+            gguf_type_for(scheme)
+        except (ValueError, KeyError):
+            raise UsageError(
+                f"GGUF has no block type for {scheme.label}", hint="use q8_0, q4_0, q4_1, q5_0, q5_1 or mxfp4 with --format gguf"
+            ) from None
+    return Task(plan_gguf(checkpoint, weights, chosen, output), output, True, warnings)
 
 
 def prepare_dequantize(
@@ -181,6 +199,13 @@ def run(
         if threads < 1:
             raise UsageError(f"--threads {threads} must be at least 1")
         torch.set_num_threads(threads)
+    if task.output.endswith(".gguf"):
+        from qtool.gguf_export import execute_gguf
+
+        try:
+            return execute_gguf(task.plan, task.output, overwrite=overwrite, device=resolved, on_progress=on_progress, measure=measure)
+        finally:
+            task.plan.source.close()
     output = Output(task.output, single_file=task.single_file, overwrite=overwrite)
     try:
         return execute(task.plan, output, device=resolved, measure=measure, on_progress=on_progress)

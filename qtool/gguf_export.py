@@ -152,6 +152,7 @@ class GgufPlan:
                     "name": j.weight.name,
                     "action": j.action,
                     "scheme": j.scheme.label if j.scheme else None,
+                    "from": j.weight.scheme.label if j.weight.scheme else None,
                     "shape": list(j.shape),
                     "bytes_before": j.bytes_in,
                     "bytes_after": j.bytes_out,

@@ -300,3 +300,30 @@ def test_row_chunked_encoding_is_identical_to_whole_weights(tmp_path, monkeypatc
     whole, chunked = (json.loads((tmp_path / f"{n}.json").read_text())["weights"] for n in ("whole", "chunked"))
     for a, b in zip(sorted(whole, key=lambda w: w["name"]), sorted(chunked, key=lambda w: w["name"])):
         assert a["sqnr_db"] == pytest.approx(b["sqnr_db"], abs=1e-4)  # float32 dots over other slices
+
+
+@pytest.mark.parametrize("scheme, gguf_type", [("q8_0", "Q8_0"), ("q4_0", "Q4_0"), ("q4_1", "Q4_1"), ("q5_0", "Q5_0"), ("q5_1", "Q5_1"), ("mxfp4", "MXFP4")])
+def test_quantize_to_gguf_through_the_cli(tmp_path, scheme, gguf_type):
+    import gguf
+
+    out = tmp_path / "model.gguf"
+    ok("quantize", TINY, "-o", out, "--format", "gguf", "--scheme", scheme, "--report", tmp_path / "r.json", "-q")
+    reader = gguf.GGUFReader(str(out))
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.attn_v.weight"] == gguf_type and types["blk.0.attn_norm.weight"] == "F32"
+    doc = json.loads(ok("inspect", out, "--json").stdout)
+    assert doc["format"] == "gguf" and "gguf" in doc["conventions"]
+    assert doc["summary"]["parameters"] == qtool.inspect(TINY).summary()["parameters"]
+    assert json.loads((tmp_path / "r.json").read_text())["summary"]["sqnr_db"] > 15
+    ok("dequantize", out, "-o", tmp_path / "back.safetensors", "-q")
+    restored = load_file(str(tmp_path / "back.safetensors"))
+    reference = gguf.quants.dequantize(next(t for t in reader.tensors if t.name == "blk.0.attn_v.weight").data, reader.tensors[0].tensor_type.__class__[gguf_type])
+    assert torch.equal(restored["blk.0.attn_v.weight"].float(), torch.from_numpy(reference.copy()).bfloat16().float())
+
+
+def test_gguf_output_errors(tmp_path):
+    result = run("quantize", TINY, "-o", tmp_path / "model.gguf", "--scheme", "W4A16")
+    assert result.exit_code == 2 and "GGUF" in result.stderr
+    result = run("quantize", TINY, "-o", tmp_path / "out", "--format", "gguf", "--scheme", "q4_0")
+    assert result.exit_code == 2 and "should end in .gguf" in result.stderr
+    assert os.listdir(tmp_path) == []

@@ -28,7 +28,8 @@ HELP = """Quantize a checkpoint's linear weights and write a layout real loaders
 
 By default the 2-D float *.weight tensors of linear layers are quantized; embeddings,
 lm_head, norms and biases are copied. The output is compressed-tensors (what vLLM and
-transformers load) unless the scheme needs another layout (nf4: bitsandbytes). Every
+transformers load) unless the scheme needs another layout (nf4: bitsandbytes; q8_0, q4_0,
+q4_1, q5_0, q5_1: GGUF through the gguf package). Every
 quantized weight's error (SQNR, relative RMSE, max abs error, cosine) is measured on the
 way; the worst 10 are shown. Run `qtool schemes` for the schemes.
 
@@ -38,6 +39,7 @@ Examples:
   qtool quantize model.safetensors -o out/ --scheme int8 --device cuda --report report.json
   qtool quantize model/ -o out/ --scheme fp8:block128x128 --ignore 're:.*lm_head' --dry-run
   qtool quantize model/ -o out/ --scheme W4A16 --tensor-scheme 're:.*down_proj.*=W8A16'
+  qtool quantize model/ -o model-q4_0.gguf --format gguf --scheme q4_0
 """
 
 
@@ -50,7 +52,9 @@ def quantize_command(
     tensor_scheme: Annotated[
         Optional[List[str]], typer.Option("--tensor-scheme", help="PATTERN=SCHEME: another scheme for matching weights. Repeatable.")
     ] = None,
-    layout: Annotated[str, typer.Option("--format", help="Output layout: auto, compressed-tensors or bitsandbytes.")] = "auto",
+    layout: Annotated[
+        str, typer.Option("--format", help="Output layout: auto, compressed-tensors, bitsandbytes, or gguf (one .gguf file).")
+    ] = "auto",
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Cast the float tensors that stay unquantized: bf16, f16 or f32.")] = None,
     allow_requantize: Annotated[bool, typer.Option("--allow-requantize", help="Accept an already-quantized input: dequantize it first.")] = False,
     report: Annotated[Optional[str], typer.Option("--report", help="Write every quantized weight's error to this JSON file.")] = None,
