@@ -522,8 +522,9 @@ def encode(name: str, weight: torch.Tensor, scheme: QScheme) -> dict[str, torch.
         value_type = qtype(f"int{target.num_bits}")
         scale, zero_point = kernels.choose_qparams(weight, block, value_type, target.symmetric, _scale_storage(scheme, dtype))
         values = kernels.quantize(weight, scale, zero_point, block, value_type)
-        offset = 1 << (target.num_bits - 1)  # stored as q + 2^(b-1)
-        out[names[0]] = kernels.pack_int32(values.to(torch.int32) + offset, target.num_bits, dim=-1)
+        offset = 1 << (target.num_bits - 1)  # stored as q + 2^(b-1): in uint8, v + offset wraps to exactly that
+        unsigned = values.view(torch.uint8).add_(offset)
+        out[names[0]] = kernels.pack_int32(unsigned, target.num_bits, dim=-1, check=False)
         out[names[1]] = scale.reshape(grid)
         if zero_point is not None:
             if target.strategy in ("group", "channel"):

@@ -76,11 +76,12 @@ def _little_endian(t: torch.Tensor) -> bool:
     return t.device.type != "cpu" or sys.byteorder == "little"
 
 
-def pack_int32(values: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
+def pack_int32(values: torch.Tensor, bits: int, dim: int = -1, *, check: bool = True) -> torch.Tensor:
     """int32 words holding `values` (unsigned, each < 2^bits) as a dense LSB-first bit stream
-    along `dim`. The packed dim has ceil(n * bits / 32) words; other dims are unchanged."""
+    along `dim`. The packed dim has ceil(n * bits / 32) words; other dims are unchanged.
+    `check=False` skips the range check (a full pass) for values a quantizer just clamped."""
     _check_bits(bits)
-    if values.numel() and (int(values.min()) < 0 or int(values.max()) >= 1 << bits):
+    if check and values.numel() and (int(values.min()) < 0 or int(values.max()) >= 1 << bits):
         raise UsageError(f"{bits}-bit packing takes values in [0, {(1 << bits) - 1}], got [{int(values.min())}, {int(values.max())}]")
     moved = values.movedim(dim, -1)
     count = moved.shape[-1]
