@@ -464,3 +464,23 @@ def test_fp8_per_tensor_and_per_channel_weight_scale(make_safetensors, scale_sha
     row_scale = [float(scales[i if len(scales) > 1 else 0]) for i in range(6)]
     expected = torch.tensor([[v * row_scale[i] for v in (1.0, -2.0, 0.5, 448.0)] for i in range(6)])
     assert out.dtype == torch.float32 and torch.equal(out, expected)  # no torch_dtype: float32
+
+
+def test_row_chunked_decode_is_identical_to_whole_weights(monkeypatch):
+    """decode bounds its float temporaries by decoding in row chunks; the bytes must not change."""
+    import qtool
+    import qtool.conventions.compressed_tensors as ct
+    from qtool.conventions import decoder_for
+    from tests.conftest import CT_FIXTURES
+
+    checked = 0
+    for fixture in sorted(p for p in CT_FIXTURES.iterdir() if p.is_dir()):
+        report = qtool.inspect(fixture)
+        for weight in (w for w in report.weights if w.quantized):
+            monkeypatch.setattr(ct, "_DECODE_CHUNK", 1 << 30)
+            whole = decoder_for(weight).decode(report.checkpoint, weight, "cpu")
+            monkeypatch.setattr(ct, "_DECODE_CHUNK", 1)  # the smallest chunk: one block row at a time
+            chunked = decoder_for(weight).decode(report.checkpoint, weight, "cpu")
+            assert torch.equal(whole, chunked), (fixture.name, weight.name)
+            checked += 1
+    assert checked >= 28

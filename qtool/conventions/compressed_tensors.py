@@ -614,6 +614,9 @@ def config_for(schemes_by_module: dict[str, QScheme], ignore: list[str], dtype: 
     }
 
 
+_DECODE_CHUNK = 4 << 20  # elements of float temporaries per row chunk when decoding
+
+
 def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu") -> torch.Tensor:
     """The float weight, in its logical shape and dtype, from any layout `detect` recognizes:
     pack-quantized (incl. odd in_features and a packed asymmetric zero point), naive/int-
@@ -641,10 +644,14 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
     zero_point = load("zero_point") if "zero_point" in weight.members else None
     global_scale = load("global_scale").float() if "global_scale" in weight.members else None
     codes_type = None
+    packed = load(DATA)  # a view of the file (mmap) until rows are unpacked below
     if data.name.endswith("weight_packed") and data.dtype.name == "I32":
         bits = value_type.bits
         offset = 1 << (bits - 1)
-        values = kernels.unpack_int32(load(DATA), bits, cols, dim=-1).to(torch.int16) - offset
+
+        def values_of(begin: int, end: int):
+            return kernels.unpack_int32(packed[begin:end], bits, cols, dim=-1).to(torch.int16) - offset
+
         if zero_point is not None and zero_point.dtype == torch.int32:
             packed_rows = math.ceil(rows * bits / 32)
             if zero_point.dim() != 2 or zero_point.shape[0] != packed_rows:
@@ -656,13 +663,22 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
             zero_point = kernels.unpack_int32(zero_point, bits, rows, dim=0).to(torch.int16) - offset
     elif data.name.endswith("weight_packed"):  # U8: fp4 pairs, or fp6 quads
         if value_type.name == "fp6_e2m3":
-            values, codes_type = kernels.unpack_fp6(load(DATA)), value_type
+            codes_type = value_type
+
+            def values_of(begin: int, end: int):
+                return kernels.unpack_fp6(packed[begin:end])
         else:
-            values, codes_type = kernels.unpack_nibbles(load(DATA)), qtype("fp4_e2m1")
+            codes_type = qtype("fp4_e2m1")
+
+            def values_of(begin: int, end: int):
+                return kernels.unpack_nibbles(packed[begin:end])
     else:  # int8 (int/naive-quantized) or float8 (float-quantized, mxfp8)
-        values = load(DATA)
-    if tuple(values.shape) != (rows, cols):
-        raise CheckpointError(f"{weight.name}: data unpacks to {list(values.shape)}, not {[rows, cols]}", path=data.file)
+
+        def values_of(begin: int, end: int):
+            return packed[begin:end]
+
+    if packed.shape[0] != rows:
+        raise CheckpointError(f"{weight.name}: data has {packed.shape[0]} rows, not {rows}", path=data.file)
     block = scheme.block_for((rows, cols))
     if "g_idx" in weight.members:  # activation order: column c uses group g_idx[c]
         g_idx = load("g_idx").long()
@@ -670,4 +686,30 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
         if zero_point is not None:
             zero_point = zero_point.reshape(rows, -1).index_select(1, g_idx)
         block = (1, 1)
-    return kernels.dequantize(values, scale, zero_point, block, dtype, qtype=codes_type, global_scale=global_scale)
+
+    # Row chunks bound the float temporaries to ~_DECODE_CHUNK elements whatever the weight's
+    # size; each chunk is the same arithmetic on the same values, so the result is identical.
+    block_rows = block[0] if block[0] < rows else 0  # 0: one scale row covers every row
+    unit = block_rows or 1
+    step = max(unit, (_DECODE_CHUNK // max(cols, 1)) // unit * unit)
+    out = None
+    for begin in range(0, rows, step):
+        end = min(rows, begin + step)
+        values = values_of(begin, end)
+        if tuple(values.shape) != (end - begin, cols):
+            raise CheckpointError(f"{weight.name}: data unpacks to {list(values.shape)} rows, not {[end - begin, cols]}", path=data.file)
+        if block_rows:
+            grid_rows = math.ceil(rows / block_rows)
+            first, last = begin // block_rows, math.ceil(end / block_rows)
+            chunk_scale = scale.reshape(grid_rows, -1)[first:last]
+            chunk_zero = zero_point.reshape(grid_rows, -1)[first:last] if zero_point is not None else None
+            chunk_block = block
+        else:
+            chunk_scale, chunk_zero, chunk_block = scale, zero_point, (end - begin, block[1])
+        piece = kernels.dequantize(values, chunk_scale, chunk_zero, chunk_block, dtype, qtype=codes_type, global_scale=global_scale)
+        if step >= rows:
+            return piece
+        if out is None:
+            out = torch.empty((rows, cols), dtype=piece.dtype, device=piece.device)
+        out[begin:end] = piece
+    return out
