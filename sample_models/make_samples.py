@@ -156,6 +156,22 @@ def trap_tensors(gen: torch.Generator) -> dict[str, torch.Tensor]:
     }
 
 
+# (folder, scheme): the tiny model quantized by qtool itself, for the README's examples
+QUANTIZED = (("tiny-llama-w4a16", "W4A16"), ("tiny-llama-w8a16", "W8A16"), ("tiny-llama-fp8", "FP8"))
+
+
+def quantized_copies(source: Path) -> list[Path]:
+    """Quantize the tiny model with qtool (deterministic: same input, same bytes)."""
+    import qtool
+
+    written = []
+    for folder, scheme in QUANTIZED:
+        target = HERE / folder
+        qtool.quantize(source, target, scheme, overwrite=True)
+        written += sorted(target.iterdir())
+    return written
+
+
 def main() -> None:
     gen = torch.Generator().manual_seed(SEED)
     llama = llama_tensors(gen)
@@ -165,6 +181,7 @@ def main() -> None:
     written += write_single(HERE / "tiny-llama", llama, LLAMA_CONFIG)
     written += write_sharded(HERE / "tiny-llama-sharded", llama, LLAMA_CONFIG, num_shards=2)
     written += write_single(HERE / "traps", traps, {"model_type": "traps"})
+    written += quantized_copies(HERE / "tiny-llama")
 
     for path in written:
         print(f"{path.stat().st_size:>10,d}  {path.relative_to(HERE.parent)}")
