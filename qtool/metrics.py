@@ -50,8 +50,7 @@ class ErrorStats:
         self.dot += xx - xe
         self.recon += xx - 2 * xe + ee
         if error.numel():
-            low, high = torch.aminmax(error)
-            self.max_abs = max(self.max_abs, float(high), -float(low))
+            self.max_abs = max(self.max_abs, float(error.amax()), -float(error.amin()))
         self.count += x.numel()
         return self
 

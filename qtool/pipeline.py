@@ -448,6 +448,27 @@ def _whole_shape(tensor, planned: OutTensor, shape):
     return tensor
 
 
+def _keep_freed_memory() -> None:
+    """Ask glibc to serve and keep large blocks from its heap. By default every chunk-sized
+    temporary is a fresh mmap, returned on free and page-faulted in again on the next chunk:
+    on a 2-core machine that was ~40% of a quantize run, as system time. Peak RSS is unchanged:
+    the same few chunk-sized blocks are reused."""
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl, ...): keep its defaults
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    mallopt(m_mmap_threshold, 256 << 20)
+    mallopt(m_trim_threshold, 1 << 30)
+
+
 def execute(
     plan: Plan,
     output: Output,
@@ -457,6 +478,7 @@ def execute(
     on_progress: Callable[[int], None] | None = None,
 ) -> Result:
     """Stream the plan into `output` and commit it; on any error the output is removed."""
+    _keep_freed_memory()
     runner = _Runner(plan, device, measure)
     started = time.perf_counter()
     writers = {i: output.shard(name, plan.shard_tensors(i), plan.metadata) for i, name in enumerate(plan.shard_names)}

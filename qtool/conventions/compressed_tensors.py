@@ -53,6 +53,7 @@ __all__ = [
     "METADATA_KEY",
     "CT_VERSION",
     "quantization_config",
+    "config_rules",
     "encode",
     "encoded_layout",
     "config_for",
@@ -76,6 +77,13 @@ _ROLES = {
     "output_scale": "output_scale",
 }
 _E8M0 = ("U8", "F8_E8M0")
+
+
+def config_rules(checkpoint: Checkpoint) -> "_Config":
+    """The checkpoint's `quantization_config` as the matching rules detection itself uses:
+    `.ignored_by(module)`, `.group_for(module)` and `.args_for(module)`, with `re:` targets and
+    ignore entries matched as compressed-tensors matches them (re.match, else the exact name)."""
+    return _Config(quantization_config(checkpoint))
 
 
 def quantization_config(checkpoint: Checkpoint) -> dict[str, Any] | None:
@@ -125,27 +133,40 @@ class _Config:
         self.groups = [g for g in groups.values() if isinstance(g, dict)] if isinstance(groups, dict) else []
 
     def ignored(self, module: str) -> bool:
-        # class names in `ignore` (rare) can't be resolved from a header; only names count here
-        return any(_matches(t, module) and (t.startswith("re:") or t == module) for t in self.ignore)
+        return self.ignored_by(module) is not None
 
-    def args_for(self, module: str) -> _Args | None:
+    def ignored_by(self, module: str) -> str | None:
+        """The first `ignore` entry that lists `module`, or None."""
+        # class names in `ignore` (rare) can't be resolved from a header; only names count here
+        return next((t for t in self.ignore if _matches(t, module) and (t.startswith("re:") or t == module)), None)
+
+    def group_for(self, module: str) -> tuple[str, dict[str, Any]] | None:
+        """The first target that matches `module`, with its config group; None when the config
+        ignores the module or no group targets it."""
         if not self.config or self.ignored(module):
             return None
         for group in self.groups:
-            targets = group.get("targets") or []
-            if any(_matches(str(t), module) for t in targets):
-                weights = group.get("weights") or {}
-                block = weights.get("block_structure")
-                return _Args(
-                    num_bits=weights.get("num_bits"),
-                    type=weights.get("type"),
-                    symmetric=weights.get("symmetric"),
-                    strategy=weights.get("strategy"),
-                    group_size=weights.get("group_size"),
-                    block_structure=tuple(block) if isinstance(block, list) and len(block) == 2 else None,
-                    format=group.get("format") or self.config.get("format"),
-                )
+            for target in group.get("targets") or []:
+                if _matches(str(target), module):
+                    return str(target), group
         return None
+
+    def args_for(self, module: str) -> _Args | None:
+        found = self.group_for(module)
+        if found is None:
+            return None
+        group = found[1]
+        weights = group.get("weights") or {}
+        block = weights.get("block_structure")
+        return _Args(
+            num_bits=weights.get("num_bits"),
+            type=weights.get("type"),
+            symmetric=weights.get("symmetric"),
+            strategy=weights.get("strategy"),
+            group_size=weights.get("group_size"),
+            block_structure=tuple(block) if isinstance(block, list) and len(block) == 2 else None,
+            format=group.get("format") or self.config.get("format"),
+        )
 
 
 class CompressedTensors:
@@ -650,7 +671,10 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
         offset = 1 << (bits - 1)
 
         def values_of(begin: int, end: int):
-            return kernels.unpack_int32(packed[begin:end], bits, cols, dim=-1).to(torch.int16) - offset
+            unsigned = kernels.unpack_int32(packed[begin:end], bits, cols, dim=-1)
+            if bits == 8:  # u - 128 is u with its top bit flipped, read as int8; one pass, no copy of the file
+                return (unsigned ^ 0x80).view(torch.int8)
+            return unsigned.sub_(offset).view(torch.int8)  # a fresh tensor: wraps to exactly u - offset
 
         if zero_point is not None and zero_point.dtype == torch.int32:
             packed_rows = math.ceil(rows * bits / 32)

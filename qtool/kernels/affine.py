@@ -224,9 +224,9 @@ def choose_qparams(
     if symmetric and not qt.signed:
         raise UsageError(f"{qt.name} is unsigned: symmetric quantization needs a signed type such as int{qt.bits}")
 
-    low, high = _block_min_max(blocks, resolved, dims)
-    minimum = torch.minimum(low, torch.zeros((), dtype=x.dtype, device=x.device))
-    maximum = torch.maximum(high, torch.zeros((), dtype=x.dtype, device=x.device))
+    # amin and amax, not aminmax: on CPU aminmax over a dim is ~5x slower than both together
+    minimum = torch.minimum(blocks.amin(dim=dims), torch.zeros((), dtype=x.dtype, device=x.device))
+    maximum = torch.maximum(blocks.amax(dim=dims), torch.zeros((), dtype=x.dtype, device=x.device))
 
     if kind == "e8m0":
         if qt.kind != "float":
@@ -260,16 +260,6 @@ def choose_qparams(
     info = torch.iinfo(value_dtype)
     zero_point = torch.round(torch.clamp(zero_point, info.min, info.max)).to(value_dtype)
     return _replace_zero(scale, eps), zero_point
-
-
-def _block_min_max(blocks: torch.Tensor, block: tuple[int, ...], dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-block min and max. Row-wise blocks (channel, group: all but the last block dim are 1)
-    take one aminmax pass over [blocks, size]; 2-D blocks take amin and amax."""
-    if all(size == 1 for size in block[:-1]) and blocks.is_contiguous():
-        keep = [blocks.shape[d] for d in range(blocks.dim()) if d not in dims]  # as amin(dim=dims)
-        low, high = torch.aminmax(blocks.reshape(-1, block[-1]), dim=-1)
-        return low.reshape(keep), high.reshape(keep)
-    return blocks.amin(dim=dims), blocks.amax(dim=dims)
 
 
 def _int_dtype(qt: QType) -> torch.dtype:
