@@ -133,37 +133,17 @@ class GgufPlan:
 
     def to_json(self) -> dict[str, Any]:
         """The same document as `pipeline.Plan.to_json`, plus the metadata to write."""
-        before = sum(j.bytes_in for j in self.jobs)
-        after = sum(j.bytes_out for j in self.jobs)
-        parameters = sum(j.weight.parameters for j in self.jobs)
-        return {
-            "schema_version": 1,
-            "format": self.output_format,
-            "files": [self.file_name],
-            "summary": {
-                "weights": len(self.jobs),
-                "quantized_weights": sum(1 for j in self.jobs if j.action == "quantize"),
-                "bytes_before": before,
-                "bytes_after": after,
-                "bits_per_weight": round(after * 8 / parameters, 4) if parameters else 0.0,
-            },
-            "weights": [
-                {
-                    "name": j.weight.name,
-                    "action": j.action,
-                    "scheme": j.scheme.label if j.scheme else None,
-                    "from": j.weight.scheme.label if j.weight.scheme else None,
-                    "shape": list(j.shape),
-                    "bytes_before": j.bytes_in,
-                    "bytes_after": j.bytes_out,
-                    "bits_per_weight": round(j.bytes_out * 8 / j.weight.parameters, 4) if j.weight.parameters else 0.0,
-                    "file": self.file_name,
-                    "tensors": [{"name": j.out_name, "dtype": j.gguf_type.name, "shape": list(j.shape)}],
-                }
-                for j in self.jobs
-            ],
-            "metadata": {key: value for key, value, _ in self.metadata},
-        }
+        from qtool.pipeline import plan_json
+
+        document = plan_json(
+            self.jobs,
+            self.output_format,
+            [self.file_name],
+            file_of=lambda job: self.file_name,
+            tensors_of=lambda job: [{"name": job.out_name, "dtype": job.gguf_type.name, "shape": list(job.shape)}],
+        )
+        document["metadata"] = {key: value for key, value, _ in self.metadata}
+        return document
 
 
 def plan_gguf(source: Checkpoint, weights: list[Weight], chosen: dict[str, QScheme | None], output: str = "model.gguf") -> GgufPlan:

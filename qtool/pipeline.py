@@ -32,7 +32,7 @@ from qtool.metrics import ErrorStats
 from qtool.scheme import QScheme
 from qtool.weight import Weight
 
-__all__ = ["Job", "Plan", "Result", "plan_quantize", "plan_dequantize", "execute", "resolve_device", "parse_size"]
+__all__ = ["Job", "Plan", "Result", "plan_json", "plan_quantize", "plan_dequantize", "execute", "resolve_device", "parse_size"]
 
 COPY_CHUNK = 32 << 20  # bytes per piece when copying a tensor through
 CHUNK_ELEMENTS = 4 << 20  # elements per row chunk when quantizing
@@ -73,36 +73,48 @@ class Plan:
         return [t for job in self.jobs if job.shard == shard for t in job.outputs]
 
     def to_json(self) -> dict[str, Any]:
-        before = sum(j.bytes_in for j in self.jobs)
-        after = sum(j.bytes_out for j in self.jobs)
-        parameters = sum(j.weight.parameters for j in self.jobs)
-        return {
-            "schema_version": 1,
-            "format": self.output_format,
-            "files": self.shard_names,
-            "summary": {
-                "weights": len(self.jobs),
-                "quantized_weights": sum(1 for j in self.jobs if j.action == "quantize"),
-                "bytes_before": before,
-                "bytes_after": after,
-                "bits_per_weight": round(after * 8 / parameters, 4) if parameters else 0.0,
-            },
-            "weights": [
-                {
-                    "name": j.weight.name,
-                    "action": j.action,
-                    "scheme": j.scheme.label if j.scheme else None,
-                    "from": j.weight.scheme.label if j.weight.scheme else None,
-                    "shape": list(j.weight.shape),
-                    "bytes_before": j.bytes_in,
-                    "bytes_after": j.bytes_out,
-                    "bits_per_weight": round(j.bytes_out * 8 / j.weight.parameters, 4) if j.weight.parameters else 0.0,
-                    "file": self.shard_names[j.shard],
-                    "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in j.outputs],
-                }
-                for j in self.jobs
-            ],
-        }
+        return plan_json(
+            self.jobs,
+            self.output_format,
+            self.shard_names,
+            file_of=lambda job: self.shard_names[job.shard],
+            tensors_of=lambda job: [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in job.outputs],
+        )
+
+
+def plan_json(jobs, output_format: str, files: list[str], *, file_of, tensors_of) -> dict[str, Any]:
+    """The `--dry-run` document, for any writer's jobs (`.weight`, `.action`, `.scheme`,
+    `.bytes_in`, `.bytes_out`): what each weight becomes, and the sizes before and after."""
+    before = sum(j.bytes_in for j in jobs)
+    after = sum(j.bytes_out for j in jobs)
+    parameters = sum(j.weight.parameters for j in jobs)
+    return {
+        "schema_version": 1,
+        "format": output_format,
+        "files": list(files),
+        "summary": {
+            "weights": len(jobs),
+            "quantized_weights": sum(1 for j in jobs if j.action == "quantize"),
+            "bytes_before": before,
+            "bytes_after": after,
+            "bits_per_weight": round(after * 8 / parameters, 4) if parameters else 0.0,
+        },
+        "weights": [
+            {
+                "name": j.weight.name,
+                "action": j.action,
+                "scheme": j.scheme.label if j.scheme else None,
+                "from": j.weight.scheme.label if j.weight.scheme else None,
+                "shape": list(j.weight.shape),
+                "bytes_before": j.bytes_in,
+                "bytes_after": j.bytes_out,
+                "bits_per_weight": round(j.bytes_out * 8 / j.weight.parameters, 4) if j.weight.parameters else 0.0,
+                "file": file_of(j),
+                "tensors": tensors_of(j),
+            }
+            for j in jobs
+        ],
+    }
 
 
 @dataclass
