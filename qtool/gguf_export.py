@@ -36,7 +36,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from qtool.errors import CheckpointError, QtoolError, UsageError
+from qtool.formats.writer import fsync_dir, write_error
+from qtool.errors import UsageError
 from qtool.formats.checkpoint import Checkpoint
 from qtool.formats.gguf import GgmlType, ggml_type_named
 from qtool.metrics import ErrorStats
@@ -336,7 +337,7 @@ def execute_gguf(
         handle, temp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.qtool-tmp-", suffix=".gguf", dir=parent)
         os.close(handle)
     except OSError as exc:
-        raise _io_error(target, exc) from None
+        raise write_error(target, exc) from None
 
     result = Result()
     started = time.perf_counter()
@@ -365,7 +366,7 @@ def execute_gguf(
         writer.close()
         result.bytes_written = os.path.getsize(temp)
         os.replace(temp, target)
-        _fsync_dir(parent)
+        fsync_dir(parent)
     except BaseException as exc:
         if writer is not None:
             try:
@@ -377,7 +378,7 @@ def execute_gguf(
         except OSError:
             pass
         if isinstance(exc, OSError):
-            raise _io_error(target, exc) from None
+            raise write_error(target, exc) from None
         raise
     result.seconds = time.perf_counter() - started
     return result
@@ -431,20 +432,3 @@ def _permute(tensor, job: GgufJob):
     heads = job.permute_heads or 1
     shape = tuple(tensor.shape)
     return tensor.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
-
-
-def _io_error(path: str, exc: OSError) -> QtoolError:
-    return CheckpointError(f"cannot write: {exc.strerror or exc}", path=path, hint="check free space and permissions; nothing was left behind")
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -370,7 +370,6 @@ class _Runner:
 
     def load(self, job: Job):
         """Runs ahead on the reader thread."""
-        import torch
 
         if job.action in ("copy", "cast"):
             return None  # streamed in pieces as it is written

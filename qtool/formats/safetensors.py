@@ -10,7 +10,6 @@ serde's map silently drops.
 from __future__ import annotations
 
 import json
-import math
 import os
 import stat
 import struct

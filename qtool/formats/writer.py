@@ -21,7 +21,7 @@ from typing import Any
 from qtool.dtypes import nbytes_for, storage_dtype
 from qtool.errors import CheckpointError, QtoolError, UsageError
 
-__all__ = ["OutTensor", "ShardWriter", "Output", "INDEX_NAME", "shard_name"]
+__all__ = ["OutTensor", "ShardWriter", "Output", "INDEX_NAME", "shard_name", "fsync_dir", "write_error"]
 
 INDEX_NAME = "model.safetensors.index.json"
 _ALIGN = 8  # header padded to 8 bytes, as the reference writer does, so data is aligned
@@ -48,7 +48,7 @@ def shard_name(index: int, count: int) -> str:
     return "model.safetensors" if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
 
-def _io_error(path: str, exc: OSError) -> QtoolError:
+def write_error(path: str, exc: OSError) -> QtoolError:
     return CheckpointError(f"cannot write: {exc.strerror or exc}", path=path, hint="check free space and permissions; nothing was left behind")
 
 
@@ -78,7 +78,7 @@ class ShardWriter:
             os.ftruncate(self.fd, self.size)
             self._pwrite(self.header, 0)
         except OSError as exc:
-            raise _io_error(path, exc) from None
+            raise write_error(path, exc) from None
 
     def _pwrite(self, data, offset: int) -> None:
         view = memoryview(data).cast("B")
@@ -95,7 +95,7 @@ class ShardWriter:
         try:
             self._pwrite(data, self.data_start + begin + at)
         except OSError as exc:
-            raise _io_error(self.path, exc) from None
+            raise write_error(self.path, exc) from None
         self.written[name] += size
 
     def finish(self) -> None:
@@ -106,7 +106,7 @@ class ShardWriter:
         try:
             os.fsync(self.fd)
         except OSError as exc:
-            raise _io_error(self.path, exc) from None
+            raise write_error(self.path, exc) from None
         finally:
             os.close(self.fd)
             self.fd = -1
@@ -137,7 +137,7 @@ class Output:
             self.staging = tempfile.mkdtemp(prefix=f".{os.path.basename(self.target)}.qtool-tmp-", dir=parent)
             os.chmod(self.staging, 0o777 & ~_umask())  # mkdtemp makes it 0700; the output is an ordinary folder
         except OSError as exc:
-            raise _io_error(self.target, exc) from None
+            raise write_error(self.target, exc) from None
         self.writers: list[ShardWriter] = []
 
     def shard(self, filename: str, tensors: list[OutTensor], metadata: dict[str, str] | None) -> ShardWriter:
@@ -154,14 +154,14 @@ class Output:
                 handle.flush()
                 os.fsync(handle.fileno())
         except OSError as exc:
-            raise _io_error(path, exc) from None
+            raise write_error(path, exc) from None
 
     def copy_side_file(self, source: str, filename: str) -> None:
         """Carry a small file (tokenizer, generation config) over unchanged."""
         try:
             shutil.copyfile(source, os.path.join(self.staging, filename))
         except OSError as exc:
-            raise _io_error(os.path.join(self.staging, filename), exc) from None
+            raise write_error(os.path.join(self.staging, filename), exc) from None
 
     def commit(self) -> None:
         for writer in self.writers:
@@ -173,7 +173,7 @@ class Output:
                 os.replace(only.path, self.target)  # atomic, replaces an existing file
                 shutil.rmtree(self.staging, ignore_errors=True)
             else:
-                _fsync_dir(self.staging)
+                fsync_dir(self.staging)
                 backup = None
                 if os.path.lexists(self.target):
                     backup = self.staging + ".old"
@@ -181,10 +181,10 @@ class Output:
                 os.rename(self.staging, self.target)
                 if backup:
                     (shutil.rmtree if os.path.isdir(backup) else os.remove)(backup)
-            _fsync_dir(os.path.dirname(self.target))
+            fsync_dir(os.path.dirname(self.target))
         except OSError as exc:
             self.abort()
-            raise _io_error(self.target, exc) from None
+            raise write_error(self.target, exc) from None
 
     def abort(self) -> None:
         for writer in self.writers:
@@ -198,7 +198,7 @@ def _umask() -> int:
     return mask
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
