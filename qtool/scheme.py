@@ -26,6 +26,8 @@ from typing import Literal
 __all__ = [
     "QType",
     "QTYPES",
+    "NF4_CODEBOOK",
+    "FP4_BNB_CODEBOOK",
     "qtype",
     "unknown_qtype",
     "QScheme",
@@ -56,6 +58,7 @@ class QType:
     qmin: float | None = None
     qmax: float | None = None
     signed: bool = True
+    codebook: tuple[float, ...] | None = None  # the values a code indexes, for codebook types
 
 
 def _int_types() -> list[QType]:
@@ -79,9 +82,20 @@ _FLOAT_TYPES = [
     QType("ue4m3", 8, "float", 0.0, 448.0, signed=False),
 ]
 
+# bitsandbytes' tables (functional.py get_4bit_type). It writes fp4 index 8 as the int `-0`, so
+# its table holds +0.0 there, not -0.0. Kept here, torch-free, so detection can compare a
+# checkpoint's stored quant_map without importing torch.
+NF4_CODEBOOK = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+    0.7229568362236023, 1.0,
+)  # fmt: skip
+FP4_BNB_CODEBOOK = (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, 0.0, -0.0625, -8.0, -12.0, -4.0, -6.0, -2.0, -3.0)
+
 _CODEBOOK_TYPES = [
-    QType("nf4", 4, "codebook", -1.0, 1.0),
-    QType("fp4_bnb", 4, "codebook", -1.0, 1.0),
+    QType("nf4", 4, "codebook", -1.0, 1.0, codebook=NF4_CODEBOOK),
+    QType("fp4_bnb", 4, "codebook", -1.0, 1.0, codebook=FP4_BNB_CODEBOOK),
 ]
 
 QTYPES: dict[str, QType] = {q.name: q for q in (*_int_types(), *_FLOAT_TYPES, *_CODEBOOK_TYPES)}

@@ -243,16 +243,28 @@ def _qtool(*args, env=None):
     )
 
 
-def test_subprocess_json_pipes_and_imports_no_torch():
+HEADER_ONLY = [
+    TINY,
+    CT_FIXTURES / "W4A16_ASYM",
+    CT_FIXTURES / "NVFP4",
+    SAMPLES / "tiny-llama-fp8",
+    REPO / "tests" / "fixtures" / "bnb" / "nf4_nested",
+]
+
+
+@pytest.mark.parametrize("path", HEADER_ONLY, ids=lambda p: p.name)
+def test_subprocess_json_pipes_and_imports_no_torch(path):
+    if not path.exists():
+        pytest.skip(f"{path} not present")
     code = (
         "import sys, runpy; sys.argv = ['qtool', 'inspect', %r, '--json'];\n"
         "try:\n    runpy.run_module('qtool', run_name='__main__')\n"
         "except SystemExit as e:\n    assert not e.code, e.code\n"
         "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'heavy import on the inspect path'\n"
-    ) % str(TINY)
+    ) % str(path)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["summary"]["weights"] == 21
+    assert json.loads(result.stdout)["summary"]["weights"] > 0
     assert result.stderr == ""
 
 

@@ -30,7 +30,7 @@ from functools import lru_cache
 import torch
 
 from qtool.errors import UsageError
-from qtool.scheme import QType
+from qtool.scheme import FP4_BNB_CODEBOOK, NF4_CODEBOOK, QType
 from qtool.scheme import qtype as lookup_qtype
 
 __all__ = [
@@ -57,15 +57,6 @@ FP6_E2M3_MAGNITUDES = tuple([m / 8 for m in range(8)] + [(1 + m / 8) * 2**e for 
 
 # bitsandbytes `get_4bit_type` (CONVENTIONS §4); the tables are divided by their absmax in
 # float32 there, so they are here: FP4's /12 must round exactly as bitsandbytes' does.
-NF4_CODEBOOK = (
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-    0.7229568362236023, 1.0,
-)  # fmt: skip
-# bitsandbytes writes index 8 as the int `-0`, so its table holds +0.0 there, not -0.0
-FP4_BNB_CODEBOOK = (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, 0.0, -0.0625, -8.0, -12.0, -4.0, -6.0, -2.0, -3.0)
-
 _FLOAT8 = {
     "fp8_e4m3": "float8_e4m3fn",
     "fp8_e5m2": "float8_e5m2",
