@@ -87,6 +87,7 @@ def scheme_json(scheme: QScheme, shape: tuple[int, ...]) -> dict[str, Any]:
         "scale_dtype": scheme.scale_dtype,
         "zero_point": scheme.zero_point,
         "convention": scheme.convention,
+        "details": {key: value for key, value in scheme.extra},  # convention facts: format, desc_act, ...
     }
 
 

@@ -35,7 +35,7 @@ def inspect_json(*args) -> dict:
 TOP = {"schema_version", "path", "format", "files", "metadata", "conventions", "summary", "weights"}
 SUMMARY = {"tensors", "weights", "quantized_weights", "parameters", "bytes", "bits_per_weight", "by_dtype", "by_scheme"}
 WEIGHT = {"name", "shape", "dtype", "parameters", "bytes", "bits_per_weight", "quantized", "scheme", "tensors", "notes"}
-SCHEME = {"label", "qtype", "bits", "kind", "symmetric", "granularity", "block", "group_size", "scale_dtype", "zero_point", "convention"}
+SCHEME = {"label", "qtype", "bits", "kind", "symmetric", "granularity", "block", "group_size", "scale_dtype", "zero_point", "convention", "details"}
 
 
 def test_json_contract_field_by_field_on_a_plain_model():
@@ -83,6 +83,7 @@ def test_json_contract_on_a_quantized_weight():
         "scale_dtype": "BF16",
         "zero_point": True,
         "convention": "compressed-tensors",
+        "details": {"format": "pack-quantized"},
     }
     assert w["quantized"] is True
     roles = {t["role"]: t for t in w["tensors"]}
