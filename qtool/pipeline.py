@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 
 from qtool.conventions import decoder_for, encoder_for
 from qtool.dtypes import storage_dtype
-from qtool.errors import QtoolError, UsageError
+from qtool.errors import UsageError
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
 from qtool.formats.writer import INDEX_NAME, OutTensor, Output, shard_name
 from qtool.metrics import ErrorStats
@@ -261,7 +261,7 @@ def plan_dequantize(source: Checkpoint, weights: list[Weight], *, dtype: str | N
         if weight.quantized:
             jobs.append(Job(weight, "dequantize", [OutTensor(weight.name, target, weight.shape)], out_dtype=target))
         else:
-            jobs.append(Job(weight, "copy", [OutTensor(weight.data.name, weight.data.dtype.name, weight.data.shape)]))
+            jobs.append(Job(weight, "copy", [OutTensor(weight.name, weight.data.dtype.name, weight.data.shape)]))
     names = _shards(jobs, source, single_file, max_shard_size)
     return Plan(source, _ordered(jobs), names, _metadata(source, None, single_file), _config(source, None, single_file), "safetensors")
 
@@ -305,24 +305,14 @@ def _config(source: Checkpoint, quant_config: dict | None, single_file: bool) ->
 # -- execution ---------------------------------------------------------------------------------
 
 
-def _read(stored: StoredTensor):
-    """A tensor's bytes via pread into a fresh buffer: no mmap pages stay resident after use."""
+def _read(source: Checkpoint, stored: StoredTensor):
+    """A tensor's bytes in a fresh buffer (`Checkpoint.read_bytes`: pread for files), so no
+    mmap pages stay resident after use."""
     import torch
 
     if stored.nbytes == 0:
         return torch.empty(stored.shape, dtype=stored.dtype.torch_dtype())
-    buffer = bytearray(stored.nbytes)
-    fd = os.open(stored.file, os.O_RDONLY)
-    try:
-        view, offset = memoryview(buffer), stored.begin
-        while view.nbytes:
-            got = os.preadv(fd, [view], offset)
-            if got == 0:
-                raise QtoolError(f"tensor {stored.name!r} is cut short", path=stored.file)
-            view, offset = view[got:], offset + got
-    finally:
-        os.close(fd)
-    raw = torch.frombuffer(buffer, dtype=torch.uint8)
+    raw = torch.frombuffer(source.read_bytes(stored), dtype=torch.uint8)
     if stored.dtype.torch_name is None:
         return raw
     return raw.view(stored.dtype.torch_dtype()).reshape(stored.shape)
@@ -381,43 +371,34 @@ class _Runner:
             if job.action == "dequantize":
                 return decoded.to(storage_dtype(job.out_dtype).torch_dtype())
             return decoded
-        tensor = _read(job.weight.data)
+        tensor = _read(self.plan.source, job.weight.data)
         self.result.bytes_read += job.weight.nbytes
         return tensor.to(self.device) if self.device != "cpu" else tensor
 
     def _copy(self, job: Job) -> Iterator[Piece]:
         stored = job.weight.data
-        fd = os.open(stored.file, os.O_RDONLY)
-        try:
-            for start in range(0, stored.nbytes, COPY_CHUNK):
-                size = min(COPY_CHUNK, stored.nbytes - start)
-                data = os.pread(fd, size, stored.begin + start)
-                if len(data) != size:
-                    raise QtoolError(f"tensor {stored.name!r} is cut short", path=stored.file)
-                self.result.bytes_read += size
-                yield stored.name, data, start
-        finally:
-            os.close(fd)
+        for start in range(0, stored.nbytes, COPY_CHUNK):
+            size = min(COPY_CHUNK, stored.nbytes - start)
+            data = self.plan.source.read_bytes(stored, start, size)
+            self.result.bytes_read += size
+            yield job.outputs[0].name, data, start
 
     def _cast(self, job: Job) -> Iterator[Piece]:
         import torch
 
         stored, target = job.weight.data, storage_dtype(job.out_dtype).torch_dtype()
         source = stored.dtype.torch_dtype()
-        step = max(1, COPY_CHUNK // (stored.dtype.bits // 8))
+        width = stored.dtype.bits // 8
+        step = max(1, COPY_CHUNK // width)
         written = 0
-        fd = os.open(stored.file, os.O_RDONLY)
-        try:
-            for start in range(0, stored.numel, step):
-                count = min(step, stored.numel - start)
-                data = os.pread(fd, count * stored.dtype.bits // 8, stored.begin + start * stored.dtype.bits // 8)
-                self.result.bytes_read += len(data)
-                values = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(source).to(target)
-                piece = _as_bytes(values)
-                yield job.outputs[0].name, piece, written
-                written += piece.nbytes
-        finally:
-            os.close(fd)
+        for start in range(0, stored.numel, step):
+            count = min(step, stored.numel - start)
+            data = self.plan.source.read_bytes(stored, start * width, count * width)
+            self.result.bytes_read += len(data)
+            values = torch.frombuffer(data, dtype=torch.uint8).view(source).to(target)
+            piece = _as_bytes(values)
+            yield job.outputs[0].name, piece, written
+            written += piece.nbytes
 
     def _quantize(self, job: Job, weight) -> Iterator[Piece]:
         scheme = job.scheme
@@ -539,7 +520,7 @@ def _side_files(plan: Plan, output: Output) -> None:
         path = os.path.join(source_dir, name)
         if (
             name in ("config.json", INDEX_NAME, "quantize_config.json", "quanto_qmap.json", "quantization_map.json")
-            or name.endswith((".safetensors", ".index.json", ".bin", ".pt", ".pth", ".gguf"))
+            or name.endswith((".safetensors", ".index.json", ".bin", ".pt", ".pth", ".gguf", ".bpk"))
             or name.startswith(".")
             or not os.path.isfile(path)
             or os.path.getsize(path) > SIDE_FILE_LIMIT

@@ -13,12 +13,19 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from qtool.conventions.awq import Awq
 from qtool.conventions.base import Convention, Pool
 from qtool.conventions.bitsandbytes import Bitsandbytes
+from qtool.conventions.burn import Burn
 from qtool.conventions.compressed_tensors import CompressedTensors
-from qtool.conventions.fp8 import Fp8
+from qtool.conventions.fp8 import Fp8, GptOssMxfp4
 from qtool.conventions.gguf import Gguf
+from qtool.conventions.gptq import Gptq
+from qtool.conventions.mlx import Mlx
 from qtool.conventions.plain import Plain
+from qtool.conventions.quanto import Quanto
+from qtool.conventions.torch_native import TorchNative
+from qtool.conventions.torchao import Torchao
 from qtool.errors import QtoolError
 from qtool.formats.checkpoint import Checkpoint
 from qtool.patterns import natural_key
@@ -27,7 +34,7 @@ from qtool.weight import Weight
 
 __all__ = ["REGISTRY", "resolve", "Convention", "ClaimConflict", "Encoder", "encoder_for", "decoder_for"]
 
-REGISTRY: tuple[Convention, ...] = (CompressedTensors(), Fp8(), Bitsandbytes(), Gguf(), Plain())
+REGISTRY: tuple[Convention, ...] = (CompressedTensors(), Fp8(), Bitsandbytes(), Gguf(), Gptq(), Awq(), Mlx(), Quanto(), GptOssMxfp4(), Torchao(), TorchNative(), Burn(), Plain())
 
 
 class ClaimConflict(RuntimeError):

@@ -11,10 +11,14 @@ plain convention takes it.
 `decode` multiplies in float32 and casts once to the weight's logical dtype (config
 `torch_dtype`; float32 when the checkpoint names none), as DeepSeek's `weight_dequant` and
 vLLM do. Partial edge blocks take their block's scale.
+
+gpt-oss MXFP4 (transformers `integrations/mxfp4.py`, `GptOssExperts`) is the `GptOssMxfp4`
+convention below: `{p}_blocks` U8 `(..., G, B)` and `{p}_scales` U8 `(..., G)` are one weight `{p}`.
 """
 
 from __future__ import annotations
 
+import fnmatch
 from typing import TYPE_CHECKING
 
 from qtool.conventions.base import Pool, block_from_scale, by_module, plain_weights
@@ -25,7 +29,7 @@ from qtool.weight import DATA, Weight
 if TYPE_CHECKING:  # torch is imported where data is touched, never at import time
     import torch
 
-__all__ = ["Fp8", "decode"]
+__all__ = ["Fp8", "decode", "GptOssMxfp4", "GPT_OSS", "decode_mxfp4"]
 
 NAME = "fp8"
 _VALUE_TYPES = {"F8_E4M3": "fp8_e4m3", "F8_E5M2": "fp8_e5m2", "F8_E4M3FNUZ": "fp8_e4m3fnuz", "F8_E5M2FNUZ": "fp8_e5m2fnuz"}
@@ -87,3 +91,93 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
     values = checkpoint.load(weight.data).to(device)
     scale = checkpoint.load(weight.members["scale"]).to(device)
     return kernels.dequantize(values, scale.float(), None, scheme.block_for(weight.shape), dtype)
+
+
+# -- gpt-oss MXFP4 ---------------------------------------------------------------------------------
+#
+#     {p}_blocks  U8 (..., G, B)   B bytes = 2B fp4 e2m1 codes per 32-value block: byte k holds
+#                                  element 2k in its low nibble and 2k+1 in its high nibble
+#     {p}_scales  U8 (..., G)      E8M0: the block's scale is 2^(u - 127)
+#
+#     w[..., g, 2k]   = e2m1(byte & 0xF) * 2^(scale - 127)
+#     w[..., g, 2k+1] = e2m1(byte >> 4)  * 2^(scale - 127)
+#
+# In stored order the values are (..., G*2B): [E, out, in] for gpt-oss's experts. transformers'
+# `convert_moe_packed_tensors` then swaps dims 1 and 2 into `GptOssExperts`' [E, in, out]
+# parameter layout (`gate_up_proj` [E, hidden, 2*intermediate]), and so does qtool for 3-D and
+# larger weights: the logical weight is the model's parameter, and `qtool dequantize` writes
+# what transformers' bf16 gpt-oss checkpoints hold. Its 32-value blocks then run along dim -2.
+# A 2-D `_blocks` tensor (no expert dim) has nothing to swap and keeps its (rows, G*2B) order.
+
+GPT_OSS = "gpt-oss"
+_BLOCKS, _SCALES = "_blocks", "_scales"
+
+
+class GptOssMxfp4:
+    name = GPT_OSS
+
+    def detect(self, checkpoint: Checkpoint, pool: Pool) -> list[Weight]:
+        config = checkpoint.config.get("quantization_config")
+        config = config if isinstance(config, dict) else {}
+        ignored = set(config.get("modules_to_not_convert") or ()) if isinstance(config.get("modules_to_not_convert"), list) else set()
+        logical = str(checkpoint.config.get("torch_dtype") or checkpoint.config.get("dtype") or "bfloat16")
+        dtype = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(logical, "BF16")
+        weights: list[Weight] = []
+        for name, blocks in pool.items():
+            if not name.endswith(_BLOCKS):
+                continue
+            prefix = name[: -len(_BLOCKS)]
+            scales = pool.get(prefix + _SCALES)
+            if scales is None:
+                continue
+            members = {DATA: blocks, "scale": scales}
+            if blocks.dtype.name != "U8" or scales.dtype.name != "U8" or len(blocks.shape) < 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+                why = f"{name} {blocks.dtype.name} {list(blocks.shape)} and {prefix + _SCALES} {scales.dtype.name} {list(scales.shape)}"
+                weights.extend(plain_weights(members, f"looks like gpt-oss MXFP4, but {why} are not U8 (..., G, B) and (..., G); left plain"))
+                continue
+            if any(fnmatch.fnmatchcase(prefix, m) or prefix.startswith(m + ".") for m in ignored):
+                continue  # listed as not converted: the plain convention takes both tensors
+            *lead, groups, width = blocks.shape
+            values = groups * width * 2
+            stored = (*lead, values)
+            shape = (stored[0], stored[2], stored[1], *stored[3:]) if len(stored) >= 3 else stored
+            # the 32-value blocks run along the stored last dim, which the swap moves to dim 1
+            block: tuple[int | None, ...] = (width * 2, 1) if len(stored) == 3 else (1, width * 2)
+            scheme = QScheme(
+                qtype=qtype("fp4_e2m1"),
+                block=block,
+                symmetric=True,
+                scale_dtype="E8M0",
+                packing="u8, element 2k in the low nibble",
+                convention=GPT_OSS,
+                extra=(("blocks", f"{groups} x {width} bytes"),),
+            )
+            notes = []
+            if len(stored) >= 3:
+                notes.append(f"stored as {list(stored)}; dims 1 and 2 swapped into the model's layout, as transformers' convert_moe_packed_tensors does")
+            weights.append(Weight(prefix, shape, dtype, members, scheme, GPT_OSS, notes))
+        return weights
+
+    def decode(self, checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu") -> torch.Tensor:
+        return decode_mxfp4(checkpoint, weight, device)
+
+
+def decode_mxfp4(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu") -> torch.Tensor:
+    """The float weight in its logical dtype and layout, on `device`."""
+    import torch
+
+    from qtool import kernels
+    from qtool.errors import UsageError
+
+    scheme = weight.require_scheme()
+    if scheme.convention != GPT_OSS:
+        raise UsageError(f"{weight.name} is a {scheme.convention} weight, not gpt-oss MXFP4")
+    dtype = {"BF16": torch.bfloat16, "F16": torch.float16}.get(weight.dtype, torch.float32)
+    blocks = checkpoint.load(weight.data).to(device)
+    scales = checkpoint.load(weight.members["scale"]).to(device)
+    codes = kernels.unpack_nibbles(blocks)  # (..., G, 2B), low nibble first
+    values = kernels.fp4_e2m1_decode(codes) * kernels.e8m0_decode(scales).unsqueeze(-1)
+    values = values.reshape(*values.shape[:-2], -1)
+    if values.dim() >= 3:
+        values = values.transpose(1, 2)
+    return values.contiguous().to(dtype)

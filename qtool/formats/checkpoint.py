@@ -35,6 +35,10 @@ class StoredTensor:
     # shape in PyTorch order. The stored tensor itself is then raw bytes: dtype U8, shape (nbytes,).
     encoding: str | None = None
     logical_shape: tuple[int, ...] | None = None
+    # False when the container holds the tensor in a way no byte range of `file` describes (a
+    # strided view inside a PyTorch pickle): `begin`/`end` then only size it, and its bytes come
+    # from `Checkpoint.read_bytes` / `Checkpoint.load`, never from reading `file` directly.
+    in_file: bool = True
 
     @property
     def numel(self) -> int:
@@ -79,6 +83,27 @@ class Checkpoint:
         if len(data) != tensor.nbytes:
             raise CheckpointError(f"tensor {tensor.name!r} is cut short", path=tensor.file)
         return data
+
+    def read_bytes(self, tensor: StoredTensor, start: int = 0, size: int | None = None) -> bytes | bytearray:
+        """`size` bytes of the tensor's data from byte `start` within it (all of it by default),
+        with pread: no mmap pages stay resident. The one way to read a tensor's raw bytes that
+        every container supports; containers whose tensors are not byte ranges of a file (see
+        `StoredTensor.in_file`) override it."""
+        size = tensor.nbytes - start if size is None else size
+        if start < 0 or size < 0 or start + size > tensor.nbytes:
+            raise ValueError(f"bytes [{start}, {start + size}) are outside tensor {tensor.name!r} of {tensor.nbytes} bytes")
+        buffer = bytearray(size)
+        view, offset = memoryview(buffer), tensor.begin + start
+        fd = os.open(tensor.file, os.O_RDONLY)
+        try:
+            while view.nbytes:
+                got = os.preadv(fd, [view], offset)
+                if got == 0:
+                    raise CheckpointError(f"tensor {tensor.name!r} is cut short", path=tensor.file)
+                view, offset = view[got:], offset + got
+        finally:
+            os.close(fd)
+        return buffer
 
     def _map(self, file: str) -> mmap.mmap:
         mapped = self._maps.get(file)

@@ -1,4 +1,7 @@
-"""Find a checkpoint from what the user named: a file, a sharded index, or a directory."""
+"""Find a checkpoint from what the user named: a file, a sharded index, or a directory.
+
+Containers: safetensors, GGUF, PyTorch pickles (.pt/.pth/.bin) and burnpack (.bpk).
+"""
 
 from __future__ import annotations
 
@@ -16,15 +19,19 @@ __all__ = ["open_checkpoint", "SIDE_FILES"]
 # settings from these (quantization_config, GPTQ's quantize_config, quanto's map).
 SIDE_FILES = ("config.json", "quantize_config.json", "quanto_qmap.json", "quantization_map.json")
 _INDEX_SUFFIX = ".safetensors.index.json"
+_PICKLE_SUFFIXES = (".pt", ".pth", ".bin")  # PyTorch pickles (qtool.formats.torch_pickle)
+_PICKLE_INDEX_SUFFIXES = tuple(f"{s}.index.json" for s in _PICKLE_SUFFIXES)  # pytorch_model.bin.index.json
+# In a folder of several pickles (a trainer checkpoint: optimizer.pt, rng_state.pth, ...) these
+# hold the model.
+_PICKLE_MODEL_NAMES = ("pytorch_model.bin", "model.pt", "model.pth", "model.bin")
+_TYPES_HINT = "pass a .safetensors, .gguf, .pt/.pth/.bin or .bpk file, a *.index.json, or a model folder"
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Read the headers of a checkpoint. No tensor data is read."""
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise CheckpointError(
-            "no such file or directory", path=path, hint="pass a .safetensors or .gguf file, a *.safetensors.index.json, or a model folder"
-        )
+        raise CheckpointError("no such file or directory", path=path, hint=_TYPES_HINT)
     if os.path.isdir(path):
         return _open_directory(path)
     if path.endswith(_INDEX_SUFFIX) or path.endswith(".index.json"):
@@ -33,10 +40,14 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         return _open_files(path, [path], base_dir=os.path.dirname(path) or ".")
     if path.endswith(".gguf"):
         return _open_gguf(path, path)
+    if path.endswith(_PICKLE_SUFFIXES):
+        return _open_torch(path, [path], base_dir=os.path.dirname(path) or ".")
+    if path.endswith(".bpk"):
+        return _open_burnpack(path, path)
     raise CheckpointError(
         f"unsupported file type {os.path.splitext(path)[1] or '(no extension)'!r}",
         path=path,
-        hint="qtool reads .safetensors and .gguf files, *.safetensors.index.json shards, and model folders",
+        hint="qtool reads .safetensors, .gguf, .pt/.pth/.bin (PyTorch) and .bpk (burn) files, *.index.json shards, and model folders",
     )
 
 
@@ -65,13 +76,55 @@ def _open_directory(path: str) -> Checkpoint:
             hint="pass the .gguf file you mean",
         )
     if not files:
+        found = _open_other_directory(path, names)
+        if found is not None:
+            return found
+    if not files:
         raise CheckpointError(
-            "directory holds no checkpoint (no *.safetensors or *.safetensors.index.json)",
+            "directory holds no checkpoint (no *.safetensors, *.gguf, *.bpk, PyTorch pickle or *.index.json)",
             path=path,
             hint="pass a folder with model weights, or the weights file itself",
         )
     # Several files without an index (diffusers-style folders) read as one checkpoint.
     return _open_files(path, files, base_dir=path)
+
+
+def _open_other_directory(path: str, names: list[str]) -> Checkpoint | None:
+    """A folder with no safetensors or GGUF: a burnpack file, or PyTorch pickles (sharded with
+    an index, one known model file, or a single pickle)."""
+    def files_ending(suffixes: tuple[str, ...]) -> list[str]:
+        return [n for n in names if n.endswith(suffixes) and os.path.isfile(os.path.join(path, n))]
+
+    bpks = files_ending((".bpk",))
+    if len(bpks) == 1:
+        return _open_burnpack(path, os.path.join(path, bpks[0]))
+    if len(bpks) > 1:
+        raise CheckpointError(f"holds {len(bpks)} burnpack files ({', '.join(bpks)})", path=path, hint="pass the .bpk file you mean")
+    indexes = files_ending(_PICKLE_INDEX_SUFFIXES)
+    if indexes:
+        return _open_index(os.path.join(path, indexes[0]), display=path)
+    pickles = [n for n in files_ending(_PICKLE_SUFFIXES) if _looks_like_pickle(os.path.join(path, n))]
+    chosen = [n for n in _PICKLE_MODEL_NAMES if n in pickles][:1] or (pickles if len(pickles) == 1 else [])
+    if chosen:
+        return _open_torch(path, [os.path.join(path, chosen[0])], base_dir=path)
+    if pickles:
+        raise CheckpointError(
+            f"holds {len(pickles)} PyTorch pickles ({', '.join(pickles)}) and no index naming the model's",
+            path=path,
+            hint="pass the pickle that holds the model weights",
+        )
+    return None
+
+
+def _looks_like_pickle(path: str) -> bool:
+    """A zip archive (torch.save since 1.6) or a bare pickle (PROTO opcode first): a folder's
+    other .bin files (tokenizer blobs, placeholders) are not taken for checkpoints."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(4)
+    except OSError:
+        return False
+    return head == b"PK\x03\x04" or head[:1] == b"\x80"
 
 
 def _open_index(index_path: str, display: str) -> Checkpoint:
@@ -100,7 +153,10 @@ def _open_index(index_path: str, display: str) -> Checkpoint:
                 hint="the download may be incomplete; fetch the missing shard",
             )
         files.append(shard_path)
-    checkpoint = _open_files(display, files, base_dir=base_dir)
+    if files and all(f.endswith(_PICKLE_SUFFIXES) for f in files):
+        checkpoint = _open_torch(display, files, base_dir=base_dir)
+    else:
+        checkpoint = _open_files(display, files, base_dir=base_dir)
     shard_paths = dict(zip(shards, files))
     for name, shard in weight_map.items():
         tensor = checkpoint.tensors.get(name)
@@ -144,6 +200,21 @@ def _open_gguf(display: str, file: str) -> Checkpoint:
 
     tensors, metadata = read_gguf_file(file)
     return Checkpoint(path=display, format="gguf", files=[file], tensors={t.name: t for t in tensors}, metadata=metadata)
+
+
+def _open_torch(display: str, files: list[str], base_dir: str) -> Checkpoint:
+    """PyTorch pickles, loaded only with torch.load(weights_only=True, mmap=True)."""
+    from qtool.formats.torch_pickle import read_torch_files
+
+    return read_torch_files(display, files, _read_side_files(base_dir))
+
+
+def _open_burnpack(display: str, file: str) -> Checkpoint:
+    """A burnpack file describes itself, as a GGUF file does: no side files are read."""
+    from qtool.formats.burnpack import read_burnpack_file
+
+    tensors, metadata = read_burnpack_file(file)
+    return Checkpoint(path=display, format="burnpack", files=[file], tensors={t.name: t for t in tensors}, metadata=metadata)
 
 
 def _read_side_files(base_dir: str) -> dict[str, Any]:
