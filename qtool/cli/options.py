@@ -22,7 +22,7 @@ class OutputFormat(str, Enum):
 CheckpointArg = Annotated[
     Path,
     typer.Argument(
-        help="A .safetensors file, a *.safetensors.index.json, or a model folder.",
+        help="A .safetensors, .gguf, .pt/.bin or .bpk file, a *.index.json, or a model folder.",
         show_default=False,
     ),
 ]
