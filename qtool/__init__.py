@@ -4,7 +4,9 @@ Imports stay light: `import qtool` does not import torch.
 """
 
 from qtool.api import collect_stats, dequantize, inspect, open_checkpoint, quantize
+from qtool.api import check, compare
 from qtool.errors import CheckpointError, NotQuantizedError, QtoolError, UsageError
+from qtool.errors import ViolationError
 from qtool.scheme import QScheme, QType
 from qtool.weight import Weight
 
@@ -24,4 +26,7 @@ __all__ = [
     "QScheme",
     "QType",
     "Weight",
+    "compare",
+    "check",
+    "ViolationError",
 ]

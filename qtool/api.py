@@ -18,6 +18,8 @@ from qtool.formats import open_checkpoint as _open_checkpoint
 from qtool.inspection import Inspection, inspect_checkpoint
 
 if TYPE_CHECKING:
+    from qtool.audit import Audit, CheckRules
+    from qtool.comparison import Comparison
     from qtool.pipeline import Plan, Result
 
 __all__ = [
@@ -30,6 +32,10 @@ __all__ = [
     "run",
     "quantize",
     "dequantize",
+    "prepare_compare",
+    "run_compare",
+    "compare",
+    "check",
 ]
 
 
@@ -221,3 +227,85 @@ def quantize(path, output, scheme: str = "W4A16", *, device: str = "cpu", overwr
 def dequantize(path, output, *, dtype: str | None = None, device: str = "cpu", overwrite: bool = False) -> "Result":
     """Decode every quantized weight of a checkpoint to float, into `output`."""
     return run(prepare_dequantize(path, output, dtype=dtype), device=device, overwrite=overwrite, measure=False)
+
+
+# -- compare and check -------------------------------------------------------------------------
+
+
+def prepare_compare(
+    a: str | os.PathLike[str],
+    b: str | os.PathLike[str],
+    *,
+    maps: Sequence[str] = (),
+    gguf_names: bool = True,
+) -> "Comparison":
+    """Pair A's weights with B's by logical name and check their shapes, from the headers.
+
+    `maps` are rename rules, `OLD=NEW` (`re:` regex anchored at the start, else a literal
+    prefix), applied in order to both sides' names. With `gguf_names`, a GGUF side's LLaMA
+    names are read as Hugging Face names first (`blk.0.attn_q.weight` ->
+    `model.layers.0.self_attn.q_proj.weight`)."""
+    from qtool.comparison import plan_comparison
+    from qtool.naming import parse_rename
+
+    rules = [parse_rename(text) for text in maps]
+    checkpoint_a = _open_checkpoint(a)
+    checkpoint_b = _open_checkpoint(b)
+    return plan_comparison(
+        checkpoint_a, inspect_checkpoint(checkpoint_a).weights, checkpoint_b, inspect_checkpoint(checkpoint_b).weights, rules, gguf_names=gguf_names
+    )
+
+
+def compare(
+    a: str | os.PathLike[str],
+    b: str | os.PathLike[str],
+    *,
+    maps: Sequence[str] = (),
+    device: str = "cpu",
+    gguf_names: bool = True,
+    on_progress: Callable[[int], None] | None = None,
+) -> "Comparison":
+    """Measure B against A weight by weight (SQNR, relative RMSE, max abs error, cosine),
+    both sides dequantized on `device`, one pair at a time. Imports torch.
+
+    `.violations(Gates(min_sqnr=...))` lists what breaks a gate; `.to_json()` is the
+    `qtool compare --json` document."""
+    return run_compare(prepare_compare(a, b, maps=maps, gguf_names=gguf_names), device=device, on_progress=on_progress)
+
+
+def run_compare(comparison: "Comparison", *, device: str = "cpu", on_progress: Callable[[int], None] | None = None) -> "Comparison":
+    """Measure a prepared comparison (`on_progress` gets bytes, out of `.total_bytes`), then
+    close both checkpoints. Imports torch."""
+    from qtool.comparison import run_comparison
+    from qtool.pipeline import resolve_device
+
+    try:
+        return run_comparison(comparison, device=resolve_device(device), on_progress=on_progress)
+    finally:
+        comparison.a.close()
+        comparison.b.close()
+
+
+def check(
+    path: str | os.PathLike[str],
+    rules: "CheckRules | None" = None,
+    *,
+    device: str = "cpu",
+    on_progress: Callable[[int], None] | None = None,
+) -> "Audit":
+    """Audit a checkpoint against `rules`; `.findings` lists what breaks them. Reads the header
+    only, unless `rules.no_nan` asks for the data."""
+    from qtool.audit import CheckRules, audit
+
+    rules = rules or CheckRules()
+    rules.validate()
+    checkpoint = _open_checkpoint(path)
+    try:
+        resolved = "cpu"
+        if rules.no_nan:
+            from qtool.pipeline import resolve_device
+
+            resolved = resolve_device(device)
+        return audit(checkpoint, inspect_checkpoint(checkpoint).weights, rules, device=resolved, on_progress=on_progress)
+    finally:
+        checkpoint.close()

@@ -14,6 +14,7 @@ __all__ = [
     "UsageError",
     "CheckpointError",
     "NotQuantizedError",
+    "ViolationError",
 ]
 
 EXIT_OK = 0
@@ -46,3 +47,14 @@ class CheckpointError(QtoolError):
 
 class NotQuantizedError(QtoolError):
     """Raised by `Weight.require_scheme()` on a plain weight: being plain is not a bug in the file."""
+
+
+class ViolationError(QtoolError):
+    """A check or comparison found that the policy does not hold (exit 1, like `diff` and
+    linters). `reasons` holds one line per violation."""
+
+    exit_code = EXIT_VIOLATION
+
+    def __init__(self, message: str, *, reasons: list[str] | None = None, hint: str | None = None, path: str | None = None) -> None:
+        self.reasons = list(reasons or [])
+        super().__init__(message, hint=hint, path=path)

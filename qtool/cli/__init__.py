@@ -9,7 +9,7 @@ import sys
 import typer
 from typer.core import TyperGroup
 
-from qtool.cli import dequantize, inspect, quantize, schemes
+from qtool.cli import check, compare, dequantize, inspect, quantize, schemes
 from qtool.cli.output import print_error
 from qtool.cli.text import paragraphs
 from qtool.errors import QtoolError
@@ -54,6 +54,8 @@ app.command("inspect", help=paragraphs(inspect.HELP))(inspect.inspect_command)
 app.command("quantize", help=paragraphs(quantize.HELP))(quantize.quantize_command)
 app.command("dequantize", help=paragraphs(dequantize.HELP))(dequantize.dequantize_command)
 app.command("schemes", help=paragraphs(schemes.HELP))(schemes.schemes_command)
+app.command("compare", help=paragraphs(compare.HELP))(compare.compare_command)
+app.command("check", help=paragraphs(check.HELP))(check.check_command)
 
 
 def _print_version(value: bool) -> None:

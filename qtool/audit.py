@@ -1,0 +1,312 @@
+"""Audit one checkpoint against a policy: is it quantized the way we said it would be?
+
+Every rule but `no-nan` reads the header only (plus the few bytes of metadata tensors that
+detection reads anyway). The rules, each a stable name in the findings:
+
+    expect-scheme          every quantized weight, and every selected weight, has this scheme.
+                           Selected: what --require-quantized matches, else the linear weights
+                           `qtool quantize` would pick by default (GGUF names are read through
+                           the LLaMA name map). A plain selected weight is a finding unless
+                           --allow-plain matches it.
+    require-quantized      every weight a pattern matches is quantized, unless --allow-plain
+                           matches it too
+    max-bits-per-weight    all stored bytes * 8 / all parameters, as `qtool inspect` reports it
+                           (4 decimals), is at most X
+    fail-on-unknown        no weight of a type qtool cannot classify, and no weight with a note
+    targeted-but-plain     coverage: a linear weight the checkpoint's compressed-tensors
+                           `quantization_config` targets is stored plain
+    ignored-but-quantized  coverage: a weight is quantized although `ignore` lists its module
+                           (`re:` entries are re.match, others exact names, as in compressed-tensors)
+    missing-member         coverage: a targeted weight lacks a member its layout needs (a scale,
+                           a zero point for an asymmetric group, compressed-tensors' weight_shape)
+    no-nan                 streams every weight, dequantized first, and finds no NaN or Inf
+
+A config target that is a class name (`Linear`) can't be resolved from a header, so for the
+coverage audit it covers the weights that look linear: 2-D `*.weight` outside embeddings,
+norms and `lm_head`, as `qtool quantize` selects them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from qtool.errors import QtoolError, ViolationError
+from qtool.formats.checkpoint import Checkpoint
+from qtool.naming import gguf_to_hf
+from qtool.patterns import compile_pattern, matches_any
+from qtool.scheme import QScheme
+from qtool.selection import FLOAT_DTYPES, default_selects, parse_scheme_option
+from qtool.weight import Weight
+
+__all__ = ["SCHEMA_VERSION", "RULES", "CheckRules", "Finding", "Audit", "audit", "scheme_matches", "count_non_finite"]
+
+SCHEMA_VERSION = 1
+RULES = (
+    "expect-scheme",
+    "require-quantized",
+    "max-bits-per-weight",
+    "fail-on-unknown",
+    "targeted-but-plain",
+    "ignored-but-quantized",
+    "missing-member",
+    "no-nan",
+)
+CHUNK_ELEMENTS = 4 << 20
+# compressed-tensors leaves that only a quantized module has
+_QUANT_LEAVES = {"weight_scale": "scale", "weight_zero_point": "zero_point", "weight_global_scale": "global_scale", "weight_shape": "shape"}
+
+
+@dataclass(frozen=True)
+class CheckRules:
+    """What `qtool check` enforces. Patterns are globs, or `re:` regexes anchored at the start."""
+
+    expect_scheme: str | None = None
+    require_quantized: tuple[str, ...] = ()
+    allow_plain: tuple[str, ...] = ()
+    max_bits_per_weight: float | None = None
+    fail_on_unknown: bool = False
+    no_nan: bool = False
+    coverage: bool = True
+
+    def validate(self) -> None:
+        """Bad schemes and regexes fail here, before anything is read (exit 2)."""
+        if self.expect_scheme is not None:
+            parse_scheme_option(self.expect_scheme, "--expect-scheme")
+        for pattern in (*self.require_quantized, *self.allow_plain):
+            compile_pattern(pattern)
+
+
+@dataclass(frozen=True)
+class Finding:
+    rule: str
+    weight: str | None  # None for a finding about the whole checkpoint
+    detail: str
+
+    def to_json(self) -> dict[str, str | None]:
+        return {"rule": self.rule, "weight": self.weight, "detail": self.detail}
+
+    def line(self) -> str:
+        return f"{self.rule}: {self.weight + ': ' if self.weight else ''}{self.detail}"
+
+
+@dataclass
+class Audit:
+    path: str
+    weights: int
+    rules: list[str]  # the rules that were applied
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "path": self.path,
+            "ok": self.ok,
+            "rules": list(self.rules),
+            "weights": self.weights,
+            "findings": [f.to_json() for f in self.findings],
+        }
+
+    def raise_for_findings(self) -> None:
+        if self.findings:
+            counts: dict[str, int] = {}
+            for finding in self.findings:
+                counts[finding.rule] = counts.get(finding.rule, 0) + 1
+            summary = ", ".join(f"{rule} ×{n}" for rule, n in counts.items())
+            raise ViolationError(
+                f"{len(self.findings)} findings break the policy ({summary})",
+                reasons=[f.line() for f in self.findings],
+                hint="the findings are listed on stdout; --json gives them as data",
+                path=self.path,
+            )
+
+
+def scheme_matches(expected: QScheme, actual: QScheme, shape: tuple[int, ...]) -> bool:
+    """Same values, same blocks for this weight, same symmetry, same scale family; the layout
+    (convention, packing, scale storage dtype) may differ. A GGUF type must be that type."""
+    if expected.family != actual.family or expected.qtype.name != actual.qtype.name:
+        return False
+    if expected.qtype.kind == "int" and expected.symmetric != actual.symmetric:
+        return False
+    if expected.block_for(shape) != actual.block_for(shape):
+        return False
+    wanted_type = dict(expected.extra).get("gguf_type")
+    return wanted_type is None or dict(actual.extra).get("gguf_type") == wanted_type
+
+
+def count_non_finite(tensor) -> tuple[int, int]:
+    """(NaN count, Inf count), chunk by chunk; 0, 0 for integer and bool data."""
+    import torch
+
+    flat = tensor.reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    if not flat.is_floating_point():
+        return 0, 0
+    nan = inf = 0
+    for start in range(0, flat.numel(), CHUNK_ELEMENTS):
+        chunk = flat[start : start + CHUNK_ELEMENTS]
+        nan += int(torch.isnan(chunk).sum())
+        inf += int(torch.isinf(chunk).sum())
+    return nan, inf
+
+
+def _looks_linear(weight: Weight, name: str) -> bool:
+    """What `qtool quantize` selects by default: a 2-D float (or quantized) linear *.weight."""
+    return len(weight.shape) == 2 and default_selects(name) and (weight.quantized or weight.dtype in FLOAT_DTYPES)
+
+
+def audit(
+    checkpoint: Checkpoint,
+    weights: list[Weight],
+    rules: CheckRules,
+    *,
+    device: str = "cpu",
+    on_progress: Callable[[int], None] | None = None,
+) -> Audit:
+    rules.validate()
+    applied: list[str] = []
+    findings: list[Finding] = []
+    logical = (lambda name: gguf_to_hf(name)) if checkpoint.format == "gguf" else (lambda name: name)
+    allow = [compile_pattern(p) for p in rules.allow_plain]
+    require = [(p, compile_pattern(p)) for p in rules.require_quantized]
+    expected = parse_scheme_option(rules.expect_scheme, "--expect-scheme") if rules.expect_scheme else None
+    if require:
+        applied.append("require-quantized")
+    if expected is not None:
+        applied.append("expect-scheme")
+    for weight in weights:
+        allowed_plain = matches_any(weight.name, allow)
+        required_by = next((p for p, match in require if match(weight.name)), None)
+        if required_by is not None and not weight.quantized and not allowed_plain:
+            findings.append(Finding("require-quantized", weight.name, f"stored plain ({weight.dtype}), but --require-quantized '{required_by}' matches it"))
+            continue
+        if expected is None:
+            continue
+        if weight.quantized:
+            assert weight.scheme is not None
+            if not scheme_matches(expected, weight.scheme, weight.shape):
+                findings.append(Finding("expect-scheme", weight.name, f"{weight.scheme.label}, expected {expected.label}"))
+            continue
+        selected = required_by is not None if require else _looks_linear(weight, logical(weight.name))
+        if selected and not allowed_plain:
+            findings.append(Finding("expect-scheme", weight.name, f"stored plain ({weight.dtype}), expected {expected.label}"))
+
+    if rules.max_bits_per_weight is not None:
+        applied.append("max-bits-per-weight")
+        parameters = sum(w.parameters for w in weights)
+        total = sum(t.nbytes for t in checkpoint.tensors.values())
+        bits = round(total * 8 / parameters, 4) if parameters else 0.0
+        if bits > rules.max_bits_per_weight:
+            findings.append(Finding("max-bits-per-weight", None, f"{bits:.4f} bits per weight, more than {rules.max_bits_per_weight:g}"))
+
+    if rules.fail_on_unknown:
+        applied.append("fail-on-unknown")
+        for weight in weights:
+            if weight.scheme is not None and weight.scheme.qtype.kind == "unknown":
+                findings.append(Finding("fail-on-unknown", weight.name, f"qtool cannot classify its type {weight.scheme.qtype.name}"))
+            for note in weight.notes:
+                findings.append(Finding("fail-on-unknown", weight.name, note))
+
+    if rules.coverage:
+        coverage = _coverage(checkpoint, weights, allow, logical)
+        if coverage is not None:
+            applied.extend(("targeted-but-plain", "ignored-but-quantized", "missing-member"))
+            findings.extend(coverage)
+
+    if rules.no_nan:
+        applied.append("no-nan")
+        findings.extend(_no_nan(checkpoint, weights, device, on_progress))
+    return Audit(checkpoint.path, len(weights), applied, findings)
+
+
+def _coverage(checkpoint: Checkpoint, weights: list[Weight], allow, logical) -> list[Finding] | None:
+    """Findings of the coverage audit, or None when the checkpoint has no compressed-tensors
+    quantization_config to audit against."""
+    from qtool.conventions.base import by_module
+    from qtool.conventions.compressed_tensors import config_rules
+
+    config = config_rules(checkpoint)
+    if not config.config:
+        return None
+    owners = {member.name: weight for weight in weights for member in weight.members.values()}
+    findings = []
+    for module, leaves in by_module(dict(checkpoint.tensors)).items():
+        name = f"{module}.weight" if module else "weight"
+        data_leaf = "weight_packed" if "weight_packed" in leaves else "weight" if "weight" in leaves else None
+        owner = owners.get(leaves[data_leaf].name) if data_leaf else None
+        quant_leaves = sorted(leaf for leaf in leaves if leaf in _QUANT_LEAVES)
+        entry = config.ignored_by(module)
+        if entry is not None:
+            if owner is not None and owner.quantized:
+                assert owner.scheme is not None
+                findings.append(Finding("ignored-but-quantized", owner.name, f"{owner.scheme.label}, but the config's ignore entry '{entry}' lists {module}"))
+            continue
+        found = config.group_for(module)
+        if found is None:
+            continue
+        target = found[0]
+        if data_leaf is None:
+            if quant_leaves:
+                findings.append(Finding("missing-member", name, f"has {', '.join(quant_leaves)} but no weight_packed or weight (targeted by '{target}')"))
+            continue
+        if owner is None:
+            continue
+        by_class = not target.startswith("re:") and target != module
+        if by_class and not (quant_leaves or data_leaf == "weight_packed" or _looks_linear(owner, logical(name))):
+            continue
+        if owner.quantized:
+            missing = _missing_members(config.args_for(module), owner)
+            if missing:
+                findings.append(Finding("missing-member", owner.name, f"{owner.scheme.label if owner.scheme else ''} without {', '.join(missing)}, which the config's group targeting it ('{target}') needs"))
+        elif quant_leaves or data_leaf == "weight_packed" or owner.data.dtype.name in ("I8", "I32", "U8") or owner.data.dtype.name.startswith("F8_"):
+            if "weight_scale" not in leaves:
+                detail = f"{data_leaf} is stored ({owner.data.dtype.name}) but weight_scale is missing"
+            else:
+                detail = "; ".join(owner.notes) or f"{data_leaf} and its members do not form a quantized weight"
+            findings.append(Finding("missing-member", name, f"{detail} (targeted by '{target}')"))
+        elif not matches_any(owner.name, allow) and len(owner.shape) == 2 and owner.dtype in FLOAT_DTYPES:
+            findings.append(Finding("targeted-but-plain", owner.name, f"stored plain ({owner.dtype}), but the config's group targets it ('{target}')"))
+    return findings
+
+
+def _missing_members(args, weight: Weight) -> list[str]:
+    missing = []
+    if args is not None and args.symmetric is False and (args.type or "int") == "int" and "zero_point" not in weight.members:
+        missing.append("weight_zero_point")
+    if weight.data.name.endswith("weight_packed") and weight.data.dtype.name == "I32" and "shape" not in weight.members:
+        missing.append("weight_shape")
+    if args is not None and args.strategy == "tensor_group" and "global_scale" not in weight.members:
+        missing.append("weight_global_scale")
+    return missing
+
+
+def _no_nan(checkpoint: Checkpoint, weights: list[Weight], device: str, on_progress) -> list[Finding]:
+    findings = []
+    for weight in weights:
+        values = None
+        try:
+            if weight.quantized:
+                from qtool.conventions import decoder_for
+
+                values = decoder_for(weight).decode(checkpoint, weight, device)
+            elif weight.data.dtype.torch_name is not None:
+                values = checkpoint.load(weight.data)
+            if values is not None:
+                nan, inf = count_non_finite(values)
+                if nan or inf:
+                    where = "after dequantizing" if weight.quantized else "stored"
+                    findings.append(Finding("no-nan", weight.name, f"{nan} NaN and {inf} Inf values ({where})"))
+        except QtoolError as exc:  # fail closed: a weight that can't be read can't be cleared
+            findings.append(Finding("no-nan", weight.name, f"cannot be decoded to check it: {exc}"))
+        finally:
+            del values
+            for member in weight.members.values():
+                checkpoint.release(member)
+        if on_progress:
+            on_progress(weight.nbytes)
+    return findings
