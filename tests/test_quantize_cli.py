@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import qtool
