@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["StorageDType", "DTYPES", "storage_dtype", "nbytes_for", "from_torch"]
+__all__ = ["StorageDType", "DTYPES", "storage_dtype", "nbytes_for", "from_torch", "decoded_dtype"]
 
 Kind = Literal["bool", "int", "uint", "float", "complex"]
 
@@ -95,3 +95,11 @@ def from_torch(dtype) -> StorageDType:
     if name == "float4_e2m1fn_x2":
         return DTYPES["U8"]
     raise KeyError(f"torch dtype {dtype} has no safetensors dtype")
+
+
+def decoded_dtype(name: str):  # -> torch.dtype
+    """The torch dtype a decoder returns for a weight whose logical dtype is `name`: bf16 and
+    f16 weights decode to themselves, everything else (F32, unknown, a storage dtype) to f32."""
+    import torch
+
+    return {"BF16": torch.bfloat16, "F16": torch.float16}.get(name, torch.float32)

@@ -47,9 +47,10 @@ import struct
 from typing import TYPE_CHECKING, Any
 
 from qtool.conventions.base import Pool, by_module, plain_weights
+from qtool.dtypes import decoded_dtype
 from qtool.errors import CheckpointError
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
-from qtool.scheme import CHANNEL, QScheme, qtype
+from qtool.scheme import CHANNEL, FP4_BNB_CODEBOOK, NF4_CODEBOOK, QScheme, qtype  # torch-free tables
 from qtool.weight import DATA, Weight
 
 if TYPE_CHECKING:  # torch is imported where data is touched, never at import time
@@ -232,8 +233,6 @@ def _resolve(checkpoint: Checkpoint, base: str, quant_type: str, members: dict[s
 
 def _codebook_values(name: str) -> list[float]:
     """The float32 table as bitsandbytes builds it (divided by its absmax in float32)."""
-    from qtool.scheme import FP4_BNB_CODEBOOK, NF4_CODEBOOK  # torch-free: inspect must not import torch
-
     values = FP4_BNB_CODEBOOK if name == "fp4_bnb" else NF4_CODEBOOK
     largest = struct.unpack("<f", struct.pack("<f", max(abs(v) for v in values)))[0]
     return [struct.unpack("<f", struct.pack("<f", v / largest))[0] if v else v for v in values]
@@ -361,7 +360,7 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
     scheme = weight.require_scheme()
     if scheme.convention != NAME:
         raise UsageError(f"{weight.name} is a {scheme.convention} weight, not bitsandbytes")
-    dtype = {"BF16": torch.bfloat16, "F16": torch.float16}.get(weight.dtype, torch.float32)
+    dtype = decoded_dtype(weight.dtype)
     if scheme.qtype.name == "int8":
         codes = checkpoint.load(weight.data).to(device)  # [O, I] int8
         scb = checkpoint.load(weight.members["scale"]).to(device).float().reshape(-1, 1)

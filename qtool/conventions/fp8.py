@@ -22,6 +22,7 @@ import fnmatch
 from typing import TYPE_CHECKING
 
 from qtool.conventions.base import Pool, block_from_scale, by_module, plain_weights
+from qtool.dtypes import decoded_dtype
 from qtool.formats.checkpoint import Checkpoint
 from qtool.scheme import QScheme, qtype
 from qtool.weight import DATA, Weight
@@ -79,7 +80,6 @@ class Fp8:
 
 def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu") -> torch.Tensor:
     """The float weight: w[i, j] * scale[block of (i, j)], in the weight's logical dtype."""
-    import torch
 
     from qtool import kernels
     from qtool.errors import UsageError
@@ -87,7 +87,7 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
     scheme = weight.require_scheme()
     if scheme.convention != NAME:
         raise UsageError(f"{weight.name} is a {scheme.convention} weight, not fp8")
-    dtype = {"BF16": torch.bfloat16, "F16": torch.float16}.get(weight.dtype, torch.float32)
+    dtype = decoded_dtype(weight.dtype)
     values = checkpoint.load(weight.data).to(device)
     scale = checkpoint.load(weight.members["scale"]).to(device)
     return kernels.dequantize(values, scale.float(), None, scheme.block_for(weight.shape), dtype)
@@ -164,7 +164,6 @@ class GptOssMxfp4:
 
 def decode_mxfp4(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu") -> torch.Tensor:
     """The float weight in its logical dtype and layout, on `device`."""
-    import torch
 
     from qtool import kernels
     from qtool.errors import UsageError
@@ -172,7 +171,7 @@ def decode_mxfp4(checkpoint: Checkpoint, weight: Weight, device: str | torch.dev
     scheme = weight.require_scheme()
     if scheme.convention != GPT_OSS:
         raise UsageError(f"{weight.name} is a {scheme.convention} weight, not gpt-oss MXFP4")
-    dtype = {"BF16": torch.bfloat16, "F16": torch.float16}.get(weight.dtype, torch.float32)
+    dtype = decoded_dtype(weight.dtype)
     blocks = checkpoint.load(weight.data).to(device)
     scales = checkpoint.load(weight.members["scale"]).to(device)
     codes = kernels.unpack_nibbles(blocks)  # (..., G, 2B), low nibble first

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from qtool.conventions.base import Pool, by_module, plain_weights
+from qtool.dtypes import decoded_dtype
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
 from qtool.scheme import QScheme, qtype
 from qtool.weight import DATA, Weight
@@ -246,5 +247,5 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
         effective = scales.view(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
     else:
         effective = kernels.e8m0_decode(scales.view(torch.uint8))
-    dtype = {"BF16": torch.bfloat16, "F16": torch.float16}.get(weight.dtype, torch.float32)
+    dtype = decoded_dtype(weight.dtype)
     return (values.reshape(grouped) * effective.unsqueeze(-1)).reshape(weight.shape).to(dtype)

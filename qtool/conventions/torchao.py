@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from qtool.conventions.base import Pool, plain_weights
+from qtool.dtypes import decoded_dtype
 from qtool.errors import UsageError
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
 from qtool.scheme import QScheme, qtype
@@ -275,14 +276,13 @@ def _as_block(block: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int | Non
 
 def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu") -> torch.Tensor:
     """The float weight in its logical dtype, on `device`."""
-    import torch
 
     from qtool import kernels
 
     scheme = weight.require_scheme()
     if scheme.convention != NAME:
         raise UsageError(f"{weight.name} is a {scheme.convention} weight, not torchao")
-    dtype = {"BF16": torch.bfloat16, "F16": torch.float16}.get(weight.dtype, torch.float32)
+    dtype = decoded_dtype(weight.dtype)
     kind = dict(scheme.extra).get("torchao_type")
     data = checkpoint.load(weight.data).to(device)
     scale = checkpoint.load(weight.members["scale"]).to(device)
