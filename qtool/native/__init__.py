@@ -1,0 +1,138 @@
+"""Fused CPU kernels in C, for the layouts that dominate real runs.
+
+Why they exist: eager torch on the CPU makes one pass over memory per op, and an exact
+compressed-tensors encode plus its error measures is ~15 ops per chunk; importing torch alone
+costs 2.5-3.5 s on a small machine. These kernels make one pass per row, read and fill plain
+buffers (bytes, bytearray, memoryview), and never import torch, so `qtool quantize` and
+`qtool dequantize` of the common layouts do not import it either.
+
+Each kernel is bit for bit the torch kernel it stands in for (tests/test_native*.py). The torch
+kernels stay the reference, the path for every other layout, and the only path on CUDA.
+
+The extension is optional (setup.py): where it was not built, `available()` is False and
+callers use torch. QTOOL_NATIVE=0 turns it off, to compare the two paths or to debug.
+
+    encode_int_sym  symmetric int2/4/8, per channel or per group, packed as compressed-tensors
+                    pack-quantized, with the error sums of qtool.metrics.ErrorStats
+    decode_int_sym  the reverse, to bf16 / f16 / f32
+    decode_gguf     GGUF blocks (the types in `gguf_types()`) to bf16 / f16 / f32
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from qtool.formats.buffers import allocate
+from qtool.metrics import ErrorStats
+
+__all__ = ["available", "dtype_code", "encode_int_sym", "decode_int_sym", "decode_gguf", "gguf_types", "set_threads"]
+
+try:
+    from qtool.native import _kernels
+except ImportError:  # not built (no compiler at install time): torch does the work
+    _kernels = None
+
+DTYPE_CODES = {"F32": 0, "F16": 1, "BF16": 2}
+_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
+_MIN_ROWS_PER_TASK = 16  # below this, splitting rows across threads costs more than it saves
+
+_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_threads = os.cpu_count() or 1
+
+
+def available() -> bool:
+    return _kernels is not None and os.environ.get("QTOOL_NATIVE", "1") != "0"
+
+
+def dtype_code(dtype: str) -> int | None:
+    """The kernels' code for a float storage dtype, None for any other."""
+    return DTYPE_CODES.get(dtype)
+
+
+def set_threads(count: int | None) -> None:
+    """Threads for the kernels (default: every CPU). Each call is split into row ranges."""
+    global _threads, _pool
+    with _lock:
+        wanted = count or os.cpu_count() or 1
+        if wanted != _threads and _pool is not None:
+            _pool.shutdown()
+            _pool = None
+        _threads = wanted
+
+
+def _split(count: int, unit: int = 1) -> list[tuple[int, int]]:
+    """[begin, end) ranges of `count` items, one per thread, each a multiple of `unit`."""
+    parts = max(1, min(_threads, count // max(_MIN_ROWS_PER_TASK, unit)))
+    step = -(-count // parts)
+    step = -(-step // unit) * unit
+    return [(begin, min(count, begin + step)) for begin in range(0, count, step)]
+
+
+def _run(function, ranges: list[tuple[int, int]], *args) -> list:
+    """function(*args, begin, end) over every range, on the pool (the kernels drop the GIL)."""
+    global _pool
+    if len(ranges) == 1:
+        return [function(*args, *ranges[0])]
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(_threads, thread_name_prefix="qtool-native")
+        pool = _pool
+    return [f.result() for f in [pool.submit(function, *args, begin, end) for begin, end in ranges]]
+
+
+@dataclass
+class Encoded:
+    packed: memoryview  # rows x cols*bits/8 bytes: int32 words, LSB-first fields
+    scale: memoryview  # rows x cols/group, in the weight's dtype
+    errors: ErrorStats | None  # None when the rows hold inf or NaN: use torch for this weight
+
+
+def encode_int_sym(src, dtype: str, rows: int, cols: int, group: int, bits: int) -> Encoded:
+    """Quantize `rows` rows of `cols` values (row-major `dtype` bytes in `src`)."""
+    packed = allocate(rows * cols * bits // 8)
+    scale = allocate(rows * (cols // group) * _ITEMSIZE[dtype])
+    code = DTYPE_CODES[dtype]
+    parts = _run(_kernels.encode_int_sym, _split(rows), src, code, cols, group, packed, scale, bits)
+    if not all(part[4] for part in parts):
+        return Encoded(packed, scale, None)
+    xx, xe, ee = (sum(part[i] for part in parts) for i in range(3))
+    errors = ErrorStats(signal=xx, noise=ee, recon=xx - 2 * xe + ee, dot=xx - xe, max_abs=max(part[3] for part in parts), count=rows * cols)
+    return Encoded(packed, scale, errors)
+
+
+def decode_int_sym(packed, scale, scale_dtype: str, logical_dtype: str, out_dtype: str, rows: int, cols: int, group: int, bits: int) -> memoryview:
+    """out_dtype(logical_dtype(q * scale)) for every value of an `encode_int_sym` layout."""
+    out = allocate(rows * cols * _ITEMSIZE[out_dtype])
+    codes = (DTYPE_CODES[scale_dtype], DTYPE_CODES[logical_dtype], out, DTYPE_CODES[out_dtype], cols, group, bits)
+    _run(_kernels.decode_int_sym, _split(rows), packed, scale, *codes)
+    return out
+
+
+def decode_gguf(type_name: str, src, blocks: int, block_size: int, out_dtype: str) -> memoryview:
+    """`blocks` GGUF blocks of `type_name` (raw bytes in `src`) as `out_dtype` values."""
+    out = allocate(blocks * block_size * _ITEMSIZE[out_dtype])
+    _run(_kernels.decode_gguf, _split(blocks, 64), type_name, src, out, DTYPE_CODES[out_dtype])
+    return out
+
+
+_GGML_NAMES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "MXFP4")
+_gguf_types: frozenset[str] | None = None
+
+
+def gguf_types() -> frozenset[str]:
+    """The GGML types `decode_gguf` decodes (each asked with an empty range)."""
+    global _gguf_types
+    if _gguf_types is None:
+        found = set()
+        for name in _GGML_NAMES if _kernels is not None else ():
+            try:
+                _kernels.decode_gguf(name, b"", bytearray(), 0, 0, 0)
+                found.add(name)
+            except (ValueError, NotImplementedError):
+                pass
+        _gguf_types = frozenset(found)
+    return _gguf_types

@@ -1,0 +1,45 @@
+/* qtool.native._kernels: fused CPU kernels (see qtool/native/__init__.py for why). */
+#include "qtool_native.h"
+
+QT_HOT void qt_widen(const void *src, int dt, float *dst, Py_ssize_t n) {
+    if (dt == QT_BF16) {
+        const uint16_t *s = (const uint16_t *)src;
+        uint32_t *d = (uint32_t *)dst;
+        for (Py_ssize_t i = 0; i < n; i++) d[i] = (uint32_t)s[i] << 16;
+    } else if (dt == QT_F16) {
+        const uint16_t *s = (const uint16_t *)src;
+        for (Py_ssize_t i = 0; i < n; i++) dst[i] = qt_f16_to_f32(s[i]);
+    } else {
+        memcpy(dst, src, (size_t)n * 4);
+    }
+}
+
+int qt_check_size(const Py_buffer *buffer, Py_ssize_t need, const char *what) {
+    if (need < 0 || buffer->len < need) {
+        PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, needs %zd", what, buffer->len, need);
+        return 0;
+    }
+    return 1;
+}
+
+int qt_check_dtype(int dt, const char *what) {
+    if (dt != QT_F32 && dt != QT_F16 && dt != QT_BF16) {
+        PyErr_Format(PyExc_ValueError, "%s: unknown dtype code %d", what, dt);
+        return 0;
+    }
+    return 1;
+}
+
+static PyMethodDef methods[] = {
+    {"encode_int_sym", qt_py_encode_int_sym, METH_VARARGS,
+     "encode_int_sym(src, dtype, cols, group, bits, packed, scale, row0, row1) -> (xx, xe, ee, max_abs_err, finite)"},
+    {"decode_int_sym", qt_py_decode_int_sym, METH_VARARGS,
+     "decode_int_sym(packed, scale, scale_dtype, logical_dtype, out, out_dtype, cols, group, bits, row0, row1)"},
+    {"decode_gguf", qt_py_decode_gguf, METH_VARARGS,
+     "decode_gguf(type_name, src, out, out_dtype, block0, block1)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", "qtool's fused CPU kernels", -1, methods};
+
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }

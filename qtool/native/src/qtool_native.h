@@ -1,0 +1,117 @@
+/* Shared by the fused CPU kernels of qtool.native._kernels.
+ *
+ * Every kernel reproduces qtool's torch kernels bit for bit: the same float32 operations in
+ * the same order, each result rounded to the tensor's dtype where torch rounds it. So the
+ * build must not contract a*b+c into an FMA (-ffp-contract=off) nor assume finite math, and
+ * conversions round to nearest even exactly as c10::BFloat16 / c10::Half do.
+ */
+#ifndef QTOOL_NATIVE_H
+#define QTOOL_NATIVE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* dtype codes shared with qtool/native/__init__.py */
+enum { QT_F32 = 0, QT_F16 = 1, QT_BF16 = 2 };
+
+/* Hot loops get an AVX2 clone where the compiler and loader support ifunc dispatch. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define QT_HOT __attribute__((target_clones("avx2", "default")))
+#else
+#define QT_HOT
+#endif
+
+static inline uint32_t qt_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float qt_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+static inline float qt_bf16_to_f32(uint16_t h) { return qt_float((uint32_t)h << 16); }
+
+/* c10::BFloat16's round_to_nearest_even, NaN -> 0x7FC0 */
+static inline uint16_t qt_f32_to_bf16(float f) {
+    uint32_t u = qt_bits(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* c10::detail::fp16_ieee_to_fp32_value (FP16 library): exact for every half */
+static inline float qt_f16_to_f32(uint16_t h) {
+    const uint32_t w = (uint32_t)h << 16;
+    const uint32_t sign = w & 0x80000000u;
+    const uint32_t two_w = w + w;
+    const float normalized = qt_float((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    const float denormalized = qt_float((two_w >> 17) | (126u << 23)) - 0.5f;
+    const uint32_t result = sign | (two_w < (1u << 27) ? qt_bits(denormalized) : qt_bits(normalized));
+    return qt_float(result);
+}
+
+/* c10::detail::fp16_ieee_from_fp32_value (round to nearest even, NaN -> 0x7E00), written
+ * without control flow so that GCC vectorizes it; checked against the branchy original on
+ * all 2^32 float32 inputs. */
+static inline uint16_t qt_f32_to_f16(float f) {
+    const uint32_t w = qt_bits(f);
+    const uint32_t shl1_w = w + w;
+    const uint32_t sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    bias = bias > 0x71000000u ? bias : 0x71000000u;
+    float base = (__builtin_fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+    base = qt_float((bias >> 1) + 0x07800000u) + base;
+    const uint32_t bits = qt_bits(base);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+    const uint32_t nan = 0u - (uint32_t)(shl1_w > 0xFF000000u);
+    return (uint16_t)((sign >> 16) | (nan & 0x7E00u) | (~nan & nonsign));
+}
+
+/* a float32 value rounded to dtype `dt` and widened back: what torch stores for an op in dt */
+static inline float qt_round_to(float f, int dt) {
+    if (dt == QT_BF16) return qt_bf16_to_f32(qt_f32_to_bf16(f));
+    if (dt == QT_F16) return qt_f16_to_f32(qt_f32_to_f16(f));
+    return f;
+}
+
+static inline float qt_load(const void *p, Py_ssize_t i, int dt) {
+    if (dt == QT_BF16) return qt_bf16_to_f32(((const uint16_t *)p)[i]);
+    if (dt == QT_F16) return qt_f16_to_f32(((const uint16_t *)p)[i]);
+    return ((const float *)p)[i];
+}
+
+static inline void qt_store(void *p, Py_ssize_t i, int dt, float f) {
+    if (dt == QT_BF16) ((uint16_t *)p)[i] = qt_f32_to_bf16(f);
+    else if (dt == QT_F16) ((uint16_t *)p)[i] = qt_f32_to_f16(f);
+    else ((float *)p)[i] = f;
+}
+
+static inline Py_ssize_t qt_itemsize(int dt) { return dt == QT_F32 ? 4 : 2; }
+
+/* Widen n values of dtype dt at src into float32 dst (hot: one per row or block run). */
+void qt_widen(const void *src, int dt, float *dst, Py_ssize_t n);
+/* n float32 values into elements [at, at + n) of out, of dtype dt, rounding to nearest even
+ * as torch's .to(dtype) does. Inlined, so a constant dt leaves one vectorized loop. */
+static inline __attribute__((always_inline)) void qt_narrow(const float *src, void *out, int dt, Py_ssize_t at, Py_ssize_t n) {
+    if (dt == QT_BF16) {
+        const uint32_t *s = (const uint32_t *)src;
+        uint16_t *o = (uint16_t *)out + at;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const uint32_t u = s[i];
+            const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+            o[i] = (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+        }
+    } else if (dt == QT_F16) {
+        uint16_t *o = (uint16_t *)out + at;
+        for (Py_ssize_t i = 0; i < n; i++) o[i] = qt_f32_to_f16(src[i]);
+    } else {
+        memcpy((float *)out + at, src, (size_t)n * 4);
+    }
+}
+
+/* Python entry points, one file each: affine.c, gguf.c */
+PyObject *qt_py_encode_int_sym(PyObject *self, PyObject *args);
+PyObject *qt_py_decode_int_sym(PyObject *self, PyObject *args);
+PyObject *qt_py_decode_gguf(PyObject *self, PyObject *args);
+
+/* Checks a buffer holds at least `need` bytes; sets ValueError naming `what` if not. */
+int qt_check_size(const Py_buffer *buffer, Py_ssize_t need, const char *what);
+int qt_check_dtype(int dt, const char *what);
+
+#endif

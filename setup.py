@@ -1,0 +1,18 @@
+"""The one compiled part of qtool: fused CPU kernels (qtool/native). Everything else is in
+pyproject.toml. The extension is optional: without a C compiler qtool installs and runs on
+its torch kernels alone, only slower (`qtool.native.available()` says which)."""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "qtool.native._kernels",
+            sources=["qtool/native/src/module.c", "qtool/native/src/affine.c", "qtool/native/src/gguf.c"],
+            depends=["qtool/native/src/qtool_native.h"],
+            # bit-exact with torch: no FMA contraction, no fast-math
+            extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-strict-aliasing", "-std=c11"],
+            optional=True,
+        )
+    ]
+)
