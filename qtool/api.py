@@ -194,9 +194,9 @@ def run(
     on_progress: Callable[[int], None] | None = None,
     measure: bool = True,
 ) -> "Result":
-    """Stream a planned task to its output, atomically. Imports torch."""
-    import torch
-
+    """Stream a planned task to its output, atomically. Imports torch unless qtool.native runs
+    every job on the CPU."""
+    from qtool import native
     from qtool.formats.writer import Output
     from qtool.pipeline import execute, resolve_device
 
@@ -204,7 +204,10 @@ def run(
     if threads:
         if threads < 1:
             raise UsageError(f"--threads {threads} must be at least 1")
+        import torch
+
         torch.set_num_threads(threads)
+        native.set_threads(threads)
     if task.output.endswith(".gguf"):
         from qtool.gguf_export import execute_gguf
 

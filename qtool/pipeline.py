@@ -9,7 +9,10 @@ Streaming keeps memory bounded by a few times the largest weight, whatever the m
 - quantization runs in row chunks where the scheme allows (channel, group and block schemes);
 - copied tensors move in `COPY_CHUNK` pieces;
 - one read runs ahead of the weight being computed, and at most `WRITES_IN_FLIGHT` pieces wait
-  to be written behind it.
+  to be written behind it, across weights.
+
+On the CPU, jobs that `qtool.fastpath` accepts run on qtool's fused native kernels and never
+touch torch; the rest run on the torch kernels. Both write the same bytes.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+from qtool import fastpath
 from qtool.conventions import decoder_for, encoder_for
 from qtool.dtypes import storage_dtype
 from qtool.errors import UsageError
@@ -158,13 +162,14 @@ def parse_dtype(text: str | None) -> str | None:
 
 
 def resolve_device(text: str) -> str:
-    """cpu | cuda | cuda:N | auto -> a torch device string; a missing GPU is a usage error."""
+    """cpu | cuda | cuda:N | auto -> a torch device string; a missing GPU is a usage error.
+    "cpu" imports nothing: the native kernels may run the whole job without torch."""
+    if text == "cpu":
+        return "cpu"
     import torch
 
     if text == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if text == "cpu":
-        return "cpu"
     if text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
         if not torch.cuda.is_available():
             raise UsageError(f"--device {text}: CUDA is not available on this machine", hint="use --device cpu, or auto")
@@ -318,6 +323,12 @@ def _read(source: Checkpoint, stored: StoredTensor):
     return raw.view(stored.dtype.torch_dtype()).reshape(stored.shape)
 
 
+def _tensor_of(raw, stored: StoredTensor):
+    import torch
+
+    return torch.frombuffer(raw, dtype=torch.uint8).view(stored.dtype.torch_dtype()).reshape(stored.shape)
+
+
 def _as_bytes(tensor) -> memoryview:
     import torch
 
@@ -346,6 +357,16 @@ class _Runner:
         self.device = device
         self.measure = measure
         self.result = Result()
+        self._encoders: dict[str, fastpath.IntEncoder | None] = {}
+
+    def native_encoder(self, job: Job) -> fastpath.IntEncoder | None:
+        """The fused CPU kernel for this quantize job, if one fits (else torch encodes it)."""
+        if job.action != "quantize" or self.device != "cpu":
+            return None
+        if job.weight.name not in self._encoders:
+            assert job.scheme is not None
+            self._encoders[job.weight.name] = fastpath.int_encoder(job.weight, job.scheme, [t.name for t in job.outputs])
+        return self._encoders[job.weight.name]
 
     # each job becomes a stream of pieces to write
     def pieces(self, job: Job, loaded) -> Iterator[Piece]:
@@ -354,7 +375,7 @@ class _Runner:
         elif job.action == "cast":
             yield from self._cast(job)
         elif job.action == "dequantize":
-            yield job.outputs[0].name, _as_bytes(loaded), 0
+            yield job.outputs[0].name, loaded if isinstance(loaded, memoryview) else _as_bytes(loaded), 0
         else:
             yield from self._quantize(job, loaded)
 
@@ -363,6 +384,11 @@ class _Runner:
 
         if job.action in ("copy", "cast"):
             return None  # streamed in pieces as it is written
+        if job.action == "dequantize" and self.device == "cpu":
+            native_decode = fastpath.decoder(job.weight, job.out_dtype or "BF16")
+            if native_decode is not None:
+                self.result.bytes_read += job.weight.nbytes
+                return native_decode(self.plan.source)
         if job.action == "dequantize" or job.weight.quantized:
             decoded = decoder_for(job.weight).decode(self.plan.source, job.weight, self.device)
             for member in job.weight.members.values():
@@ -371,8 +397,10 @@ class _Runner:
             if job.action == "dequantize":
                 return decoded.to(storage_dtype(job.out_dtype).torch_dtype())
             return decoded
-        tensor = _read(self.plan.source, job.weight.data)
         self.result.bytes_read += job.weight.nbytes
+        if self.native_encoder(job) is not None:
+            return self.plan.source.read_bytes(job.weight.data)  # raw bytes: no torch
+        tensor = _read(self.plan.source, job.weight.data)
         return tensor.to(self.device) if self.device != "cpu" else tensor
 
     def _copy(self, job: Job) -> Iterator[Piece]:
@@ -403,6 +431,18 @@ class _Runner:
     def _quantize(self, job: Job, weight) -> Iterator[Piece]:
         scheme = job.scheme
         assert scheme is not None
+        native = self.native_encoder(job)
+        if native is not None:
+            rows = job.weight.shape[0]
+            encoded, errors = native.encode(weight, rows)
+            if errors is not None:
+                if self.measure:
+                    self.result.errors[job.weight.name] = errors
+                yield native.packed, encoded[native.packed], 0
+                yield native.scale, encoded[native.scale], 0
+                yield native.shape, native.shape_bytes(rows), 0
+                return
+            weight = _tensor_of(weight, job.weight.data)  # inf or NaN in the weight: torch's exact semantics
         codec = encoder_for(scheme)
         name = job.weight.name
         chunk = _row_chunk(scheme, tuple(weight.shape))
@@ -492,11 +532,11 @@ def execute(
                     in_flight.append(writer.submit(write, job.shard, piece))
                     while len(in_flight) > WRITES_IN_FLIGHT:
                         in_flight.popleft().result()
-                del loaded
-                while in_flight:
-                    in_flight.popleft().result()
+                del loaded  # the next job's compute overlaps this one's last writes
                 if on_progress:
                     on_progress(job.bytes_in)
+            while in_flight:
+                in_flight.popleft().result()
         _side_files(plan, output)
         output.commit()
     except BaseException:

@@ -521,6 +521,26 @@ def encoded_layout(name: str, shape: tuple[int, ...], dtype: str, scheme: QSchem
     return [(f"{module}.weight_packed", "U8", (rows, cols // 2)), (f"{module}.weight_scale", "U8", grid)]
 
 
+def symmetric_int_layout(scheme: QScheme, shape: tuple[int, ...], dtype: str) -> tuple[int, int] | None:
+    """(bits, group) when this weight is written as symmetric pack-quantized ints with one
+    scale per row group, stored in the weight's own dtype: the layout qtool.native encodes.
+    None for every other layout (torch encodes those)."""
+    from qtool.errors import QtoolError
+
+    try:
+        target = _target(scheme)
+    except QtoolError:
+        return None
+    if target.format != "pack-quantized" or not target.symmetric or target.strategy not in ("channel", "group"):
+        return None
+    if len(shape) != 2 or dtype not in _FLOAT_DTYPES or _scale_storage(scheme, dtype) != dtype:
+        return None
+    group = shape[1] if target.strategy == "channel" else target.group_size
+    if not group or shape[1] % group:
+        return None
+    return target.num_bits, group
+
+
 def encode(name: str, weight: torch.Tensor, scheme: QScheme) -> dict[str, torch.Tensor]:
     """The stored tensors of one Linear weight, exactly as compressed-tensors 0.20.1 writes
     them after min-max calibration (its `calculate_qparams` / `generate_gparam`) and

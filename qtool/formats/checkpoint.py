@@ -15,6 +15,7 @@ from typing import Any, Iterator
 
 from qtool.dtypes import StorageDType
 from qtool.errors import CheckpointError
+from qtool.formats.buffers import allocate
 
 __all__ = ["StoredTensor", "Checkpoint", "SMALL_TENSOR_LIMIT"]
 
@@ -84,7 +85,7 @@ class Checkpoint:
             raise CheckpointError(f"tensor {tensor.name!r} is cut short", path=tensor.file)
         return data
 
-    def read_bytes(self, tensor: StoredTensor, start: int = 0, size: int | None = None) -> bytes | bytearray:
+    def read_bytes(self, tensor: StoredTensor, start: int = 0, size: int | None = None) -> bytes | bytearray | memoryview:
         """`size` bytes of the tensor's data from byte `start` within it (all of it by default),
         with pread: no mmap pages stay resident. The one way to read a tensor's raw bytes that
         every container supports; containers whose tensors are not byte ranges of a file (see
@@ -92,8 +93,8 @@ class Checkpoint:
         size = tensor.nbytes - start if size is None else size
         if start < 0 or size < 0 or start + size > tensor.nbytes:
             raise ValueError(f"bytes [{start}, {start + size}) are outside tensor {tensor.name!r} of {tensor.nbytes} bytes")
-        buffer = bytearray(size)
-        view, offset = memoryview(buffer), tensor.begin + start
+        buffer = allocate(size)
+        view, offset = buffer, tensor.begin + start
         fd = os.open(tensor.file, os.O_RDONLY)
         try:
             while view.nbytes:

@@ -44,6 +44,34 @@ class OutTensor:
         return size
 
 
+def _writeback_starter():
+    """Linux's sync_file_range(..., SYNC_FILE_RANGE_WRITE): start writing a range to disk now,
+    without waiting. Called after each piece, it lets the disk work while qtool computes, so the
+    final fsync waits for the tail of the file rather than all of it (a 2 GB output on a
+    500 MB/s disk: ~4 s of fsync at the end otherwise). None where there is no such call."""
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    function.restype = ctypes.c_int
+    write = 2  # SYNC_FILE_RANGE_WRITE
+
+    def start(fd: int, offset: int, size: int) -> None:
+        function(fd, offset, size, write)  # advisory: a failure only means fsync does it all
+
+    return start
+
+
+_start_writeback = _writeback_starter()
+
+
 def shard_name(index: int, count: int) -> str:
     return "model.safetensors" if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
@@ -96,6 +124,8 @@ class ShardWriter:
             self._pwrite(data, self.data_start + begin + at)
         except OSError as exc:
             raise write_error(self.path, exc) from None
+        if _start_writeback is not None:
+            _start_writeback(self.fd, self.data_start + begin + at, size)
         self.written[name] += size
 
     def finish(self) -> None:
