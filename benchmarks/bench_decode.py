@@ -1,11 +1,13 @@
-"""GGUF decode speed: qtool's torch decoders against the gguf package's numpy ones.
+"""GGUF decode speed: qtool's decoders against the gguf package's numpy ones.
 
 Two measures on GGUF files of Q8_0, Q4_0 and Q4_K tensors (written with the gguf package;
 Q4_K blocks are random valid bytes with small finite f16 scales, since gguf-py cannot
 quantize K-quants):
 
 - kernel throughput: parameters per second decoded in-process from the same bytes already in
-  memory, `qtool.conventions.gguf.decode_blocks` vs `gguf.quants.dequantize` (target >= 3x);
+  memory to float32, `gguf.quants.dequantize` against qtool's native kernel
+  (`qtool.native.decode_gguf`, what `qtool dequantize` runs on the CPU; target >= 3x) and
+  against its torch decoders (`qtool.conventions.gguf.decode_blocks`, the CUDA path);
 - whole process: `qtool dequantize FILE -o OUT --dtype bf16` vs a script doing
   `gguf.quants.dequantize` of every tensor plus `safetensors.torch.save_file` of bf16
   (target >= 1.5x), with peak RSS (target < 1 GB).
@@ -66,26 +68,35 @@ def write_gguf(path: Path, kind: str, params: int, seed: int) -> int:
     return tensors * rows_per_tensor * COLS
 
 
-def kernel_ratio(path: Path, repeats: int) -> tuple[float, float]:
+def kernel_times(path: Path, repeats: int) -> tuple[float, float, float]:
+    """Median seconds to decode every tensor of the file: native, torch, gguf package."""
     import gguf
     import numpy as np
     import torch
 
+    from qtool import native
     from qtool.conventions.gguf import decode_blocks
 
     reader = gguf.GGUFReader(str(path))
     tensors = [(np.array(t.data), t.tensor_type, tuple(int(d) for d in reversed(t.shape))) for t in reader.tensors]
-    ours, theirs = [], []
+    if not native.available():
+        raise SystemExit("qtool.native is not built: pip install -e . with a C compiler")
+    times: dict[str, list[float]] = {"native": [], "torch": [], "gguf": []}
     for _ in range(repeats):
+        start = time.perf_counter()
+        for raw, qtype, _ in tensors:
+            block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            native.decode_gguf(qtype.name, raw, raw.size // type_size, block_size, "F32")
+        times["native"].append(time.perf_counter() - start)
         start = time.perf_counter()
         for raw, qtype, shape in tensors:
             decode_blocks(torch.from_numpy(raw.reshape(-1).view(np.uint8)), qtype.name, shape)
-        ours.append(time.perf_counter() - start)
+        times["torch"].append(time.perf_counter() - start)
         start = time.perf_counter()
         for raw, qtype, _ in tensors:
             gguf.quants.dequantize(raw, qtype)
-        theirs.append(time.perf_counter() - start)
-    return statistics.median(ours), statistics.median(theirs)
+        times["gguf"].append(time.perf_counter() - start)
+    return statistics.median(times["native"]), statistics.median(times["torch"]), statistics.median(times["gguf"])
 
 
 def main() -> int:
@@ -96,11 +107,14 @@ def main() -> int:
     parser.add_argument("--kernel-only", metavar="FILE", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.kernel_only:
-        print(*kernel_ratio(Path(args.kernel_only), args.repeats))
+        print(*kernel_times(Path(args.kernel_only), args.repeats))
         return 0
     params = int(args.size_gb * 1e9 / 2)
     with tempfile.TemporaryDirectory(prefix="bench-decode-") as work:
-        print(f"{'type':6} {'params':>8} {'kernel qtool s':>15} {'kernel gguf s':>14} {'ratio':>6}   {'qtool deq s':>11} {'RSS GB':>6} {'baseline s':>10} {'RSS GB':>6} {'ratio':>6}")
+        print(
+            f"{'type':6} {'params':>8} {'native s':>9} {'torch s':>8} {'gguf s':>7} {'ratio':>6} {'torch':>6}   "
+            f"{'qtool deq s':>11} {'RSS GB':>6} {'baseline s':>10} {'RSS GB':>6} {'ratio':>6}"
+        )
         for kind in args.types.split(","):
             path = Path(work) / f"{kind}.gguf"
             count = write_gguf(path, kind, params, seed=0)
@@ -119,13 +133,14 @@ def main() -> int:
                 [sys.executable, __file__, "--kernel-only", str(path), "--repeats", str(args.repeats)],
                 capture_output=True, text=True, check=True,
             )
-            ours, theirs = map(float, kernel.stdout.split())
+            ours, torch_s, theirs = map(float, kernel.stdout.split())
             print(
-                f"{kind:6} {count / 1e6:7.0f}M {ours:15.2f} {theirs:14.2f} {theirs / ours:5.2f}x   "
+                f"{kind:6} {count / 1e6:7.0f}M {ours:9.2f} {torch_s:8.2f} {theirs:7.2f} {theirs / ours:5.2f}x {theirs / torch_s:5.2f}x   "
                 f"{qtool_run.wall_s:11.2f} {qtool_run.peak_rss_bytes / 1e9:6.2f} {base_run.wall_s:10.2f} "
                 f"{base_run.peak_rss_bytes / 1e9:6.2f} {base_run.wall_s / qtool_run.wall_s:5.2f}x"
             )
             os.remove(path)
+    print("ratio = gguf / native (the CPU path), torch = gguf / torch decoders (the CUDA path's code, on the CPU)")
     print("targets: kernel >= 3x, whole process >= 1.5x, qtool RSS < 1 GB")
     return 0
 

@@ -42,7 +42,7 @@ OutputPathOpt = Annotated[
     typer.Option("--output", "-o", help="Where to write: a folder, or a path ending in .safetensors for one file.", show_default=False),
 ]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N, or auto (CUDA when present).")]
-ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: torch's own choice).", min=1)]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads for the math, torch's and qtool's native kernels' (default: every CPU).", min=1)]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output (atomically, when the new one is complete).")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan (per-weight scheme, size before and after) and write nothing.")]
 MaxShardOpt = Annotated[
