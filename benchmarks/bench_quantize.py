@@ -658,8 +658,19 @@ def run(args: argparse.Namespace, root: Path) -> int:
     probes = [("python -c pass", "pass"), ("python -c 'import torch'", "import torch")]
     if "D" in selected:  # what D pays before any work: compressed-tensors imports transformers
         probes.append(("import compressed_tensors.compressors", "import compressed_tensors.compressors"))
+    if "E" in selected:  # E's output is the model's size again, written durably (fsync) as qtool does
+        sink = outs / "floor.bin"
+        probes.append((
+            f"write+fsync {model.nbytes / GB:.2f} GB",
+            f"import os\nfd = os.open({str(sink)!r}, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)\nchunk = bytes(32 << 20)\n"
+            f"left = {model.nbytes}\nwhile left > 0:\n    left -= os.write(fd, chunk[:min(left, len(chunk))])\n"
+            f"os.fsync(fd)\nos.close(fd)\nos.remove({str(sink)!r})",
+        ))
     for name, code in probes:
-        ms = [measure([sys.executable, "-c", code], log_stem=logs / "floor", cwd=REPO) for _ in range(args.repeats)]
+        ms = []
+        for _ in range(args.repeats):
+            os.sync()
+            ms.append(measure([sys.executable, "-c", code], log_stem=logs / "floor", cwd=REPO))
         floors[name] = (statistics.median(m.wall_s for m in ms), max(m.peak_rss_bytes for m in ms))
     print("floors: " + ";  ".join(f"{n} {w:.2f} s, {r / GB:.2f} GB RSS" for n, (w, r) in floors.items()))
 
