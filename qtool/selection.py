@@ -38,6 +38,8 @@ def quantizable(weight: Weight) -> str | None:
         return f"{len(weight.shape)}-D, only 2-D weights are quantized"
     if weight.dtype not in FLOAT_DTYPES:
         return f"{weight.dtype} is not a float dtype"
+    if 0 in weight.shape:
+        return "empty: there is nothing to quantize"
     return None
 
 

@@ -327,3 +327,27 @@ def test_gguf_output_errors(tmp_path):
     result = run("quantize", TINY, "-o", tmp_path / "out", "--format", "gguf", "--scheme", "q4_0")
     assert result.exit_code == 2 and "should end in .gguf" in result.stderr
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_empty_one_row_and_odd_width_weights(tmp_path, monkeypatch, native):
+    """An empty Linear weight is copied (nothing to quantize), never a crash; one row and an
+    in_features that packs into a partial int32 word quantize on either kernel path."""
+    from safetensors.torch import save_file
+
+    monkeypatch.setenv("QTOOL_NATIVE", native)
+    tensors = {
+        "a.q_proj.weight": torch.randn(0, 128).to(torch.bfloat16),
+        "b.q_proj.weight": torch.randn(1, 128).to(torch.bfloat16),
+        "c.q_proj.weight": torch.randn(7, 99).to(torch.bfloat16),
+    }
+    save_file(tensors, tmp_path / "in.safetensors")
+    ok("quantize", tmp_path / "in.safetensors", "-o", tmp_path / "q", "--scheme", "int8", "-q")
+    weights = weights_of(tmp_path / "q")
+    assert not weights["a.q_proj.weight"].quantized and weights["a.q_proj.weight"].shape == (0, 128)
+    assert weights["b.q_proj.weight"].quantized and weights["c.q_proj.weight"].shape == (7, 99)
+    ok("dequantize", tmp_path / "q", "-o", tmp_path / "back.safetensors", "-q")
+    back = load_file(str(tmp_path / "back.safetensors"))
+    for name in ("b.q_proj.weight", "c.q_proj.weight"):
+        error = (back[name].float() - tensors[name].float()).norm() / tensors[name].float().norm()
+        assert error < 0.02, (name, error)

@@ -66,6 +66,8 @@ def set_threads(count: int | None) -> None:
 
 def _split(count: int, unit: int = 1) -> list[tuple[int, int]]:
     """[begin, end) ranges of `count` items, one per thread, each a multiple of `unit`."""
+    if count == 0:
+        return [(0, 0)]
     parts = max(1, min(_threads, count // max(_MIN_ROWS_PER_TASK, unit)))
     step = -(-count // parts)
     step = -(-step // unit) * unit
