@@ -125,16 +125,22 @@ QT_INLINE void dq_q3_k(const uint8_t *restrict x, float *restrict y) {
     }
 }
 
+/* Q4_K / Q5_K: sub-blocks 2r and 2r+1 take d*sc and dmin*mn, each product rounded once */
+QT_INLINE void k4_pair(const uint8_t *s, int r, float d, float dmin, float *ds0, float *dm0, float *ds1, float *dm1) {
+    int sc0, mn0, sc1, mn1;
+    scale_min_k4(s, 2 * r, &sc0, &mn0);
+    scale_min_k4(s, 2 * r + 1, &sc1, &mn1);
+    *ds0 = d * (float)sc0, *dm0 = dmin * (float)mn0;
+    *ds1 = d * (float)sc1, *dm1 = dmin * (float)mn1;
+}
+
 /* Q4_K: [d][dmin][12 B scales][128 B: per 32 bytes, 32 low nibbles then 32 high] */
 QT_INLINE void dq_q4_k(const uint8_t *restrict x, float *restrict y) {
     const float d = f16_at(x), dmin = f16_at(x + 2);
     const uint8_t *s = x + 4, *qs = x + 16;
     for (int r = 0; r < 4; r++) {
-        int sc0, mn0, sc1, mn1;
-        scale_min_k4(s, 2 * r, &sc0, &mn0);
-        scale_min_k4(s, 2 * r + 1, &sc1, &mn1);
-        const float ds0 = d * (float)sc0, dm0 = dmin * (float)mn0;
-        const float ds1 = d * (float)sc1, dm1 = dmin * (float)mn1;
+        float ds0, dm0, ds1, dm1;
+        k4_pair(s, r, d, dmin, &ds0, &dm0, &ds1, &dm1);
         const uint8_t *q = qs + 32 * r;
         float *o = y + 64 * r;
         for (int j = 0; j < 32; j++) {
@@ -149,11 +155,8 @@ QT_INLINE void dq_q5_k(const uint8_t *restrict x, float *restrict y) {
     const float d = f16_at(x), dmin = f16_at(x + 2);
     const uint8_t *s = x + 4, *qh = x + 16, *qs = x + 48;
     for (int r = 0; r < 4; r++) {
-        int sc0, mn0, sc1, mn1;
-        scale_min_k4(s, 2 * r, &sc0, &mn0);
-        scale_min_k4(s, 2 * r + 1, &sc1, &mn1);
-        const float ds0 = d * (float)sc0, dm0 = dmin * (float)mn0;
-        const float ds1 = d * (float)sc1, dm1 = dmin * (float)mn1;
+        float ds0, dm0, ds1, dm1;
+        k4_pair(s, r, d, dmin, &ds0, &dm0, &ds1, &dm1);
         const uint8_t *q = qs + 32 * r;
         const int p0 = 2 * r, p1 = 2 * r + 1;
         float *o = y + 64 * r;
