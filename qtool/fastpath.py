@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from qtool import native
-from qtool.conventions import compressed_tensors
+from qtool.conventions import compressed_tensors, compressed_tensors_encode
 from qtool.formats.checkpoint import Checkpoint
 from qtool.metrics import ErrorStats
 from qtool.scheme import QScheme
@@ -59,7 +59,7 @@ def int_encoder(weight: Weight, scheme: QScheme, output_names: list[str]) -> Int
         return None
     if weight.data.dtype.name != weight.dtype or tuple(weight.data.shape) != tuple(weight.shape):
         return None
-    layout = compressed_tensors.symmetric_int_layout(scheme, tuple(weight.shape), weight.dtype)
+    layout = compressed_tensors_encode.symmetric_int_layout(scheme, tuple(weight.shape), weight.dtype)
     if layout is None or len(output_names) != 3:
         return None
     bits, group = layout

@@ -27,6 +27,7 @@ import torch
 
 import qtool
 from qtool.conventions import compressed_tensors as ct
+from qtool.conventions import compressed_tensors_encode as ct_encode
 from qtool.conventions import resolve
 from qtool.errors import UsageError
 from qtool.scheme import QScheme, qtype
@@ -104,8 +105,8 @@ def test_decode_equals_the_packages_reference_bit_for_bit(fixture):
 @pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_encode_writes_exactly_the_encoded_layout(name, dtype):
     shape = SHAPES.get(name, (16, 256))
-    layout = ct.encoded_layout("model.layers.0.mlp.up_proj.weight", shape, dtype, SCHEMES[name])
-    out = ct.encode("model.layers.0.mlp.up_proj.weight", _weight(shape, DTYPES[dtype]), SCHEMES[name])
+    layout = ct_encode.encoded_layout("model.layers.0.mlp.up_proj.weight", shape, dtype, SCHEMES[name])
+    out = ct_encode.encode("model.layers.0.mlp.up_proj.weight", _weight(shape, DTYPES[dtype]), SCHEMES[name])
     from qtool.dtypes import DTYPES as STORAGE
 
     by_torch = {d.torch_name: d.name for d in STORAGE.values() if d.torch_name}
@@ -117,34 +118,34 @@ def test_encode_writes_exactly_the_encoded_layout(name, dtype):
 def test_layout_of_the_usual_presets():
     w = "model.layers.0.mlp.down_proj.weight"
     m = "model.layers.0.mlp.down_proj"
-    assert ct.encoded_layout(w, (12, 256), "BF16", SCHEMES["W4A16_ASYM"]) == [
+    assert ct_encode.encoded_layout(w, (12, 256), "BF16", SCHEMES["W4A16_ASYM"]) == [
         (f"{m}.weight_packed", "I32", (12, 32)),
         (f"{m}.weight_scale", "BF16", (12, 2)),
         (f"{m}.weight_zero_point", "I32", (2, 2)),
         (f"{m}.weight_shape", "I64", (2,)),
     ]
-    assert ct.encoded_layout(w, (200, 300), "F16", SCHEMES["FP8_BLOCK"]) == [
+    assert ct_encode.encoded_layout(w, (200, 300), "F16", SCHEMES["FP8_BLOCK"]) == [
         (f"{m}.weight", "F8_E4M3", (200, 300)),
         (f"{m}.weight_scale", "F16", (2, 3)),
     ]
-    assert ct.encoded_layout(w, (12, 256), "BF16", SCHEMES["NVFP4A16"]) == [
+    assert ct_encode.encoded_layout(w, (12, 256), "BF16", SCHEMES["NVFP4A16"]) == [
         (f"{m}.weight_packed", "U8", (12, 128)),
         (f"{m}.weight_scale", "F8_E4M3", (12, 16)),
         (f"{m}.weight_global_scale", "F32", (1,)),
     ]
-    assert ct.encoded_layout(w, (12, 256), "BF16", SCHEMES["MXFP4A16"])[1] == (f"{m}.weight_scale", "U8", (12, 8))
+    assert ct_encode.encoded_layout(w, (12, 256), "BF16", SCHEMES["MXFP4A16"])[1] == (f"{m}.weight_scale", "U8", (12, 8))
     # an explicit scale dtype is honoured; "auto" follows the weight, as compressed-tensors does
     f32_scales = QScheme(qtype("int4"), (1, 128), scale_dtype="F32")
-    assert ct.encoded_layout(w, (12, 256), "BF16", f32_scales)[1] == (f"{m}.weight_scale", "F32", (12, 2))
+    assert ct_encode.encoded_layout(w, (12, 256), "BF16", f32_scales)[1] == (f"{m}.weight_scale", "F32", (12, 2))
 
 
 def test_ragged_groups_are_refused_naming_both_numbers():
     with pytest.raises(UsageError) as error:
-        ct.encoded_layout("m.proj.weight", (16, 200), "BF16", SCHEMES["W4A16"])
+        ct_encode.encoded_layout("m.proj.weight", (16, 200), "BF16", SCHEMES["W4A16"])
     assert error.value.message == "compressed-tensors refuses group size 128 for m.proj.weight: in_features 200 is not a multiple of 128"
     assert error.value.hint == "use a group size that divides 200 (e.g. 8), or leave this weight unquantized"
     with pytest.raises(UsageError, match="group size 16 for m.proj.weight: in_features 40 is not a multiple of 16"):
-        ct.encode("m.proj.weight", torch.zeros(16, 40), SCHEMES["NVFP4A16"])
+        ct_encode.encode("m.proj.weight", torch.zeros(16, 40), SCHEMES["NVFP4A16"])
 
 
 @pytest.mark.parametrize(
@@ -160,13 +161,13 @@ def test_ragged_groups_are_refused_naming_both_numbers():
 )
 def test_schemes_compressed_tensors_cannot_store(scheme, message):
     with pytest.raises(UsageError, match=message):
-        ct.encoded_layout("m.proj.weight", (16, 256), "BF16", scheme)
+        ct_encode.encoded_layout("m.proj.weight", (16, 256), "BF16", scheme)
 
 
 def test_encode_keeps_the_device_and_never_touches_its_input():
     w = _weight((16, 256), torch.bfloat16)
     before = w.clone()
-    out = ct.encode("m.proj.weight", w, SCHEMES["W4A16_ASYM"])
+    out = ct_encode.encode("m.proj.weight", w, SCHEMES["W4A16_ASYM"])
     assert torch.equal(w, before) and all(t.device == w.device for t in out.values())
 
 
@@ -174,20 +175,20 @@ def test_encode_keeps_the_device_and_never_touches_its_input():
 
 
 def test_config_for_one_scheme_and_a_mix():
-    config = ct.config_for({"model.layers.1.mlp.up_proj": SCHEMES["W4A16"], "model.layers.0.mlp.up_proj": SCHEMES["W4A16"]}, ["lm_head"], "BF16")
+    config = ct_encode.config_for({"model.layers.1.mlp.up_proj": SCHEMES["W4A16"], "model.layers.0.mlp.up_proj": SCHEMES["W4A16"]}, ["lm_head"], "BF16")
     assert config["format"] == "pack-quantized" and config["quantization_status"] == "compressed"
     assert config["config_groups"]["group_0"]["targets"] == ["model.layers.0.mlp.up_proj", "model.layers.1.mlp.up_proj"]
     assert config["config_groups"]["group_0"]["weights"] == {
         "num_bits": 4, "type": "int", "symmetric": True, "group_size": 128, "strategy": "group", "dynamic": False,
     }  # fmt: skip
-    mixed = ct.config_for({"a.q_proj": SCHEMES["W4A16"], "a.down_proj": SCHEMES["FP8_BLOCK"], "a.up_proj": SCHEMES["NVFP4A16"]}, [])
+    mixed = ct_encode.config_for({"a.q_proj": SCHEMES["W4A16"], "a.down_proj": SCHEMES["FP8_BLOCK"], "a.up_proj": SCHEMES["NVFP4A16"]}, [])
     assert mixed["format"] == "mixed-precision"
     assert [g["format"] for g in mixed["config_groups"].values()] == ["pack-quantized", "float-quantized", "nvfp4-pack-quantized"]
     assert mixed["config_groups"]["group_1"]["input_activations"] == {
         "num_bits": 8, "type": "float", "symmetric": True, "group_size": 128, "strategy": "group", "dynamic": True,
     }  # fmt: skip
     with pytest.raises(UsageError, match="no quantized modules"):
-        ct.config_for({}, [])
+        ct_encode.config_for({}, [])
 
 
 # -- (c) and (d): against the real package ----------------------------------------------------
@@ -307,7 +308,7 @@ def test_encode_equals_the_packages_compression(package, name, dtype):
     expected = _package_compress(name, weights)
     ours = {}
     for module, w in weights.items():
-        ours.update(ct.encode(f"{module}.weight", w, SCHEMES[name]))
+        ours.update(ct_encode.encode(f"{module}.weight", w, SCHEMES[name]))
     intended = {f"{m}.input_scale" for m in weights} if name == "FP8" else set()
     assert set(expected) - set(ours) == intended and set(ours) <= set(expected)
     for key, tensor in ours.items():
@@ -346,8 +347,8 @@ def test_the_package_loads_what_qtool_writes_and_decodes_it_as_qtool_does(packag
     shapes = _shapes(name)
     tensors = {}
     for i, (module, shape) in enumerate(shapes.items()):
-        tensors.update(ct.encode(f"{module}.weight", _weight(shape, torch.bfloat16, seed=i), SCHEMES[name]))
-    _write(tmp_path, tensors, ct.config_for({m: SCHEMES[name] for m in shapes}, [], "BF16"))
+        tensors.update(ct_encode.encode(f"{module}.weight", _weight(shape, torch.bfloat16, seed=i), SCHEMES[name]))
+    _write(tmp_path, tensors, ct_encode.config_for({m: SCHEMES[name] for m in shapes}, [], "BF16"))
     expected = _package_decompress(tmp_path, shapes, torch.bfloat16)
     checkpoint = qtool.open_checkpoint(tmp_path)
     weights = {w.name: w for w in resolve(checkpoint)}
@@ -365,7 +366,7 @@ def test_qtools_config_is_the_packages_own(package):
 
     modules = ["model.layers.0.mlp.down_proj", "model.layers.0.self_attn.q_proj"]
     for name in ("W8A16", "W4A16", "W4A16_ASYM", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16", "MXFP4A16", "MXFP8A16"):
-        ours = ct.config_for({m: SCHEMES[name] for m in modules}, ["lm_head"], "BF16")
+        ours = ct_encode.config_for({m: SCHEMES[name] for m in modules}, ["lm_head"], "BF16")
         scheme = _package_scheme(name)
         scheme.targets = modules
         scheme.format = ours["config_groups"]["group_0"]["format"]
@@ -380,7 +381,7 @@ def test_qtools_config_is_the_packages_own(package):
             assert ours["config_groups"]["group_0"].pop("input_activations")["strategy"] == "token"
         assert ours == theirs, name
         QuantizationConfig.model_validate(ours)
-    mixed = ct.config_for({"a.q_proj": SCHEMES["W4A16_ASYM"], "a.down_proj": SCHEMES["FP8_BLOCK"], "a.up_proj": SCHEMES["MXFP4A16"]}, ["lm_head"])
+    mixed = ct_encode.config_for({"a.q_proj": SCHEMES["W4A16_ASYM"], "a.down_proj": SCHEMES["FP8_BLOCK"], "a.up_proj": SCHEMES["MXFP4A16"]}, ["lm_head"])
     validated = QuantizationConfig.model_validate(mixed)
     assert validated.format == "mixed-precision" and len(validated.config_groups) == 3
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from qtool import native
 from qtool.conventions import encoder_for
-from qtool.conventions.compressed_tensors import encode
+from qtool.conventions.compressed_tensors_encode import encode
 from qtool.metrics import ErrorStats
 from qtool.scheme import parse_scheme
 

@@ -67,7 +67,7 @@ def decoder_for(weight: Weight) -> Any:
     )
 
 
-_WRITERS = {"compressed-tensors": "qtool.conventions.compressed_tensors", "bitsandbytes": "qtool.conventions.bitsandbytes"}
+_WRITERS = {"compressed-tensors": "qtool.conventions.compressed_tensors_encode", "bitsandbytes": "qtool.conventions.bitsandbytes"}
 
 
 @dataclass(frozen=True)

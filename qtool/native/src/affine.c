@@ -1,7 +1,7 @@
 /* Symmetric integer codes in compressed-tensors' pack-quantized layout, fused.
  *
  * encode_int_sym mirrors qtool.kernels.affine (choose_qparams + quantize) and the pack of
- * qtool.conventions.compressed_tensors.encode for symmetric int b-bit weights whose scale is
+ * qtool.conventions.compressed_tensors_encode.encode for symmetric int b-bit weights whose scale is
  * stored in the weight's own dtype, then reconstructs each value as qtool's decoder does and
  * sums the error measures of qtool.metrics.ErrorStats, all in one pass over each row:
  *
