@@ -22,7 +22,8 @@ from typer.testing import CliRunner
 import qtool
 from qtool.cli import app
 from qtool.conventions import decoder_for
-from qtool.conventions.gguf import decode_blocks, torch_decodable
+from qtool.conventions.gguf import decode_blocks
+from qtool.kernels.gguf_blocks import torch_decodable
 from qtool.errors import CheckpointError, QtoolError, UsageError
 from qtool.formats.gguf import GGML_TYPES
 from qtool.gguf_export import gguf_layout_bytes, gguf_type_for, plan_gguf, write_gguf
@@ -182,11 +183,11 @@ def test_torch_decoders_cover_the_common_types():
 @pytest.mark.parametrize("type_name", sorted(torch_decodable() - {"Q8_K"}))
 def test_chunked_decode_equals_one_pass(monkeypatch, type_name):
     """The CPU decodes in chunks; a chunk edge inside a tensor changes nothing."""
-    import qtool.conventions.gguf as convention
+    import qtool.kernels.gguf_blocks as kernel
 
     blocks = torch.from_numpy(random_blocks(type_name, 8, 1024, seed=3).reshape(-1))
     whole = decode_blocks(blocks, type_name, (8, 1024))
-    monkeypatch.setattr(convention, "CHUNK_ELEMENTS", 768)
+    monkeypatch.setattr(kernel, "CHUNK_ELEMENTS", 768)
     assert torch.equal(decode_blocks(blocks, type_name, (8, 1024)).view(torch.int32), whole.view(torch.int32))
 
 

@@ -13,9 +13,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from qtool.buffers import allocate
 from qtool.dtypes import StorageDType
 from qtool.errors import CheckpointError
-from qtool.formats.buffers import allocate
 
 __all__ = ["StoredTensor", "Checkpoint", "SMALL_TENSOR_LIMIT"]
 

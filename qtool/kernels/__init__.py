@@ -3,6 +3,8 @@
     affine    choose_qparams / quantize / dequantize over a block shape (every granularity)
     floats    fp8 casts, fp4 e2m1 and fp6 e2m3 codes, e8m0 exponents, 4-bit codebooks
     packing   bit packing with an explicit axis and order for every layout qtool writes
+    gguf_blocks  GGML block types (Q8_0 .. Q6_K, IQ4, TQ, MXFP4, NVFP4) to float32: the
+              blocks' math only; the GGUF container is read in formats/ and conventions/
 
 Importing this package imports torch; nothing above `conventions/` should.
 """

@@ -25,7 +25,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from qtool.formats.buffers import allocate
+from qtool.buffers import allocate
 from qtool.metrics import ErrorStats
 
 __all__ = ["available", "dtype_code", "encode_int_sym", "decode_int_sym", "decode_gguf", "gguf_types", "set_threads"]
