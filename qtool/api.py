@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -204,10 +205,11 @@ def run(
     if threads:
         if threads < 1:
             raise UsageError(f"--threads {threads} must be at least 1")
-        import torch
-
-        torch.set_num_threads(threads)
         native.set_threads(threads)
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(threads)
+        else:  # torch sizes its pool from this when (if) a job imports it; no import just for this
+            os.environ["OMP_NUM_THREADS"] = str(threads)
     if task.output.endswith(".gguf"):
         from qtool.gguf_export import execute_gguf
 

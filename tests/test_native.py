@@ -190,9 +190,19 @@ def test_quantize_and_dequantize_of_common_layouts_never_import_torch(tmp_path, 
     """The native kernels did all the work: a torch fallback would have imported torch."""
     model = SAMPLES / "tiny-llama"
     steps = [
-        ["quantize", str(model), "-o", str(tmp_path / "q"), "--scheme", scheme, "-q"],
+        ["quantize", str(model), "-o", str(tmp_path / "q"), "--scheme", scheme, "-q", "--threads", "1"],
         ["dequantize", str(tmp_path / "q"), "-o", str(tmp_path / "back.safetensors"), "-q"],
     ]
     for step in steps:
         result = subprocess.run([sys.executable, "-c", _NO_TORCH, *step], capture_output=True, text=True, cwd=REPO)
         assert result.returncode == 0, result.stderr
+
+
+def test_threads_reach_torch_when_a_job_needs_it(tmp_path):
+    """--threads without torch imported sets OMP_NUM_THREADS, which torch reads when a job
+    (here FP8, which has no native kernel) imports it."""
+    code = _NO_TORCH.replace('assert "torch" not in sys.modules, "torch was imported"', 'import torch; assert torch.get_num_threads() == 1, torch.get_num_threads()')
+    step = ["quantize", str(SAMPLES / "tiny-llama"), "-o", str(tmp_path / "q"), "--scheme", "FP8", "-q", "--threads", "1"]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    result = subprocess.run([sys.executable, "-c", code, *step], capture_output=True, text=True, cwd=REPO, env=env)
+    assert result.returncode == 0, result.stderr
