@@ -7,27 +7,9 @@ the type onto qtool's: value type, block (the GGML block along the row), scale d
 Plain GGUF types (F32, F16, BF16, I8..I64, F64) are ordinary stored tensors: the plain
 convention takes them.
 
-Decoding: `qtool.kernels.gguf_blocks` (torch, any device) for the types below, reproducing
-`gguf.quants.dequantize` bit for bit, and `qtool.native` on the CPU for the common ones; every
-other type the `gguf` package can dequantize goes through it (numpy, on the CPU).
-
-    Q8_0    [d f16][32 × i8]                              x = d·q
-    Q4_0    [d f16][16 B: low nibble j, high j+16]         x = d·(q − 8)
-    Q4_1    [d f16][m f16][16 B]                          x = d·q + m
-    Q5_0    [d f16][qh u32: bit j][16 B]                  x = d·(q − 16)
-    Q5_1    [d f16][m f16][qh u32][16 B]                  x = d·q + m
-    Q2_K    [16 B scales: lo 4 scale, hi 4 min][64 B 2-bit][d f16][dmin f16]  (d last)
-    Q3_K    [32 B high-bit mask][64 B 2-bit][12 B 6-bit scales][d f16]       (d last)
-    Q4_K    [d f16][dmin f16][12 B 6-bit scales, mins][128 B 4-bit]   x = d·sc·q − dmin·m
-    Q5_K    [d f16][dmin f16][12 B][32 B high bits][128 B 4-bit]
-    Q6_K    [128 B low 4 bits][64 B high 2 bits][16 × i8 scales][d f16]      (d last)
-    Q8_K    [d f32][256 × i8][16 × i16 block sums]        x = d·q
-    TQ1_0   [48 B base-3, 5 trits a byte][4 B, 4 a byte][d f16]  x = d·t, t ∈ {−1, 0, 1}
-    TQ2_0   [64 B, 2 bits a trit][d f16]
-    IQ4_NL  [d f16][16 B indexes into a 16-value non-linear table]
-    IQ4_XS  [d f16][scales_h u16][4 B scales_l][128 B indexes]
-    MXFP4   [e8m0][16 B e2m1 codes: low j, high j+16]     x = 2^(e−127)·e2m1
-    NVFP4   [4 × ue4m3 scale per 16][32 B e2m1 codes]
+Decoding: `qtool.kernels.gguf_blocks` (torch, any device; its docstring lays out each block)
+for the types it lists, bit for bit `gguf.quants.dequantize`, and `qtool.native` on the CPU for
+the common ones; every other type the `gguf` package can dequantize goes through it (numpy).
 """
 
 from __future__ import annotations
