@@ -14,12 +14,17 @@ What the figure means, on Linux:
 from __future__ import annotations
 
 import os
+import platform
+import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -99,3 +104,30 @@ def measure(
         stdout_path=out_path,
         stderr_path=err_path,
     )
+
+
+def print_environment(distributions: tuple[str, ...]) -> None:
+    """The two header lines every benchmark prints: Python and package versions, the machine."""
+    versions = []
+    for dist in distributions:
+        try:
+            versions.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            versions.append(f"{dist} (not installed)")
+    print(f"python {platform.python_version()}  {'  '.join(versions)}")
+    print(f"{platform.machine()} {os.cpu_count()} cpus  {platform.platform()}")
+
+
+def in_work_dir(workdir: Path | None, prefix: str, keep: bool, body: Callable[[Path], int]) -> int:
+    """body(root) in a fresh temporary folder (under `workdir` if given), removed afterwards
+    unless `keep`."""
+    if workdir:
+        workdir.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir=workdir))
+    try:
+        return body(root)
+    finally:
+        if keep:
+            print(f"kept: {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)

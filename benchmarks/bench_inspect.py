@@ -28,17 +28,17 @@ import argparse
 import json
 import math
 import os
-import platform
 import shutil
 import statistics
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _measure import in_work_dir, print_environment  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 BF16_BYTES = 2
@@ -283,21 +283,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    print(
-        f"python {platform.python_version()}  safetensors {metadata.version('safetensors')}  "
-        f"{platform.machine()} {os.cpu_count()} cpus  {platform.platform()}"
-    )
-
-    if args.workdir:
-        args.workdir.mkdir(parents=True, exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix="bench-inspect-", dir=args.workdir))
-    try:
-        return run(args, root)
-    finally:
-        if args.keep:
-            print(f"kept: {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+    print_environment(("safetensors",))
+    return in_work_dir(args.workdir, "bench-inspect-", args.keep, lambda root: run(args, root))
 
 
 def run(args: argparse.Namespace, root: Path) -> int:

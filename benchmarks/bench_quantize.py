@@ -53,19 +53,16 @@ import argparse
 import json
 import math
 import os
-import platform
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import Measurement, measure
+from _measure import Measurement, in_work_dir, measure, print_environment
 
 REPO = Path(__file__).resolve().parent.parent
 GB = 10**9
@@ -569,25 +566,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    versions = []
-    for dist in ("torch", "safetensors", "compressed-tensors", "qtool"):
-        try:
-            versions.append(f"{dist} {metadata.version(dist)}")
-        except metadata.PackageNotFoundError:
-            versions.append(f"{dist} (not installed)")
-    print(f"python {platform.python_version()}  {'  '.join(versions)}")
-    print(f"{platform.machine()} {os.cpu_count()} cpus  {platform.platform()}")
-
-    if args.workdir:
-        args.workdir.mkdir(parents=True, exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix="bench-quantize-", dir=args.workdir))
-    try:
-        return run(args, root)
-    finally:
-        if args.keep:
-            print(f"kept: {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+    print_environment(("torch", "safetensors", "compressed-tensors", "qtool"))
+    return in_work_dir(args.workdir, "bench-quantize-", args.keep, lambda root: run(args, root))
 
 
 def run(args: argparse.Namespace, root: Path) -> int:
