@@ -513,8 +513,10 @@ def execute(
     _keep_freed_memory()
     runner = _Runner(plan, device, measure)
     started = time.perf_counter()
-    writers = {i: output.shard(name, plan.shard_tensors(i), plan.metadata) for i, name in enumerate(plan.shard_names)}
     try:
+        # inside the try: a shard that cannot be created (no space for it, no permission) must
+        # remove the temporary output too
+        writers = {i: output.shard(name, plan.shard_tensors(i), plan.metadata) for i, name in enumerate(plan.shard_names)}
         with ThreadPoolExecutor(1, thread_name_prefix="qtool-read") as reader, ThreadPoolExecutor(1, thread_name_prefix="qtool-write") as writer:
             in_flight: deque[Future] = deque()
 

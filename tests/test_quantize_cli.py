@@ -255,6 +255,46 @@ def test_a_failing_write_mid_run_is_one_line_and_leaves_nothing(tmp_path, monkey
     assert os.listdir(tmp_path) == []
 
 
+def test_a_disk_too_small_for_the_output_fails_before_any_data_is_written(tmp_path, monkeypatch):
+    """On Linux the writer reserves each shard's blocks (fallocate) first: ENOSPC comes before
+    a single tensor byte is written, as one line with exit 2, and nothing is left behind."""
+    import ctypes
+    import errno
+
+    from qtool.formats import writer
+
+    if writer._fallocate is None:
+        pytest.skip("no fallocate here (not Linux)")
+
+    def full(fd, mode, offset, size):
+        ctypes.set_errno(errno.ENOSPC)
+        return -1
+
+    writes = []
+    real_pwrite = os.pwrite
+    monkeypatch.setattr(writer, "_fallocate", full)
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: writes.append(offset) or real_pwrite(fd, data, offset))
+    result = run("quantize", TINY, "-o", tmp_path / "out", "-q")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: ") and "cannot write: No space left on device" in result.stderr.splitlines()[0]
+    assert writes == [] and os.listdir(tmp_path) == []
+
+
+def test_a_filesystem_without_fallocate_still_gets_its_output(tmp_path, monkeypatch):
+    import ctypes
+    import errno
+
+    from qtool.formats import writer
+
+    def unsupported(fd, mode, offset, size):
+        ctypes.set_errno(errno.EOPNOTSUPP)
+        return -1
+
+    monkeypatch.setattr(writer, "_fallocate", unsupported)
+    ok("quantize", TINY, "-o", tmp_path / "out", "-q")
+    assert weights_of(tmp_path / "out")["model.layers.0.self_attn.q_proj.weight"].quantized
+
+
 def test_dequantize_defaults_to_the_recorded_dtype(tmp_path):
     ok("quantize", TINY, "-o", tmp_path / "w4", "-q")
     config = json.loads((tmp_path / "w4" / "config.json").read_text())
