@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from qtool.buffers import allocate
 from qtool.metrics import ErrorStats
 
-__all__ = ["available", "dtype_code", "encode_int_sym", "decode_int_sym", "decode_gguf", "gguf_types", "set_threads"]
+__all__ = ["available", "encode_int_sym", "decode_int_sym", "decode_gguf", "gguf_types", "set_threads"]
 
 try:
     from qtool.native import _kernels
@@ -46,11 +46,6 @@ _threads = os.cpu_count() or 1
 
 def available() -> bool:
     return _kernels is not None and os.environ.get("QTOOL_NATIVE", "1") != "0"
-
-
-def dtype_code(dtype: str) -> int | None:
-    """The kernels' code for a float storage dtype, None for any other."""
-    return DTYPE_CODES.get(dtype)
 
 
 def set_threads(count: int | None) -> None:
