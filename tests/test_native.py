@@ -206,3 +206,26 @@ def test_threads_reach_torch_when_a_job_needs_it(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     result = subprocess.run([sys.executable, "-c", code, *step], capture_output=True, text=True, cwd=REPO, env=env)
     assert result.returncode == 0, result.stderr
+
+
+def test_files_written_by_compressed_tensors_dequantize_the_same_on_both_paths(tmp_path, monkeypatch):
+    """Every fixture the real package wrote: the native decoders take the ones they can (at
+    least W4A16 and W8A16) and the output file is byte for byte the torch path's."""
+    from qtool import api, fastpath
+    from qtool.conventions import resolve
+    from qtool.formats import open_checkpoint
+
+    from .conftest import CT_FIXTURES
+
+    taken = set()
+    for fixture in sorted(p for p in CT_FIXTURES.iterdir() if p.is_dir()):
+        monkeypatch.delenv("QTOOL_NATIVE", raising=False)
+        weights = resolve(open_checkpoint(str(fixture)))
+        if any(w.quantized and fastpath.decoder(w, "BF16") is not None for w in weights):
+            taken.add(fixture.name)
+        api.dequantize(str(fixture), str(tmp_path / f"{fixture.name}-native.safetensors"))
+        monkeypatch.setenv("QTOOL_NATIVE", "0")
+        api.dequantize(str(fixture), str(tmp_path / f"{fixture.name}-torch.safetensors"))
+        native, reference = (tmp_path / f"{fixture.name}-{k}.safetensors" for k in ("native", "torch"))
+        assert native.read_bytes() == reference.read_bytes(), fixture.name
+    assert {"W4A16", "W8A16"} <= taken, taken
