@@ -3,10 +3,10 @@
 The pipeline asks here first, for CPU runs only; where the answer is None, torch does the job.
 What qualifies (each bit for bit the torch path, tests/test_fastpath.py):
 
-    quantize    a float16/bfloat16/float32 2-D weight to compressed-tensors' symmetric
-                pack-quantized int2/4/8, per channel or per group, scales in its own dtype
-                (W8A16, W4A16, int8, int4:gN, int2:gN)
-    dequantize  those layouts back (no zero point, no g_idx), and GGUF blocks of the types
+    quantize    a float16/bfloat16/float32 2-D weight to compressed-tensors' pack-quantized
+                int2/4/8, per channel or per group, symmetric or with zero points, scales in
+                its own dtype (W8A16, W4A16, W4A16_ASYM, int8, int4:gN[:asym], int2:gN)
+    dequantize  those layouts back (no g_idx), and GGUF blocks of the types
                 qtool.native.gguf_types() lists
 """
 
@@ -30,7 +30,7 @@ _FLOATS = ("BF16", "F16", "F32")
 
 @dataclass(frozen=True)
 class IntEncoder:
-    """Symmetric pack-quantized int codes for one weight, a row range at a time."""
+    """Pack-quantized int codes for one weight, symmetric or with zero points."""
 
     dtype: str
     cols: int
@@ -38,16 +38,17 @@ class IntEncoder:
     bits: int
     packed: str  # output tensor names, in encoded_layout's order
     scale: str
+    zero_point: str | None  # None: symmetric
     shape: str
 
-    def row_bytes(self) -> int:
-        return self.cols * (2 if self.dtype != "F32" else 4)
-
     def encode(self, src, rows: int) -> tuple[dict[str, memoryview], ErrorStats | None]:
-        """The packed codes and scales of `rows` rows in `src`, and their error; None for the
-        error when the rows hold inf or NaN (then torch must encode this weight)."""
-        encoded = native.encode_int_sym(src, self.dtype, rows, self.cols, self.group, self.bits)
-        return {self.packed: encoded.packed, self.scale: encoded.scale}, encoded.errors
+        """The stored tensors of `rows` rows in `src`, and their error; None for the error when
+        the rows hold inf or NaN (then torch must encode this weight)."""
+        encoded = native.encode_int(src, self.dtype, rows, self.cols, self.group, self.bits, symmetric=self.zero_point is None)
+        tensors = {self.packed: encoded.packed, self.scale: encoded.scale}
+        if self.zero_point is not None and encoded.zero_point is not None:
+            tensors[self.zero_point] = encoded.zero_point
+        return tensors, encoded.errors
 
     def shape_bytes(self, rows: int) -> bytes:
         """compressed-tensors' `weight_shape`: int64 [rows, cols], little-endian."""
@@ -59,14 +60,15 @@ def int_encoder(weight: Weight, scheme: QScheme, output_names: list[str]) -> Int
         return None
     if weight.data.dtype.name != weight.dtype or tuple(weight.data.shape) != tuple(weight.shape):
         return None
-    layout = compressed_tensors_encode.symmetric_int_layout(scheme, tuple(weight.shape), weight.dtype)
-    if layout is None or len(output_names) != 3:
+    layout = compressed_tensors_encode.row_group_int_layout(scheme, tuple(weight.shape), weight.dtype)
+    if layout is None:
         return None
-    bits, group = layout
+    bits, group, symmetric = layout
     cols = weight.shape[1]
-    if bits not in (2, 4, 8) or cols * bits % 32:
+    if bits not in (2, 4, 8) or cols * bits % 32 or len(output_names) != (3 if symmetric else 4):
         return None
-    return IntEncoder(weight.dtype, cols, group, bits, *output_names)
+    packed, scale, *zero_point, shape = output_names
+    return IntEncoder(weight.dtype, cols, group, bits, packed, scale, zero_point[0] if zero_point else None, shape)
 
 
 def decoder(weight: Weight, out_dtype: str) -> Callable[[Checkpoint], memoryview] | None:
@@ -83,10 +85,10 @@ def decoder(weight: Weight, out_dtype: str) -> Callable[[Checkpoint], memoryview
 
 def _int_decoder(weight: Weight, out_dtype: str):
     scheme = weight.require_scheme()
-    data, scale = weight.data, weight.members.get("scale")
-    if set(weight.members) - {"data", "scale", "shape"} or scale is None or len(weight.shape) != 2:
-        return None  # a zero point, g_idx or global scale: torch
-    if scheme.qtype.kind != "int" or not scheme.symmetric or scheme.qtype.bits not in (2, 4, 8):
+    data, scale, zero_point = weight.data, weight.members.get("scale"), weight.members.get("zero_point")
+    if set(weight.members) - {"data", "scale", "zero_point", "shape"} or scale is None or len(weight.shape) != 2:
+        return None  # g_idx or a global scale: torch
+    if scheme.qtype.kind != "int" or scheme.qtype.bits not in (2, 4, 8) or scheme.symmetric != (zero_point is None):
         return None
     if not data.name.endswith("weight_packed") or data.dtype.name != "I32" or scale.dtype.name not in _FLOATS:
         return None
@@ -95,13 +97,17 @@ def _int_decoder(weight: Weight, out_dtype: str):
     block_rows, group = scheme.block_for((rows, cols))
     if block_rows != 1 or cols % group or cols * bits % 32:
         return None
-    if data.nbytes != rows * cols * bits // 8 or scale.numel != rows * (cols // group):
+    groups = cols // group
+    if data.nbytes != rows * cols * bits // 8 or scale.numel != rows * groups:
         return None  # torch's decoder names what is wrong
+    if zero_point is not None and (zero_point.dtype.name != "I32" or tuple(zero_point.shape) != (-(-rows * bits // 32), groups)):
+        return None
     logical = weight.dtype if weight.dtype in _FLOATS else "BF16"
 
     def decode(checkpoint: Checkpoint) -> memoryview:
         packed, scales = checkpoint.read_bytes(data), checkpoint.read_bytes(scale)
-        return native.decode_int_sym(packed, scales, scale.dtype.name, logical, out_dtype, rows, cols, group, bits)
+        zero_points = checkpoint.read_bytes(zero_point) if zero_point is not None else None
+        return native.decode_int(packed, scales, zero_points, scale.dtype.name, logical, out_dtype, rows, cols, group, bits)
 
     return decode
 

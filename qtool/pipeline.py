@@ -438,8 +438,8 @@ class _Runner:
             if errors is not None:
                 if self.measure:
                     self.result.errors[job.weight.name] = errors
-                yield native.packed, encoded[native.packed], 0
-                yield native.scale, encoded[native.scale], 0
+                for name, data in encoded.items():
+                    yield name, data, 0
                 yield native.shape, native.shape_bytes(rows), 0
                 return
             weight = _tensor_of(weight, job.weight.data)  # inf or NaN in the weight: torch's exact semantics

@@ -27,10 +27,12 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="qtool.native._ke
 
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 SCHEMES = [("int8", 8, None), ("W4A16", 4, 128), ("int4:g64", 4, 64), ("int2:g64", 2, 64), ("W8A16", 8, 128)]
+ASYM_SCHEMES = [("W4A16_ASYM", 4, 128), ("int8:asym", 8, None), ("int4:g64:asym", 4, 64), ("int2:g64:asym", 2, 64)]
 
 
 def _bytes(tensor: torch.Tensor):
-    return memoryview(tensor.contiguous().view(torch.uint8).numpy())
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    return memoryview(tensor.detach().cpu().view(ints).numpy().tobytes())  # numpy copes with any strides
 
 
 def _weight(seed: int, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
@@ -42,12 +44,17 @@ def _weight(seed: int, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor
     w[1, ::3] = torch.finfo(dtype).tiny / 4  # subnormals
     w[2] = torch.arange(cols) % 17 - 8.5  # many x / scale land on exact .5 ties
     w[3, :4] = min(torch.finfo(dtype).max / 2, 2.0**60)  # huge, but its square is finite
+    w[4] = w[4].abs()  # min 0: the zero point sits at qmin
+    w[5] = -w[5].abs()  # max 0
+    w[6, : cols // 2] = 3.0  # one group constant
+    w[7] = torch.randn(cols, generator=g) * 1e-6  # float16: (max - min) / range rounds to a 0 scale
+    w[8] = torch.randn(cols, generator=g) * 1e-37  # bfloat16 / float32: the same, far down
     return w.to(dtype)
 
 
-def _native_encode(w: torch.Tensor, dtype: str, bits: int, group: int):
+def _native_encode(w: torch.Tensor, dtype: str, bits: int, group: int, symmetric: bool = True):
     rows, cols = w.shape
-    return native.encode_int_sym(_bytes(w), dtype, rows, cols, group, bits)
+    return native.encode_int(_bytes(w), dtype, rows, cols, group, bits, symmetric)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -69,6 +76,25 @@ def test_encode_equals_the_torch_encoder_bit_for_bit(dtype, scheme, bits, group)
         assert getattr(got.errors, field) == pytest.approx(getattr(expected, field), rel=1e-5, abs=1e-30)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scheme,bits,group", ASYM_SCHEMES)
+def test_asymmetric_encode_and_decode_equal_torch_bit_for_bit(dtype, scheme, bits, group):
+    w = _weight(4, 48, 256, DTYPES[dtype])
+    parsed = parse_scheme(scheme)
+    reference = encode("m.weight", w, parsed)
+    got = _native_encode(w, dtype, bits, group or 256, symmetric=False)
+    assert torch.equal(torch.frombuffer(got.packed, dtype=torch.int32).reshape(48, -1), reference["m.weight_packed"])
+    assert bytes(got.scale) == bytes(_bytes(reference["m.weight_scale"]))
+    assert torch.equal(torch.frombuffer(got.zero_point, dtype=torch.int32).reshape(reference["m.weight_zero_point"].shape), reference["m.weight_zero_point"])
+    reconstructed = encoder_for(parsed).reconstruct("m.weight", reference, parsed, (48, 256), dtype)
+    expected = ErrorStats().update(w, reconstructed)
+    assert got.errors.max_abs == expected.max_abs
+    assert got.errors.noise == pytest.approx(expected.noise, rel=1e-5)
+    for out in DTYPES:
+        decoded = native.decode_int(got.packed, got.scale, got.zero_point, dtype, dtype, out, 48, 256, group or 256, bits)
+        assert bytes(decoded) == bytes(_bytes(reconstructed.to(DTYPES[out]))), out
+
+
 @pytest.mark.parametrize("logical", DTYPES)
 @pytest.mark.parametrize("out", DTYPES)
 @pytest.mark.parametrize("scheme,bits,group", SCHEMES[:4])
@@ -77,7 +103,7 @@ def test_decode_equals_the_torch_decoder_bit_for_bit(logical, out, scheme, bits,
     parsed = parse_scheme(scheme)
     encoded = encode("m.weight", w, parsed)
     expected = encoder_for(parsed).reconstruct("m.weight", encoded, parsed, (40, 128), logical).to(DTYPES[out])
-    got = native.decode_int_sym(_bytes(encoded["m.weight_packed"]), _bytes(encoded["m.weight_scale"]), logical, logical, out, 40, 128, group or 128, bits)
+    got = native.decode_int(_bytes(encoded["m.weight_packed"]), _bytes(encoded["m.weight_scale"]), None, logical, logical, out, 40, 128, group or 128, bits)
     assert torch.equal(torch.frombuffer(got, dtype=DTYPES[out]).reshape(40, 128).view(torch.uint8), expected.view(torch.uint8))
 
 
@@ -87,21 +113,25 @@ def test_decode_equals_the_torch_decoder_bit_for_bit(logical, out, scheme, bits,
     rows=st.integers(1, 40),
     groups=st.integers(1, 6),
     dtype=st.sampled_from(list(DTYPES)),
-    which=st.integers(0, 3),
+    which=st.integers(0, 7),
     exponent=st.integers(-30, 30),
+    shift=st.floats(-3, 3),
 )
-def test_encode_matches_torch_on_random_weights(seed, rows, groups, dtype, which, exponent):
-    scheme, bits, group = SCHEMES[which]
+def test_encode_matches_torch_on_random_weights(seed, rows, groups, dtype, which, exponent, shift):
+    scheme, bits, group = (SCHEMES[:4] + ASYM_SCHEMES)[which]
+    symmetric = which < 4
     cols = groups * (group or 32)
     g = torch.Generator().manual_seed(seed)
-    w = (torch.randn(rows, cols, generator=g) * 2.0**exponent).to(DTYPES[dtype])
-    got = _native_encode(w, dtype, bits, group or cols)
+    w = ((torch.randn(rows, cols, generator=g) + shift) * 2.0**exponent).to(DTYPES[dtype])
+    got = _native_encode(w, dtype, bits, group or cols, symmetric)
     if not torch.isfinite(w).all():  # float16 overflows at 2^16: torch's semantics, torch's job
         assert got.errors is None
         return
     reference = encode("m.weight", w, parse_scheme(scheme))
     assert torch.equal(torch.frombuffer(got.packed, dtype=torch.int32).reshape(rows, -1), reference["m.weight_packed"])
     assert bytes(got.scale) == bytes(_bytes(reference["m.weight_scale"]))
+    if not symmetric:
+        assert bytes(got.zero_point) == bytes(_bytes(reference["m.weight_zero_point"]))
 
 
 def test_threads_split_rows_without_changing_a_bit():
@@ -120,7 +150,7 @@ def test_threads_split_rows_without_changing_a_bit():
 
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
 def test_non_finite_weights_are_left_to_torch(bad):
-    w = _weight(3, 8, 64, torch.bfloat16)
+    w = _weight(3, 16, 64, torch.bfloat16)
     w[5, 7] = bad
     assert _native_encode(w, "BF16", 8, 64).errors is None
 
@@ -130,15 +160,15 @@ def test_bad_layouts_and_short_buffers_are_value_errors():
 
     src = bytes(4 * 64 * 2)
     with pytest.raises(ValueError, match="2, 4 or 8 bits"):
-        _kernels.encode_int_sym(src, 2, 64, 64, bytearray(256), bytearray(8), 3, 0, 4)
+        _kernels.encode_int(src, 2, 64, 64, bytearray(256), bytearray(8), None, 3, 0, 4)
     with pytest.raises(ValueError, match="src holds"):
-        _kernels.encode_int_sym(src, 2, 64, 64, bytearray(256), bytearray(8), 8, 0, 5)
+        _kernels.encode_int(src, 2, 64, 64, bytearray(256), bytearray(8), None, 8, 0, 5)
     with pytest.raises(ValueError, match="bad layout"):
-        _kernels.encode_int_sym(src, 2, 64, 48, bytearray(256), bytearray(8), 8, 0, 4)
+        _kernels.encode_int(src, 2, 64, 48, bytearray(256), bytearray(8), None, 8, 0, 4)
     with pytest.raises(ValueError, match="unknown dtype"):
-        _kernels.decode_int_sym(bytes(256), bytes(8), 7, 2, bytearray(512), 2, 64, 64, 8, 0, 4)
+        _kernels.decode_int(bytes(256), bytes(8), 7, None, 2, bytearray(512), 2, 64, 64, 8, 4, 0, 4)
     with pytest.raises(ValueError, match="out holds"):
-        _kernels.decode_int_sym(bytes(256), bytes(8), 2, 2, bytearray(100), 2, 64, 64, 8, 0, 4)
+        _kernels.decode_int(bytes(256), bytes(8), 2, None, 2, bytearray(100), 2, 64, 64, 8, 4, 0, 4)
 
 
 # -- the pipeline -------------------------------------------------------------------------------
@@ -148,7 +178,7 @@ def _qtool(*args, env=None):
     return subprocess.run([sys.executable, "-m", "qtool", *args], capture_output=True, text=True, env={**os.environ, **(env or {})}, cwd=REPO)
 
 
-@pytest.mark.parametrize("scheme", ["int8", "W4A16", "int2:g64"])
+@pytest.mark.parametrize("scheme", ["int8", "W4A16", "int2:g64", "W4A16_ASYM", "int8:asym"])
 def test_native_and_torch_pipelines_write_the_same_bytes(tmp_path, scheme):
     model = SAMPLES / "tiny-llama"
     for name, env in (("native", {}), ("torch", {"QTOOL_NATIVE": "0"})):
@@ -185,7 +215,7 @@ assert "torch" not in sys.modules, "torch was imported"
 """
 
 
-@pytest.mark.parametrize("scheme", ["W4A16", "int8", "int2:g64"])
+@pytest.mark.parametrize("scheme", ["W4A16", "int8", "int2:g64", "W4A16_ASYM"])
 def test_quantize_and_dequantize_of_common_layouts_never_import_torch(tmp_path, scheme):
     """The native kernels did all the work: a torch fallback would have imported torch."""
     model = SAMPLES / "tiny-llama"
@@ -228,4 +258,4 @@ def test_files_written_by_compressed_tensors_dequantize_the_same_on_both_paths(t
         api.dequantize(str(fixture), str(tmp_path / f"{fixture.name}-torch.safetensors"))
         native, reference = (tmp_path / f"{fixture.name}-{k}.safetensors" for k in ("native", "torch"))
         assert native.read_bytes() == reference.read_bytes(), fixture.name
-    assert {"W4A16", "W8A16"} <= taken, taken
+    assert {"W4A16", "W8A16", "W4A16_ASYM"} <= taken, taken

@@ -5,7 +5,7 @@ that compressed-tensors 0.20.1 writes for a scheme, bit for bit (tests/test_ct_c
                      so the pipeline can plan headers before any data exists
     encode           the tensors themselves, in torch (min-max calibration, the package's rounding)
     config_for       the `quantization_config` of a set of modules
-    symmetric_int_layout   which weights qtool.native encodes instead of torch
+    row_group_int_layout   which weights qtool.native encodes instead of torch
 
 Reading them back is `qtool.conventions.compressed_tensors` (detect and decode).
 """
@@ -22,7 +22,7 @@ from qtool.scheme import QScheme, QType, qtype
 if TYPE_CHECKING:  # torch is imported where data is touched, never at import time
     import torch
 
-__all__ = ["CT_VERSION", "encoded_layout", "encode", "config_for", "symmetric_int_layout"]
+__all__ = ["CT_VERSION", "encoded_layout", "encode", "config_for", "row_group_int_layout"]
 
 
 CT_VERSION = "0.20.1"  # the package version whose layouts and config this codec reproduces
@@ -197,24 +197,24 @@ def encoded_layout(name: str, shape: tuple[int, ...], dtype: str, scheme: QSchem
     return [(f"{module}.weight_packed", "U8", (rows, cols // 2)), (f"{module}.weight_scale", "U8", grid)]
 
 
-def symmetric_int_layout(scheme: QScheme, shape: tuple[int, ...], dtype: str) -> tuple[int, int] | None:
-    """(bits, group) when this weight is written as symmetric pack-quantized ints with one
-    scale per row group, stored in the weight's own dtype: the layout qtool.native encodes.
-    None for every other layout (torch encodes those)."""
+def row_group_int_layout(scheme: QScheme, shape: tuple[int, ...], dtype: str) -> tuple[int, int, bool] | None:
+    """(bits, group, symmetric) when this weight is written as pack-quantized ints with one
+    scale (and zero point) per row group, the scale stored in the weight's own dtype: the
+    layouts qtool.native encodes. None for every other layout (torch encodes those)."""
     from qtool.errors import QtoolError
 
     try:
         target = _target(scheme)
     except QtoolError:
         return None
-    if target.format != "pack-quantized" or not target.symmetric or target.strategy not in ("channel", "group"):
+    if target.format != "pack-quantized" or target.strategy not in ("channel", "group"):
         return None
     if len(shape) != 2 or dtype not in _FLOAT_DTYPES or _scale_storage(scheme, dtype) != dtype:
         return None
     group = shape[1] if target.strategy == "channel" else target.group_size
     if not group or shape[1] % group:
         return None
-    return target.num_bits, group
+    return target.num_bits, group, target.symmetric
 
 
 def encode(name: str, weight: torch.Tensor, scheme: QScheme) -> dict[str, torch.Tensor]:

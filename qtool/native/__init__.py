@@ -12,9 +12,10 @@ kernels stay the reference, the path for every other layout, and the only path o
 The extension is optional (setup.py): where it was not built, `available()` is False and
 callers use torch. QTOOL_NATIVE=0 turns it off, to compare the two paths or to debug.
 
-    encode_int_sym  symmetric int2/4/8, per channel or per group, packed as compressed-tensors
-                    pack-quantized, with the error sums of qtool.metrics.ErrorStats
-    decode_int_sym  the reverse, to bf16 / f16 / f32
+    encode_int      int2/4/8, symmetric or with zero points, per channel or per group, packed
+                    as compressed-tensors pack-quantized, with the error sums of
+                    qtool.metrics.ErrorStats
+    decode_int      the reverse, to bf16 / f16 / f32
     decode_gguf     GGUF blocks (the types in `gguf_types()`) to bf16 / f16 / f32
 """
 
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from qtool.buffers import allocate
 from qtool.metrics import ErrorStats
 
-__all__ = ["available", "encode_int_sym", "decode_int_sym", "decode_gguf", "gguf_types", "set_threads"]
+__all__ = ["available", "encode_int", "decode_int", "decode_gguf", "gguf_types", "set_threads"]
 
 try:
     from qtool.native import _kernels
@@ -85,27 +86,34 @@ def _run(function, ranges: list[tuple[int, int]], *args) -> list:
 class Encoded:
     packed: memoryview  # rows x cols*bits/8 bytes: int32 words, LSB-first fields
     scale: memoryview  # rows x cols/group, in the weight's dtype
+    zero_point: memoryview | None  # int32 [ceil(rows*bits/32), groups], packed along the rows
     errors: ErrorStats | None  # None when the rows hold inf or NaN: use torch for this weight
 
 
-def encode_int_sym(src, dtype: str, rows: int, cols: int, group: int, bits: int) -> Encoded:
+def encode_int(src, dtype: str, rows: int, cols: int, group: int, bits: int, symmetric: bool = True) -> Encoded:
     """Quantize `rows` rows of `cols` values (row-major `dtype` bytes in `src`)."""
+    groups = cols // group
     packed = allocate(rows * cols * bits // 8)
-    scale = allocate(rows * (cols // group) * _ITEMSIZE[dtype])
-    code = DTYPE_CODES[dtype]
-    parts = _run(_kernels.encode_int_sym, _split(rows), src, code, cols, group, packed, scale, bits)
+    scale = allocate(rows * groups * _ITEMSIZE[dtype])
+    zero_point = None if symmetric else allocate(rows * groups)
+    parts = _run(_kernels.encode_int, _split(rows), src, DTYPE_CODES[dtype], cols, group, packed, scale, zero_point, bits)
     if not all(part[4] for part in parts):
-        return Encoded(packed, scale, None)
+        return Encoded(packed, scale, None, None)
+    packed_zero_point = None
+    if zero_point is not None:
+        packed_zero_point = allocate(-(-rows * bits // 32) * groups * 4)
+        _kernels.pack_zero_points(zero_point, rows, groups, bits, packed_zero_point)
     xx, xe, ee = (sum(part[i] for part in parts) for i in range(3))
     errors = ErrorStats(signal=xx, noise=ee, recon=xx - 2 * xe + ee, dot=xx - xe, max_abs=max(part[3] for part in parts), count=rows * cols)
-    return Encoded(packed, scale, errors)
+    return Encoded(packed, scale, packed_zero_point, errors)
 
 
-def decode_int_sym(packed, scale, scale_dtype: str, logical_dtype: str, out_dtype: str, rows: int, cols: int, group: int, bits: int) -> memoryview:
-    """out_dtype(logical_dtype(q * scale)) for every value of an `encode_int_sym` layout."""
+def decode_int(packed, scale, zero_point, scale_dtype: str, logical_dtype: str, out_dtype: str, rows: int, cols: int, group: int, bits: int) -> memoryview:
+    """out_dtype(logical_dtype((q - zp) * scale)) for every value of an `encode_int` layout;
+    `zero_point` None for symmetric codes."""
     out = allocate(rows * cols * _ITEMSIZE[out_dtype])
-    codes = (DTYPE_CODES[scale_dtype], DTYPE_CODES[logical_dtype], out, DTYPE_CODES[out_dtype], cols, group, bits)
-    _run(_kernels.decode_int_sym, _split(rows), packed, scale, *codes)
+    codes = (DTYPE_CODES[scale_dtype], zero_point, DTYPE_CODES[logical_dtype], out, DTYPE_CODES[out_dtype], cols, group, bits, rows)
+    _run(_kernels.decode_int, _split(rows), packed, scale, *codes)
     return out
 
 

@@ -1,17 +1,24 @@
-/* Symmetric integer codes in compressed-tensors' pack-quantized layout, fused.
+/* Integer codes in compressed-tensors' pack-quantized layout, fused.
  *
- * encode_int_sym mirrors qtool.kernels.affine (choose_qparams + quantize) and the pack of
- * qtool.conventions.compressed_tensors_encode.encode for symmetric int b-bit weights whose scale is
- * stored in the weight's own dtype, then reconstructs each value as qtool's decoder does and
- * sums the error measures of qtool.metrics.ErrorStats, all in one pass over each row:
+ * encode_int mirrors qtool.kernels.affine (choose_qparams + quantize) and the pack of
+ * qtool.conventions.compressed_tensors_encode.encode for int b-bit weights whose scale is
+ * stored in the weight's own dtype, symmetric or with a zero point, then reconstructs each
+ * value as qtool's decoder does and sums the error measures of qtool.metrics.ErrorStats, all
+ * in one pass over each row. With dt(.) rounding a float32 result to the weight's dtype, as
+ * torch does after each op:
  *
- *     amax  = max |x| over the group (0 included), exact in any dtype
- *     scale = dt(amax / ((qmax - qmin) / 2)), or eps(dt) where that is 0
- *     q     = rne(clamp(dt(x / scale), qmin, qmax))       stored as q + 2^(b-1), LSB first
- *     x^    = dt(q * scale)                               the decoded value
+ *   symmetric     scale = dt(amax / ((qmax - qmin) / 2))                        zp = 0
+ *   asymmetric    scale = dt(dt(max - min) / (qmax - qmin)),  zp = rne(clamp(dt(qmin - dt(min / scale))))
+ *                 (IEEE: a scale that rounds to 0 makes zp qmax; the 0/0 NaN of an all-zero
+ *                 group becomes 0, as torch's nan_to_num makes it)
+ *   then          scale = eps(dt) where it is 0
+ *                 q  = rne(clamp(dt(dt(x / scale) + zp), qmin, qmax))   stored as q + 2^(b-1), LSB first
+ *                 x^ = dt((q - zp) * scale)                              the decoded value
  *
- * where dt(.) rounds a float32 result to the weight's dtype, as torch does after each op.
- * decode_int_sym is the reverse: out = out_dtype(logical_dtype(q * scale)).
+ * min and max include 0. Symmetric codes take the same arithmetic with zp = 0 (adding and
+ * subtracting 0 is exact), so one kernel serves both. decode_int is the reverse:
+ * out = out_dtype(logical_dtype((q - zp) * scale)). Zero points are stored as compressed-
+ * tensors does: zp + 2^(b-1) in int32 words packed along the rows (pack_zero_points).
  */
 #include "qtool_native.h"
 
@@ -49,20 +56,20 @@ static inline float round_f32(float f) { return f; }
 
 /* One group: codes into q, error sums into sums. */
 #define QUANTIZE_GROUP(NAME, ROUND)                                                                          \
-    static QT_HOT void NAME(const float *x, Py_ssize_t n, float scale, float qmin, float qmax, int8_t *q,   \
-                            Sums *sums) {                                                                    \
+    static QT_HOT void NAME(const float *x, Py_ssize_t n, float scale, float zp, float qmin, float qmax,     \
+                            int8_t *q, Sums *sums) {                                                         \
         float xx[LANES] = {0}, xe[LANES] = {0}, ee[LANES] = {0};                                             \
         uint32_t me[LANES] = {0};                                                                            \
         Py_ssize_t j = 0;                                                                                    \
         for (; j + LANES <= n; j += LANES) {                                                                 \
             for (int k = 0; k < LANES; k++) {                                                                \
                 float xv = x[j + k];                                                                         \
-                float v = ROUND(xv / scale);                                                                 \
+                float v = ROUND(ROUND(xv / scale) + zp);                                                     \
                 v = v < qmin ? qmin : v;                                                                     \
                 v = v > qmax ? qmax : v;                                                                     \
                 v = round_half_even(v);                                                                      \
                 q[j + k] = (int8_t)(int32_t)v;                                                               \
-                float e = xv - ROUND(v * scale);                                                             \
+                float e = xv - ROUND((v - zp) * scale);                                                      \
                 xx[k] += xv * xv;                                                                            \
                 xe[k] += xv * e;                                                                             \
                 ee[k] += e * e;                                                                              \
@@ -72,12 +79,12 @@ static inline float round_f32(float f) { return f; }
         }                                                                                                    \
         for (; j < n; j++) {                                                                                 \
             float xv = x[j];                                                                                 \
-            float v = ROUND(xv / scale);                                                                     \
+            float v = ROUND(ROUND(xv / scale) + zp);                                                         \
             v = v < qmin ? qmin : v;                                                                         \
             v = v > qmax ? qmax : v;                                                                         \
             v = round_half_even(v);                                                                          \
             q[j] = (int8_t)(int32_t)v;                                                                       \
-            float e = xv - ROUND(v * scale);                                                                 \
+            float e = xv - ROUND((v - zp) * scale);                                                          \
             xx[0] += xv * xv;                                                                                \
             xe[0] += xv * e;                                                                                 \
             ee[0] += e * e;                                                                                  \
@@ -96,10 +103,31 @@ QUANTIZE_GROUP(quantize_group_bf16, round_bf16_finite)
 QUANTIZE_GROUP(quantize_group_f16, round_f16)
 QUANTIZE_GROUP(quantize_group_f32, round_f32)
 
-static void quantize_group(const float *x, Py_ssize_t n, float scale, float qmin, float qmax, int dt, int8_t *q, Sums *sums) {
-    if (dt == QT_BF16) quantize_group_bf16(x, n, scale, qmin, qmax, q, sums);
-    else if (dt == QT_F16) quantize_group_f16(x, n, scale, qmin, qmax, q, sums);
-    else quantize_group_f32(x, n, scale, qmin, qmax, q, sums);
+static void quantize_group(const float *x, Py_ssize_t n, float scale, float zp, float qmin, float qmax, int dt, int8_t *q, Sums *sums) {
+    if (dt == QT_BF16) quantize_group_bf16(x, n, scale, zp, qmin, qmax, q, sums);
+    else if (dt == QT_F16) quantize_group_f16(x, n, scale, zp, qmin, qmax, q, sums);
+    else quantize_group_f32(x, n, scale, zp, qmin, qmax, q, sums);
+}
+
+/* min and max of a group, 0 included (compressed-tensors' observer), in independent lanes */
+static QT_HOT void min_max(const float *x, Py_ssize_t n, float *lo, float *hi) {
+    float mn[LANES] = {0}, mx[LANES] = {0};
+    Py_ssize_t j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int k = 0; k < LANES; k++) {
+            mn[k] = x[j + k] < mn[k] ? x[j + k] : mn[k];
+            mx[k] = x[j + k] > mx[k] ? x[j + k] : mx[k];
+        }
+    for (; j < n; j++) {
+        mn[0] = x[j] < mn[0] ? x[j] : mn[0];
+        mx[0] = x[j] > mx[0] ? x[j] : mx[0];
+    }
+    for (int k = 1; k < LANES; k++) {
+        mn[0] = mn[k] < mn[0] ? mn[k] : mn[0];
+        mx[0] = mx[k] > mx[0] ? mx[k] : mx[0];
+    }
+    *lo = mn[0];
+    *hi = mx[0];
 }
 
 /* LSB-first b-bit fields of little-endian int32 words == this byte stream on a little-endian host */
@@ -132,18 +160,18 @@ static QT_HOT void unpack_row(const uint8_t *in, Py_ssize_t n, int bits, float *
 
 static inline float round_bf16(float f) { return qt_bf16_to_f32(qt_f32_to_bf16(f)); }
 
-#define SCALE_GROUP(NAME, ROUND)                                                   \
-    static QT_HOT void NAME(float *values, Py_ssize_t n, float scale) {            \
-        for (Py_ssize_t j = 0; j < n; j++) values[j] = ROUND(values[j] * scale);   \
+#define SCALE_GROUP(NAME, ROUND)                                                           \
+    static QT_HOT void NAME(float *values, Py_ssize_t n, float scale, float zp) {          \
+        for (Py_ssize_t j = 0; j < n; j++) values[j] = ROUND((values[j] - zp) * scale);    \
     }
 SCALE_GROUP(scale_group_bf16, round_bf16)
 SCALE_GROUP(scale_group_f16, round_f16)
 SCALE_GROUP(scale_group_f32, round_f32)
 
-static void scale_group(float *values, Py_ssize_t n, float scale, int dt) {
-    if (dt == QT_BF16) scale_group_bf16(values, n, scale);
-    else if (dt == QT_F16) scale_group_f16(values, n, scale);
-    else scale_group_f32(values, n, scale);
+static void scale_group(float *values, Py_ssize_t n, float scale, float zp, int dt) {
+    if (dt == QT_BF16) scale_group_bf16(values, n, scale, zp);
+    else if (dt == QT_F16) scale_group_f16(values, n, scale, zp);
+    else scale_group_f32(values, n, scale, zp);
 }
 
 static QT_HOT void narrow_row(const float *x, void *out, int dt, Py_ssize_t at, Py_ssize_t n) {
@@ -166,17 +194,37 @@ static int check_layout(Py_ssize_t cols, Py_ssize_t group, int bits, Py_ssize_t 
 
 static const float EPS[3] = {0x1.0p-23f, 0x1.0p-10f, 0x1.0p-7f}; /* torch.finfo(dtype).eps, by dtype code */
 
-PyObject *qt_py_encode_int_sym(PyObject *self, PyObject *args) {
+/* An optional writable buffer argument: None, or at least `need` bytes. */
+static int optional_buffer(PyObject *object, Py_buffer *view, int writable, Py_ssize_t need, const char *what) {
+    view->obj = NULL;
+    view->buf = NULL;
+    if (object == Py_None) return 1;
+    if (PyObject_GetBuffer(object, view, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) return 0;
+    if (!qt_check_size(view, need, what)) {
+        PyBuffer_Release(view);
+        view->obj = NULL;
+        return 0;
+    }
+    return 1;
+}
+
+static void release_optional(Py_buffer *view) {
+    if (view->obj) PyBuffer_Release(view);
+}
+
+PyObject *qt_py_encode_int(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer src, packed, scale;
+    Py_buffer src, packed, scale, zp = {0};
+    PyObject *zp_object;
     int dt, bits;
     Py_ssize_t cols, group, row0, row1;
-    if (!PyArg_ParseTuple(args, "y*innw*w*inn", &src, &dt, &cols, &group, &packed, &scale, &bits, &row0, &row1)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*innw*w*Oinn", &src, &dt, &cols, &group, &packed, &scale, &zp_object, &bits, &row0, &row1)) return NULL;
     PyObject *result = NULL;
     Py_ssize_t groups = group > 0 ? cols / group : 0;
-    if (!qt_check_dtype(dt, "encode_int_sym") || !check_layout(cols, group, bits, row0, row1) ||
+    if (!qt_check_dtype(dt, "encode_int") || !check_layout(cols, group, bits, row0, row1) ||
         !qt_check_size(&src, row1 * cols * qt_itemsize(dt), "src") || !qt_check_size(&packed, row1 * cols * bits / 8, "packed") ||
-        !qt_check_size(&scale, row1 * groups * qt_itemsize(dt), "scale"))
+        !qt_check_size(&scale, row1 * groups * qt_itemsize(dt), "scale") ||
+        !optional_buffer(zp_object, &zp, 1, row1 * groups, "zero_point"))
         goto done;
     float *x = malloc((size_t)cols * sizeof(float));
     int8_t *q = malloc((size_t)cols);
@@ -190,6 +238,7 @@ PyObject *qt_py_encode_int_sym(PyObject *self, PyObject *args) {
     const float qmax = (float)((1 << (bits - 1)) - 1), qmin = -qmax - 1.0f;
     const float half = (qmax - qmin) / 2.0f; /* 127.5, 7.5, 1.5: exact in every dtype */
     const char *in = (const char *)src.buf;
+    int8_t *zps = (int8_t *)zp.buf; /* NULL: symmetric */
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t r = row0; r < row1 && sums.finite; r++) {
         qt_widen(in + r * cols * qt_itemsize(dt), dt, x, cols);
@@ -200,10 +249,22 @@ PyObject *qt_py_encode_int_sym(PyObject *self, PyObject *args) {
                 sums.finite = 0;
                 break;
             }
-            float s = qt_round_to(qt_float(amax_bits) / half, dt);
+            float s, z = 0.0f;
+            if (zps) {
+                float lo, hi;
+                min_max(xg, group, &lo, &hi);
+                s = qt_round_to(qt_round_to(hi - lo, dt) / (qmax - qmin), dt);
+                /* IEEE as torch: a scale that rounded to 0 gives min / 0 = -inf, so zp = qmax;
+                 * only an all-zero group gives 0 / 0 = NaN, which torch turns into 0 */
+                z = qt_round_to(qmin - qt_round_to(lo / s, dt), dt);
+                z = z != z ? 0.0f : round_half_even(z < qmin ? qmin : z > qmax ? qmax : z);
+                zps[r * groups + g] = (int8_t)(int32_t)z;
+            } else {
+                s = qt_round_to(qt_float(amax_bits) / half, dt);
+            }
             if (s == 0.0f) s = EPS[dt];
             qt_store(scale.buf, r * groups + g, dt, s);
-            quantize_group(xg, group, s, qmin, qmax, dt, q + g * group, &sums);
+            quantize_group(xg, group, s, z, qmin, qmax, dt, q + g * group, &sums);
         }
         pack_row(q, cols, bits, (uint8_t *)packed.buf + r * cols * bits / 8);
     }
@@ -215,32 +276,81 @@ done:
     PyBuffer_Release(&src);
     PyBuffer_Release(&packed);
     PyBuffer_Release(&scale);
+    release_optional(&zp);
     return result;
 }
 
-PyObject *qt_py_decode_int_sym(PyObject *self, PyObject *args) {
+/* pack_zero_points(zp, rows, groups, bits, out): int8 zero points [rows, groups] as
+ * compressed-tensors stores them, zp + 2^(b-1) in b-bit fields of int32 words along the rows,
+ * LSB first: out [ceil(rows * b / 32), groups], the rows past the last padded with 0. */
+PyObject *qt_py_pack_zero_points(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer packed, scale, out;
+    Py_buffer zp, out;
+    Py_ssize_t rows, groups;
+    int bits;
+    if (!PyArg_ParseTuple(args, "y*nniw*", &zp, &rows, &groups, &bits, &out)) return NULL;
+    PyObject *result = NULL;
+    const int per = bits > 0 ? 32 / bits : 0;
+    const Py_ssize_t words = per ? (rows + per - 1) / per : 0;
+    if ((bits != 2 && bits != 4 && bits != 8) || rows < 0 || groups < 0) {
+        PyErr_Format(PyExc_ValueError, "pack_zero_points: bad layout (rows %zd, groups %zd, bits %d)", rows, groups, bits);
+        goto done;
+    }
+    if (!qt_check_size(&zp, rows * groups, "zero_point") || !qt_check_size(&out, words * groups * 4, "out")) goto done;
+    {
+        const int8_t *z = (const int8_t *)zp.buf;
+        uint32_t *o = (uint32_t *)out.buf;
+        const uint32_t mask = (1u << bits) - 1u, offset = 1u << (bits - 1);
+        memset(o, 0, (size_t)(words * groups) * 4);
+        for (Py_ssize_t r = 0; r < rows; r++)
+            for (Py_ssize_t g = 0; g < groups; g++)
+                o[(r / per) * groups + g] |= (((uint32_t)(int32_t)z[r * groups + g] + offset) & mask) << ((r % per) * bits);
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&zp);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+PyObject *qt_py_decode_int(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer packed, scale, out, zp = {0};
+    PyObject *zp_object;
     int scale_dt, logical_dt, out_dt, bits;
-    Py_ssize_t cols, group, row0, row1;
-    if (!PyArg_ParseTuple(args, "y*y*iiw*inninn", &packed, &scale, &scale_dt, &logical_dt, &out, &out_dt, &cols, &group, &bits, &row0, &row1))
+    Py_ssize_t rows, cols, group, row0, row1;
+    if (!PyArg_ParseTuple(args, "y*y*iOiw*inninnn", &packed, &scale, &scale_dt, &zp_object, &logical_dt, &out, &out_dt, &cols, &group,
+                          &bits, &rows, &row0, &row1))
         return NULL;
     PyObject *result = NULL;
     Py_ssize_t groups = group > 0 ? cols / group : 0;
+    const int per = (bits == 2 || bits == 4 || bits == 8) ? 32 / bits : 1;
     if (!qt_check_dtype(scale_dt, "scale") || !qt_check_dtype(logical_dt, "logical") || !qt_check_dtype(out_dt, "out") ||
         !check_layout(cols, group, bits, row0, row1) || !qt_check_size(&packed, row1 * cols * bits / 8, "packed") ||
         !qt_check_size(&scale, row1 * groups * qt_itemsize(scale_dt), "scale") ||
-        !qt_check_size(&out, row1 * cols * qt_itemsize(out_dt), "out"))
+        !qt_check_size(&out, row1 * cols * qt_itemsize(out_dt), "out") ||
+        !optional_buffer(zp_object, &zp, 0, ((rows + per - 1) / per) * groups * 4, "zero_point"))
         goto done;
+    if (row1 > rows) {
+        PyErr_Format(PyExc_ValueError, "rows [%zd, %zd) past the weight's %zd", row0, row1, rows);
+        goto done;
+    }
     float *x = malloc((size_t)cols * sizeof(float));
     if (!x) {
         PyErr_NoMemory();
         goto done;
     }
+    const uint32_t *zps = (const uint32_t *)zp.buf; /* NULL: symmetric */
+    const int offset = 1 << (bits - 1);
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t r = row0; r < row1; r++) {
         unpack_row((const uint8_t *)packed.buf + r * cols * bits / 8, cols, bits, x);
-        for (Py_ssize_t g = 0; g < groups; g++) scale_group(x + g * group, group, qt_load(scale.buf, r * groups + g, scale_dt), logical_dt);
+        for (Py_ssize_t g = 0; g < groups; g++) {
+            float z = 0.0f;
+            if (zps) z = (float)((int)((zps[(r / per) * groups + g] >> ((r % per) * bits)) & ((1u << bits) - 1u)) - offset);
+            scale_group(x + g * group, group, qt_load(scale.buf, r * groups + g, scale_dt), z, logical_dt);
+        }
         narrow_row(x, out.buf, out_dt, r * cols, cols);
     }
     Py_END_ALLOW_THREADS
@@ -251,5 +361,6 @@ done:
     PyBuffer_Release(&packed);
     PyBuffer_Release(&scale);
     PyBuffer_Release(&out);
+    release_optional(&zp);
     return result;
 }

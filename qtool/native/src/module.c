@@ -31,10 +31,11 @@ int qt_check_dtype(int dt, const char *what) {
 }
 
 static PyMethodDef methods[] = {
-    {"encode_int_sym", qt_py_encode_int_sym, METH_VARARGS,
-     "encode_int_sym(src, dtype, cols, group, bits, packed, scale, row0, row1) -> (xx, xe, ee, max_abs_err, finite)"},
-    {"decode_int_sym", qt_py_decode_int_sym, METH_VARARGS,
-     "decode_int_sym(packed, scale, scale_dtype, logical_dtype, out, out_dtype, cols, group, bits, row0, row1)"},
+    {"encode_int", qt_py_encode_int, METH_VARARGS,
+     "encode_int(src, dtype, cols, group, packed, scale, zero_point|None, bits, row0, row1) -> (xx, xe, ee, max_abs_err, finite)"},
+    {"pack_zero_points", qt_py_pack_zero_points, METH_VARARGS, "pack_zero_points(zero_point, rows, groups, bits, out)"},
+    {"decode_int", qt_py_decode_int, METH_VARARGS,
+     "decode_int(packed, scale, scale_dtype, zero_point|None, logical_dtype, out, out_dtype, cols, group, bits, rows, row0, row1)"},
     {"decode_gguf", qt_py_decode_gguf, METH_VARARGS,
      "decode_gguf(type_name, src, out, out_dtype, block0, block1)"},
     {NULL, NULL, 0, NULL},

@@ -106,8 +106,9 @@ static inline __attribute__((always_inline)) void qt_narrow(const float *src, vo
 }
 
 /* Python entry points, one file each: affine.c, gguf.c */
-PyObject *qt_py_encode_int_sym(PyObject *self, PyObject *args);
-PyObject *qt_py_decode_int_sym(PyObject *self, PyObject *args);
+PyObject *qt_py_encode_int(PyObject *self, PyObject *args);
+PyObject *qt_py_pack_zero_points(PyObject *self, PyObject *args);
+PyObject *qt_py_decode_int(PyObject *self, PyObject *args);
 PyObject *qt_py_decode_gguf(PyObject *self, PyObject *args);
 
 /* Checks a buffer holds at least `need` bytes; sets ValueError naming `what` if not. */
