@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 
 from qtool import fastpath
 from qtool.conventions import decoder_for, encoder_for
-from qtool.dtypes import storage_dtype
+from qtool.dtypes import WEIGHT_FLOATS, storage_dtype
 from qtool.errors import UsageError
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
 from qtool.formats.writer import INDEX_NAME, OutTensor, Output, shard_name
@@ -229,7 +229,7 @@ def plan_quantize(
     for weight in weights:
         scheme = chosen.get(weight.name)
         if weight.quantized:  # only with --allow-requantize: decode, then requantize or keep as float
-            dtype = out_dtype or (weight.dtype if weight.dtype in ("BF16", "F16", "F32") else "BF16")
+            dtype = out_dtype or (weight.dtype if weight.dtype in WEIGHT_FLOATS else "BF16")
             if scheme is None:
                 jobs.append(Job(weight, "dequantize", [OutTensor(weight.name, dtype, weight.shape)], out_dtype=dtype))
                 continue
@@ -276,14 +276,14 @@ def _recorded_dtype(source: Checkpoint, weights: list[Weight]) -> str:
     recorded = str(source.config.get("torch_dtype") or source.config.get("dtype") or "")
     if recorded in DTYPE_NAMES:
         return DTYPE_NAMES[recorded]
-    logical = {w.dtype for w in weights if w.quantized and w.dtype in ("BF16", "F16", "F32")}
+    logical = {w.dtype for w in weights if w.quantized and w.dtype in WEIGHT_FLOATS}
     return logical.pop() if len(logical) == 1 else "BF16"
 
 
 def _dominant_dtype(weights: list[Weight]) -> str:
     sizes: dict[str, int] = {}
     for weight in weights:
-        if weight.dtype in ("BF16", "F16", "F32"):
+        if weight.dtype in WEIGHT_FLOATS:
             sizes[weight.dtype] = sizes.get(weight.dtype, 0) + weight.parameters
     return max(sizes, key=sizes.__getitem__) if sizes else "BF16"
 
@@ -317,16 +317,17 @@ def _read(source: Checkpoint, stored: StoredTensor):
 
     if stored.nbytes == 0:
         return torch.empty(stored.shape, dtype=stored.dtype.torch_dtype())
-    raw = torch.frombuffer(source.read_bytes(stored), dtype=torch.uint8)
-    if stored.dtype.torch_name is None:
-        return raw
-    return raw.view(stored.dtype.torch_dtype()).reshape(stored.shape)
+    return _tensor_of(source.read_bytes(stored), stored)
 
 
 def _tensor_of(raw, stored: StoredTensor):
+    """The torch view of a stored tensor's raw bytes (raw uint8 for dtypes torch lacks)."""
     import torch
 
-    return torch.frombuffer(raw, dtype=torch.uint8).view(stored.dtype.torch_dtype()).reshape(stored.shape)
+    flat = torch.frombuffer(raw, dtype=torch.uint8)
+    if stored.dtype.torch_name is None:
+        return flat
+    return flat.view(stored.dtype.torch_dtype()).reshape(stored.shape)
 
 
 def _as_bytes(tensor) -> memoryview:
@@ -486,15 +487,11 @@ def _keep_freed_memory() -> None:
     on a 2-core machine that was ~40% of a quantize run, as system time. Peak RSS is unchanged:
     the same few chunk-sized blocks are reused."""
     import ctypes
-    import ctypes.util
-    import sys
 
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl, ...): keep its defaults
+    from qtool import libc
+
+    mallopt = libc.function("mallopt", (ctypes.c_int, ctypes.c_int))
+    if mallopt is None:  # not glibc (musl, ...): keep its defaults
         return
     m_trim_threshold, m_mmap_threshold = -1, -3
     mallopt(m_mmap_threshold, 256 << 20)

@@ -10,6 +10,7 @@ renamed into place only when complete. An interrupted run leaves no file under t
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
@@ -19,6 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
+from qtool import libc
 from qtool.dtypes import nbytes_for, storage_dtype
 from qtool.errors import CheckpointError, QtoolError, UsageError
 
@@ -45,32 +47,8 @@ class OutTensor:
         return size
 
 
-def _libc_function(name: str, argtypes: tuple, restype):
-    """A Linux libc function through ctypes (which drops the GIL while it runs), or None."""
-    import ctypes
-    import ctypes.util
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        function = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True), name)
-    except (OSError, AttributeError):
-        return None
-    function.argtypes, function.restype = argtypes, restype
-    return function
-
-
-def _linux_calls():
-    import ctypes
-
-    return (
-        _libc_function("sync_file_range", (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint), ctypes.c_int),
-        _libc_function("fallocate", (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64), ctypes.c_int),
-    )
-
-
-_sync_file_range, _fallocate = _linux_calls()
+_sync_file_range = libc.function("sync_file_range", (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint))
+_fallocate = libc.function("fallocate", (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64))
 _SYNC_FILE_RANGE_WRITE = 2
 
 
@@ -88,13 +66,12 @@ def _reserve(fd: int, size: int) -> None:
     cannot hold the output fails here, before any data is written, and write-back goes to
     extents allocated in one piece. Elsewhere (or where the filesystem has no fallocate, which
     glibc's posix_fallocate would emulate by writing every block) a sparse ftruncate."""
-    import ctypes
-
-    if _fallocate is not None and size > 0 and _fallocate(fd, 0, 0, size) == 0:
-        return
-    error = ctypes.get_errno() if _fallocate is not None and size > 0 else 0
-    if error in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        raise OSError(error, os.strerror(error))
+    if _fallocate is not None and size > 0:
+        if _fallocate(fd, 0, 0, size) == 0:
+            return
+        error = ctypes.get_errno()
+        if error in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise OSError(error, os.strerror(error))
     os.ftruncate(fd, size)
 
 
