@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["StorageDType", "DTYPES", "storage_dtype", "nbytes_for", "from_torch", "decoded_dtype"]
+__all__ = ["StorageDType", "DTYPES", "WEIGHT_FLOATS", "storage_dtype", "nbytes_for", "from_torch", "decoded_dtype"]
 
 Kind = Literal["bool", "int", "uint", "float", "complex"]
 
@@ -95,6 +95,10 @@ def from_torch(dtype) -> StorageDType:
     if name == "float4_e2m1fn_x2":
         return DTYPES["U8"]
     raise KeyError(f"torch dtype {dtype} has no safetensors dtype")
+
+
+# The float dtypes a weight's values are computed and written in (f64 is only copied through)
+WEIGHT_FLOATS = ("BF16", "F16", "F32")
 
 
 def decoded_dtype(name: str):  # -> torch.dtype

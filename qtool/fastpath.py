@@ -18,15 +18,13 @@ from typing import Callable
 
 from qtool import native
 from qtool.conventions import compressed_tensors, compressed_tensors_encode
+from qtool.dtypes import WEIGHT_FLOATS
 from qtool.formats.checkpoint import Checkpoint
 from qtool.metrics import ErrorStats
 from qtool.scheme import QScheme
 from qtool.weight import Weight
 
 __all__ = ["IntEncoder", "int_encoder", "decoder"]
-
-_FLOATS = ("BF16", "F16", "F32")
-
 
 @dataclass(frozen=True)
 class IntEncoder:
@@ -74,7 +72,7 @@ def int_encoder(weight: Weight, scheme: QScheme, output_names: list[str]) -> Int
 def decoder(weight: Weight, out_dtype: str) -> Callable[[Checkpoint], memoryview] | None:
     """A function reading `weight` from a checkpoint and returning its values as `out_dtype`
     bytes, or None where torch must decode it."""
-    if not native.available() or not weight.quantized or out_dtype not in _FLOATS:
+    if not native.available() or not weight.quantized or out_dtype not in WEIGHT_FLOATS:
         return None
     if weight.convention == compressed_tensors.NAME:
         return _int_decoder(weight, out_dtype)
@@ -90,7 +88,7 @@ def _int_decoder(weight: Weight, out_dtype: str):
         return None  # g_idx or a global scale: torch
     if scheme.qtype.kind != "int" or scheme.qtype.bits not in (2, 4, 8) or scheme.symmetric != (zero_point is None):
         return None
-    if not data.name.endswith("weight_packed") or data.dtype.name != "I32" or scale.dtype.name not in _FLOATS:
+    if not data.name.endswith("weight_packed") or data.dtype.name != "I32" or scale.dtype.name not in WEIGHT_FLOATS:
         return None
     rows, cols = weight.shape
     bits = scheme.qtype.bits
@@ -102,7 +100,7 @@ def _int_decoder(weight: Weight, out_dtype: str):
         return None  # torch's decoder names what is wrong
     if zero_point is not None and (zero_point.dtype.name != "I32" or tuple(zero_point.shape) != (-(-rows * bits // 32), groups)):
         return None
-    logical = weight.dtype if weight.dtype in _FLOATS else "BF16"
+    logical = weight.dtype if weight.dtype in WEIGHT_FLOATS else "BF16"
 
     def decode(checkpoint: Checkpoint) -> memoryview:
         packed, scales = checkpoint.read_bytes(data), checkpoint.read_bytes(scale)

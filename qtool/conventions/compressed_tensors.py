@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from qtool.conventions.base import Pool, block_from_scale, by_module, plain_weights
+from qtool.dtypes import WEIGHT_FLOATS
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
 from qtool.scheme import QScheme, qtype
 from qtool.weight import DATA, Weight
@@ -247,7 +248,7 @@ def _resolve(checkpoint: Checkpoint, name: str, members: dict[str, StoredTensor]
         extra=(("format", args.format if args and args.format else fmt),),
     )
     notes.extend(_disagreements(args, scheme, fmt))
-    logical_dtype = scale.dtype.name if scale.dtype.name in ("BF16", "F16", "F32") else "BF16"
+    logical_dtype = scale.dtype.name if scale.dtype.name in WEIGHT_FLOATS else "BF16"
     return Weight(name, tuple(shape), logical_dtype, members, scheme, NAME, notes)
 
 
@@ -337,9 +338,6 @@ def _disagreements(args: _Args | None, scheme: QScheme, fmt: str) -> list[str]:
 
 # -- reading values back ----------------------------------------------------------------------
 
-_FLOAT_DTYPES = ("BF16", "F16", "F32")
-
-
 def _usage(message: str, hint: str | None = None) -> Exception:
     """A UsageError, imported late (inspect imports this module and must stay light)."""
     from qtool.errors import UsageError
@@ -369,7 +367,7 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
         return checkpoint.load(weight.members[role]).to(device)
 
     logical = storage_dtype(weight.dtype)
-    dtype = logical.torch_dtype() if weight.dtype in _FLOAT_DTYPES else torch.bfloat16
+    dtype = logical.torch_dtype() if weight.dtype in WEIGHT_FLOATS else torch.bfloat16
     rows, cols = weight.shape
     value_type = scheme.qtype
     data = weight.data

@@ -16,7 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from qtool.conventions.compressed_tensors import _FLOAT_DTYPES, _usage
+from qtool.conventions.compressed_tensors import _usage
+from qtool.dtypes import WEIGHT_FLOATS
 from qtool.scheme import QScheme, QType, qtype
 
 if TYPE_CHECKING:  # torch is imported where data is touched, never at import time
@@ -81,7 +82,7 @@ def _target(scheme: QScheme) -> _Target:
     """The compressed-tensors layout for a scheme, or a UsageError naming what it can store."""
     qt, gran = scheme.qtype, scheme.granularity
     scale = scheme.scale_dtype.upper()
-    float_scale = scale in (*_FLOAT_DTYPES, "AUTO")
+    float_scale = scale in (*WEIGHT_FLOATS, "AUTO")
     e8m0, e4m3 = scale in ("E8M0", "F8_E8M0", "U8"), scale in ("E4M3", "F8_E4M3", "UE4M3")
     strategy = gran  # qtool's granularity names are compressed-tensors' strategy names
     group_size = scheme.group_size if gran == "group" else None
@@ -144,7 +145,7 @@ def _scale_storage(scheme: QScheme, dtype: str) -> str:
     does (float16 for a weight that is not a float), else the dtype the scheme names."""
     scale = scheme.scale_dtype.upper()
     if scale == "AUTO":
-        return dtype if dtype in _FLOAT_DTYPES else "F16"
+        return dtype if dtype in WEIGHT_FLOATS else "F16"
     return scale
 
 
@@ -209,7 +210,7 @@ def row_group_int_layout(scheme: QScheme, shape: tuple[int, ...], dtype: str) ->
         return None
     if target.format != "pack-quantized" or target.strategy not in ("channel", "group"):
         return None
-    if len(shape) != 2 or dtype not in _FLOAT_DTYPES or _scale_storage(scheme, dtype) != dtype:
+    if len(shape) != 2 or dtype not in WEIGHT_FLOATS or _scale_storage(scheme, dtype) != dtype:
         return None
     group = shape[1] if target.strategy == "channel" else target.group_size
     if not group or shape[1] % group:
@@ -300,7 +301,7 @@ def config_for(schemes_by_module: dict[str, QScheme], ignore: list[str], dtype: 
 
     if not schemes_by_module:
         raise _usage("no quantized modules: a compressed-tensors config needs at least one")
-    if dtype is not None and str(dtype).upper() not in (*_FLOAT_DTYPES, "BFLOAT16", "FLOAT16", "FLOAT32"):
+    if dtype is not None and str(dtype).upper() not in (*WEIGHT_FLOATS, "BFLOAT16", "FLOAT16", "FLOAT32"):
         raise _usage(f"the model dtype must be a float dtype, got {dtype!r}")
     targets: dict[_Target, list[str]] = {}
     for module, scheme in schemes_by_module.items():

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from qtool.conventions.base import Pool, plain_weights
-from qtool.dtypes import decoded_dtype
+from qtool.dtypes import WEIGHT_FLOATS, decoded_dtype
 from qtool.errors import UsageError
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
 from qtool.scheme import QScheme, qtype
@@ -159,7 +159,7 @@ def _weights(entry: _Entry) -> list[Weight]:
     dtype = _DTYPES.get(str(entry.dtype or "").removeprefix("torch."))
     if dtype is None:  # Int4Tensor records no dtype: it is its scale's (torchao's own rule)
         scale_dtype = members["scale"].dtype.name
-        dtype = scale_dtype if scale_dtype in ("BF16", "F16", "F32") else "F32"
+        dtype = scale_dtype if scale_dtype in WEIGHT_FLOATS else "F32"
     return [Weight(entry.name, shape, dtype, members, scheme, NAME, notes)]
 
 

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from qtool.buffers import allocate
+from qtool.dtypes import storage_dtype
 from qtool.metrics import ErrorStats
 
 __all__ = ["available", "encode_int", "decode_int", "decode_gguf", "gguf_types", "set_threads"]
@@ -37,7 +38,6 @@ except ImportError:  # not built (no compiler at install time): torch does the w
     _kernels = None
 
 DTYPE_CODES = {"F32": 0, "F16": 1, "BF16": 2}
-_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
 _MIN_ROWS_PER_TASK = 16  # below this, splitting rows across threads costs more than it saves
 
 _lock = threading.Lock()
@@ -94,7 +94,7 @@ def encode_int(src, dtype: str, rows: int, cols: int, group: int, bits: int, sym
     """Quantize `rows` rows of `cols` values (row-major `dtype` bytes in `src`)."""
     groups = cols // group
     packed = allocate(rows * cols * bits // 8)
-    scale = allocate(rows * groups * _ITEMSIZE[dtype])
+    scale = allocate(rows * groups * (storage_dtype(dtype).bits // 8))
     zero_point = None if symmetric else allocate(rows * groups)
     parts = _run(_kernels.encode_int, _split(rows), src, DTYPE_CODES[dtype], cols, group, packed, scale, zero_point, bits)
     if not all(part[4] for part in parts):
@@ -111,7 +111,7 @@ def encode_int(src, dtype: str, rows: int, cols: int, group: int, bits: int, sym
 def decode_int(packed, scale, zero_point, scale_dtype: str, logical_dtype: str, out_dtype: str, rows: int, cols: int, group: int, bits: int) -> memoryview:
     """out_dtype(logical_dtype((q - zp) * scale)) for every value of an `encode_int` layout;
     `zero_point` None for symmetric codes."""
-    out = allocate(rows * cols * _ITEMSIZE[out_dtype])
+    out = allocate(rows * cols * (storage_dtype(out_dtype).bits // 8))
     codes = (DTYPE_CODES[scale_dtype], zero_point, DTYPE_CODES[logical_dtype], out, DTYPE_CODES[out_dtype], cols, group, bits, rows)
     _run(_kernels.decode_int, _split(rows), packed, scale, *codes)
     return out
@@ -119,7 +119,7 @@ def decode_int(packed, scale, zero_point, scale_dtype: str, logical_dtype: str, 
 
 def decode_gguf(type_name: str, src, blocks: int, block_size: int, out_dtype: str) -> memoryview:
     """`blocks` GGUF blocks of `type_name` (raw bytes in `src`) as `out_dtype` values."""
-    out = allocate(blocks * block_size * _ITEMSIZE[out_dtype])
+    out = allocate(blocks * block_size * (storage_dtype(out_dtype).bits // 8))
     _run(_kernels.decode_gguf, _split(blocks, 64), type_name, src, out, DTYPE_CODES[out_dtype])
     return out
 
