@@ -57,10 +57,10 @@ def test_abort_leaves_nothing_behind(tmp_path):
 def test_overwrite_replaces_a_folder_only_when_complete(tmp_path):
     target = tmp_path / "out"
     target.mkdir()
-    (target / "old.txt").write_text("old")
+    (target / "config.json").write_text("{}")  # --overwrite replaces only a previous checkpoint
     out = Output(str(target), single_file=False, overwrite=True)
     out.shard("model.safetensors", [OutTensor("a", "U8", (2,))], None).write("a", b"ab")
-    assert (target / "old.txt").exists()  # untouched until commit
+    assert (target / "config.json").exists()  # untouched until commit
     out.commit()
     assert sorted(os.listdir(target)) == ["model.safetensors"]
     assert sorted(os.listdir(tmp_path)) == ["out"]

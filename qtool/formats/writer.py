@@ -1,11 +1,17 @@
-"""Write safetensors as a stream: the header first, from a plan, then each tensor's bytes.
+"""Write a container as a stream: the header first, from a plan, then each tensor's bytes.
 
 No library does this: `safetensors.save_file` needs the whole state dict in memory. Here the
-plan fixes every tensor's dtype, shape and so its byte range up front, so the header is written
-before any data exists and each tensor is written (in pieces, in any order) straight to its place.
+plan fixes every tensor's byte range up front, so the header is written before any data exists
+and each tensor is written (in pieces, in any order) straight to its place. `LaidOutFile` does
+this for any container whose layout is fixed up front; `safetensors_layout` builds the header
+and ranges of a safetensors file, and a GGUF writer builds its own (header, kv, tensor infos,
+padding, then data at aligned offsets).
 
-Outputs are atomic: everything goes to a temporary name beside the target, is fsynced, and is
-renamed into place only when complete. An interrupted run leaves no file under the final name.
+Outputs are atomic (see `qtool.formats.staging`): everything goes to a staging name beside the
+target, is fsynced, and is renamed into place only when complete, never over anything that
+appeared meanwhile. An interrupted run leaves nothing under the final name, and its staging is
+removed: by `abort()`, at exit, or by the next run after a SIGKILL. `--overwrite` replaces only
+a previous checkpoint.
 """
 
 from __future__ import annotations
@@ -14,20 +20,34 @@ import ctypes
 import errno
 import json
 import os
-import shutil
 import struct
-import tempfile
 from dataclasses import dataclass
 from typing import Any
 
 from qtool import libc
 from qtool.dtypes import nbytes_for, storage_dtype
 from qtool.errors import CheckpointError, QtoolError, UsageError
+from qtool.formats import staging
+from qtool.formats.staging import abort_all, cleanup_stale
 
-__all__ = ["OutTensor", "ShardWriter", "Output", "INDEX_NAME", "shard_name", "fsync_dir", "write_error"]
+__all__ = [
+    "OutTensor",
+    "LaidOutFile",
+    "ShardWriter",
+    "Output",
+    "INDEX_NAME",
+    "safetensors_layout",
+    "shard_name",
+    "write_json_atomic",
+    "cleanup_stale",
+    "abort_all",
+    "fsync_dir",
+    "write_error",
+]
 
 INDEX_NAME = "model.safetensors.index.json"
 _ALIGN = 8  # header padded to 8 bytes, as the reference writer does, so data is aligned
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
 
 
 @dataclass(frozen=True)
@@ -65,7 +85,8 @@ def _reserve(fd: int, size: int) -> None:
     """Give the file its full size. Linux's fallocate reserves the blocks too, so a disk that
     cannot hold the output fails here, before any data is written, and write-back goes to
     extents allocated in one piece. Elsewhere (or where the filesystem has no fallocate, which
-    glibc's posix_fallocate would emulate by writing every block) a sparse ftruncate."""
+    glibc's posix_fallocate would emulate by writing every block) a sparse ftruncate. Either
+    way the gaps between ranges (alignment padding) read as zeros."""
     if _fallocate is not None and size > 0:
         if _fallocate(fd, 0, 0, size) == 0:
             return
@@ -83,35 +104,62 @@ def write_error(path: str, exc: OSError) -> QtoolError:
     return CheckpointError(f"cannot write: {exc.strerror or exc}", path=path, hint="check free space and permissions; nothing was left behind")
 
 
-class ShardWriter:
-    """One safetensors file whose layout is fixed at construction."""
+def safetensors_layout(tensors: list[OutTensor], metadata: dict[str, str] | None = None) -> tuple[bytes, dict[str, tuple[int, int]], int]:
+    """The safetensors header of `tensors` in this order, each one's absolute byte range in the
+    file, and the file's size: what `LaidOutFile` takes."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    relative: dict[str, tuple[int, int]] = {}
+    offset = 0
+    for tensor in tensors:
+        end = offset + tensor.nbytes
+        header[tensor.name] = {"dtype": tensor.dtype, "shape": list(tensor.shape), "data_offsets": [offset, end]}
+        relative[tensor.name] = (offset, end)
+        offset = end
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * (-len(raw) % _ALIGN)
+    head = struct.pack("<Q", len(raw)) + raw
+    data_start = len(head)  # safetensors' data_offsets count from here
+    ranges = {name: (data_start + begin, data_start + end) for name, (begin, end) in relative.items()}
+    return head, ranges, data_start + offset
 
-    def __init__(self, path: str, tensors: list[OutTensor], metadata: dict[str, str] | None = None) -> None:
+
+class LaidOutFile:
+    """One file whose layout is fixed at construction: `header` at byte 0, then each tensor's
+    bytes at `ranges[name] = (begin, end)`, ABSOLUTE byte offsets in the file, `size` bytes in
+    all. Ranges lie after the header and do not overlap; gaps between them read as zeros.
+
+    The file is created exclusively (mode 0o666 less the umask), its full size reserved up
+    front, pieces are pwritten in any order and their write-back started at once; `finish()`
+    checks every tensor got all its bytes, then fsyncs."""
+
+    def __init__(self, path: str, header: bytes, ranges: dict[str, tuple[int, int]], size: int) -> None:
         self.path = path
-        header: dict[str, Any] = {}
-        if metadata:
-            header["__metadata__"] = metadata
-        self.ranges: dict[str, tuple[int, int]] = {}
-        offset = 0
-        for tensor in tensors:
-            end = offset + tensor.nbytes
-            header[tensor.name] = {"dtype": tensor.dtype, "shape": list(tensor.shape), "data_offsets": [offset, end]}
-            self.ranges[tensor.name] = (offset, end)
-            offset = end
-        raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-        raw += b" " * (-len(raw) % _ALIGN)
-        self.header = struct.pack("<Q", len(raw)) + raw
+        self.header = bytes(header)
+        self.ranges = dict(ranges)
+        self.size = size
         self.data_start = len(self.header)
-        self.size = self.data_start + offset
+        previous_end, previous = self.data_start, "the header"
+        for name, (begin, end) in sorted(self.ranges.items(), key=lambda item: item[1]):
+            if begin < previous_end or end < begin or end > size:
+                raise ValueError(f"{path}: tensor {name!r} at [{begin}, {end}) overlaps {previous} or lies outside the {size} bytes")
+            previous_end, previous = end, f"tensor {name!r}"
+        if self.data_start > size:
+            raise ValueError(f"{path}: a {self.data_start}-byte header does not fit in {size} bytes")
         self.written: dict[str, int] = {name: 0 for name in self.ranges}
         self.fd = -1
         try:
-            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            _reserve(self.fd, self.size)
+            self.fd = os.open(path, _CREATE, 0o666)
+            _reserve(self.fd, size)
             self._pwrite(self.header, 0)
         except OSError as exc:
             self.close()
             raise write_error(path, exc) from None
+
+    @property
+    def finished(self) -> bool:
+        return self.fd < 0
 
     def _pwrite(self, data, offset: int) -> None:
         view = memoryview(data).cast("B")
@@ -121,29 +169,31 @@ class ShardWriter:
 
     def write(self, name: str, data, at: int = 0) -> None:
         """Write `data` (bytes-like) at byte `at` of tensor `name`."""
-        begin, end = self.ranges[name]
+        try:
+            begin, end = self.ranges[name]
+        except KeyError:
+            raise RuntimeError(f"{self.path}: no tensor {name!r} in this file's layout") from None
         size = memoryview(data).nbytes
-        if begin + at + size > end:
+        if at < 0 or begin + at + size > end:
             raise RuntimeError(f"{name}: write of {size} bytes at {at} overruns its {end - begin} bytes")
         try:
-            self._pwrite(data, self.data_start + begin + at)
+            self._pwrite(data, begin + at)
         except OSError as exc:
             raise write_error(self.path, exc) from None
-        _start_writeback(self.fd, self.data_start + begin + at, size)
+        _start_writeback(self.fd, begin + at, size)
         self.written[name] += size
 
     def finish(self) -> None:
-        short = {n: (w, self.ranges[n][1] - self.ranges[n][0]) for n, w in self.written.items() if w != self.ranges[n][1] - self.ranges[n][0]}
-        if short:
-            name, (got, want) = next(iter(short.items()))
-            raise RuntimeError(f"{self.path}: tensor {name!r} got {got} of its {want} bytes")
+        for name, got in self.written.items():
+            begin, end = self.ranges[name]
+            if got != end - begin:
+                raise RuntimeError(f"{self.path}: tensor {name!r} got {got} of its {end - begin} bytes")
         try:
             os.fsync(self.fd)
         except OSError as exc:
             raise write_error(self.path, exc) from None
         finally:
-            os.close(self.fd)
-            self.fd = -1
+            self.close()
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -151,85 +201,189 @@ class ShardWriter:
             self.fd = -1
 
 
-class Output:
-    """A checkpoint being written: a folder (shards, index, side files) or one .safetensors file.
+class ShardWriter(LaidOutFile):
+    """One safetensors file: `LaidOutFile` with the layout of `safetensors_layout`."""
 
-    Everything is staged in a temporary folder beside the target and moved into place by
-    `commit()`. `abort()` removes the staging folder.
+    def __init__(self, path: str, tensors: list[OutTensor], metadata: dict[str, str] | None = None) -> None:
+        super().__init__(path, *safetensors_layout(tensors, metadata))
+
+
+class Output:
+    """A checkpoint being written: a folder (shards, index, side files) or one file.
+
+    Everything is staged under a staging name beside the target and moved into place by
+    `commit()`; `abort()` removes it. Checks at construction, before anything is written: an
+    existing target is refused without `overwrite`, and with it, unless it is a previous
+    checkpoint (`staging.check_replaceable`). Missing parent folders are created (and removed
+    again by `abort()`), and stale staging entries of dead runs in the parent are removed.
+    Usable as a context manager: an exception inside aborts.
     """
 
     def __init__(self, target: str, *, single_file: bool, overwrite: bool) -> None:
+        self.shown = os.fspath(target)
         self.target = os.path.abspath(target)
         self.single_file = single_file
         self.overwrite = overwrite
-        if os.path.lexists(self.target) and not overwrite:
-            raise UsageError(f"output {target} already exists", hint="pass --overwrite to replace it, or choose another -o")
+        self.writers: list[LaidOutFile] = []
+        self._done = False
+        self._replacing = _existing(self.target, self.shown, single_file=single_file, overwrite=overwrite, what="output")
         parent = os.path.dirname(self.target)
-        if not os.path.isdir(parent):
-            raise UsageError(f"output folder {parent} does not exist", hint="create it first")
+        self._created = staging.make_parents(parent, self.shown)
+        cleanup_stale(parent)
+        self.staging = staging.staging_path(self.target)
+        staging.register(self.staging)  # before mkdir: an interrupt in between leaks nothing
         try:
-            self.staging = tempfile.mkdtemp(prefix=f".{os.path.basename(self.target)}.qtool-tmp-", dir=parent)
-            os.chmod(self.staging, 0o777 & ~_umask())  # mkdtemp makes it 0700; the output is an ordinary folder
+            os.mkdir(self.staging, 0o777)  # an ordinary folder: the umask decides, as for any folder
         except OSError as exc:
+            self.abort()
             raise write_error(self.target, exc) from None
-        self.writers: list[ShardWriter] = []
+
+    def _path(self, filename: str) -> str:
+        if not filename or filename in (".", "..") or os.path.basename(filename) != filename:
+            raise ValueError(f"{filename!r} is not a plain file name")
+        return os.path.join(self.staging, filename)
+
+    def file(self, filename: str, header: bytes, ranges: dict[str, tuple[int, int]], size: int) -> LaidOutFile:
+        """A file of this output with a fixed layout (ranges are absolute offsets)."""
+        writer = LaidOutFile(self._path(filename), header, ranges, size)
+        self.writers.append(writer)
+        return writer
 
     def shard(self, filename: str, tensors: list[OutTensor], metadata: dict[str, str] | None) -> ShardWriter:
-        writer = ShardWriter(os.path.join(self.staging, filename), tensors, metadata)
+        writer = ShardWriter(self._path(filename), tensors, metadata)
         self.writers.append(writer)
         return writer
 
     def side_file(self, filename: str, content: dict[str, Any]) -> None:
-        path = os.path.join(self.staging, filename)
+        path = self._path(filename)
+        text = json.dumps(content, indent=2, ensure_ascii=False) + "\n"
         try:
-            with open(path, "w", encoding="utf-8") as handle:
-                json.dump(content, handle, indent=2, ensure_ascii=False)
-                handle.write("\n")
-                handle.flush()
-                os.fsync(handle.fileno())
+            _write_new(path, text.encode("utf-8"))
         except OSError as exc:
             raise write_error(path, exc) from None
 
     def copy_side_file(self, source: str, filename: str) -> None:
         """Carry a small file (tokenizer, generation config) over unchanged."""
+        path = self._path(filename)
         try:
-            shutil.copyfile(source, os.path.join(self.staging, filename))
+            with open(source, "rb") as handle:
+                _write_new(path, handle.read())
         except OSError as exc:
-            raise write_error(os.path.join(self.staging, filename), exc) from None
+            raise write_error(path, exc) from None
 
     def commit(self) -> None:
-        for writer in self.writers:
-            if writer.fd >= 0:
-                writer.finish()
+        """Finish every file, fsync, and move the output into place without replacing anything
+        but the checkpoint checked at construction. On failure nothing is left but what was
+        there before."""
         try:
+            for writer in self.writers:
+                if not writer.finished:
+                    writer.finish()
             if self.single_file:
-                (only,) = self.writers
-                os.replace(only.path, self.target)  # atomic, replaces an existing file
-                shutil.rmtree(self.staging, ignore_errors=True)
+                if len(self.writers) != 1:
+                    raise RuntimeError(f"a single-file output holds one file, not {len(self.writers)}")
+                source = self.writers[0].path
             else:
                 fsync_dir(self.staging)
-                backup = None
-                if os.path.lexists(self.target):
-                    backup = self.staging + ".old"
-                    os.rename(self.target, backup)
-                os.rename(self.staging, self.target)
-                if backup:
-                    (shutil.rmtree if os.path.isdir(backup) else os.remove)(backup)
+                source = self.staging
+            check_name = self.target if self.single_file else None
+
+            def check(path: str) -> None:
+                staging.check_replaceable(path, self.shown, single_file=self.single_file, name=check_name)
+
+            old = staging.place(source, self.target, shown=self.shown, replacing=self._replacing, check=check)
+            self._done = True
             fsync_dir(os.path.dirname(self.target))
         except OSError as exc:
             self.abort()
             raise write_error(self.target, exc) from None
+        except BaseException:
+            self.abort()
+            raise
+        if old is not None and old != self.staging:
+            staging.remove(old)
+        staging.remove(self.staging)  # emptied (one file), the old output (exchanged), or gone
 
     def abort(self) -> None:
+        """Remove the staging (and the parent folders this output created). Idempotent; after
+        a successful commit it only tidies up."""
         for writer in self.writers:
             writer.close()
-        shutil.rmtree(self.staging, ignore_errors=True)
+        staging.remove(self.staging)
+        if not self._done:
+            staging.remove_created(self._created)
+            self._created = []
+
+    def __enter__(self) -> "Output":
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is not None:
+            self.abort()
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+def _existing(target: str, shown: str, *, single_file: bool, overwrite: bool, what: str) -> tuple[int, int] | None:
+    """The (st_dev, st_ino) of what `overwrite` will replace at `target`, None if nothing is
+    there; raises UsageError when something is there that may not be replaced."""
+    try:
+        st = os.lstat(target)
+    except (FileNotFoundError, NotADirectoryError):  # NotADirectory: make_parents names the file
+        return None
+    except OSError as exc:
+        raise CheckpointError(f"cannot check {what} {shown}: {exc.strerror or exc}") from None
+    if not overwrite:
+        raise UsageError(f"{what} {shown} already exists", hint="pass --overwrite to replace it, or choose another -o")
+    staging.check_replaceable(target, shown, single_file=single_file)
+    return st.st_dev, st.st_ino
+
+
+def _write_new(path: str, data: bytes) -> None:
+    """Create `path` (exclusively, mode 0o666 less the umask), write `data` and fsync it."""
+    fd = os.open(path, _CREATE, 0o666)
+    try:
+        view = memoryview(data)
+        while view.nbytes:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: str, document: Any, *, overwrite: bool = False) -> None:
+    """Write a JSON report: a staging file beside `path`, fsynced, then renamed into place
+    without replacing anything (with `overwrite`, an existing report file is replaced, never a
+    folder). Missing parent folders are created. On any error, including a full disk, nothing is
+    left behind and `path` is as it was."""
+    shown = os.fspath(path)
+    target = os.path.abspath(path)
+    data = (json.dumps(document, indent=2) + "\n").encode("utf-8")  # before any file exists
+    if os.path.lexists(target):
+        if not overwrite:
+            raise UsageError(f"report {shown} already exists", hint="pass --overwrite to replace it, or choose another path")
+        if os.path.isdir(target) and not os.path.islink(target):
+            raise UsageError(f"report {shown} is a folder; refusing to replace it", hint="choose another path")
+    parent = os.path.dirname(target)
+    created = staging.make_parents(parent, shown)
+    cleanup_stale(parent)
+    temp = staging.staging_path(target)
+    staging.register(temp)
+    try:
+        _write_new(temp, data)
+        if overwrite:
+            os.replace(temp, target)
+        else:
+            try:
+                staging.rename_noreplace(temp, target)
+            except FileExistsError:
+                raise UsageError(f"report {shown} appeared while writing; nothing was replaced", hint="choose another path") from None
+        staging.remove(temp)  # gone already: this only forgets it
+        fsync_dir(parent)
+    except BaseException as exc:
+        staging.remove(temp)
+        staging.remove_created(created)
+        if isinstance(exc, OSError):
+            raise write_error(shown, exc) from None
+        raise
 
 
 def fsync_dir(path: str) -> None:
