@@ -502,6 +502,81 @@ def test_a_dying_process_removes_its_staging(tmp_path, how):
     assert os.listdir(tmp_path) == []
 
 
+# -- 8. input identity ---------------------------------------------------------------------------
+
+
+def two_tensors(path, a=b"aaaa", b=b"bbbb"):
+    writer = ShardWriter(str(path), [OutTensor("a", "U8", (4,)), OutTensor("b", "U8", (4,))])
+    writer.write("a", a)
+    writer.write("b", b)
+    writer.finish()
+    return path
+
+
+def test_a_file_replaced_between_reads_is_caught(tmp_path):
+    path = two_tensors(tmp_path / "m.safetensors")
+    checkpoint = qtool.open_checkpoint(path)
+    assert bytes(checkpoint.read_bytes(checkpoint.tensors["a"])) == b"aaaa"
+    checkpoint.verify_unchanged()
+    os.replace(two_tensors(tmp_path / "new.safetensors", b"AAAA", b"BBBB"), path)
+    assert bytes(checkpoint.read_bytes(checkpoint.tensors["b"])) == b"bbbb"  # still the file that was parsed
+    with pytest.raises(CheckpointError) as caught:
+        checkpoint.verify_unchanged()
+    assert str(caught.value) == f"{path}: changed while it was read (replaced by another file); nothing was written"
+    checkpoint.close()
+
+
+def test_a_file_replaced_before_its_first_read_is_caught(tmp_path):
+    path = two_tensors(tmp_path / "m.safetensors")
+    checkpoint = qtool.open_checkpoint(path)
+    os.replace(two_tensors(tmp_path / "new.safetensors", b"AAAA", b"BBBB"), path)
+    with pytest.raises(CheckpointError, match="replaced by another file"):
+        checkpoint.read_small(checkpoint.tensors["a"])
+    with pytest.raises(CheckpointError, match="replaced by another file"):
+        checkpoint.load(checkpoint.tensors["a"])
+
+
+def test_a_file_truncated_or_modified_under_us_is_caught(tmp_path):
+    path = two_tensors(tmp_path / "m.safetensors")
+    size = os.path.getsize(path)
+    checkpoint = qtool.open_checkpoint(path)
+    checkpoint.read_bytes(checkpoint.tensors["a"])
+    checkpoint.load(checkpoint.tensors["a"])
+    os.truncate(path, size - 2)
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(path))}: tensor 'b' is cut short"):
+        checkpoint.read_bytes(checkpoint.tensors["b"])
+    with pytest.raises(CheckpointError, match="cut short"):
+        checkpoint.read_small(checkpoint.tensors["b"])
+    with pytest.raises(CheckpointError, match="cut short"):
+        checkpoint.load(checkpoint.tensors["b"])  # not a SIGBUS
+    with pytest.raises(CheckpointError, match=rf"truncated from {size} to {size - 2} bytes\); nothing was written"):
+        checkpoint.verify_unchanged()
+    checkpoint.close()
+
+    path = two_tensors(tmp_path / "n.safetensors")
+    checkpoint = qtool.open_checkpoint(path)
+    checkpoint.read_bytes(checkpoint.tensors["a"])
+    with open(path, "r+b") as handle:  # same size, new bytes
+        handle.seek(-4, os.SEEK_END)
+        handle.write(b"XXXX")
+    os.utime(path, ns=(time.time_ns(), os.stat(path).st_mtime_ns + 1_000_000))
+    with pytest.raises(CheckpointError, match=r"changed while it was read \(modified\)"):
+        checkpoint.verify_unchanged()
+
+
+def test_each_file_is_opened_once_and_closed_with_the_checkpoint(tmp_path):
+    path = two_tensors(tmp_path / "m.safetensors")
+    before = len(os.listdir("/proc/self/fd"))
+    checkpoint = qtool.open_checkpoint(path)
+    for _ in range(3):
+        for tensor in checkpoint:
+            checkpoint.read_bytes(tensor)
+            checkpoint.read_small(tensor)
+    assert len(checkpoint._fds) == 1 and len(os.listdir("/proc/self/fd")) == before + 1
+    checkpoint.close()
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
 # -- 9. reports ----------------------------------------------------------------------------------
 
 

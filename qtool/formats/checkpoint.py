@@ -3,6 +3,13 @@
 A `StoredTensor` is a name, a storage dtype, a shape and a byte range in a file: physical
 facts only. Which stored tensors make up one logical weight is decided later, by
 `qtool.conventions`.
+
+A `Checkpoint` reads each file through one descriptor, opened on first use and kept until
+`close()`, so every byte comes from the file whose header was parsed, even if the path is
+replaced meanwhile (an `hf download` or a training job writing over it). Each file's identity
+(st_dev, st_ino, st_size, st_mtime_ns) is taken when the checkpoint is built, checked when the
+file is opened, and again by `verify_unchanged()`, which a writer calls before it commits: an
+output is never built from a file that changed while it was read.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -22,6 +30,28 @@ __all__ = ["StoredTensor", "Checkpoint", "SMALL_TENSOR_LIMIT"]
 # Tensors this small may be read while inspecting: they hold metadata (compressed-tensors'
 # `weight_shape`, bitsandbytes' quant-state JSON), not weights.
 SMALL_TENSOR_LIMIT = 64 * 1024
+
+_OPEN_LOCK = threading.Lock()  # one open per file, though the reader thread and the main thread both read
+_Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
+
+
+def _identity(st: os.stat_result) -> _Identity:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _how_changed(before: _Identity, after: _Identity | None) -> str | None:
+    """What happened to a file, in words; None if nothing did."""
+    if after is None:
+        return "removed"
+    if after[:2] != before[:2]:
+        return "replaced by another file"
+    if after[2] < before[2]:
+        return f"truncated from {before[2]} to {after[2]} bytes"
+    if after[2] != before[2]:
+        return f"grown from {before[2]} to {after[2]} bytes"
+    if after[3] != before[3]:
+        return "modified"
+    return None
 
 
 @dataclass(frozen=True)
@@ -61,6 +91,16 @@ class Checkpoint:
     metadata: dict[str, str] = field(default_factory=dict)
     side_files: dict[str, Any] = field(default_factory=dict)  # "config.json" -> parsed JSON
     _maps: dict[str, mmap.mmap] = field(default_factory=dict, repr=False)
+    _fds: dict[str, int] = field(default_factory=dict, repr=False, compare=False)  # file -> open descriptor
+    _identity: dict[str, _Identity] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # The readers parsed each header just before: this is the file that was parsed.
+        for file in self.files:
+            try:
+                self._identity[file] = _identity(os.stat(file))
+            except OSError:
+                pass  # reading it will say why
 
     @property
     def config(self) -> dict[str, Any]:
@@ -69,6 +109,55 @@ class Checkpoint:
 
     # -- data access: lazy, and only where a command needs it ------------------------------------
 
+    def _fd(self, file: str) -> int:
+        """The descriptor every read of `file` goes through, opened once."""
+        fd = self._fds.get(file)
+        if fd is not None:
+            return fd
+        with _OPEN_LOCK:
+            fd = self._fds.get(file)
+            if fd is not None:
+                return fd
+            try:
+                fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                seen = _identity(os.fstat(fd))
+            except OSError as exc:
+                if fd is not None:
+                    os.close(fd)
+                raise CheckpointError(f"cannot read: {exc.strerror or exc}", path=file) from None
+            how = _how_changed(self._identity.setdefault(file, seen), seen)
+            if how is not None:
+                os.close(fd)
+                raise _changed(file, how)
+            self._fds[file] = fd
+            return fd
+
+    def verify_unchanged(self) -> None:
+        """Raise CheckpointError if any file changed since the checkpoint was built: the open
+        descriptor's file was modified or truncated, or the path now names another file. A
+        writer calls this before it commits, so a changed input leaves no output."""
+        for file, before in self._identity.items():
+            fd = self._fds.get(file)
+            how = _how_changed(before, _identity(os.fstat(fd))) if fd is not None else None
+            if how is None:
+                try:
+                    now: _Identity | None = _identity(os.stat(file))
+                except FileNotFoundError:
+                    now = None
+                except OSError as exc:
+                    raise CheckpointError(f"cannot check whether it changed: {exc.strerror or exc}", path=file) from None
+                how = _how_changed(before, now)
+            if how is not None:
+                raise _changed(file, how)
+
+    def _cut_short(self, tensor: StoredTensor) -> CheckpointError:
+        size = self._identity.get(tensor.file, (0, 0, -1, 0))[2]
+        try:
+            size = os.fstat(self._fds[tensor.file]).st_size
+        except (KeyError, OSError):
+            pass
+        return CheckpointError(f"tensor {tensor.name!r} is cut short: it ends at byte {tensor.end}, the file at {size} (truncated while it was read?)", path=tensor.file)
+
     def read_small(self, tensor: StoredTensor) -> bytes:
         """The raw bytes of a small metadata tensor, read with pread: no mmap, no torch."""
         if tensor.nbytes > SMALL_TENSOR_LIMIT:
@@ -76,13 +165,12 @@ class Checkpoint:
                 f"tensor {tensor.name!r} is {tensor.nbytes} bytes, too large to read as metadata",
                 path=tensor.file,
             )
-        fd = os.open(tensor.file, os.O_RDONLY)
         try:
-            data = os.pread(fd, tensor.nbytes, tensor.begin)
-        finally:
-            os.close(fd)
+            data = os.pread(self._fd(tensor.file), tensor.nbytes, tensor.begin)
+        except OSError as exc:
+            raise CheckpointError(f"cannot read: {exc.strerror or exc}", path=tensor.file) from None
         if len(data) != tensor.nbytes:
-            raise CheckpointError(f"tensor {tensor.name!r} is cut short", path=tensor.file)
+            raise self._cut_short(tensor)
         return data
 
     def read_bytes(self, tensor: StoredTensor, start: int = 0, size: int | None = None) -> bytes | bytearray | memoryview:
@@ -95,23 +183,26 @@ class Checkpoint:
             raise ValueError(f"bytes [{start}, {start + size}) are outside tensor {tensor.name!r} of {tensor.nbytes} bytes")
         buffer = allocate(size)
         view, offset = buffer, tensor.begin + start
-        fd = os.open(tensor.file, os.O_RDONLY)
-        try:
-            while view.nbytes:
+        fd = self._fd(tensor.file)
+        while view.nbytes:
+            try:
                 got = os.preadv(fd, [view], offset)
-                if got == 0:
-                    raise CheckpointError(f"tensor {tensor.name!r} is cut short", path=tensor.file)
-                view, offset = view[got:], offset + got
-        finally:
-            os.close(fd)
+            except OSError as exc:
+                raise CheckpointError(f"cannot read: {exc.strerror or exc}", path=tensor.file) from None
+            if got == 0:
+                raise self._cut_short(tensor)
+            view, offset = view[got:], offset + got
         return buffer
 
     def _map(self, file: str) -> mmap.mmap:
         mapped = self._maps.get(file)
         if mapped is None:
-            with open(file, "rb") as handle:
+            try:
+                # The descriptor already open, not the path: the file whose header was parsed.
                 # ACCESS_COPY: writable for torch.frombuffer, yet the file is never modified.
-                mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+                mapped = mmap.mmap(self._fd(file), 0, access=mmap.ACCESS_COPY)
+            except (OSError, ValueError) as exc:  # ValueError: an empty file
+                raise CheckpointError(f"cannot map: {getattr(exc, 'strerror', None) or exc}", path=file) from None
             self._maps[file] = mapped
         return mapped
 
@@ -122,7 +213,12 @@ class Checkpoint:
         if tensor.nbytes == 0:
             dtype = torch.uint8 if tensor.dtype.torch_name is None else tensor.dtype.torch_dtype()
             return torch.empty(tensor.shape if tensor.dtype.torch_name else (0,), dtype=dtype)
-        raw = torch.frombuffer(self._map(tensor.file), dtype=torch.uint8, count=tensor.nbytes, offset=tensor.begin)
+        mapped = self._map(tensor.file)
+        # A page past the end of a truncated file is SIGBUS, not an exception: check the size
+        # now. (A truncation after this check can still crash; pread, in read_bytes, cannot.)
+        if tensor.end > min(len(mapped), os.fstat(self._fd(tensor.file)).st_size):
+            raise self._cut_short(tensor)
+        raw = torch.frombuffer(mapped, dtype=torch.uint8, count=tensor.nbytes, offset=tensor.begin)
         if tensor.dtype.torch_name is None:
             return raw
         return raw.view(tensor.dtype.torch_dtype()).reshape(tensor.shape)
@@ -145,6 +241,19 @@ class Checkpoint:
             except BufferError:  # a torch view still holds it; the GC will unmap
                 pass
         self._maps.clear()
+        self._close_fds()
+
+    def _close_fds(self) -> None:
+        fds = getattr(self, "_fds", None) or {}
+        while fds:
+            _, fd = fds.popitem()
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __del__(self) -> None:  # a checkpoint dropped without close() must not leak descriptors
+        self._close_fds()
 
     def __enter__(self) -> "Checkpoint":
         return self
@@ -154,3 +263,11 @@ class Checkpoint:
 
     def __iter__(self) -> Iterator[StoredTensor]:
         return iter(self.tensors.values())
+
+
+def _changed(file: str, how: str) -> CheckpointError:
+    return CheckpointError(
+        f"changed while it was read ({how}); nothing was written",
+        path=file,
+        hint="let whatever is writing it finish, then run qtool again",
+    )
