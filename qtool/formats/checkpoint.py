@@ -35,7 +35,7 @@ _OPEN_LOCK = threading.Lock()  # one open per file, though the reader thread and
 _Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
 
 
-def _identity(st: os.stat_result) -> _Identity:
+def _identity_of(st: os.stat_result) -> _Identity:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
@@ -98,7 +98,7 @@ class Checkpoint:
         # The readers parsed each header just before: this is the file that was parsed.
         for file in self.files:
             try:
-                self._identity[file] = _identity(os.stat(file))
+                self._identity[file] = _identity_of(os.stat(file))
             except OSError:
                 pass  # reading it will say why
 
@@ -120,7 +120,7 @@ class Checkpoint:
                 return fd
             try:
                 fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                seen = _identity(os.fstat(fd))
+                seen = _identity_of(os.fstat(fd))
             except OSError as exc:
                 if fd is not None:
                     os.close(fd)
@@ -138,10 +138,10 @@ class Checkpoint:
         writer calls this before it commits, so a changed input leaves no output."""
         for file, before in self._identity.items():
             fd = self._fds.get(file)
-            how = _how_changed(before, _identity(os.fstat(fd))) if fd is not None else None
+            how = _how_changed(before, _identity_of(os.fstat(fd))) if fd is not None else None
             if how is None:
                 try:
-                    now: _Identity | None = _identity(os.stat(file))
+                    now: _Identity | None = _identity_of(os.stat(file))
                 except FileNotFoundError:
                     now = None
                 except OSError as exc:
