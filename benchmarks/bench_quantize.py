@@ -27,6 +27,10 @@ It then runs, each as a whole child process with this interpreter:
   E  python -m qtool dequantize A -o E.safetensors --dtype bf16 -q
   F  the baseline reverse of B: per shard, `load_file` B's output, `w = q.float() * scale` to
      bf16, `save_file`
+  G  python -m qtool quantize MODEL -o G.gguf --scheme q4_0 -q  (the GGUF layout; no torch)
+  H  the baseline a gguf-py user would write: per shard, `load_file`, `gguf.quants.quantize` of
+     each 2-D `*_proj.weight` to Q4_0 (float32 numpy, the package's reference quantizer), the
+     rest as they are (1-D as F32), every tensor added to one `gguf.GGUFWriter`, written at the end
 
 and records each child's wall time (spawn to reap) and peak RSS (its own `ru_maxrss` from
 `os.wait4`; that includes the touched pages of any mmap-ed file). Before every timed run the
@@ -38,8 +42,8 @@ baselines. Each run's first output is checked in a separate, untimed child: tens
 dtypes, and the relative error of layers.0.q_proj decoded (compressed-tensors' own decompressor
 for pack-quantized) against the input.
 
-Targets, as ratios of medians in this run: B/A >= 2.5, D/C >= 2.5, F/E >= 3; peak RSS of A, C and
-E under 1 GB for the ~2 GB model and under 1.2 GB for a model of 3 GB or more (`--scale 2`).
+Targets, as ratios of medians in this run: B/A >= 2.5, D/C >= 2.5, F/E >= 3, H/G >= 2.5; peak RSS
+of A, C, E and G under 1 GB for the ~2 GB model and under 1.2 GB for a model of 3 GB or more (`--scale 2`).
 GB here is 10^9 bytes. A qtool run that fails is reported as FAILED with its stderr tail; the
 baselines are still run and reported. Exit status is 0 whatever the result, unless --strict.
 
@@ -69,8 +73,8 @@ GB = 10**9
 BF16_BYTES = 2
 MAX_SHARD_BYTES = 1 * GB
 
-TARGET_SPEEDUPS = (("B", "A", 2.5), ("D", "C", 2.5), ("F", "E", 3.0))
-RSS_RUNS = ("A", "C", "E")
+TARGET_SPEEDUPS = (("B", "A", 2.5), ("D", "C", 2.5), ("F", "E", 3.0), ("H", "G", 2.5))
+RSS_RUNS = ("A", "C", "E", "G")
 RSS_LIMIT_SMALL = 1.0 * GB  # the ~2 GB model
 RSS_LIMIT_LARGE = 1.2 * GB  # the doubled model
 LARGE_MODEL_BYTES = 3 * GB  # models at least this big get the larger limit
@@ -367,6 +371,43 @@ with open(os.path.join(dst, "config.json"), "w") as f:
     json.dump(config, f, indent=2)
 """
 
+H_CODE = r"""
+import json, os, sys
+import gguf, torch
+from safetensors.torch import load_file
+
+src, dst = sys.argv[1], sys.argv[2]
+with open(os.path.join(src, "model.safetensors.index.json")) as f:
+    shards = sorted(set(json.load(f)["weight_map"].values()))
+writer = gguf.GGUFWriter(dst, "llama")
+Q4_0 = gguf.GGMLQuantizationType.Q4_0
+for shard in shards:
+    for name, t in load_file(os.path.join(src, shard)).items():
+        module = name.rpartition(".")[0]
+        if t.ndim == 2 and module.endswith("_proj"):
+            writer.add_tensor(name, gguf.quants.quantize(t.float().numpy(), Q4_0), raw_shape=list(t.shape), raw_dtype=Q4_0)
+        elif t.ndim == 1:
+            writer.add_tensor(name, t.float().numpy())
+        else:  # bf16 bytes as they are
+            writer.add_tensor(name, t.view(torch.int16).numpy(), raw_shape=list(t.shape), raw_dtype=gguf.GGMLQuantizationType.BF16)
+writer.write_header_to_file()
+writer.write_kv_data_to_file()
+writer.write_tensors_to_file()
+writer.close()
+"""
+
+# Untimed: does a qtool command run without importing torch? Prints True or False.
+TORCH_FREE_CODE = r"""
+import runpy, sys
+sys.argv = ["qtool", *sys.argv[1:]]
+try:
+    runpy.run_module("qtool", run_name="__main__")
+except SystemExit as exc:
+    if exc.code:
+        raise
+print("torch" not in sys.modules)
+"""
+
 # Untimed check of one output: counts, dtypes, and layers.0.q_proj decoded against the input.
 CHECK_CODE = r"""
 import collections, glob, json, os, sys
@@ -393,14 +434,29 @@ def get(where, k):
         return f.get_tensor(k)
 
 src, src_dt = index(inp)
-out, out_dt = index(outp)
+out, out_dt = index(outp) if not outp.endswith(".gguf") else ({}, {})
 problems = []
 nbytes = sum(os.path.getsize(fn) for fn in files(outp))
 hist = collections.Counter(out_dt.values())
 packed = [k for k in out if k.endswith(".weight_packed")]
 int8 = [k for k in out if k.endswith(".weight") and out_dt[k] == "I8"]
 
-if probe + ".weight_packed" in out:
+if outp.endswith(".gguf"):
+    import gguf, numpy as np
+    reader = gguf.GGUFReader(outp)
+    tensors = {t.name: t for t in reader.tensors}
+    names = {"blk.0.attn_q.weight": probe + ".weight"}
+    tensor = tensors.get("blk.0.attn_q.weight") or tensors[probe + ".weight"]
+    w = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type)))
+    if tensor.name == "blk.0.attn_q.weight":  # qtool writes llama.cpp's rotary row order: undo it
+        heads = int(reader.fields["llama.attention.head_count"].contents())
+        w = w.reshape(heads, w.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+    how = f"{tensor.tensor_type.name}, decoded by gguf-py"
+    q4 = sum(1 for t in reader.tensors if t.tensor_type.name == "Q4_0")
+    if q4 != n_quant:
+        problems.append(f"{q4} Q4_0 tensors, expected {n_quant}")
+    out, out_dt, nbytes, hist = {}, {}, os.path.getsize(outp), collections.Counter(t.tensor_type.name for t in reader.tensors)
+elif probe + ".weight_packed" in out:
     cfg_dir = outp if os.path.isdir(outp) else os.path.dirname(outp)
     with open(os.path.join(cfg_dir, "config.json")) as f:
         qcfg = json.load(f)["quantization_config"]
@@ -435,11 +491,11 @@ rel = ((w.float() - orig).norm() / orig.norm()).item()
 bound = {"int8": 0.02, "int4": 0.15, "float": 0.02}[expect]
 if not rel <= bound:
     problems.append(f"relative error {rel:.4f} > {bound}")
-for k in ("model.embed_tokens.weight", "lm_head.weight"):
+for k in ("model.embed_tokens.weight", "lm_head.weight") if not outp.endswith(".gguf") else ():
     if k in src and (k not in out or out_dt[k] != src_dt[k]):
         problems.append(f"{k} not carried through unchanged")
 shape = tuple(w.shape)
-print(f"{label}: {nbytes / 1e9:.2f} GB in {len(files(outp))} file(s), {len(out)} tensors "
+print(f"{label}: {nbytes / 1e9:.2f} GB in {len(files(outp))} file(s), {sum(hist.values())} tensors "
       f"({', '.join(f'{n} {d}' for d, n in sorted(hist.items()))}); {probe} {how}, "
       f"{shape}, rel. error {rel:.4f} vs input: " + ("ok" if not problems else "; ".join(problems)))
 sys.exit(1 if problems else 0)
@@ -468,6 +524,8 @@ RUNS = {
         Run("D", "compressed-tensors W4A16 (pack-quantized)", False, "model", "int4", "D"),
         Run("E", "qtool dequantize A --dtype bf16", True, "A", "float", "E.safetensors"),
         Run("F", "baseline: reverse of B to bf16", False, "B", "float", "F"),
+        Run("G", "qtool quantize --scheme q4_0 (GGUF)", True, "model", "int4", "G.gguf"),
+        Run("H", "baseline: gguf-py quantize + GGUFWriter, Q4_0", False, "model", "int4", "H.gguf"),
     )
 }
 
@@ -481,6 +539,8 @@ def command(run: Run, src: Path, dst: Path) -> list[str]:
         "D": [py, "-c", D_CODE, str(src), str(dst)],
         "E": [py, "-m", "qtool", "dequantize", str(src), "-o", str(dst), "--dtype", "bf16", "-q"],
         "F": [py, "-c", F_CODE, str(src), str(dst)],
+        "G": [py, "-m", "qtool", "quantize", str(src), "-o", str(dst), "--scheme", "q4_0", "-q"],
+        "H": [py, "-c", H_CODE, str(src), str(dst)],
     }[run.key]
 
 
@@ -490,6 +550,7 @@ class Record:
     failure: str | None = None
     check: str | None = None  # the check's line
     check_ok: bool | None = None
+    torch_free: bool | None = None  # G: the run never imported torch
 
     @property
     def walls(self) -> list[float]:
@@ -541,7 +602,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "whole-process wall time and peak RSS, median of --repeats runs.",
         epilog="Runs: " + "; ".join(f"{r.key} = {r.what}" for r in RUNS.values()),
     )
-    p.add_argument("--runs", default=",".join(RUNS), help="comma list of runs (default A,B,C,D,E,F)")
+    p.add_argument("--runs", default=",".join(RUNS), help="comma list of runs (default A,B,C,D,E,F,G,H)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each (default 3); the median is reported")
     p.add_argument("--size-gb", type=float, default=2.0,
                    help="model size before --scale, in GB (10^9 bytes); default 2 (4 layers, 2.14 GB)")
@@ -578,7 +639,7 @@ def run(args: argparse.Namespace, root: Path) -> int:
     logs.mkdir()
     outs.mkdir()
 
-    need = model.nbytes * 6  # the model, and A-F's outputs with room to spare
+    need = model.nbytes * 7  # the model, and A-H's outputs with room to spare
     free = shutil.disk_usage(root).free
     if free < need:
         raise SystemExit(f"error: {root} has {free / GB:.1f} GB free; this run needs about {need / GB:.0f} GB")
@@ -683,6 +744,14 @@ def run(args: argparse.Namespace, root: Path) -> int:
                 if not m.ok and text:
                     rec.check += "\n" + indent(m.stderr_tail(8))
                 print(f"    check {'ok' if m.ok else 'FAILED'}: {rec.check}", flush=True)
+            if key == "G" and rec.torch_free is None:
+                probe = outs / "G-torch-probe.gguf"
+                remove(probe)
+                m = measure([sys.executable, "-c", TORCH_FREE_CODE, "quantize", str(model_dir), "-o", str(probe), "--scheme", "q4_0", "-q"],
+                            log_stem=logs / "G-torch-probe", cwd=REPO, timeout_s=args.timeout)
+                rec.torch_free = m.ok and m.stdout_path.read_text().strip().endswith("True")
+                remove(probe)
+                print(f"    torch imported by G: {'no' if rec.torch_free else 'YES'}", flush=True)
 
     # -------------------------------------------------------------------------------- report
     print()
@@ -740,6 +809,8 @@ def run(args: argparse.Namespace, root: Path) -> int:
                     f"on this {model.nbytes / GB:.1f} GB model)")
         else:
             verdict(False, f"peak RSS {key} < {rss_limit / GB:.1f} GB: {key} FAILED")
+    if "G" in selected and records["G"].torch_free is not None:
+        verdict(records["G"].torch_free, "G runs without importing torch")
     for key in selected:
         rec = records[key]
         if rec.check_ok is False:

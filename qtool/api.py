@@ -9,9 +9,8 @@
 from __future__ import annotations
 
 import os
-import sys
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from qtool.errors import UsageError
 from qtool.formats import Checkpoint
@@ -21,7 +20,9 @@ from qtool.inspection import Inspection, inspect_checkpoint
 if TYPE_CHECKING:
     from qtool.audit import Audit, CheckRules
     from qtool.comparison import Comparison
-    from qtool.pipeline import Plan, Result
+    from qtool.layouts.base import Plan
+    from qtool.pipeline import ExecOptions
+    from qtool.reports import RunReport
 
 __all__ = [
     "open_checkpoint",
@@ -66,25 +67,19 @@ def collect_stats(inspection: Inspection, on_bytes: Callable[[int], None] | None
 # -- quantize and dequantize -------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class Task:
     """A planned job: what `--dry-run` shows, and what `run` writes."""
 
     plan: "Plan"
     output: str
     single_file: bool
-    warnings: list[str] = field(default_factory=list)
+    warnings: tuple[str, ...] = ()
+    report: str | None = None  # where `run` writes the report document, if anywhere
 
-
-def _check_output(source_path: str, output: str, checkpoint: Checkpoint) -> bool:
-    """The output is never the input, nor inside it. Returns whether it is a single file."""
-    out = os.path.realpath(output)
-    sources = [os.path.realpath(source_path), *(os.path.realpath(f) for f in checkpoint.files)]
-    if out in sources or any(s.startswith(out + os.sep) for s in sources):
-        raise UsageError(f"output {output} is the input", hint="write to a new path; qtool never modifies its input")
-    if os.path.isdir(source_path) and out.startswith(os.path.realpath(source_path) + os.sep):
-        raise UsageError(f"output {output} is inside the input folder", hint="write beside the input, not into it")
-    return output.endswith((".safetensors", ".gguf"))
+    def to_json(self) -> dict[str, Any]:
+        """The `--dry-run` document."""
+        return {**self.plan.to_json(), "output": self.output}
 
 
 def prepare_quantize(
@@ -95,19 +90,21 @@ def prepare_quantize(
     include: Sequence[str] = (),
     ignore: Sequence[str] = (),
     tensor_schemes: Sequence[str] = (),
-    format: str = "auto",
+    layout: str = "auto",
     dtype: str | None = None,
     max_shard_size: str | None = None,
     allow_requantize: bool = False,
+    report: str | os.PathLike[str] | None = None,
 ) -> Task:
-    """Plan a quantization: which weights, which scheme, every output tensor. Writes nothing."""
-    from qtool.pipeline import parse_dtype, parse_size, plan_quantize
+    """Plan a quantization: which weights, which scheme and layout, every output tensor.
+    Writes nothing; refuses an impossible job (and every unsafe output path) here."""
+    from qtool.layouts import PlanOptions, choose_layout
+    from qtool.pipeline import parse_dtype, parse_size
     from qtool.selection import Selection
 
     selection = Selection.from_options(scheme, list(include), list(ignore), list(tensor_schemes))
     checkpoint = _open_checkpoint(path)
-    output = os.fspath(output)
-    single_file = _check_output(os.fspath(path), output, checkpoint)
+    output, report = os.fspath(output), (os.fspath(report) if report is not None else None)
     weights = inspect_checkpoint(checkpoint).weights
     warnings = []
     quantized = [w for w in weights if w.quantized]
@@ -116,49 +113,29 @@ def prepare_quantize(
         if not allow_requantize:
             raise UsageError(
                 f"{path} is already quantized ({len(quantized)} weights, e.g. {example.name}: {example.scheme.label})",
-                hint="pass --allow-requantize to dequantize it first and quantize again (error compounds)",
+                hint="allow requantizing to dequantize it first and quantize again (errors compound)",
+                option="allow_requantize",
             )
         warnings.append(f"requantizing {len(quantized)} already-quantized weights: they are dequantized first, and errors compound")
     chosen = selection.choose(weights)
-    schemes = {s.convention for s in chosen.values() if s is not None}
+    schemes = {s for s in chosen.values() if s is not None}
     if not schemes:
         raise UsageError(
             f"no weight of {path} matches the selection",
-            hint="by default 2-D float *.weight tensors of linear layers are quantized; see --include",
+            hint="by default 2-D float *.weight tensors of linear layers are quantized; include others by pattern",
+            option="include",
         )
-    if format == "gguf" or schemes == {"gguf"} or output.endswith(".gguf"):
-        return _prepare_gguf(checkpoint, weights, chosen, output, warnings)
-    if len(schemes) > 1:
-        raise UsageError(f"the chosen schemes write different layouts ({', '.join(sorted(schemes))})", hint="pick schemes of one layout per run")
-    layout = schemes.pop()
-    if format not in ("auto", layout):
-        raise UsageError(f"--format {format} cannot express {selection.scheme.label}", hint=f"that scheme writes {layout}; drop --format")
-    plan = plan_quantize(
-        checkpoint,
-        weights,
-        chosen,
-        output_format=layout,
-        out_dtype=parse_dtype(dtype),
+    requested = "gguf" if layout in (None, "auto") and output.endswith(".gguf") else layout
+    chosen_layout = choose_layout(schemes, requested)
+    single_file = check_paths(checkpoint, output, report, container=chosen_layout.container)
+    options = PlanOptions(
         single_file=single_file,
+        out_dtype=parse_dtype(dtype),
         max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
+        file_name=os.path.basename(output) if single_file else "model.safetensors",
     )
-    return Task(plan, output, single_file, warnings)
-
-
-def _prepare_gguf(checkpoint: Checkpoint, weights, chosen, output: str, warnings: list[str]) -> Task:
-    """`--format gguf`: one .gguf file, written through the gguf package."""
-    from qtool.gguf_export import gguf_type_for, plan_gguf
-
-    if not output.endswith(".gguf"):
-        raise UsageError(f"a GGUF output is one file: -o {output} should end in .gguf", hint="e.g. -o model-q4_0.gguf")
-    for scheme in {s for s in chosen.values() if s is not None}:
-        try:
-            gguf_type_for(scheme)
-        except (ValueError, KeyError):
-            raise UsageError(
-                f"GGUF has no block type for {scheme.label}", hint="use q8_0, q4_0, q4_1, q5_0, q5_1 or mxfp4 with --format gguf"
-            ) from None
-    return Task(plan_gguf(checkpoint, weights, chosen, output), output, True, warnings)
+    plan = chosen_layout.plan(checkpoint, weights, chosen, options)
+    return Task(plan, output, single_file, tuple(warnings + _side_file_warnings(checkpoint, single_file)), report)
 
 
 def prepare_dequantize(
@@ -169,69 +146,111 @@ def prepare_dequantize(
     max_shard_size: str | None = None,
 ) -> Task:
     """Plan decoding every quantized weight to float, keyed by its logical name. Writes nothing."""
-    from qtool.pipeline import parse_dtype, parse_size, plan_dequantize
+    from qtool.layouts import LAYOUTS, PlanOptions
+    from qtool.pipeline import parse_dtype, parse_size
 
     checkpoint = _open_checkpoint(path)
     output = os.fspath(output)
-    single_file = _check_output(os.fspath(path), output, checkpoint)
+    single_file = check_paths(checkpoint, output, None, container="safetensors")
     weights = inspect_checkpoint(checkpoint).weights
     warnings = [] if any(w.quantized for w in weights) else [f"{path} has no quantized weights; the output is a copy"]
-    plan = plan_dequantize(
-        checkpoint,
-        weights,
-        dtype=parse_dtype(dtype),
+    options = PlanOptions(
         single_file=single_file,
+        out_dtype=parse_dtype(dtype),
         max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
+        file_name=os.path.basename(output) if single_file else "model.safetensors",
     )
-    return Task(plan, output, single_file, warnings)
+    plan = LAYOUTS["safetensors"].plan(checkpoint, weights, {}, options)
+    return Task(plan, output, single_file, tuple(warnings + _side_file_warnings(checkpoint, single_file)))
+
+
+def check_paths(checkpoint: Checkpoint, output: str, report: str | None, *, container: str) -> bool:
+    """Refuse, before anything is written, every path qtool would write that is, or lies
+    inside, one it reads, and a report that is the output or inside it. Returns whether the
+    output is a single file."""
+    from qtool.formats.loader import input_paths
+
+    inputs = input_paths(checkpoint)
+
+    def clash(path: str, what: str) -> None:
+        real = os.path.realpath(path)
+        if real in inputs:
+            raise UsageError(f"{what} {path} is the input {real}", hint="write to a new path; qtool never modifies its input")
+        for source in inputs:
+            if real.startswith(source.rstrip(os.sep) + os.sep):
+                raise UsageError(f"{what} {path} lies inside the input {source}", hint="write beside the input, not into it")
+
+    clash(output, "output")
+    single_file = output.endswith((".safetensors", ".gguf"))
+    if container == "gguf" and not output.endswith(".gguf"):
+        raise UsageError(f"a GGUF output is one file: {output} should end in .gguf", hint="e.g. model-q4_0.gguf")
+    if container != "gguf" and output.endswith(".gguf"):
+        raise UsageError(f"{output} ends in .gguf, but the chosen schemes write {container}", hint="pick a GGUF scheme (q8_0, q4_0, ...) or another output path")
+    if report is not None:
+        clash(report, "report")
+        real_out, real_report = os.path.realpath(output), os.path.realpath(report)
+        if real_report == real_out or real_report.startswith(real_out + os.sep):
+            raise UsageError(f"report {report} would be inside the output {output}", hint="write the report beside the output")
+    return single_file
+
+
+def _side_file_warnings(checkpoint: Checkpoint, single_file: bool) -> list[str]:
+    from qtool.side_files import skipped_links
+
+    if single_file:
+        return []
+    return [f"{name} is not copied: it links out of the model folder, is not a regular file, or is too large" for name in skipped_links(checkpoint)]
 
 
 def run(
     task: Task,
+    options: "ExecOptions | None" = None,
     *,
-    device: str = "cpu",
-    threads: int | None = None,
     overwrite: bool = False,
-    on_progress: Callable[[int], None] | None = None,
-    measure: bool = True,
-) -> "Result":
-    """Stream a planned task to its output, atomically. Imports torch unless qtool.native runs
-    every job on the CPU."""
-    from qtool import native
-    from qtool.formats.writer import Output
-    from qtool.pipeline import execute, resolve_device
+) -> "RunReport":
+    """Stream a planned task to its output, atomically, and write its report (if the task names
+    one) before the output is committed. Imports torch unless qtool.native runs every job.
+    Changes no process state."""
+    from qtool.formats.writer import Output, stage_json
+    from qtool.pipeline import ExecOptions, execute, resolve_device
+    from qtool.reports import RunReport
 
-    resolved = resolve_device(device)
-    if threads:
-        if threads < 1:
-            raise UsageError(f"--threads {threads} must be at least 1")
-        native.set_threads(threads)
-        if "torch" in sys.modules:
-            sys.modules["torch"].set_num_threads(threads)
-        else:  # torch sizes its pool from this when (if) a job imports it; no import just for this
-            os.environ["OMP_NUM_THREADS"] = str(threads)
-    if task.output.endswith(".gguf"):
-        from qtool.gguf_export import execute_gguf
+    options = options or ExecOptions()
+    options = replace(options, device=resolve_device(options.device))
+    if options.threads is not None and options.threads < 1:
+        raise UsageError(f"threads {options.threads} must be at least 1", option="threads")
+    staged: list = []
 
-        try:
-            return execute_gguf(task.plan, task.output, overwrite=overwrite, device=resolved, on_progress=on_progress, measure=measure)
-        finally:
-            task.plan.source.close()
-    output = Output(task.output, single_file=task.single_file, overwrite=overwrite)
+    def stage_report(result) -> None:  # written in full before the output is committed
+        if task.report is not None:
+            staged.append(stage_json(task.report, RunReport(task, result, options.device).to_json(), overwrite=overwrite))
+
     try:
-        return execute(task.plan, output, device=resolved, measure=measure, on_progress=on_progress)
+        output = Output(task.output, single_file=task.single_file, overwrite=overwrite)
+        result = execute(task.plan, output, options, before_commit=stage_report)
+    except BaseException:
+        for report in staged:
+            report.abort()
+        raise
     finally:
         task.plan.source.close()
+    for report in staged:
+        report.commit()
+    return RunReport(task, result, options.device)
 
 
-def quantize(path, output, scheme: str = "W4A16", *, device: str = "cpu", overwrite: bool = False, **options) -> "Result":
-    """Quantize a checkpoint into `output` (a folder, or a .safetensors file)."""
-    return run(prepare_quantize(path, output, scheme, **options), device=device, overwrite=overwrite)
+def quantize(path, output, scheme: str = "W4A16", *, device: str = "cpu", overwrite: bool = False, threads: int | None = None, **options) -> "RunReport":
+    """Quantize a checkpoint into `output` (a folder, a .safetensors or a .gguf file)."""
+    from qtool.pipeline import ExecOptions
+
+    return run(prepare_quantize(path, output, scheme, **options), ExecOptions(device=device, threads=threads), overwrite=overwrite)
 
 
-def dequantize(path, output, *, dtype: str | None = None, device: str = "cpu", overwrite: bool = False) -> "Result":
+def dequantize(path, output, *, dtype: str | None = None, device: str = "cpu", overwrite: bool = False, threads: int | None = None) -> "RunReport":
     """Decode every quantized weight of a checkpoint to float, into `output`."""
-    return run(prepare_dequantize(path, output, dtype=dtype), device=device, overwrite=overwrite, measure=False)
+    from qtool.pipeline import ExecOptions
+
+    return run(prepare_dequantize(path, output, dtype=dtype), ExecOptions(device=device, threads=threads, measure=False), overwrite=overwrite)
 
 
 # -- compare and check -------------------------------------------------------------------------

@@ -15,11 +15,14 @@ __all__ = [
     "CheckpointError",
     "NotQuantizedError",
     "ViolationError",
+    "InternalError",
+    "EXIT_SOFTWARE",
 ]
 
 EXIT_OK = 0
 EXIT_VIOLATION = 1
 EXIT_USAGE = 2
+EXIT_SOFTWARE = 70  # EX_SOFTWARE: a bug in qtool, never a failed gate
 
 
 class QtoolError(Exception):
@@ -27,10 +30,11 @@ class QtoolError(Exception):
 
     exit_code: int = EXIT_USAGE
 
-    def __init__(self, message: str, *, hint: str | None = None, path: str | None = None) -> None:
+    def __init__(self, message: str, *, hint: str | None = None, path: str | None = None, option: str | None = None) -> None:
         self.message = message
         self.hint = hint
         self.path = path
+        self.option = option  # the API parameter at fault ("allow_requantize"); the CLI names its flag
         super().__init__(self.__str__())
 
     def __str__(self) -> str:
@@ -58,3 +62,10 @@ class ViolationError(QtoolError):
     def __init__(self, message: str, *, reasons: list[str] | None = None, hint: str | None = None, path: str | None = None) -> None:
         self.reasons = list(reasons or [])
         super().__init__(message, hint=hint, path=path)
+
+
+class InternalError(QtoolError):
+    """qtool caught itself in a bug (two conventions claimed one tensor, an encoder wrote what
+    its reader cannot read back): exit 70, never 1, which CI reads as a failed gate."""
+
+    exit_code = EXIT_SOFTWARE

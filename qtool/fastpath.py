@@ -1,73 +1,24 @@
-"""The jobs that qtool.native's fused CPU kernels run in place of torch.
+"""The decoders that qtool.native's fused CPU kernels run in place of torch, on the read side.
 
-The pipeline asks here first, for CPU runs only; where the answer is None, torch does the job.
-What qualifies (each bit for bit the torch path, tests/test_fastpath.py):
-
-    quantize    a float16/bfloat16/float32 2-D weight to compressed-tensors' pack-quantized
-                int2/4/8, per channel or per group, symmetric or with zero points, scales in
-                its own dtype (W8A16, W4A16, W4A16_ASYM, int8, int4:gN[:asym], int2:gN)
-    dequantize  those layouts back (no g_idx), and GGUF blocks of the types
-                qtool.native.gguf_types() lists
+The executor asks here first, for CPU runs only; where the answer is None, the convention's
+torch decoder does the job. What qualifies (each bit for bit the torch path): compressed-tensors'
+pack-quantized int2/4/8 per channel or per group, symmetric or with zero points (no g_idx), and
+GGUF blocks of the types qtool.native.gguf_types() lists. The write side's kernels are chosen by
+each layout (`qtool.layouts`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Callable
 
 from qtool import native
-from qtool.conventions import compressed_tensors, compressed_tensors_encode
+from qtool.conventions import compressed_tensors
 from qtool.dtypes import WEIGHT_FLOATS
 from qtool.formats.checkpoint import Checkpoint
-from qtool.metrics import ErrorStats
-from qtool.scheme import QScheme
 from qtool.weight import Weight
 
-__all__ = ["IntEncoder", "int_encoder", "decoder"]
-
-@dataclass(frozen=True)
-class IntEncoder:
-    """Pack-quantized int codes for one weight, symmetric or with zero points."""
-
-    dtype: str
-    cols: int
-    group: int
-    bits: int
-    packed: str  # output tensor names, in encoded_layout's order
-    scale: str
-    zero_point: str | None  # None: symmetric
-    shape: str
-
-    def encode(self, src, rows: int) -> tuple[dict[str, memoryview], ErrorStats | None]:
-        """The stored tensors of `rows` rows in `src`, and their error; None for the error when
-        the rows hold inf or NaN (then torch must encode this weight)."""
-        encoded = native.encode_int(src, self.dtype, rows, self.cols, self.group, self.bits, symmetric=self.zero_point is None)
-        tensors = {self.packed: encoded.packed, self.scale: encoded.scale}
-        if self.zero_point is not None and encoded.zero_point is not None:
-            tensors[self.zero_point] = encoded.zero_point
-        return tensors, encoded.errors
-
-    def shape_bytes(self, rows: int) -> bytes:
-        """compressed-tensors' `weight_shape`: int64 [rows, cols], little-endian."""
-        return rows.to_bytes(8, "little", signed=True) + self.cols.to_bytes(8, "little", signed=True)
-
-
-def int_encoder(weight: Weight, scheme: QScheme, output_names: list[str]) -> IntEncoder | None:
-    if not native.available() or weight.quantized or scheme.convention != compressed_tensors.NAME:
-        return None
-    if weight.data.dtype.name != weight.dtype or tuple(weight.data.shape) != tuple(weight.shape):
-        return None
-    layout = compressed_tensors_encode.row_group_int_layout(scheme, tuple(weight.shape), weight.dtype)
-    if layout is None:
-        return None
-    bits, group, symmetric = layout
-    cols = weight.shape[1]
-    if bits not in (2, 4, 8) or cols * bits % 32 or len(output_names) != (3 if symmetric else 4):
-        return None
-    packed, scale, *zero_point, shape = output_names
-    return IntEncoder(weight.dtype, cols, group, bits, packed, scale, zero_point[0] if zero_point else None, shape)
-
+__all__ = ["decoder"]
 
 def decoder(weight: Weight, out_dtype: str) -> Callable[[Checkpoint], memoryview] | None:
     """A function reading `weight` from a checkpoint and returning its values as `out_dtype`

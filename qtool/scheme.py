@@ -23,6 +23,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from qtool.dtypes import DTYPES
+from qtool.errors import UsageError
+
 __all__ = [
     "QType",
     "QTYPES",
@@ -39,12 +42,18 @@ __all__ = [
     "PRESETS",
     "SHORT_FORMS",
     "SchemeError",
+    "OBSERVERS",
     "parse_scheme",
     "scheme_names",
     "nominal_bits_per_weight",
 ]
 
 QKind = Literal["int", "float", "codebook", "unknown"]
+
+
+class SchemeError(UsageError):
+    """A scheme that cannot exist, or that a layout cannot store for a weight; says what is allowed."""
+
 Granularity = Literal["tensor", "channel", "group", "block"]
 
 
@@ -102,16 +111,36 @@ QTYPES: dict[str, QType] = {q.name: q for q in (*_int_types(), *_FLOAT_TYPES, *_
 
 
 def qtype(name: str) -> QType:
-    """Look up a value type by name; the KeyError lists the valid names."""
+    """Look up a value type by name; the SchemeError lists the valid names."""
     try:
         return QTYPES[name]
     except KeyError:
-        raise KeyError(f"unknown value type {name!r} (known: {' '.join(QTYPES)})") from None
+        raise SchemeError(f"unknown value type {name!r}", hint=f"known: {' '.join(QTYPES)}") from None
 
 
 def unknown_qtype(label: str, bits: int = 0) -> QType:
     """A value type qtool can name but not decode, e.g. a GGUF type id newer than qtool."""
     return QType(f"unknown({label})", bits, "unknown")
+
+
+# how scales are chosen (compressed-tensors' observer names); "minmax" is the range of the block
+OBSERVERS = ("minmax",)
+
+# the spellings of the scale types that are not plain storage dtypes, by family
+SCALE_SPELLINGS = {"E8M0": "e8m0", "F8_E8M0": "e8m0", "E4M3": "e4m3", "UE4M3": "e4m3", "F8_E4M3": "e4m3"}
+
+
+def scale_kind(scale_dtype: str) -> str | None:
+    """"auto", "float", "e8m0", "e4m3" or "int" for a scale dtype's spelling; None if unknown."""
+    name = scale_dtype.upper()
+    if name == AUTO.upper():
+        return "auto"
+    if name in SCALE_SPELLINGS:
+        return SCALE_SPELLINGS[name]
+    dtype = DTYPES.get(name)
+    if dtype is None:
+        return None
+    return "float" if dtype.is_float else "int"
 
 
 Block = tuple["int | None", ...]
@@ -137,12 +166,30 @@ class QScheme:
     convention: str = "qtool"
     extra: tuple[tuple[str, str], ...] = field(default=())  # convention-specific facts, shown in notes
 
+    observer: str = "minmax"  # how scales are chosen: part of the math, recorded by the writers
+
     def __post_init__(self) -> None:
+        if not isinstance(self.qtype, QType):
+            raise SchemeError(f"a scheme's value type must be a QType, got {self.qtype!r}", hint=f"known: {' '.join(QTYPES)}")
         if not isinstance(self.block, tuple) or not self.block:
-            raise ValueError(f"block must be a non-empty tuple, got {self.block!r}")
+            raise SchemeError(f"block must be a non-empty tuple, got {self.block!r}", hint="e.g. (1, 128) for groups of 128, (1, None) per channel")
         for size in self.block:
-            if size is not None and (not isinstance(size, int) or size < 1):
-                raise ValueError(f"block sizes must be positive ints or None, got {self.block!r}")
+            if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+                raise SchemeError(f"block sizes must be positive ints or None, got {self.block!r}", hint="e.g. (1, 128), (128, 128)")
+        if not isinstance(self.scale_dtype, str) or scale_kind(self.scale_dtype) is None:
+            raise SchemeError(
+                f"unknown scale dtype {self.scale_dtype!r}",
+                hint=f"use {AUTO!r} (the weight's dtype), one of {', '.join(SCALE_SPELLINGS)}, or a storage dtype ({' '.join(DTYPES)})",
+            )
+        if self.observer not in OBSERVERS:
+            raise SchemeError(f"unknown observer {self.observer!r}", hint=f"known: {', '.join(OBSERVERS)}")
+        if not self.symmetric and self.qtype.kind != "int":
+            raise SchemeError(f"{self.qtype.name} is symmetric only", hint="asymmetric (zero point) schemes need an int value type")
+
+    @property
+    def scale_kind(self) -> str:
+        """The scale's family, whatever its spelling: "auto", "float", "e8m0", "e4m3" or "int"."""
+        return scale_kind(self.scale_dtype) or "float"
 
     # -- granularity, derived from the block shape -------------------------------------------
 
@@ -309,12 +356,6 @@ def parse_scheme(text: str) -> QScheme:
     return _ct(value, block, symmetric)
 
 
-class SchemeError(ValueError):
-    def __init__(self, message: str, hint: str) -> None:
-        super().__init__(message)
-        self.hint = hint
-
-
 def _unknown(text: str, why: str | None = None) -> SchemeError:
     import difflib
 
@@ -324,7 +365,7 @@ def _unknown(text: str, why: str | None = None) -> SchemeError:
     )
     message = f"unknown scheme {text!r}" + (f": {why}" if why else "")
     hint = (f"did you mean {close[0]!r}? " if close else "") + "valid: " + ", ".join(names)
-    return SchemeError(message, hint)
+    return SchemeError(message, hint=hint)
 
 
 def nominal_bits_per_weight(scheme: QScheme, shape: tuple[int, int] = (4096, 4096), weight_bits: int = 16) -> float:

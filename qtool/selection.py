@@ -25,11 +25,11 @@ FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 SKIP_WORDS = re.compile(r"(^|[._])(embed\w*|wte|wpe|lm_head|norm\w*|\w*_norm|ln_?\w*|\w*layernorm\w*)($|[._])")
 
 
-def parse_scheme_option(text: str, option: str = "--scheme") -> QScheme:
+def parse_scheme_option(text: str, option: str = "scheme") -> QScheme:
     try:
         return parse_scheme(text)
     except SchemeError as exc:
-        raise UsageError(f"{option}: {exc}", hint=exc.hint) from None
+        raise SchemeError(f"{option}: {exc}", hint=exc.hint, option=option.replace(" ", "_")) from None
 
 
 def quantizable(weight: Weight) -> str | None:
@@ -62,9 +62,9 @@ class Selection:
         for item in tensor_schemes:
             pattern, sep, value = item.rpartition("=")
             if not sep or not pattern or not value:
-                raise UsageError(f"--tensor-scheme {item!r} is not PATTERN=SCHEME", hint="e.g. --tensor-scheme 're:.*down_proj.*=int8'")
+                raise UsageError(f"tensor scheme {item!r} is not PATTERN=SCHEME", hint="e.g. 're:.*down_proj.*=int8'", option="tensor_schemes")
             compile_pattern(pattern)  # a bad regex fails here, with its own message
-            overrides.append((pattern, parse_scheme_option(value, "--tensor-scheme")))
+            overrides.append((pattern, parse_scheme_option(value, "tensor scheme")))
         for pattern in (*include, *ignore):
             compile_pattern(pattern)
         return cls(parse_scheme_option(scheme), include, ignore, overrides)

@@ -18,6 +18,7 @@ import torch
 import qtool
 from qtool import kernels
 from qtool.conventions import bitsandbytes as bnb
+from qtool.layouts import bitsandbytes as bnb_layout
 from qtool.conventions import resolve
 from qtool.conventions.plain import Plain
 from qtool.errors import UsageError
@@ -60,20 +61,20 @@ def test_encode_writes_exactly_the_encoded_layout(scheme, dtype, shape):
     from qtool.dtypes import DTYPES as STORAGE
 
     by_torch = {d.torch_name: d.name for d in STORAGE.values() if d.torch_name}
-    out = bnb.encode("m.up_proj.weight", _weight(shape, DTYPES[dtype]), SCHEMES[scheme])
+    out = bnb_layout.encode("m.up_proj.weight", _weight(shape, DTYPES[dtype]), SCHEMES[scheme])
     written = [(key, by_torch[str(t.dtype).removeprefix("torch.")], tuple(t.shape)) for key, t in out.items()]
-    assert written == bnb.encoded_layout("m.up_proj.weight", shape, dtype, SCHEMES[scheme])
+    assert written == bnb_layout.encoded_layout("m.up_proj.weight", shape, dtype, SCHEMES[scheme])
 
 
 def test_layout_by_hand():
     blob = b'{"quant_type": "nf4", "blocksize": 64, "dtype": "bfloat16", "shape": [33, 65]}'
-    assert bnb.encoded_layout("m.w.weight", (33, 65), "BF16", NF4) == [
+    assert bnb_layout.encoded_layout("m.w.weight", (33, 65), "BF16", NF4) == [
         ("m.w.weight", "U8", (1073, 1)),  # ceil(2145 / 2)
         ("m.w.weight.absmax", "F32", (34,)),  # ceil(2145 / 64)
         ("m.w.weight.quant_map", "F32", (16,)),
         ("m.w.weight.quant_state.bitsandbytes__nf4", "U8", (len(blob),)),
     ]
-    out = bnb.encode("m.w.weight", _weight((33, 65), torch.bfloat16), NF4)
+    out = bnb_layout.encode("m.w.weight", _weight((33, 65), torch.bfloat16), NF4)
     assert bytes(out["m.w.weight.quant_state.bitsandbytes__nf4"].tolist()) == blob
 
 
@@ -89,21 +90,21 @@ def test_layout_by_hand():
 )
 def test_what_bitsandbytes_cannot_store(scheme, message):
     with pytest.raises(UsageError, match=message):
-        bnb.encoded_layout("m.weight", (8, 64), "BF16", scheme)
+        bnb_layout.encoded_layout("m.weight", (8, 64), "BF16", scheme)
 
 
 def test_config_for():
-    config = bnb.config_for({"m.up_proj": NF4, "m.down_proj": SCHEMES["nf4-g32"]}, ["lm_head"], "BF16")
+    config = bnb_layout.config_for({"m.up_proj": NF4, "m.down_proj": SCHEMES["nf4-g32"]}, ["lm_head"], "BF16")
     assert config["bnb_4bit_quant_type"] == "nf4" and config["bnb_4bit_compute_dtype"] == "bfloat16"
     assert config["load_in_4bit"] is True and config["llm_int8_skip_modules"] == ["lm_head"]
     with pytest.raises(UsageError, match="one bitsandbytes config holds one 4-bit type, got fp4 and nf4"):
-        bnb.config_for({"a": NF4, "b": SCHEMES["fp4-g64"]}, [], "BF16")
+        bnb_layout.config_for({"a": NF4, "b": SCHEMES["fp4-g64"]}, [], "BF16")
 
 
 def test_config_for_is_transformers_own():
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("bitsandbytes")
-    ours = bnb.config_for({"m.up_proj": NF4}, ["lm_head"], "BF16")
+    ours = bnb_layout.config_for({"m.up_proj": NF4}, ["lm_head"], "BF16")
     theirs = transformers.BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16, llm_int8_skip_modules=["lm_head"]
     ).to_dict()
@@ -178,7 +179,7 @@ def test_qtools_file_round_trips_within_the_codebook_bound(tmp_path):
     from safetensors.torch import save_file
 
     w = _weight((33, 65), torch.bfloat16, seed=3)
-    save_file(bnb.encode("m.proj.weight", w, NF4), tmp_path / "model.safetensors")
+    save_file(bnb_layout.encode("m.proj.weight", w, NF4), tmp_path / "model.safetensors")
     checkpoint = qtool.open_checkpoint(tmp_path)
     [weight] = resolve(checkpoint, REGISTRY)
     assert weight.shape == (33, 65) and weight.dtype == "BF16" and weight.scheme.bits == 4
@@ -225,7 +226,7 @@ def test_encode_equals_bitsandbytes(functional, scheme, dtype, shape):
     quant_type = "fp4" if "fp4" in scheme else "nf4"
     packed, state = functional.quantize_4bit(w, blocksize=SCHEMES[scheme].group_size, quant_type=quant_type)
     expected = {"w": packed, **{f"w.{k}": v for k, v in state.as_dict(packed=True).items()}}
-    ours = bnb.encode("w", w, SCHEMES[scheme])
+    ours = bnb_layout.encode("w", w, SCHEMES[scheme])
     assert list(ours) == ["w", "w.absmax", "w.quant_map", f"w.quant_state.bitsandbytes__{quant_type}"]
     assert set(ours) == set(expected)
     for key, tensor in ours.items():
@@ -247,7 +248,7 @@ def test_bitsandbytes_and_qtool_decode_alike(functional, tmp_path, scheme, neste
         packed, state = functional.quantize_4bit(w, blocksize=64, quant_type="fp4" if "fp4" in scheme else "nf4", compress_statistics=True)
         tensors = {"m.weight": packed, **{f"m.weight.{k}": v for k, v in state.as_dict(packed=True).items()}}
     else:
-        tensors = bnb.encode("m.weight", w, SCHEMES[scheme])
+        tensors = bnb_layout.encode("m.weight", w, SCHEMES[scheme])
         state = QuantState.from_dict({k.removeprefix("m.weight."): v for k, v in tensors.items() if k != "m.weight"}, torch.device("cpu"))
     expected = functional.dequantize_4bit(tensors["m.weight"], state)
     save_file(tensors, tmp_path / "model.safetensors")

@@ -102,7 +102,7 @@ def test_expect_scheme(w4, partial):
 
 def test_expect_scheme_on_gguf_reads_llama_names(tmp_path):
     gguf = tmp_path / "tiny-q8_0.gguf"
-    qtool.quantize(TINY, gguf, "q8_0", format="gguf")
+    qtool.quantize(TINY, gguf, "q8_0", layout="gguf")
     assert findings(gguf, "--expect-scheme", "q8_0") == []  # token_embd and output are not linear layers
     assert len(findings(gguf, "--expect-scheme", "q4_0")) == 14
 

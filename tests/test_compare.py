@@ -37,7 +37,7 @@ def w4(tmp_path_factory):
 @pytest.fixture(scope="module")
 def q8_gguf(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare") / "tiny-q8_0.gguf"
-    qtool.quantize(TINY, out, "q8_0", format="gguf")
+    qtool.quantize(TINY, out, "q8_0", layout="gguf")
     return out
 
 

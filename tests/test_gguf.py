@@ -26,8 +26,8 @@ from qtool.conventions.gguf import decode_blocks
 from qtool.kernels.gguf_blocks import torch_decodable
 from qtool.errors import CheckpointError, QtoolError, UsageError
 from qtool.formats.gguf import GGML_TYPES
-from qtool.gguf_export import gguf_layout_bytes, gguf_type_for, plan_gguf, write_gguf
-from qtool.scheme import parse_scheme
+from qtool.layouts.gguf import gguf_layout_bytes, gguf_type_for
+from qtool.scheme import SchemeError, parse_scheme
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
@@ -387,6 +387,23 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, case):
 # -- the writer ---------------------------------------------------------------------------------------
 
 
+def plan_gguf(checkpoint, weights, chosen, output):
+    from qtool.layouts import LAYOUTS, PlanOptions
+
+    return LAYOUTS["gguf"].plan(checkpoint, weights, chosen, PlanOptions(single_file=True, file_name=os.path.basename(output)))
+
+
+def write_gguf(checkpoint, weights, chosen, output, *, overwrite, device):
+    """The GGUF layout's plan for exactly these choices, run by the one executor."""
+    from qtool.api import check_paths
+    from qtool.formats.writer import Output
+    from qtool.pipeline import ExecOptions, execute
+
+    check_paths(checkpoint, output, None, container="gguf")
+    plan = plan_gguf(checkpoint, weights, chosen, output)
+    return execute(plan, Output(output, single_file=True, overwrite=overwrite), ExecOptions(device=device))
+
+
 def chosen_for(inspection, scheme_text: str) -> dict:
     scheme = parse_scheme(scheme_text)
     return {w.name: scheme if w.name.endswith("_proj.weight") else None for w in inspection.weights}
@@ -477,16 +494,18 @@ def test_existing_output_is_refused_unless_overwrite(tmp_path):
 @pytest.mark.parametrize("exc", [RuntimeError("disk on fire"), KeyboardInterrupt()])
 def test_a_failing_write_leaves_nothing_behind(tmp_path, monkeypatch, exc):
     inspection = qtool.inspect(TINY)
-    calls = []
-    original = gguf.GGUFWriter.write_tensor_data
+    from qtool.formats.writer import LaidOutFile
 
-    def failing(self, tensor, *args, **kwargs):
+    calls = []
+    original = LaidOutFile.write
+
+    def failing(self, *args, **kwargs):
         calls.append(1)
         if len(calls) == 3:
             raise exc
-        return original(self, tensor, *args, **kwargs)
+        return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", failing)
+    monkeypatch.setattr(LaidOutFile, "write", failing)
     with pytest.raises(type(exc)):
         write_gguf(inspection.checkpoint, inspection.weights, chosen_for(inspection, "q4_0"), str(tmp_path / "t.gguf"), overwrite=False, device="cpu")
     assert os.listdir(tmp_path) == []
@@ -502,7 +521,7 @@ def test_rows_not_a_multiple_of_32_are_refused_before_writing(tmp_path, make_saf
 
 
 def test_schemes_gguf_cannot_write_are_refused():
-    with pytest.raises(UsageError, match="has no GGUF type"):
+    with pytest.raises(UsageError, match="GGUF has no block type"):
         gguf_type_for(parse_scheme("W4A16"))
     assert gguf_type_for(parse_scheme("MXFP4A16")).name == "MXFP4"
 
@@ -511,7 +530,7 @@ def test_layout_bytes_and_dry_run_plan():
     assert gguf_layout_bytes((4096, 4096), "Q4_0") == 4096 * 4096 // 32 * 18
     assert gguf_layout_bytes((11008, 4096), "MXFP4") == 11008 * 4096 // 32 * 17
     assert gguf_layout_bytes((7, 256), "F32") == 7 * 256 * 4
-    with pytest.raises(ValueError, match="rows of 100 values"):
+    with pytest.raises(SchemeError, match="rows of 100 values"):
         gguf_layout_bytes((4, 100), "Q8_0")
     inspection = qtool.inspect(TINY)
     plan = plan_gguf(inspection.checkpoint, inspection.weights, chosen_for(inspection, "q4_0"), "out/tiny.gguf").to_json()

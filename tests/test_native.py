@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qtool import native
-from qtool.conventions import encoder_for
-from qtool.conventions.compressed_tensors_encode import encode
+from qtool.layouts.compressed_tensors import CompressedTensors
+from qtool.layouts.compressed_tensors import encode
 from qtool.metrics import ErrorStats
 from qtool.scheme import parse_scheme
 
@@ -71,7 +71,7 @@ def test_encode_equals_the_torch_encoder_bit_for_bit(dtype, scheme, bits, group,
     else:  # int32 words along the rows, as the package packs them
         assert bytes(got.zero_point) == bytes(_bytes(reference["m.weight_zero_point"]))
     # the error measures are those of qtool's own read-back of the encoded tensors
-    reconstructed = encoder_for(parsed).reconstruct("m.weight", reference, parsed, (48, 256), dtype)
+    reconstructed = CompressedTensors().reconstruct("m.weight", reference, parsed, (48, 256), dtype)
     expected = ErrorStats().update(w, reconstructed)
     assert got.errors is not None and got.errors.count == expected.count
     assert got.errors.max_abs == expected.max_abs
@@ -89,7 +89,7 @@ def test_decode_equals_the_torch_decoder_bit_for_bit(logical, out, scheme, bits,
     w = _weight(1, 40, 128, DTYPES[logical])
     parsed = parse_scheme(scheme)
     encoded = encode("m.weight", w, parsed)
-    expected = encoder_for(parsed).reconstruct("m.weight", encoded, parsed, (40, 128), logical).to(DTYPES[out])
+    expected = CompressedTensors().reconstruct("m.weight", encoded, parsed, (40, 128), logical).to(DTYPES[out])
     got = native.decode_int(_bytes(encoded["m.weight_packed"]), _bytes(encoded["m.weight_scale"]), None, logical, logical, out, 40, 128, group or 128, bits)
     assert torch.equal(torch.frombuffer(got, dtype=DTYPES[out]).reshape(40, 128).view(torch.uint8), expected.view(torch.uint8))
 

@@ -112,7 +112,8 @@ def test_report_sqnr_matches_an_independent_computation(tmp_path):
 
 def test_summary_table_shows_worst_ten_and_model_sqnr(tmp_path):
     result = ok("quantize", TINY, "-o", tmp_path / "out", "-f", "table", "-q")
-    assert "Worst weights by SQNR" in result.stdout and "model SQNR" in result.stdout
+    assert "Worst weights by SQNR" in result.stdout
+    assert "SQNR, quantized weights" in result.stdout and "SQNR, all weights" in result.stdout
     assert result.stdout.count("int4 sym g128") == 10
 
 
@@ -196,12 +197,12 @@ def test_already_quantized_input_needs_allow_requantize(tmp_path):
     [
         (["--scheme", "W4A17"], "unknown scheme 'W4A17'"),
         (["--scheme", "int4:g100"], "100"),  # 256 inputs are not a multiple of 100
-        (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "cuda:99"], "--device cuda"),
+        (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "cuda:99"], "device cuda"),
         (["--max-shard-size", "lots"], "is not a size"),
         (["--dtype", "int3"], "is not a float dtype"),
         (["--tensor-scheme", "nonsense"], "is not PATTERN=SCHEME"),
         (["--ignore", "re:("], "invalid regex"),
-        (["--format", "bitsandbytes"], "cannot express"),
+        (["--layout", "bitsandbytes"], "cannot store"),
         (["--include", "nothing-matches"], "matches the selection"),
     ],
     ids=["bad-scheme", "group-does-not-divide", "no-cuda", "bad-size", "bad-dtype", "bad-override", "bad-regex", "bad-format", "empty-selection"],
@@ -330,11 +331,13 @@ def test_quantize_in_a_real_process(tmp_path):
 
 @pytest.mark.parametrize("scheme", ["W4A16_ASYM", "int8", "FP8_BLOCK", "int2:g64", "W4A16"])
 def test_row_chunked_encoding_is_identical_to_whole_weights(tmp_path, monkeypatch, scheme):
-    import qtool.pipeline
+    import qtool.layouts.compressed_tensors as ct
 
     ok("quantize", TINY, "-o", tmp_path / "whole", "--scheme", scheme, "--report", tmp_path / "whole.json", "-q")
-    monkeypatch.setattr(qtool.pipeline, "CHUNK_ELEMENTS", 1)  # the smallest chunk each scheme allows
-    assert qtool.pipeline._row_chunk(qtool.scheme.parse_scheme(scheme), (256, 256)) is not None
+    monkeypatch.setattr(ct, "CHUNK_ELEMENTS", 1)  # the smallest chunk each scheme allows
+    monkeypatch.setenv("QTOOL_NATIVE", "0")  # the torch encoder is the one that chunks
+    weight = next(w for w in qtool.inspect(TINY).weights if w.name.endswith("q_proj.weight"))  # 256 rows
+    assert ct.CompressedTensors().row_chunk(weight, qtool.scheme.parse_scheme(scheme)) is not None
     ok("quantize", TINY, "-o", tmp_path / "chunked", "--scheme", scheme, "--report", tmp_path / "chunked.json", "-q")
     assert (tmp_path / "whole" / "model.safetensors").read_bytes() == (tmp_path / "chunked" / "model.safetensors").read_bytes()
     whole, chunked = (json.loads((tmp_path / f"{n}.json").read_text())["weights"] for n in ("whole", "chunked"))
@@ -347,7 +350,7 @@ def test_quantize_to_gguf_through_the_cli(tmp_path, scheme, gguf_type):
     import gguf
 
     out = tmp_path / "model.gguf"
-    ok("quantize", TINY, "-o", out, "--format", "gguf", "--scheme", scheme, "--report", tmp_path / "r.json", "-q")
+    ok("quantize", TINY, "-o", out, "--layout", "gguf", "--scheme", scheme, "--report", tmp_path / "r.json", "-q")
     reader = gguf.GGUFReader(str(out))
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     assert types["blk.0.attn_v.weight"] == gguf_type and types["blk.0.attn_norm.weight"] == "F32"
@@ -364,7 +367,7 @@ def test_quantize_to_gguf_through_the_cli(tmp_path, scheme, gguf_type):
 def test_gguf_output_errors(tmp_path):
     result = run("quantize", TINY, "-o", tmp_path / "model.gguf", "--scheme", "W4A16")
     assert result.exit_code == 2 and "GGUF" in result.stderr
-    result = run("quantize", TINY, "-o", tmp_path / "out", "--format", "gguf", "--scheme", "q4_0")
+    result = run("quantize", TINY, "-o", tmp_path / "out", "--layout", "gguf", "--scheme", "q4_0")
     assert result.exit_code == 2 and "should end in .gguf" in result.stderr
     assert os.listdir(tmp_path) == []
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from qtool.conventions.base import block_from_scale, infer_block_size
 from qtool.dtypes import DTYPES, nbytes_for, storage_dtype
-from qtool.scheme import CHANNEL, TENSOR, QScheme, group, qtype
+from qtool.scheme import CHANNEL, TENSOR, QScheme, SchemeError, group, qtype
 
 SAFETENSORS_DTYPES = (
     "BOOL U8 I8 U16 I16 U32 I32 U64 I64 F16 BF16 F32 F64 C64 F8_E4M3 F8_E5M2 F8_E8M0 F4 F6_E2M3 F6_E3M2 "
@@ -73,16 +73,40 @@ def test_named_families_and_asymmetric_labels():
 
 @pytest.mark.parametrize("block", [(), (0, 1), (1, -3), (1, 2.5), [1, 128]])
 def test_impossible_blocks_cannot_be_constructed(block):
-    with pytest.raises(ValueError):
+    with pytest.raises(SchemeError, match="block"):
         QScheme(qtype("int4"), block)
+
+
+@pytest.mark.parametrize(
+    "kwargs, says",
+    [
+        ({"scale_dtype": "bananas"}, "auto"),
+        ({"observer": "psychic"}, "minmax"),
+        ({"symmetric": False}, "int value type"),
+    ],
+)
+def test_impossible_schemes_say_what_is_allowed(kwargs, says):
+    with pytest.raises(SchemeError) as raised:
+        QScheme(qtype("nf4"), group(64), **kwargs)
+    assert says in f"{raised.value} {raised.value.hint}"
+    assert raised.value.exit_code == 2  # a SchemeError is a QtoolError: one line, exit 2
+
+
+def test_scale_spellings_fold_into_one_family():
+    kinds = {spelling: QScheme(qtype("fp4_e2m1"), group(32), scale_dtype=spelling).scale_kind for spelling in ("E8M0", "F8_E8M0", "e8m0")}
+    assert set(kinds.values()) == {"e8m0"}
+    assert QScheme(qtype("fp4_e2m1"), group(16), scale_dtype="UE4M3").scale_kind == QScheme(qtype("fp4_e2m1"), group(16), scale_dtype="F8_E4M3").scale_kind == "e4m3"
+    assert QScheme(qtype("int4"), group(128), scale_dtype="auto").scale_kind == "auto"
+    assert QScheme(qtype("int4"), group(128), scale_dtype="BF16").scale_kind == "float"
 
 
 def test_int_value_ranges():
     assert (qtype("int4").qmin, qtype("int4").qmax) == (-8, 7)
     assert (qtype("uint4").qmin, qtype("uint4").qmax) == (0, 15)
     assert qtype("int8").bits == 8 and qtype("nf4").kind == "codebook"
-    with pytest.raises(KeyError, match="int4"):
+    with pytest.raises(SchemeError, match="int9") as raised:
         qtype("int9")
+    assert "int4" in raised.value.hint
 
 
 @given(dim=st.integers(1, 5000), size=st.sampled_from([16, 32, 64, 128, 256]))

@@ -278,13 +278,6 @@ def test_a_folder_of_unrelated_pickles_asks_which(tmp_path):
 
 # -- qtool dequantize ---------------------------------------------------------------------------------
 
-PIPELINE_READS_THROUGH_CHECKPOINT = "source" in __import__("inspect").signature(__import__("qtool.pipeline", fromlist=["_read"])._read).parameters
-needs_pipeline_patch = pytest.mark.skipif(
-    not PIPELINE_READS_THROUGH_CHECKPOINT,
-    reason="needs pipeline.py to read tensor bytes through Checkpoint.read_bytes and name copies by weight.name",
-)
-
-
 def test_dequantize_writes_pytorchs_values(tmp_path):
     qtool.dequantize(FIXTURES / "native.pt", tmp_path / "out.safetensors", dtype="f32")
     out = load_file(tmp_path / "out.safetensors")
@@ -296,7 +289,6 @@ def test_dequantize_writes_pytorchs_values(tmp_path):
     assert not any(".q_per_channel_" in name for name in out)
 
 
-@needs_pipeline_patch
 def test_dequantize_a_dynamic_quantized_model_gives_linear_names(tmp_path):
     qtool.dequantize(FIXTURES / "dynamic.pth", tmp_path / "out.safetensors", dtype="f32")
     out = load_file(tmp_path / "out.safetensors")
@@ -306,7 +298,6 @@ def test_dequantize_a_dynamic_quantized_model_gives_linear_names(tmp_path):
         assert torch.equal(float_bits(out[name]), float_bits(tensor)), name
 
 
-@needs_pipeline_patch
 def test_dequantize_copies_strided_tensors(tmp_path):
     qtool.dequantize(FIXTURES / "hf", tmp_path / "out.safetensors")
     out = load_file(tmp_path / "out.safetensors")

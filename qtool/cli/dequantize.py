@@ -10,12 +10,12 @@ from qtool.cli.options import (
     CheckpointArg,
     DeviceOpt,
     DryRunOpt,
+    FormatOpt,
     JsonOpt,
     MaxShardOpt,
     OutputFormat,
     OutputPathOpt,
     OverwriteOpt,
-    PrintOpt,
     QuietOpt,
     ThreadsOpt,
 )
@@ -45,7 +45,7 @@ def dequantize_command(
     overwrite: OverwriteOpt = False,
     device: DeviceOpt = "cpu",
     threads: ThreadsOpt = None,
-    fmt: PrintOpt = OutputFormat.auto,
+    fmt: FormatOpt = OutputFormat.auto,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -56,17 +56,8 @@ def dequantize_command(
     if dry_run:
         show_plan(task, sink)
         return
-    result = run_task(task, device=device, threads=threads, overwrite=overwrite, quiet=quiet, measure=False)
-    plan = task.plan.to_json()
-    decoded = [w for w in plan["weights"] if w["action"] == "dequantize"]
-    document = {
-        "schema_version": 1,
-        "input": task.plan.source.path,
-        "output": task.output,
-        "seconds": round(result.seconds, 3),
-        "summary": plan["summary"],
-        "weights": decoded,
-    }
+    document = run_task(task, device=device, threads=threads, overwrite=overwrite, quiet=quiet, measure=False).to_json()
+    decoded, summary = document["weights"], document["summary"]
     rows = Rows(
         [Column("weight"), Column("from"), Column("shape"), Column("dtype")],
         [[w["name"], w["from"], w["shape"], w["tensors"][0]["dtype"]] for w in decoded],
@@ -78,9 +69,9 @@ def dequantize_command(
         [Column("fact"), Column("value", justify="right")],
         [
             ["output", task.output],
-            ["weights decoded", f"{len(decoded)} of {plan['summary']['weights']}"],
-            ["size", f"{human_bytes(plan['summary']['bytes_before'])} -> {human_bytes(plan['summary']['bytes_after'])}"],
-            ["time", f"{result.seconds:.1f} s"],
+            ["weights decoded", f"{len(decoded)} of {summary['weights']}"],
+            ["size", f"{human_bytes(summary['bytes_before'])} -> {human_bytes(summary['bytes_after'])}"],
+            ["time", f"{document['seconds']:.1f} s"],
         ],
         show_header=False,
     )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, List, Optional
 
 import typer
@@ -11,27 +10,27 @@ from qtool.cli.options import (
     CheckpointArg,
     DeviceOpt,
     DryRunOpt,
+    FormatOpt,
     JsonOpt,
     MaxShardOpt,
     OutputFormat,
     OutputPathOpt,
     OverwriteOpt,
-    PrintOpt,
     QuietOpt,
     ThreadsOpt,
 )
 from qtool.cli.output import Column, Output, Rows, Section
-from qtool.cli.tasks import report_json, run_task, show_plan
+from qtool.cli.tasks import run_task, show_plan
 from qtool.cli.text import human_bytes
 
 HELP = """Quantize a checkpoint's linear weights and write a layout real loaders accept.
 
 By default the 2-D float *.weight tensors of linear layers are quantized; embeddings,
-lm_head, norms and biases are copied. The output is compressed-tensors (what vLLM and
-transformers load) unless the scheme needs another layout (nf4: bitsandbytes; q8_0, q4_0,
-q4_1, q5_0, q5_1: GGUF through the gguf package). Every
-quantized weight's error (SQNR, relative RMSE, max abs error, cosine) is measured on the
-way; the worst 10 are shown. Run `qtool schemes` for the schemes.
+lm_head, norms and biases are copied. The output layout is compressed-tensors (what vLLM and
+transformers load) unless the scheme needs another (nf4: bitsandbytes; q8_0, q4_0, q4_1,
+q5_0, q5_1: gguf) or --layout / an -o ending in .gguf names one. Every quantized weight's
+error (SQNR, relative RMSE, max abs error, cosine) is measured on the way; the worst 10 are
+shown. Run `qtool schemes` for the schemes.
 
 \b
 Examples:
@@ -39,7 +38,8 @@ Examples:
   qtool quantize model.safetensors -o out/ --scheme int8 --device cuda --report report.json
   qtool quantize model/ -o out/ --scheme fp8:block128x128 --ignore 're:.*lm_head' --dry-run
   qtool quantize model/ -o out/ --scheme W4A16 --tensor-scheme 're:.*down_proj.*=W8A16'
-  qtool quantize model/ -o model-q4_0.gguf --format gguf --scheme q4_0
+  qtool quantize model/ -o model-q4_0.gguf --scheme q4_0
+  qtool quantize model/ -o model-mxfp4.gguf --layout gguf --scheme mxfp4
 """
 
 
@@ -53,17 +53,19 @@ def quantize_command(
         Optional[List[str]], typer.Option("--tensor-scheme", help="PATTERN=SCHEME: another scheme for matching weights. Repeatable.")
     ] = None,
     layout: Annotated[
-        str, typer.Option("--format", help="Output layout: auto, compressed-tensors, bitsandbytes, or gguf (one .gguf file).")
+        str, typer.Option("--layout", help="Output layout: auto, compressed-tensors, bitsandbytes, or gguf (one .gguf file).")
     ] = "auto",
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Cast the float tensors that stay unquantized: bf16, f16 or f32.")] = None,
     allow_requantize: Annotated[bool, typer.Option("--allow-requantize", help="Accept an already-quantized input: dequantize it first.")] = False,
-    report: Annotated[Optional[str], typer.Option("--report", help="Write every quantized weight's error to this JSON file.")] = None,
+    report: Annotated[
+        Optional[str], typer.Option("--report", help="Also write the summary document (every quantized weight's error) to this JSON file.")
+    ] = None,
     dry_run: DryRunOpt = False,
     max_shard_size: MaxShardOpt = None,
     overwrite: OverwriteOpt = False,
     device: DeviceOpt = "cpu",
     threads: ThreadsOpt = None,
-    fmt: PrintOpt = OutputFormat.auto,
+    fmt: FormatOpt = OutputFormat.auto,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -77,30 +79,17 @@ def quantize_command(
         include=include or (),
         ignore=ignore or (),
         tensor_schemes=tensor_scheme or (),
-        format=layout,
+        layout=layout,
         dtype=dtype,
         max_shard_size=max_shard_size,
         allow_requantize=allow_requantize,
+        report=report,
     )
     if dry_run:
         show_plan(task, sink)
         return
-    result = run_task(task, device=device, threads=threads, overwrite=overwrite, quiet=quiet, measure=True)
-    document = report_json(task, result, device)
-    if report:
-        _write_report(report, document)
-    _show_summary(document, sink)
-
-
-def _write_report(path: str, document: dict) -> None:
-    from qtool.errors import UsageError
-
-    try:
-        with open(path, "w", encoding="utf-8") as handle:
-            json.dump(document, handle, indent=2)
-            handle.write("\n")
-    except OSError as exc:
-        raise UsageError(f"cannot write the report {path}: {exc.strerror}") from None
+    outcome = run_task(task, device=device, threads=threads, overwrite=overwrite, quiet=quiet, measure=True)
+    _show_summary(outcome.to_json(), sink)
 
 
 def _db(value) -> str:
@@ -129,7 +118,8 @@ def _show_summary(document: dict, sink: Output) -> None:
             ["weights quantized", f"{summary['quantized_weights']} of {summary['weights']}"],
             ["size", f"{human_bytes(summary['bytes_before'])} -> {human_bytes(summary['bytes_after'])}"],
             ["bits per weight", f"{summary['bits_per_weight']:.3f}"],
-            ["model SQNR", f"{_db(summary['sqnr_db'])} dB"],
+            ["SQNR, quantized weights", f"{_db(summary['quantized']['sqnr_db'])} dB"],
+            ["SQNR, all weights", f"{_db(summary['all_weights']['sqnr_db'])} dB"],
             ["time", f"{document['seconds']:.1f} s on {document['device']}"],
         ],
         show_header=False,

@@ -1,16 +1,19 @@
-"""What `quantize` and `dequantize` share: showing a plan, and running it with a progress bar."""
+"""What `quantize` and `dequantize` share: showing a plan, and running it with a progress bar.
+
+Process-wide settings a run benefits from (glibc's heap thresholds, the OpenMP pool size torch
+reads when it is first imported) are made here, in the CLI, never by the library.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import os
 
 from qtool.cli.output import Column, Output, Rows, Section, print_warning, progress
 from qtool.cli.text import human_bytes
 
 
 def show_plan(task, output: Output) -> None:
-    document = task.plan.to_json()
-    document["output"] = task.output
+    document = task.to_json()
     rows = Rows(
         [
             Column("name"),
@@ -39,7 +42,7 @@ def show_plan(task, output: Output) -> None:
             ["before", human_bytes(summary["bytes_before"])],
             ["after", human_bytes(summary["bytes_after"])],
             ["bits per weight", f"{summary['bits_per_weight']:.3f}"],
-            ["layout", document["format"]],
+            ["layout", document["layout"]],
             ["files", ", ".join(document["files"])],
         ],
         show_header=False,
@@ -47,41 +50,32 @@ def show_plan(task, output: Output) -> None:
     output.emit(document, rows, [facts])
 
 
+def _keep_freed_memory() -> None:
+    """Ask glibc to serve and keep large blocks from its heap. By default every chunk-sized
+    temporary is a fresh mmap, returned on free and page-faulted in again on the next chunk:
+    on a 2-core machine that was ~40% of a quantize run, as system time. Peak RSS is unchanged:
+    the same few chunk-sized blocks are reused."""
+    import ctypes
+
+    from qtool import libc
+
+    mallopt = libc.function("mallopt", (ctypes.c_int, ctypes.c_int))
+    if mallopt is None:  # not glibc (musl, ...): keep its defaults
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    mallopt(m_mmap_threshold, 256 << 20)
+    mallopt(m_trim_threshold, 1 << 30)
+
+
 def run_task(task, *, device: str, threads: int | None, overwrite: bool, quiet: bool, measure: bool):
     from qtool import api
+    from qtool.pipeline import ExecOptions
 
     for warning in task.warnings:
         print_warning(warning)
+    _keep_freed_memory()
+    if threads and "torch" not in __import__("sys").modules:
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # torch sizes its pool from this if a job imports it
     total = sum(job.bytes_in for job in task.plan.jobs)
     with progress("writing" if not measure else "quantizing", total, quiet) as advance:
-        return api.run(task, device=device, threads=threads, overwrite=overwrite, on_progress=advance, measure=measure)
-
-
-def report_json(task, result, device: str) -> dict[str, Any]:
-    """The `--report` document: every quantized weight's error against the original."""
-    model = result.model_error()
-    plan = task.plan.to_json()
-    by_name = {w["name"]: w for w in plan["weights"]}
-    weights = []
-    for name, stats in result.errors.items():
-        entry = by_name[name]
-        weights.append(
-            {
-                "name": name,
-                "scheme": entry["scheme"],
-                "shape": entry["shape"],
-                "bytes_before": entry["bytes_before"],
-                "bytes_after": entry["bytes_after"],
-                **stats.to_json(),
-            }
-        )
-    weights.sort(key=lambda w: (w["sqnr_db"] is None, w["sqnr_db"] if w["sqnr_db"] is not None else 0.0))
-    return {
-        "schema_version": 1,
-        "input": task.plan.source.path,
-        "output": task.output,
-        "device": device,
-        "seconds": round(result.seconds, 3),
-        "summary": {**plan["summary"], **model.to_json()},
-        "weights": weights,
-    }
+        return api.run(task, ExecOptions(device=device, threads=threads, measure=measure, on_progress=advance), overwrite=overwrite)

@@ -2,15 +2,11 @@
 
 Each convention claims tensors from a shared pool, in the fixed order of `REGISTRY`; `plain`
 comes last and takes whatever is left, so every stored tensor belongs to exactly one weight.
-A convention that qtool also writes provides `encode` / `encoded_layout` / `config_for` in its
-module; `encoder_for(scheme)` finds them.
+The write side of the toolchains qtool writes lives in `qtool.layouts`.
 """
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 from qtool.conventions.awq import Awq
@@ -26,18 +22,17 @@ from qtool.conventions.plain import Plain
 from qtool.conventions.quanto import Quanto
 from qtool.conventions.torch_native import TorchNative
 from qtool.conventions.torchao import Torchao
-from qtool.errors import QtoolError
+from qtool.errors import InternalError, QtoolError
 from qtool.formats.checkpoint import Checkpoint
 from qtool.patterns import natural_key
-from qtool.scheme import QScheme
 from qtool.weight import Weight
 
-__all__ = ["REGISTRY", "resolve", "Convention", "ClaimConflict", "Encoder", "encoder_for", "decoder_for"]
+__all__ = ["REGISTRY", "resolve", "Convention", "ClaimConflict", "decoder_for"]
 
 REGISTRY: tuple[Convention, ...] = (CompressedTensors(), Fp8(), Bitsandbytes(), Gguf(), Gptq(), Awq(), Mlx(), Quanto(), GptOssMxfp4(), Torchao(), TorchNative(), Burn(), Plain())
 
 
-class ClaimConflict(RuntimeError):
+class ClaimConflict(InternalError):
     """Two conventions claimed one tensor: a bug in qtool, never in the checkpoint."""
 
 
@@ -65,45 +60,3 @@ def decoder_for(weight: Weight) -> Any:
         f"weight {weight.name!r}: qtool cannot decode the {weight.convention} convention yet",
         hint="inspect shows it; dequantizing it needs a newer qtool",
     )
-
-
-_WRITERS = {"compressed-tensors": "qtool.conventions.compressed_tensors_encode", "bitsandbytes": "qtool.conventions.bitsandbytes"}
-
-
-@dataclass(frozen=True)
-class Encoder:
-    """A convention's writer: the layout to plan, the tensors to write, the config to record."""
-
-    module: ModuleType
-    convention: Any
-
-    def encoded_layout(self, name: str, shape: tuple[int, ...], dtype: str, scheme: QScheme):
-        return self.module.encoded_layout(name, shape, dtype, scheme)
-
-    def encode(self, name: str, weight, scheme: QScheme) -> dict[str, Any]:
-        return self.module.encode(name, weight, scheme)
-
-    def config_for(self, schemes: dict[str, QScheme], ignore: list[str], dtype: str) -> dict[str, Any]:
-        return self.module.config_for(schemes, ignore, dtype)
-
-    def reconstruct(self, name: str, encoded: dict[str, Any], scheme: QScheme, shape: tuple[int, ...], dtype: str):
-        """Decode freshly encoded tensors through this convention's own reader."""
-        from qtool.formats.memory import MemoryCheckpoint
-
-        module_name = name.rpartition(".")[0]
-        config = {"quantization_config": self.config_for({module_name: scheme}, [], dtype)}
-        checkpoint = MemoryCheckpoint(encoded, {"config.json": config})
-        weights = [w for w in self.convention.detect(checkpoint, dict(checkpoint.tensors)) if w.quantized]
-        if len(weights) != 1 or weights[0].shape != tuple(shape):
-            raise RuntimeError(f"{name}: qtool cannot read back what it encoded ({[(w.name, w.shape) for w in weights]})")
-        device = next(iter(encoded.values())).device
-        return self.convention.decode(checkpoint, weights[0], device)
-
-
-def encoder_for(scheme: QScheme) -> Encoder:
-    module_name = _WRITERS.get(scheme.convention)
-    if module_name is None:
-        raise QtoolError(f"qtool cannot write the {scheme.convention} layout ({scheme.label}) yet")
-    module = importlib.import_module(module_name)
-    convention = next(c for c in REGISTRY if c.name == scheme.convention)
-    return Encoder(module, convention)

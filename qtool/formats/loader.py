@@ -13,7 +13,7 @@ from qtool.errors import CheckpointError
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
 from qtool.formats.safetensors import read_safetensors_file
 
-__all__ = ["open_checkpoint", "SIDE_FILES"]
+__all__ = ["open_checkpoint", "input_paths", "SIDE_FILES"]
 
 # Side files read from the checkpoint's directory when present. Conventions read their
 # settings from these (quantization_config, GPTQ's quantize_config, quanto's map).
@@ -215,6 +215,20 @@ def _open_burnpack(display: str, file: str) -> Checkpoint:
 
     tensors, metadata = read_burnpack_file(file)
     return Checkpoint(path=display, format="burnpack", files=[file], tensors={t.name: t for t in tensors}, metadata=metadata)
+
+
+def input_paths(checkpoint: Checkpoint) -> list[str]:
+    """Every path a run reads, resolved: what the user named (a folder, a file, an index), each
+    weights file, and the side files beside them. No path qtool writes may be, or lie inside,
+    one of these."""
+    paths = {os.path.realpath(checkpoint.path)}
+    for file in checkpoint.files:
+        paths.add(os.path.realpath(file))
+        for name in SIDE_FILES:
+            side = os.path.join(os.path.dirname(file), name)
+            if os.path.lexists(side):
+                paths.add(os.path.realpath(side))
+    return sorted(paths)
 
 
 def _read_side_files(base_dir: str) -> dict[str, Any]:

@@ -39,6 +39,8 @@ __all__ = [
     "safetensors_layout",
     "shard_name",
     "write_json_atomic",
+    "stage_json",
+    "StagedJson",
     "cleanup_stale",
     "abort_all",
     "fsync_dir",
@@ -349,41 +351,68 @@ def _write_new(path: str, data: bytes) -> None:
         os.close(fd)
 
 
+class StagedJson:
+    """A JSON document written in full beside its target (fsynced), but not yet in place:
+    `commit()` renames it there (never replacing anything that appeared meanwhile; with
+    `overwrite`, an existing file is replaced, never a folder), `abort()` removes it. A report is
+    staged before the output is committed, so a full disk fails the run, not the report."""
+
+    def __init__(self, path: str, document: Any, *, overwrite: bool = False) -> None:
+        self.shown = os.fspath(path)
+        self.target = os.path.abspath(path)
+        self.overwrite = overwrite
+        data = (json.dumps(document, indent=2) + "\n").encode("utf-8")  # before any file exists
+        if os.path.lexists(self.target):
+            if not overwrite:
+                raise UsageError(f"report {self.shown} already exists", hint="pass --overwrite to replace it, or choose another path")
+            if os.path.isdir(self.target) and not os.path.islink(self.target):
+                raise UsageError(f"report {self.shown} is a folder; refusing to replace it", hint="choose another path")
+        self.parent = os.path.dirname(self.target)
+        self.created = staging.make_parents(self.parent, self.shown)
+        cleanup_stale(self.parent)
+        self.temp = staging.staging_path(self.target)
+        staging.register(self.temp)
+        try:
+            _write_new(self.temp, data)
+        except BaseException as exc:
+            self.abort()
+            if isinstance(exc, OSError):
+                raise write_error(self.shown, exc) from None
+            raise
+
+    def commit(self) -> None:
+        try:
+            if self.overwrite:
+                os.replace(self.temp, self.target)
+            else:
+                try:
+                    staging.rename_noreplace(self.temp, self.target)
+                except FileExistsError:
+                    raise UsageError(f"report {self.shown} appeared while writing; nothing was replaced", hint="choose another path") from None
+            staging.remove(self.temp)  # gone already: this only forgets it
+            fsync_dir(self.parent)
+        except BaseException as exc:
+            self.abort()
+            if isinstance(exc, OSError):
+                raise write_error(self.shown, exc) from None
+            raise
+
+    def abort(self) -> None:
+        staging.remove(self.temp)
+        staging.remove_created(self.created)
+
+
+def stage_json(path: str, document: Any, *, overwrite: bool = False) -> StagedJson:
+    """Write `document` beside `path`, ready to `commit()` into place (see StagedJson)."""
+    return StagedJson(path, document, overwrite=overwrite)
+
+
 def write_json_atomic(path: str, document: Any, *, overwrite: bool = False) -> None:
     """Write a JSON report: a staging file beside `path`, fsynced, then renamed into place
     without replacing anything (with `overwrite`, an existing report file is replaced, never a
     folder). Missing parent folders are created. On any error, including a full disk, nothing is
     left behind and `path` is as it was."""
-    shown = os.fspath(path)
-    target = os.path.abspath(path)
-    data = (json.dumps(document, indent=2) + "\n").encode("utf-8")  # before any file exists
-    if os.path.lexists(target):
-        if not overwrite:
-            raise UsageError(f"report {shown} already exists", hint="pass --overwrite to replace it, or choose another path")
-        if os.path.isdir(target) and not os.path.islink(target):
-            raise UsageError(f"report {shown} is a folder; refusing to replace it", hint="choose another path")
-    parent = os.path.dirname(target)
-    created = staging.make_parents(parent, shown)
-    cleanup_stale(parent)
-    temp = staging.staging_path(target)
-    staging.register(temp)
-    try:
-        _write_new(temp, data)
-        if overwrite:
-            os.replace(temp, target)
-        else:
-            try:
-                staging.rename_noreplace(temp, target)
-            except FileExistsError:
-                raise UsageError(f"report {shown} appeared while writing; nothing was replaced", hint="choose another path") from None
-        staging.remove(temp)  # gone already: this only forgets it
-        fsync_dir(parent)
-    except BaseException as exc:
-        staging.remove(temp)
-        staging.remove_created(created)
-        if isinstance(exc, OSError):
-            raise write_error(shown, exc) from None
-        raise
+    stage_json(path, document, overwrite=overwrite).commit()
 
 
 def fsync_dir(path: str) -> None:

@@ -30,7 +30,7 @@ from qtool.buffers import allocate
 from qtool.dtypes import storage_dtype
 from qtool.metrics import ErrorStats
 
-__all__ = ["available", "encode_int", "decode_int", "decode_gguf", "gguf_types", "set_threads"]
+__all__ = ["available", "encode_int", "decode_int", "decode_gguf", "gguf_types", "set_threads", "threads"]
 
 try:
     from qtool.native import _kernels
@@ -47,6 +47,11 @@ _threads = os.cpu_count() or 1
 
 def available() -> bool:
     return _kernels is not None and os.environ.get("QTOOL_NATIVE", "1") != "0"
+
+
+def threads() -> int:
+    """How many threads the kernels split each call over."""
+    return _threads
 
 
 def set_threads(count: int | None) -> None:

@@ -1,11 +1,13 @@
-"""Writing compressed-tensors (CONVENTIONS §1): the layout, tensors and `quantization_config`
-that compressed-tensors 0.20.1 writes for a scheme, bit for bit (tests/test_ct_codec.py).
+"""The compressed-tensors layout (CONVENTIONS §1): the tensors and `quantization_config` that
+compressed-tensors 0.20.1 writes for a scheme, bit for bit (tests/test_ct_codec.py). What vLLM
+and transformers load.
 
     encoded_layout   every stored tensor of a weight (name, dtype, shape), from its shape alone,
-                     so the pipeline can plan headers before any data exists
+                     so the plan fixes the headers before any data exists
     encode           the tensors themselves, in torch (min-max calibration, the package's rounding)
     config_for       the `quantization_config` of a set of modules
-    row_group_int_layout   which weights qtool.native encodes instead of torch
+    CompressedTensors   the `Layout`: the above, plus the fused CPU kernel (qtool.native) for
+                     int2/4/8 per channel or per group with scales in the weight's dtype
 
 Reading them back is `qtool.conventions.compressed_tensors` (detect and decode).
 """
@@ -16,14 +18,22 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from qtool.conventions.compressed_tensors import _usage
+from qtool import native
 from qtool.dtypes import WEIGHT_FLOATS
-from qtool.scheme import QScheme, QType, qtype
+from qtool.layouts.base import Job, Planned
+from qtool.layouts.safetensors import CHUNK_ELEMENTS, SafetensorsLayout, planned
+from qtool.metrics import ErrorStats
+from qtool.scheme import QScheme, QType, SchemeError, qtype
+from qtool.weight import Weight
 
 if TYPE_CHECKING:  # torch is imported where data is touched, never at import time
     import torch
 
-__all__ = ["CT_VERSION", "encoded_layout", "encode", "config_for", "row_group_int_layout"]
+__all__ = ["CT_VERSION", "CompressedTensors", "encoded_layout", "encode", "config_for", "row_group_int_layout"]
+
+
+def _usage(message: str, hint: str | None = None) -> SchemeError:
+    return SchemeError(message, hint=hint)
 
 
 CT_VERSION = "0.20.1"  # the package version whose layouts and config this codec reproduces
@@ -81,9 +91,9 @@ class _Target:
 def _target(scheme: QScheme) -> _Target:
     """The compressed-tensors layout for a scheme, or a UsageError naming what it can store."""
     qt, gran = scheme.qtype, scheme.granularity
-    scale = scheme.scale_dtype.upper()
-    float_scale = scale in (*WEIGHT_FLOATS, "AUTO")
-    e8m0, e4m3 = scale in ("E8M0", "F8_E8M0", "U8"), scale in ("E4M3", "F8_E4M3", "UE4M3")
+    kind = scheme.scale_kind
+    float_scale = kind == "auto" or scheme.scale_dtype.upper() in WEIGHT_FLOATS
+    e8m0, e4m3 = kind == "e8m0" or scheme.scale_dtype.upper() == "U8", kind == "e4m3"
     strategy = gran  # qtool's granularity names are compressed-tensors' strategy names
     group_size = scheme.group_size if gran == "group" else None
     block = None
@@ -112,7 +122,7 @@ def _target(scheme: QScheme) -> _Target:
     raise _usage(
         f"compressed-tensors has no layout for {scheme.label} with {scheme.scale_dtype} scales",
         hint="it stores int1..int8 (pack-quantized), fp8_e4m3 with float scales, mxfp8 g32, nvfp4 g16 "
-        "and mxfp4 g32; nf4 goes to --format bitsandbytes",
+        "and mxfp4 g32; nf4 is written by the bitsandbytes layout",
     )
 
 
@@ -330,3 +340,103 @@ def config_for(schemes_by_module: dict[str, QScheme], ignore: list[str], dtype: 
         "transform_config": {},
         "version": CT_VERSION,
     }
+
+
+# -- the layout --------------------------------------------------------------------------------
+
+
+class CompressedTensors(SafetensorsLayout):
+    """compressed-tensors: pack-quantized ints, fp8, mxfp4/mxfp8, nvfp4 (what vLLM and
+    transformers load), with `quantization_config` in config.json (and in the `__metadata__`
+    of a single-file output)."""
+
+    name = "compressed-tensors"
+    description = "compressed-tensors safetensors (vLLM, transformers)"
+    metadata_key = "quantization_config"
+
+    def refusal(self, scheme: QScheme) -> str | None:
+        try:
+            _target(scheme)
+        except SchemeError as exc:
+            return exc.message
+        return None
+
+    def check(self, weight: Weight, scheme: QScheme) -> None:
+        _check_shape(weight.name, tuple(weight.shape), _target(scheme))
+        _module_of(weight.name)
+
+    def tensors(self, weight: Weight, scheme: QScheme) -> list[Planned]:
+        return [planned(name, dtype, shape) for name, dtype, shape in encoded_layout(weight.name, weight.shape, weight.dtype, scheme)]
+
+    def quantization_config(self, schemes_by_module: dict[str, QScheme], ignore: list[str], dtype: str) -> dict[str, Any]:
+        return config_for(schemes_by_module, ignore, dtype)
+
+    def encode_tensors(self, name: str, tensor, scheme: QScheme) -> dict[str, Any]:
+        return encode(name, tensor, scheme)
+
+    def whole_weight(self, encoded: dict[str, Any], shape: tuple[int, ...]) -> dict[str, Any]:
+        import torch
+
+        return {
+            name: torch.tensor(list(shape), dtype=tensor.dtype) if name.endswith(".weight_shape") else tensor
+            for name, tensor in encoded.items()
+        }
+
+    def row_chunk(self, weight: Weight, scheme: QScheme) -> int | None:
+        shape = tuple(weight.shape)
+        if len(shape) != 2 or scheme.granularity == "tensor" or scheme.global_scale:
+            return None  # per-tensor and global scales need the whole weight at once
+        rows, cols = shape
+        step = math.lcm(scheme.block_for(shape)[0], 32)  # zero points pack 32/b rows per word, blocks span block rows
+        chunk = max(step, (CHUNK_ELEMENTS // max(cols, 1)) // step * step)
+        return chunk if chunk < rows else None
+
+    def native_encoder(self, job: Job, measure: bool) -> NativeIntEncoder | None:
+        weight, scheme = job.weight, job.scheme
+        assert scheme is not None
+        if not native.available() or weight.data.dtype.name != weight.dtype or tuple(weight.data.shape) != tuple(weight.shape):
+            return None
+        layout = row_group_int_layout(scheme, tuple(weight.shape), weight.dtype)
+        if layout is None:
+            return None
+        bits, group, symmetric = layout
+        if bits not in (2, 4, 8) or weight.shape[1] * bits % 32:
+            return None
+        return NativeIntEncoder(job, bits, group, symmetric, measure)
+
+
+class NativeIntEncoder:
+    """Pack-quantized int2/4/8 codes, per channel or per group, symmetric or with zero points,
+    in qtool.native's fused kernel: codes, scales and the error sums in one pass over each row,
+    bit for bit the torch path. A weight holding inf or NaN goes to torch instead (its exact
+    semantics are torch's)."""
+
+    wants = "bytes"
+
+    def __init__(self, job: Job, bits: int, group: int, symmetric: bool, measure: bool) -> None:
+        self.job, self.bits, self.group, self.symmetric, self.measure = job, bits, group, symmetric, measure
+        self.errors: ErrorStats | None = None
+
+    def encode(self, raw) -> Any:
+        job = self.job
+        rows, cols = job.weight.shape
+        encoded = native.encode_int(raw, job.weight.dtype, rows, cols, self.group, self.bits, symmetric=self.symmetric)
+        if encoded.errors is None:  # inf or NaN
+            yield from self._torch(raw)
+            return
+        if self.measure:
+            self.errors = encoded.errors
+        packed, scale, *zero_point, shape = (t.name for t in job.outputs)
+        yield packed, encoded.packed, 0
+        yield scale, encoded.scale, 0
+        if zero_point:
+            yield zero_point[0], encoded.zero_point, 0
+        yield shape, rows.to_bytes(8, "little", signed=True) + cols.to_bytes(8, "little", signed=True), 0
+
+    def _torch(self, raw) -> Any:
+        from qtool.layouts.safetensors import TorchEncoder
+        from qtool.pipeline import tensor_of
+
+        fallback = TorchEncoder(CompressedTensors(), self.job, self.measure)
+        yield from fallback.encode(tensor_of(raw, self.job.weight.data))
+        self.errors = fallback.errors

@@ -1,0 +1,239 @@
+"""What the safetensors layouts share: the plan (jobs, shards, config.json or `__metadata__`)
+and the torch encoder that runs a layout's `encode` in row chunks.
+
+A subclass says which tensors it writes for a scheme (`tensors`), how to encode a weight in
+torch (`encode_tensors`), the `quantization_config` it records (`quantization_config`), and
+optionally a fused CPU kernel (`native_encoder`). `PlainSafetensors` is the layout with no
+quantized weights: `qtool dequantize` writes it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Iterator
+
+from qtool.dtypes import WEIGHT_FLOATS, nbytes_for, storage_dtype
+from qtool.formats.checkpoint import Checkpoint
+from qtool.formats.writer import INDEX_NAME, safetensors_layout, shard_name
+from qtool.layouts.base import CAST, COPY, DEQUANTIZE, QUANTIZE, Job, Piece, Plan, Planned, PlanOptions
+from qtool.metrics import ErrorStats
+from qtool.scheme import QScheme
+from qtool.weight import Weight
+
+__all__ = ["SafetensorsLayout", "PlainSafetensors", "planned", "DTYPE_NAMES", "recorded_dtype", "TorchEncoder"]
+
+CHUNK_ELEMENTS = 4 << 20  # elements per row chunk when quantizing in torch
+DTYPE_NAMES = {"bf16": "BF16", "f16": "F16", "fp16": "F16", "f32": "F32", "fp32": "F32", "bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def planned(name: str, dtype: str, shape: tuple[int, ...]) -> Planned:
+    """A safetensors tensor of `dtype` and `shape`, sized."""
+    size = nbytes_for(storage_dtype(dtype), math.prod(shape))
+    if size is None:
+        raise ValueError(f"{name}: {math.prod(shape)} elements of {dtype} do not fill whole bytes")
+    return Planned(name, dtype, tuple(shape), size)
+
+
+def recorded_dtype(source: Checkpoint, weights: list[Weight]) -> str:
+    """The dtype the input records for its float weights (config `torch_dtype`), else the one
+    its quantized weights decode to, else bf16."""
+    recorded = source.config.get("torch_dtype") or source.config.get("dtype") or ""
+    if isinstance(recorded, str) and recorded in DTYPE_NAMES:
+        return DTYPE_NAMES[recorded]
+    logical = {w.dtype for w in weights if w.quantized and w.dtype in WEIGHT_FLOATS}
+    return logical.pop() if len(logical) == 1 else "BF16"
+
+
+def _dominant_dtype(weights: list[Weight]) -> str:
+    sizes: dict[str, int] = {}
+    for weight in weights:
+        if weight.dtype in WEIGHT_FLOATS:
+            sizes[weight.dtype] = sizes.get(weight.dtype, 0) + weight.parameters
+    return max(sizes, key=sizes.__getitem__) if sizes else "BF16"
+
+
+class SafetensorsLayout:
+    """The base of the layouts written as safetensors shards plus config.json."""
+
+    name = "safetensors"
+    container = "safetensors"
+    description = "plain safetensors"
+    metadata_key: str | None = None  # the `__metadata__` key a single-file output records its config under
+
+    # -- what a subclass provides ---------------------------------------------------------------
+
+    def refusal(self, scheme: QScheme) -> str | None:
+        return f"{self.name} stores no quantized weights"
+
+    def check(self, weight: Weight, scheme: QScheme) -> None:
+        pass
+
+    def tensors(self, weight: Weight, scheme: QScheme) -> list[Planned]:
+        raise NotImplementedError
+
+    def quantization_config(self, schemes_by_module: dict[str, QScheme], ignore: list[str], dtype: str) -> dict[str, Any] | None:
+        return None
+
+    def encode_tensors(self, name: str, tensor, scheme: QScheme) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def whole_weight(self, encoded: dict[str, Any], shape: tuple[int, ...]) -> dict[str, Any]:
+        """A chunk's tensors, with any that describe the whole weight corrected to its shape."""
+        return encoded
+
+    def row_chunk(self, weight: Weight, scheme: QScheme) -> int | None:
+        """Rows per chunk when a weight's tensors split by rows, else None (encode it whole)."""
+        return None
+
+    def native_encoder(self, job: Job, measure: bool):
+        """A fused CPU kernel for this job, or None where torch encodes it."""
+        return None
+
+    # -- the plan -------------------------------------------------------------------------------
+
+    def plan(self, source: Checkpoint, weights: list[Weight], chosen: dict[str, QScheme | None], options: PlanOptions) -> Plan:
+        out_dtype = options.out_dtype
+        jobs: list[Job] = []
+        for weight in weights:
+            scheme = chosen.get(weight.name)
+            if scheme is not None:
+                self.check(weight, scheme)
+                jobs.append(Job(weight, QUANTIZE, self.tensors(weight, scheme), scheme=scheme))
+            elif weight.quantized:  # dequantize, or requantize's weights that stay float
+                dtype = out_dtype or recorded_dtype(source, weights)
+                jobs.append(Job(weight, DEQUANTIZE, [planned(weight.name, dtype, weight.shape)], out_dtype=dtype))
+            elif out_dtype and weight.dtype in ("F16", "BF16", "F32", "F64") and weight.dtype != out_dtype:
+                jobs.append(Job(weight, CAST, [planned(weight.name, out_dtype, weight.shape)], out_dtype=out_dtype))
+            else:
+                data = weight.data
+                jobs.append(Job(weight, COPY, [Planned(weight.name, data.dtype.name, tuple(data.shape), data.nbytes)]))
+        files = self._shards(jobs, source, options)
+        jobs.sort(key=lambda j: j.shard)
+        schemes = {j.weight.name.rpartition(".")[0]: j.scheme for j in jobs if j.scheme is not None}
+        quant_config = None
+        if schemes:
+            ignore = sorted({j.weight.name.rpartition(".")[0] for j in jobs if j.scheme is None and len(j.weight.shape) == 2 and j.weight.name.endswith(".weight")})
+            quant_config = self.quantization_config(schemes, ignore, out_dtype or _dominant_dtype(weights))
+        metadata = {"format": "pt"}
+        config = None
+        if options.single_file:
+            if quant_config is not None and self.metadata_key:  # one file describes itself
+                metadata[self.metadata_key] = json.dumps(quant_config, separators=(",", ":"))
+        else:
+            config = dict(source.config)
+            config.pop("quantization_config", None)
+            if quant_config is not None:
+                config["quantization_config"] = quant_config
+            config = config or None
+        return Plan(source, self, jobs, files, metadata, config)
+
+    @staticmethod
+    def _shards(jobs: list[Job], source: Checkpoint, options: PlanOptions) -> list[str]:
+        """Assign each job a shard; by default follow the input's sharding."""
+        from qtool.errors import UsageError
+
+        if options.single_file:
+            if options.max_shard_size and sum(j.bytes_out for j in jobs) > options.max_shard_size:
+                raise UsageError("a single-file output cannot be split into shards", hint="write to a folder instead")
+            return [options.file_name]
+        if options.max_shard_size:
+            shard, size = 0, 0
+            for job in jobs:
+                if size and size + job.bytes_out > options.max_shard_size:
+                    shard, size = shard + 1, 0
+                job.shard, size = shard, size + job.bytes_out
+            count = shard + 1
+        else:
+            files = {path: i for i, path in enumerate(source.files)}
+            for job in jobs:
+                job.shard = files.get(job.weight.data.file, 0)
+            renumber = {old: new for new, old in enumerate(sorted({job.shard for job in jobs}))}
+            for job in jobs:
+                job.shard = renumber[job.shard]
+            count = len(renumber) or 1
+        return [shard_name(i, count) for i in range(count)]
+
+    def metadata_json(self, plan: Plan) -> dict[str, Any]:
+        return dict(plan.metadata)
+
+    def header(self, plan: Plan, shard: int) -> tuple[bytes, dict[str, tuple[int, int]], int]:
+        """Shard `shard`'s header bytes, each tensor's absolute byte range, and the file size."""
+        return safetensors_layout([t for job in plan.jobs if job.shard == shard for t in job.outputs], plan.metadata)
+
+    def side_files(self, plan: Plan) -> dict[str, Any]:
+        """The JSON files written beside the weights: the index of a sharded output, config.json."""
+        files: dict[str, Any] = {}
+        if len(plan.files) > 1:
+            weight_map = {t.name: plan.files[j.shard] for j in plan.jobs for t in j.outputs}
+            files[INDEX_NAME] = {"metadata": {"total_size": sum(j.bytes_out for j in plan.jobs)}, "weight_map": weight_map}
+        if plan.config is not None:
+            files["config.json"] = plan.config
+        return files
+
+    # -- encoding -------------------------------------------------------------------------------
+
+    def encoder(self, job: Job, device: str, measure: bool):
+        if device == "cpu" and not job.weight.quantized:
+            native = self.native_encoder(job, measure)
+            if native is not None:
+                return native
+        return TorchEncoder(self, job, measure)
+
+    def reconstruct(self, name: str, encoded: dict[str, Any], scheme: QScheme, shape: tuple[int, ...], dtype: str):
+        """Decode freshly encoded tensors through this layout's reading convention."""
+        from qtool.conventions import REGISTRY
+        from qtool.errors import InternalError
+        from qtool.formats.memory import MemoryCheckpoint
+
+        config = self.quantization_config({name.rpartition(".")[0]: scheme}, [], dtype)
+        checkpoint = MemoryCheckpoint(encoded, {"config.json": {"quantization_config": config}})
+        convention = next(c for c in REGISTRY if c.name == self.name)
+        weights = [w for w in convention.detect(checkpoint, dict(checkpoint.tensors)) if w.quantized]
+        if len(weights) != 1 or weights[0].shape != tuple(shape):
+            raise InternalError(f"{name}: qtool cannot read back what it encoded ({[(w.name, w.shape) for w in weights]})")
+        device = next(iter(encoded.values())).device
+        return convention.decode(checkpoint, weights[0], device)
+
+
+class PlainSafetensors(SafetensorsLayout):
+    """Plain float safetensors: what `qtool dequantize` writes."""
+
+
+class TorchEncoder:
+    """A layout's torch `encode_tensors`, run whole or in row chunks on any device, measured
+    against the values as the reading convention decodes them."""
+
+    wants = "tensor"
+
+    def __init__(self, layout: SafetensorsLayout, job: Job, measure: bool) -> None:
+        self.layout, self.job, self.measure = layout, job, measure
+        self.errors: ErrorStats | None = ErrorStats() if measure else None
+
+    def encode(self, weight) -> Iterator[Piece]:
+        job, layout = self.job, self.layout
+        scheme = job.scheme
+        assert scheme is not None
+        name = job.weight.name
+        chunk = layout.row_chunk(job.weight, scheme)
+        planned_by_name = {t.name: t for t in job.outputs}
+        written = dict.fromkeys(planned_by_name, 0)
+        rows = weight.shape[0] if weight.dim() else 1
+        for start in range(0, rows, chunk or max(rows, 1)):
+            part = weight[start : start + chunk] if chunk else weight
+            encoded = layout.encode_tensors(name, part, scheme)
+            if self.errors is not None:
+                self.errors.update(part, layout.reconstruct(name, encoded, scheme, tuple(part.shape), job.weight.dtype))
+            for out_name, tensor in layout.whole_weight(encoded, tuple(weight.shape)).items():
+                if written[out_name] == planned_by_name[out_name].nbytes:
+                    continue  # a per-weight tensor (compressed-tensors' weight_shape), written with the first chunk
+                data = _as_bytes(tensor)
+                yield out_name, data, written[out_name]
+                written[out_name] += data.nbytes
+
+
+def _as_bytes(tensor) -> memoryview:
+    import torch
+
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())

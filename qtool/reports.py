@@ -1,0 +1,87 @@
+"""What a quantize or dequantize run reports, as a value: the API builds it, `--json` prints it
+and `--report` writes it, so a script gets the same document either way.
+
+Two model-wide error figures, named for what they cover:
+- `quantized`: over the quantized weights only (what quantizing cost where it was applied);
+- `all_weights`: over every float weight written, the copied ones included as exact (what
+  `qtool compare` reports as its summary for the same pair of checkpoints).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from qtool.layouts.base import QUANTIZE
+from qtool.metrics import ErrorStats
+
+if TYPE_CHECKING:
+    from qtool.api import Task
+    from qtool.pipeline import Result
+
+__all__ = ["RunReport", "REPORT_SCHEMA_VERSION"]
+
+REPORT_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class RunReport:
+    task: "Task"
+    result: "Result"
+    device: str
+
+    @property
+    def errors(self) -> dict[str, ErrorStats]:
+        """Per quantized weight, its error against the original."""
+        return self.result.errors
+
+    @property
+    def seconds(self) -> float:
+        return self.result.seconds
+
+    def model_error(self) -> ErrorStats:
+        """Over the quantized weights only."""
+        return self.result.model_error()
+
+    def all_weights_error(self) -> ErrorStats:
+        """Over every float weight written, copies exact: `qtool compare`'s summary figure."""
+        return self.result.model_error().merge(self.result.kept)
+
+    def to_json(self) -> dict[str, Any]:
+        plan = self.task.to_json()
+        by_name = {w["name"]: w for w in plan["weights"]}
+        weights = []
+        if any(j.action == QUANTIZE for j in self.task.plan.jobs):
+            for name, stats in self.result.errors.items():
+                entry = by_name[name]
+                weights.append(
+                    {
+                        "name": name,
+                        "scheme": entry["scheme"],
+                        "shape": entry["shape"],
+                        "bytes_before": entry["bytes_before"],
+                        "bytes_after": entry["bytes_after"],
+                        **stats.to_json(),
+                    }
+                )
+            weights.sort(key=lambda w: (w["sqnr_db"] is None, w["sqnr_db"] if w["sqnr_db"] is not None else 0.0))
+            summary = {
+                **plan["summary"],
+                **self.model_error().to_json(),  # schema 1: these top-level figures cover the quantized weights
+                "quantized": self.model_error().to_json(),
+                "all_weights": self.all_weights_error().to_json(),
+            }
+        else:
+            weights = [w for w in plan["weights"] if w["action"] == "dequantize"]
+            summary = plan["summary"]
+        return {
+            "schema_version": REPORT_SCHEMA_VERSION,
+            "input": self.task.plan.source.path,
+            "output": self.task.output,
+            "layout": plan["layout"],
+            "files": plan["files"],
+            "device": self.device,
+            "seconds": round(self.result.seconds, 3),
+            "summary": summary,
+            "weights": weights,
+        }
