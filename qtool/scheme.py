@@ -187,6 +187,12 @@ class QScheme:
             raise SchemeError(f"{self.qtype.name} is symmetric only", hint="asymmetric (zero point) schemes need an int value type")
 
     @property
+    def gguf_type(self) -> str | None:
+        """The llama.cpp block type whose own scale rule this scheme is (Q4_0, Q4_K, ...), if any:
+        such a scheme is GGUF's math, which no other layout reproduces."""
+        return dict(self.extra).get("gguf_type")
+
+    @property
     def scale_kind(self) -> str:
         """The scale's family, whatever its spelling: "auto", "float", "e8m0", "e4m3" or "int"."""
         return scale_kind(self.scale_dtype) or "float"
@@ -253,7 +259,7 @@ class QScheme:
         if self.qtype.kind == "int":
             parts.append("sym" if self.symmetric else "asym")
         parts.append(self.granularity_label)
-        gguf_type = dict(self.extra).get("gguf_type")
+        gguf_type = self.gguf_type
         if self.convention == "gguf" and gguf_type and gguf_type.lower() != self.family:
             parts.insert(0, gguf_type)  # "Q4_K uint4 asym g256": the name llama.cpp users know
         return " ".join(parts)

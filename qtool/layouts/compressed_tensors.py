@@ -91,6 +91,8 @@ class _Target:
 def _target(scheme: QScheme) -> _Target:
     """The compressed-tensors layout for a scheme, or a UsageError naming what it can store."""
     qt, gran = scheme.qtype, scheme.granularity
+    if scheme.gguf_type:
+        raise _usage(f"{scheme.gguf_type} is a GGUF block type (llama.cpp's own scale rule); compressed-tensors cannot store it", hint="write it with the gguf layout")
     kind = scheme.scale_kind
     float_scale = kind == "auto" or scheme.scale_dtype.upper() in WEIGHT_FLOATS
     e8m0, e4m3 = kind == "e8m0" or scheme.scale_dtype.upper() == "U8", kind == "e4m3"

@@ -56,7 +56,7 @@ _FLOAT_FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16
 def gguf_type_for(scheme: QScheme) -> GgmlType:
     """The GGML type that writes `scheme`: its `gguf_type`, or MXFP4 for fp4_e2m1 with e8m0
     scales per 32 (compressed-tensors' MXFP4A16 is the same format)."""
-    name = dict(scheme.extra).get("gguf_type")
+    name = scheme.gguf_type
     if name in WRITABLE_TYPES:
         return ggml_type_named(name)
     if scheme.qtype.name == "fp4_e2m1" and scheme.scale_kind == "e8m0" and scheme.group_size == 32 and not scheme.global_scale:
