@@ -13,8 +13,8 @@ by chunk with `ErrorStats`:
 Memory stays bounded as in quantize: one pair (two weights) at a time, never two models. A
 plain weight is streamed in chunks with pread (no mmap pages linger); a quantized one is
 decoded into one float tensor, and its members' pages are released after its pair. The
-chunks are measured on one CPU thread, small enough that their float32 temporaries stay in
-cache.
+chunks are measured on one CPU thread with `ErrorStats.update` (float64 terms and sums, the
+same definition as `qtool quantize` reports), in slices small enough to stay in cache.
 
 GGUF files written for LLaMA (`general.architecture = llama`) hold q_proj and k_proj with
 their rows permuted per head, as llama.cpp's converter writes them; matched against a non-GGUF
@@ -44,7 +44,7 @@ from qtool.weight import Weight
 __all__ = ["SCHEMA_VERSION", "CHUNK_ELEMENTS", "HISTOGRAM_BIN_DB", "Pair", "Comparison", "Gates", "plan_comparison", "run_comparison"]
 
 SCHEMA_VERSION = 1
-CHUNK_ELEMENTS = 1 << 18  # elements per measured chunk: 1 MiB float32 temporaries stay in cache
+CHUNK_ELEMENTS = 1 << 18  # elements per read chunk (pread); ErrorStats.update slices it further
 HISTOGRAM_BIN_DB = 5
 
 
@@ -351,9 +351,8 @@ def _measure(chunks_x: Iterator[Any], chunks_y: Iterator[Any]) -> tuple[ErrorSta
     bad_x = bad_y = 0
     for chunk_x, chunk_y in zip(chunks_x, chunks_y):
         if chunk_x.dtype == chunk_y.dtype and torch.equal(chunk_x, chunk_y):
-            values = chunk_x.to(torch.float32)
-            signal = float(torch.dot(values, values))
-            part = ErrorStats(signal=signal, recon=signal, dot=signal, count=values.numel())
+            values = chunk_x.to(torch.float64)  # float64 terms and sums, as ErrorStats.update
+            part = ErrorStats.from_sums(float(torch.dot(values, values)), 0.0, 0.0, 0.0, values.numel())
         else:
             part = ErrorStats().update(chunk_x, chunk_y)
         if not all(math.isfinite(v) for v in (part.signal, part.noise, part.dot)):
@@ -376,7 +375,7 @@ def _measure_pair(comparison: Comparison, pair: Pair, device: str) -> None:
             stats, bad_x, bad_y = _measure(_chunks(comparison.a, x, device), _chunks(comparison.b, y, device))
         if not all(math.isfinite(v) for v in (stats.signal, stats.noise, stats.dot)):
             where = ", ".join(f"{side} has {count} NaN/Inf values" for side, count in (("A", bad_x), ("B", bad_y)) if count)
-            pair.finding = f"non-finite values: {where or 'the error overflows float32'}"
+            pair.finding = f"non-finite values: {where or 'the error overflows float64'}"
         pair.stats = stats
     except _NotComparable as exc:
         pair.finding = f"not comparable: {exc}"
