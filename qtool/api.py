@@ -46,22 +46,19 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     return _open_checkpoint(path)
 
 
-def inspect(path: str | os.PathLike[str]) -> Inspection:
-    """Every weight of a checkpoint with its shape, dtype and scheme, from the headers alone."""
-    return inspect_checkpoint(_open_checkpoint(path))
+def inspect(path: str | os.PathLike[str], filter: str | None = None) -> Inspection:
+    """Every weight of a checkpoint with its shape, dtype and scheme, from the headers alone;
+    with `filter` (a glob, or `re:` and a regex, as in qtool.patterns) only the weights whose
+    name matches, and the summary covers only those."""
+    return inspect_checkpoint(_open_checkpoint(path), filter=filter)
 
 
-def collect_stats(inspection: Inspection, on_bytes: Callable[[int], None] | None = None) -> None:
-    """Stream every plain weight's data and fill `inspection.stats`. Imports torch."""
-    from qtool.stats import weight_stats
+def collect_stats(inspection: Inspection, on_bytes: Callable[[int], None] | None = None) -> Inspection:
+    """A new Inspection with the value stats of every plain weight it reports, streamed from
+    the data; the checkpoint is closed afterwards. Imports torch."""
+    from qtool.stats import collect_stats as _collect_stats
 
-    checkpoint = inspection.checkpoint
-    try:
-        for weight in inspection.weights:
-            if not weight.quantized:
-                inspection.stats[weight.name] = weight_stats(checkpoint, weight, on_bytes)
-    finally:
-        checkpoint.close()
+    return _collect_stats(inspection, on_bytes)
 
 
 # -- quantize and dequantize -------------------------------------------------------------------

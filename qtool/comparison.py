@@ -13,8 +13,9 @@ by chunk with `ErrorStats`:
 Memory stays bounded as in quantize: one pair (two weights) at a time, never two models. A
 plain weight is streamed in chunks with pread (no mmap pages linger); a quantized one is
 decoded into one float tensor, and its members' pages are released after its pair. The
-chunks are measured on one CPU thread, small enough that their float32 temporaries stay in
-cache.
+chunks are measured with `ErrorStats.update` (float64 terms and sums, numpy on the calling
+thread for CPU tensors: the same definition as `qtool quantize` reports), in slices small
+enough to stay in cache. Process state (torch's thread count) is never touched.
 
 GGUF files written for LLaMA (`general.architecture = llama`) hold q_proj and k_proj with
 their rows permuted per head, as llama.cpp's converter writes them; matched against a non-GGUF
@@ -28,7 +29,6 @@ float past it fails.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -44,7 +44,7 @@ from qtool.weight import Weight
 __all__ = ["SCHEMA_VERSION", "CHUNK_ELEMENTS", "HISTOGRAM_BIN_DB", "Pair", "Comparison", "Gates", "plan_comparison", "run_comparison"]
 
 SCHEMA_VERSION = 1
-CHUNK_ELEMENTS = 1 << 18  # elements per measured chunk: 1 MiB float32 temporaries stay in cache
+CHUNK_ELEMENTS = 1 << 18  # elements per read chunk (pread); ErrorStats.update slices it further
 HISTOGRAM_BIN_DB = 5
 
 
@@ -323,24 +323,6 @@ def _unpermute(tensor, heads: int):
     return tensor.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-@contextlib.contextmanager
-def _one_cpu_thread(device: str) -> Iterator[None]:
-    """Measure on one CPU thread. The chunks are small and memory-bound; split over torch's
-    intra-op threads, every op of every chunk waits for all of them, and on a busy machine a
-    descheduled worker turns a 50 us op into a 5 ms one (measured here: 3x the CPU time)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    if device != "cpu" or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _measure(chunks_x: Iterator[Any], chunks_y: Iterator[Any]) -> tuple[ErrorStats, int, int]:
     """ErrorStats over paired chunks, and the NaN/Inf counts of each side where the sums stop
     being finite. A chunk stored identically on both sides (a copied embedding, a norm) costs
@@ -351,9 +333,7 @@ def _measure(chunks_x: Iterator[Any], chunks_y: Iterator[Any]) -> tuple[ErrorSta
     bad_x = bad_y = 0
     for chunk_x, chunk_y in zip(chunks_x, chunks_y):
         if chunk_x.dtype == chunk_y.dtype and torch.equal(chunk_x, chunk_y):
-            values = chunk_x.to(torch.float32)
-            signal = float(torch.dot(values, values))
-            part = ErrorStats(signal=signal, recon=signal, dot=signal, count=values.numel())
+            part = ErrorStats().update(chunk_x, chunk_x)  # no error: the same float64 sums, e = 0
         else:
             part = ErrorStats().update(chunk_x, chunk_y)
         if not all(math.isfinite(v) for v in (part.signal, part.noise, part.dot)):
@@ -372,11 +352,10 @@ def _measure_pair(comparison: Comparison, pair: Pair, device: str) -> None:
         if _numel(x) != _numel(y):
             pair.finding = f"not comparable: A has {_numel(x)} values, B {_numel(y)}"
             return
-        with _one_cpu_thread(device):
-            stats, bad_x, bad_y = _measure(_chunks(comparison.a, x, device), _chunks(comparison.b, y, device))
+        stats, bad_x, bad_y = _measure(_chunks(comparison.a, x, device), _chunks(comparison.b, y, device))
         if not all(math.isfinite(v) for v in (stats.signal, stats.noise, stats.dot)):
             where = ", ".join(f"{side} has {count} NaN/Inf values" for side, count in (("A", bad_x), ("B", bad_y)) if count)
-            pair.finding = f"non-finite values: {where or 'the error overflows float32'}"
+            pair.finding = f"non-finite values: {where or 'the error overflows float64'}"
         pair.stats = stats
     except _NotComparable as exc:
         pair.finding = f"not comparable: {exc}"

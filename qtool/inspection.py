@@ -7,33 +7,63 @@ by adding fields, or by bumping `SCHEMA_VERSION`.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any
 
 from qtool.conventions import resolve
-from qtool.formats.checkpoint import Checkpoint
+from qtool.formats.checkpoint import Checkpoint, StoredTensor
+from qtool.patterns import compile_pattern
 from qtool.scheme import QScheme
 from qtool.weight import Weight
 
-__all__ = ["SCHEMA_VERSION", "PLAIN_LABEL", "Inspection", "inspect_checkpoint", "scheme_json", "weight_json"]
+__all__ = ["SCHEMA_VERSION", "PLAIN_LABEL", "Inspection", "WeightStats", "inspect_checkpoint", "scheme_json", "weight_json"]
 
 SCHEMA_VERSION = 1
 PLAIN_LABEL = "plain"  # the by_scheme key for weights that are not quantized
 
+WeightStats = Mapping[str, "float | int | None"]  # min, max, mean, std, absmax, nan, inf (qtool.stats)
 
-@dataclass
+
+@dataclass(frozen=True, eq=False)  # eq=False: compared by identity, as the Checkpoint it holds
 class Inspection:
+    """The weights of a checkpoint that a report covers, and what is known about them.
+
+    Immutable: `weights` is a tuple and `stats` a read-only mapping; `with_stats` returns a new
+    Inspection. Everything derived (`summary`, `tensors`, `conventions`) is computed from the
+    weights reported, so a filtered report describes exactly the weights it lists.
+    """
+
     checkpoint: Checkpoint
-    weights: list[Weight]
-    stats: dict[str, dict[str, float | int] | None] = field(default_factory=dict)  # weight name -> stats
+    weights: tuple[Weight, ...]
+    stats: Mapping[str, WeightStats | None] = field(default_factory=dict)  # weight name -> stats (`--stats`)
+    filter: str | None = None  # the pattern `weights` were kept by; None: every weight
+
+    def __post_init__(self) -> None:
+        # frozen: the normalised fields are set through object.__setattr__, once, here
+        object.__setattr__(self, "weights", tuple(self.weights))
+        object.__setattr__(self, "stats", MappingProxyType({name: _frozen(entry) for name, entry in self.stats.items()}))
+
+    def with_stats(self, stats: Mapping[str, WeightStats | None]) -> "Inspection":
+        """A new Inspection with `stats` added to (and overriding) the ones already known."""
+        return replace(self, stats={**self.stats, **stats})
 
     @property
     def conventions(self) -> list[str]:
         counts = Counter(w.convention for w in self.weights)
         return sorted(counts, key=lambda c: (c == "plain", c))
 
+    @property
+    def tensors(self) -> tuple[StoredTensor, ...]:
+        """The stored tensors of the weights reported (every member), in the file's order."""
+        members = {t.name: t for w in self.weights for t in w.members.values()}
+        ordered = [members.pop(name) for name in self.checkpoint.tensors if name in members]
+        return (*ordered, *members.values())  # a member the container does not list: last
+
     def summary(self) -> dict[str, Any]:
-        tensors = list(self.checkpoint.tensors.values())
+        """Counts and sizes over the weights reported and their member tensors only."""
+        tensors = self.tensors
         total_bytes = sum(t.nbytes for t in tensors)
         parameters = sum(w.parameters for w in self.weights)
         by_dtype: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "bytes": 0})
@@ -67,10 +97,17 @@ class Inspection:
             "summary": self.summary(),
             "weights": [weight_json(w) for w in self.weights],
         }
+        if self.filter is not None:
+            result["filter"] = self.filter
         if self.stats:
             for entry in result["weights"]:
-                entry["stats"] = self.stats.get(entry["name"])
+                stats = self.stats.get(entry["name"])
+                entry["stats"] = None if stats is None else dict(stats)
         return result
+
+
+def _frozen(entry: WeightStats | None) -> WeightStats | None:
+    return None if entry is None else MappingProxyType(dict(entry))
 
 
 def scheme_json(scheme: QScheme, shape: tuple[int, ...]) -> dict[str, Any]:
@@ -109,5 +146,15 @@ def weight_json(weight: Weight) -> dict[str, Any]:
     }
 
 
-def inspect_checkpoint(checkpoint: Checkpoint) -> Inspection:
-    return Inspection(checkpoint, resolve(checkpoint))
+def inspect_checkpoint(checkpoint: Checkpoint, filter: str | None = None) -> Inspection:
+    """Every weight of `checkpoint`, from the headers alone; with `filter` (a glob matching the
+    whole name, or `re:` and a regex anchored at the start, see `qtool.patterns`), only the
+    weights whose logical name matches, and the summary covers only those.
+
+    Conventions still resolve the whole checkpoint first: which tensors make up a weight does
+    not depend on which weights are reported."""
+    weights: Iterable[Weight] = resolve(checkpoint)
+    if filter is not None:
+        keep = compile_pattern(filter)
+        weights = [w for w in weights if keep(w.name)]
+    return Inspection(checkpoint, tuple(weights), filter=filter)

@@ -261,12 +261,11 @@ def kept_error(original, written, source: str, target: str) -> ErrorStats:
     if source not in NUMPY_FLOATS or target not in NUMPY_FLOATS:
         return ErrorStats()
     x = to_float32(original, source).astype(np.float64)
-    signal = float(x @ x)
+    xx = float(x @ x)
     if original is written:
-        return ErrorStats(signal=signal, recon=signal, dot=signal, count=x.size)
-    y = to_float32(written, target).astype(np.float64)
-    error = x - y
-    return ErrorStats(signal=signal, noise=float(error @ error), recon=float(y @ y), dot=float(x @ y), max_abs=float(np.abs(error).max(initial=0.0)), count=x.size)
+        return ErrorStats.from_sums(xx, 0.0, 0.0, 0.0, x.size)
+    error = x - to_float32(written, target).astype(np.float64)
+    return ErrorStats.from_sums(xx, float(x @ error), float(error @ error), float(np.abs(error).max(initial=0.0)), x.size)
 
 
 def execute(plan: Plan, output: Output, options: ExecOptions = ExecOptions(), *, before_commit: Callable[[Result], None] | None = None) -> Result:

@@ -8,14 +8,29 @@ min/max/mean/std/absmax are over the finite values; NaN and Inf are counted apar
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from qtool.formats.checkpoint import Checkpoint
 from qtool.weight import Weight
 
-__all__ = ["CHUNK", "weight_stats"]
+if TYPE_CHECKING:
+    from qtool.inspection import Inspection
+
+__all__ = ["CHUNK", "collect_stats", "weight_stats"]
 
 CHUNK = 1 << 22  # elements per chunk
+
+
+def collect_stats(inspection: Inspection, on_bytes: Callable[[int], None] | None = None) -> Inspection:
+    """A new Inspection with the stats of every plain weight it reports, streamed from the
+    data (quantized weights get none); the checkpoint is closed afterwards. Imports torch.
+    `on_bytes` gets the bytes read, out of the plain weights' `nbytes`."""
+    checkpoint = inspection.checkpoint
+    try:
+        stats = {w.name: weight_stats(checkpoint, w, on_bytes) for w in inspection.weights if not w.quantized}
+    finally:
+        checkpoint.close()
+    return inspection.with_stats(stats)
 
 
 def weight_stats(checkpoint: Checkpoint, weight: Weight, on_bytes: Callable[[int], None] | None = None):

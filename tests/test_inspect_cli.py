@@ -170,6 +170,27 @@ def test_filter_glob_and_regex():
     assert run("inspect", TINY, "-f", "names", "--filter", "re:lm_head").stdout.split() == ["lm_head.weight"]
 
 
+def test_a_filtered_summary_is_the_filtered_weights(tmp_path):
+    from tests.conftest import write_safetensors
+
+    tensors = {"embeddings.weight": ("BF16", (4000, 64)), "pooler.dense.weight": ("BF16", (64, 64)), "pooler.dense.bias": ("BF16", (64,))}
+    path = write_safetensors(tmp_path / "m.safetensors", tensors)
+    doc = inspect_json(path, "-k", "pooler*")
+    summary = doc["summary"]
+    assert [w["name"] for w in doc["weights"]] == ["pooler.dense.bias", "pooler.dense.weight"] and doc["filter"] == "pooler*"
+    assert summary["bytes"] == sum(w["bytes"] for w in doc["weights"]) == 2 * (64 * 64 + 64)
+    assert summary["bits_per_weight"] == 16.0 and summary["tensors"] == 2  # was 1000.6: the whole file's bytes
+    assert summary["by_dtype"] == {"BF16": {"tensors": 2, "bytes": summary["bytes"]}}
+    table = run("inspect", path, "-k", "pooler*", "-f", "table").stdout
+    assert "16.000" in table and "stored tensors" in table
+    raw = inspect_json(path, "-k", "pooler*", "--raw")  # the stored tensors of the weights kept
+    assert [t["name"] for t in raw["tensors"]] == ["pooler.dense.weight", "pooler.dense.bias"]  # file order
+    assert len(raw["tensors"]) == raw["summary"]["tensors"]
+    quantized = inspect_json(CT_FIXTURES / "W4A16", "--raw", "-k", "*.down_proj.weight")
+    names = sorted(t["name"] for t in quantized["tensors"])
+    assert names and all(".down_proj.weight_" in n for n in names) and len(names) == quantized["summary"]["tensors"]
+
+
 def test_bad_regex_is_a_usage_error():
     result = run("inspect", TINY, "--filter", "re:(")
     assert result.exit_code == 2 and result.stderr.startswith("error: invalid regex")

@@ -21,6 +21,7 @@ Examples:
   qtool inspect model.safetensors --json | jq .summary
   qtool inspect model/ -k 're:.*\\.mlp\\.' --no-collapse
   qtool inspect model/ --raw -f tsv              # stored tensors, not weights
+  qtool inspect model/ -k 'pooler*'              # the summary covers the weights listed
   qtool inspect model/ --stats                   # min/max/mean/std/NaN per plain weight
 """
 
@@ -32,7 +33,7 @@ def inspect_command(
     fmt: FormatOpt = OutputFormat.auto,
     json_: JsonOpt = False,
     filter_: FilterOpt = None,
-    raw: Annotated[bool, typer.Option("--raw", help="List stored tensors instead of logical weights.")] = False,
+    raw: Annotated[bool, typer.Option("--raw", help="List the stored tensors of the weights reported instead of the weights.")] = False,
     collapse: Annotated[
         bool, typer.Option("--collapse/--no-collapse", help="Fold repeated layers into one row (human table only).")
     ] = True,
@@ -40,20 +41,16 @@ def inspect_command(
     quiet: QuietOpt = False,
 ) -> None:
     from qtool import api
-    from qtool.patterns import compile_pattern
 
     output = Output("json" if json_ else fmt.value, collapse=collapse)
-    keep = compile_pattern(filter_) if filter_ else None
-    report = api.inspect(path)
-    if keep:
-        report.weights = [w for w in report.weights if keep(w.name)]
+    report = api.inspect(path, filter=filter_)
     if stats:
         total = sum(w.nbytes for w in report.weights if not w.quantized)
         with progress("reading", total, quiet) as advance:
-            api.collect_stats(report, advance)
+            report = api.collect_stats(report, advance)
     document = report.to_json()
-    if raw:
-        tensors = [t for t in report.checkpoint.tensors.values() if keep is None or keep(t.name)]
+    if raw:  # the stored tensors of the weights reported, so they add up to the summary
+        tensors = report.tensors
         document["tensors"] = [
             {"name": t.name, "dtype": t.dtype.name, "shape": list(t.shape), "bytes": t.nbytes, "file": t.file, "offset": t.begin}
             for t in tensors

@@ -4,7 +4,9 @@
  * qtool.conventions.compressed_tensors_encode.encode for int b-bit weights whose scale is
  * stored in the weight's own dtype, symmetric or with a zero point, then reconstructs each
  * value as qtool's decoder does and sums the error measures of qtool.metrics.ErrorStats, all
- * in one pass over each row. With dt(.) rounding a float32 result to the weight's dtype, as
+ * in one pass over each row. The measures follow ErrorStats' one definition: against x^ as
+ * decoded (rounded to the weight's dtype), each term and every sum in double, so quantize and
+ * compare report the same digits. With dt(.) rounding a float32 result to the weight's dtype, as
  * torch does after each op:
  *
  *   symmetric     scale = dt(amax / ((qmax - qmin) / 2))                        zp = 0
@@ -32,7 +34,7 @@ static inline float round_half_even(float v) { return (v + 12582912.0f) - 125829
 
 typedef struct {
     double xx, xe, ee;
-    uint32_t max_err_bits; /* |x - x^| as float bits: the integer order is the float order */
+    double max_err; /* max |x - x^|, x - x^ taken in double */
     int finite;
 } Sums;
 
@@ -54,59 +56,58 @@ static inline float round_bf16_finite(float f) {
 static inline float round_f16(float f) { return qt_f16_to_f32(qt_f32_to_f16(f)); }
 static inline float round_f32(float f) { return f; }
 
-/* One group: codes into q, error sums into sums. */
-#define QUANTIZE_GROUP(NAME, ROUND)                                                                          \
-    static QT_HOT void NAME(const float *x, Py_ssize_t n, float scale, float zp, float qmin, float qmax,     \
-                            int8_t *q, Sums *sums) {                                                         \
-        float xx[LANES] = {0}, xe[LANES] = {0}, ee[LANES] = {0};                                             \
-        uint32_t me[LANES] = {0};                                                                            \
-        Py_ssize_t j = 0;                                                                                    \
-        for (; j + LANES <= n; j += LANES) {                                                                 \
-            for (int k = 0; k < LANES; k++) {                                                                \
-                float xv = x[j + k];                                                                         \
-                float v = ROUND(ROUND(xv / scale) + zp);                                                     \
-                v = v < qmin ? qmin : v;                                                                     \
-                v = v > qmax ? qmax : v;                                                                     \
-                v = round_half_even(v);                                                                      \
-                q[j + k] = (int8_t)(int32_t)v;                                                               \
-                float e = xv - ROUND((v - zp) * scale);                                                      \
-                xx[k] += xv * xv;                                                                            \
-                xe[k] += xv * e;                                                                             \
-                ee[k] += e * e;                                                                              \
-                uint32_t eb = qt_bits(e) & 0x7FFFFFFFu;                                                      \
-                me[k] = eb > me[k] ? eb : me[k];                                                             \
-            }                                                                                                \
-        }                                                                                                    \
-        for (; j < n; j++) {                                                                                 \
-            float xv = x[j];                                                                                 \
-            float v = ROUND(ROUND(xv / scale) + zp);                                                         \
-            v = v < qmin ? qmin : v;                                                                         \
-            v = v > qmax ? qmax : v;                                                                         \
-            v = round_half_even(v);                                                                          \
-            q[j] = (int8_t)(int32_t)v;                                                                       \
-            float e = xv - ROUND((v - zp) * scale);                                                          \
-            xx[0] += xv * xv;                                                                                \
-            xe[0] += xv * e;                                                                                 \
-            ee[0] += e * e;                                                                                  \
-            uint32_t eb = qt_bits(e) & 0x7FFFFFFFu;                                                          \
-            me[0] = eb > me[0] ? eb : me[0];                                                                 \
-        }                                                                                                    \
-        for (int k = 0; k < LANES; k++) {                                                                    \
-            sums->xx += xx[k];                                                                               \
-            sums->xe += xe[k];                                                                               \
-            sums->ee += ee[k];                                                                               \
-            sums->max_err_bits = me[k] > sums->max_err_bits ? me[k] : sums->max_err_bits;                    \
-        }                                                                                                    \
+/* One group: codes into q, and each value as decoded (x^, in the weight's dtype) into r. */
+#define QUANTIZE_GROUP(NAME, ROUND)                                                                \
+    static QT_HOT void NAME(const float *x, Py_ssize_t n, float scale, float zp, float qmin, float qmax, \
+                            int8_t *q, float *r) {                                                 \
+        for (Py_ssize_t j = 0; j < n; j++) {                                                       \
+            float v = ROUND(ROUND(x[j] / scale) + zp);                                             \
+            v = v < qmin ? qmin : v;                                                               \
+            v = v > qmax ? qmax : v;                                                               \
+            v = round_half_even(v);                                                                \
+            q[j] = (int8_t)(int32_t)v;                                                             \
+            r[j] = ROUND((v - zp) * scale);                                                        \
+        }                                                                                          \
     }
 
 QUANTIZE_GROUP(quantize_group_bf16, round_bf16_finite)
 QUANTIZE_GROUP(quantize_group_f16, round_f16)
 QUANTIZE_GROUP(quantize_group_f32, round_f32)
 
-static void quantize_group(const float *x, Py_ssize_t n, float scale, float zp, float qmin, float qmax, int dt, int8_t *q, Sums *sums) {
-    if (dt == QT_BF16) quantize_group_bf16(x, n, scale, zp, qmin, qmax, q, sums);
-    else if (dt == QT_F16) quantize_group_f16(x, n, scale, zp, qmin, qmax, q, sums);
-    else quantize_group_f32(x, n, scale, zp, qmin, qmax, q, sums);
+static void quantize_group(const float *x, Py_ssize_t n, float scale, float zp, float qmin, float qmax, int dt, int8_t *q, float *r) {
+    if (dt == QT_BF16) quantize_group_bf16(x, n, scale, zp, qmin, qmax, q, r);
+    else if (dt == QT_F16) quantize_group_f16(x, n, scale, zp, qmin, qmax, q, r);
+    else quantize_group_f32(x, n, scale, zp, qmin, qmax, q, r);
+}
+
+/* The error sums of one row, x against its decoded x^, as qtool.metrics.ErrorStats defines
+ * them: every term and sum in double (x^2 is exact; e = x - x^ is exact whenever x^ is within
+ * a factor 2 of x, where float32 would round it), in independent lanes over the whole row,
+ * so a small group size costs no extra reductions. */
+static QT_HOT void error_sums(const float *x, const float *r, Py_ssize_t n, Sums *sums) {
+    double xx[LANES] = {0}, xe[LANES] = {0}, ee[LANES] = {0}, me[LANES] = {0};
+    Py_ssize_t j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int k = 0; k < LANES; k++) {
+            double xd = (double)x[j + k], e = xd - (double)r[j + k], ae = __builtin_fabs(e);
+            xx[k] += xd * xd;
+            xe[k] += xd * e;
+            ee[k] += e * e;
+            me[k] = ae > me[k] ? ae : me[k];
+        }
+    for (; j < n; j++) {
+        double xd = (double)x[j], e = xd - (double)r[j], ae = __builtin_fabs(e);
+        xx[0] += xd * xd;
+        xe[0] += xd * e;
+        ee[0] += e * e;
+        me[0] = ae > me[0] ? ae : me[0];
+    }
+    for (int k = 0; k < LANES; k++) {
+        sums->xx += xx[k];
+        sums->xe += xe[k];
+        sums->ee += ee[k];
+        sums->max_err = me[k] > sums->max_err ? me[k] : sums->max_err;
+    }
 }
 
 /* min and max of a group, 0 included (compressed-tensors' observer), in independent lanes */
@@ -227,9 +228,11 @@ PyObject *qt_py_encode_int(PyObject *self, PyObject *args) {
         !optional_buffer(zp_object, &zp, 1, row1 * groups, "zero_point"))
         goto done;
     float *x = malloc((size_t)cols * sizeof(float));
+    float *decoded = malloc((size_t)cols * sizeof(float));
     int8_t *q = malloc((size_t)cols);
-    if (!x || !q) {
+    if (!x || !decoded || !q) {
         free(x);
+        free(decoded);
         free(q);
         PyErr_NoMemory();
         goto done;
@@ -264,14 +267,17 @@ PyObject *qt_py_encode_int(PyObject *self, PyObject *args) {
             }
             if (s == 0.0f) s = EPS[dt];
             qt_store(scale.buf, r * groups + g, dt, s);
-            quantize_group(xg, group, s, z, qmin, qmax, dt, q + g * group, &sums);
+            quantize_group(xg, group, s, z, qmin, qmax, dt, q + g * group, decoded + g * group);
         }
+        if (!sums.finite) break;
+        error_sums(x, decoded, cols, &sums);
         pack_row(q, cols, bits, (uint8_t *)packed.buf + r * cols * bits / 8);
     }
     Py_END_ALLOW_THREADS
     free(x);
+    free(decoded);
     free(q);
-    result = Py_BuildValue("dddfO", sums.xx, sums.xe, sums.ee, qt_float(sums.max_err_bits), sums.finite ? Py_True : Py_False);
+    result = Py_BuildValue("ddddO", sums.xx, sums.xe, sums.ee, sums.max_err, sums.finite ? Py_True : Py_False);
 done:
     PyBuffer_Release(&src);
     PyBuffer_Release(&packed);
