@@ -15,7 +15,11 @@ QT_HOT void qt_widen(const void *src, int dt, float *dst, Py_ssize_t n) {
 }
 
 int qt_check_size(const Py_buffer *buffer, Py_ssize_t need, const char *what) {
-    if (need < 0 || buffer->len < need) {
+    if (need < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: the size asked for overflows", what);
+        return 0;
+    }
+    if (buffer->len < need) {
         PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, needs %zd", what, buffer->len, need);
         return 0;
     }
