@@ -105,11 +105,13 @@ static inline __attribute__((always_inline)) void qt_narrow(const float *src, vo
     }
 }
 
-/* Python entry points, one file each: affine.c, gguf.c */
+/* Python entry points, one file each: affine.c, gguf.c, gguf_encode.c */
 PyObject *qt_py_encode_int(PyObject *self, PyObject *args);
 PyObject *qt_py_pack_zero_points(PyObject *self, PyObject *args);
 PyObject *qt_py_decode_int(PyObject *self, PyObject *args);
 PyObject *qt_py_decode_gguf(PyObject *self, PyObject *args);
+PyObject *qt_py_encode_gguf(PyObject *self, PyObject *args);
+PyObject *qt_py_gguf_encoders(PyObject *self, PyObject *args);
 
 /* a * b, or -1 when either is negative or the product overflows: sizes from callers are never
  * trusted, and qt_check_size refuses -1 */
