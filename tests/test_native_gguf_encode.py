@@ -193,6 +193,18 @@ def test_bytes_and_errors_match_gguf_py(type_name, dtype, case):
     check(_case(case, dtype), type_name, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("type_name", TYPES)
+def test_rows_of_many_chunks(type_name, dtype):
+    """The kernel works out scales 64 blocks at a time: rows of 150 blocks (two chunks and a
+    part), block magnitudes spread over 2^-40 .. 2^40, a zero block astride a chunk's end."""
+    rng = np.random.default_rng(11)
+    values = rng.standard_normal((5, 150, 32)) * 2.0 ** rng.integers(-40, 40, size=(5, 150, 1))
+    values[2, 63:65] = 0.0
+    with np.errstate(over="ignore"):
+        check(values.reshape(5, -1).astype(np.float32), type_name, dtype)
+
+
 def test_cases_reach_the_edges():
     """The cases meet what they are named after: a float16 d of inf, of 0, a subnormal d whose
     inverse is inf, and blocks of x * id on exact .5 ties."""

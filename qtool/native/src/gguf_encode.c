@@ -70,14 +70,6 @@ QT_INLINE int32_t round_away_int(float v) {
     return (int32_t)((((b ^ negative) - negative) & ok) | (0x80000000u & ~ok));
 }
 
-QT_INLINE float store_f16(uint8_t *at, float v) {
-    const uint16_t h = qt_f32_to_f16(v);
-    memcpy(at, &h, 2);
-    return qt_f16_to_f32(h);
-}
-
-QT_INLINE float inverse(float d) { return d == 0.0f ? 0.0f : 1.0f / d; }
-
 /* max |x| as float bits (x finite: the integer order is |x|'s order), a vectorizable reduction */
 QT_INLINE uint32_t abs_max_bits(const float *x) {
     uint32_t m = 0;
@@ -142,74 +134,132 @@ QT_INLINE void pack5(const uint8_t *q, uint8_t *y) {
     pack_nibbles(q, y + 4);
 }
 
-/* -- one block: bytes into y, the decoded values into r ---------------------------------------- */
+/* -- scales, CHUNK blocks at a time ------------------------------------------------------------ */
+
+/* Blocks whose scales are worked out together, in one loop apart from the codes: the
+ * divisions and float16 conversions of many blocks then overlap, instead of each heading its
+ * block's chain of dependent steps (1.3 ns -> 1.0 ns a value, Q4_0, one core). */
+enum { CHUNK = 64 };
+
+typedef struct {
+    float id[CHUNK]; /* 1 / d, or 0 where d == 0 */
+    float d[CHUNK];  /* d as stored: its float16, widened */
+    uint16_t d_half[CHUNK];
+    float m[CHUNK]; /* Q4_1/Q5_1: min as stored */
+    uint16_t m_half[CHUNK];
+} Scales;
+
+/* d = top / divisor for n blocks, its inverse (the zero test and its selects on bits) and its
+ * float16, kept and widened */
+QT_INLINE void chunk_scales(const float *top, float divisor, int n, Scales *s) {
+    for (int k = 0; k < n; k++) {
+        const float d = top[k] / divisor;
+        const uint32_t zero = (qt_bits(d) & 0x7FFFFFFFu) == 0 ? 0xFFFFFFFFu : 0u;
+        const float inverse = 1.0f / qt_float(qt_bits(d) | (zero & 0x3F800000u)); /* 1 / +-1 where d is 0 */
+        s->id[k] = qt_float(qt_bits(inverse) & ~zero);
+        s->d_half[k] = qt_f32_to_f16(d);
+        s->d[k] = qt_f16_to_f32(s->d_half[k]);
+    }
+}
+
+QT_INLINE void chunk_mins(const float *mn, int n, Scales *s) {
+    for (int k = 0; k < n; k++) {
+        s->m_half[k] = qt_f32_to_f16(mn[k]);
+        s->m[k] = qt_f16_to_f32(s->m_half[k]);
+    }
+}
+
+/* -- one block's codes into y (past its halves), its decoded values into r ---------------------- */
 
 /* Q8_0: [d f16][32 x i8] */
-QT_INLINE void q8_0_block(const float *restrict x, uint8_t *restrict y, float *restrict r) {
-    const float d = qt_float(abs_max_bits(x)) / 127.0f, id = inverse(d);
-    const float dd = store_f16(y, d);
+QT_INLINE void q8_0_codes(const float *restrict x, float id, float d, uint8_t *restrict y, float *restrict r) {
     int8_t q[32];
     for (int j = 0; j < 32; j++) q[j] = (int8_t)(uint8_t)(uint32_t)round_away_int(x[j] * id);
-    memcpy(y + 2, q, 32);
-    for (int j = 0; j < 32; j++) r[j] = (float)q[j] * dd;
+    memcpy(y, q, 32);
+    for (int j = 0; j < 32; j++) r[j] = (float)q[j] * d;
 }
 
 /* Q4_0: [d f16][16 B: value j low nibble, j + 16 high] */
-QT_INLINE void q4_0_block(const float *restrict x, uint8_t *restrict y, float *restrict r) {
-    const float d = first_abs_max(x) / -8.0f, id = inverse(d);
-    const float dd = store_f16(y, d);
+QT_INLINE void q4_0_codes(const float *restrict x, float id, float d, uint8_t *restrict y, float *restrict r) {
     uint8_t q[32];
     for (int j = 0; j < 32; j++) q[j] = code_u8(x[j] * id + 8.5f, 15);
-    pack_nibbles(q, y + 2);
-    for (int j = 0; j < 32; j++) r[j] = dd * (float)((int)q[j] - 8);
-}
-
-/* Q4_1: [d f16][m f16][16 B as Q4_0] */
-QT_INLINE void q4_1_block(const float *restrict x, uint8_t *restrict y, float *restrict r) {
-    float mn, mx;
-    first_min_max(x, &mn, &mx);
-    const float d = (mx - mn) / 15.0f, id = inverse(d);
-    const float dd = store_f16(y, d), dm = store_f16(y + 2, mn);
-    uint8_t q[32];
-    for (int j = 0; j < 32; j++) q[j] = code_u8((x[j] - mn) * id + 0.5f, 15);
-    pack_nibbles(q, y + 4);
-    for (int j = 0; j < 32; j++) r[j] = dd * (float)q[j] + dm;
+    pack_nibbles(q, y);
+    for (int j = 0; j < 32; j++) r[j] = d * (float)((int)q[j] - 8);
 }
 
 /* Q5_0: [d f16][qh u32][16 B low nibbles] */
-QT_INLINE void q5_0_block(const float *restrict x, uint8_t *restrict y, float *restrict r) {
-    const float d = first_abs_max(x) / -16.0f, id = inverse(d);
-    const float dd = store_f16(y, d);
+QT_INLINE void q5_0_codes(const float *restrict x, float id, float d, uint8_t *restrict y, float *restrict r) {
     uint8_t q[32];
     for (int j = 0; j < 32; j++) q[j] = code_u8(x[j] * id + 16.5f, 31);
-    pack5(q, y + 2);
-    for (int j = 0; j < 32; j++) r[j] = dd * (float)((int)q[j] - 16);
+    pack5(q, y);
+    for (int j = 0; j < 32; j++) r[j] = d * (float)((int)q[j] - 16);
+}
+
+/* Q4_1: [d f16][m f16][16 B as Q4_0] */
+QT_INLINE void q4_1_codes(const float *restrict x, float mn, float id, float d, float m, uint8_t *restrict y, float *restrict r) {
+    uint8_t q[32];
+    for (int j = 0; j < 32; j++) q[j] = code_u8((x[j] - mn) * id + 0.5f, 15);
+    pack_nibbles(q, y);
+    for (int j = 0; j < 32; j++) r[j] = d * (float)q[j] + m;
 }
 
 /* Q5_1: [d f16][m f16][qh u32][16 B low nibbles] */
-QT_INLINE void q5_1_block(const float *restrict x, uint8_t *restrict y, float *restrict r) {
-    float mn, mx;
-    first_min_max(x, &mn, &mx);
-    const float d = (mx - mn) / 31.0f, id = inverse(d);
-    const float dd = store_f16(y, d), dm = store_f16(y + 2, mn);
+QT_INLINE void q5_1_codes(const float *restrict x, float mn, float id, float d, float m, uint8_t *restrict y, float *restrict r) {
     uint8_t q[32];
     for (int j = 0; j < 32; j++) q[j] = code_u8((x[j] - mn) * id + 0.5f, 31);
-    pack5(q, y + 4);
-    for (int j = 0; j < 32; j++) r[j] = dd * (float)q[j] + dm;
+    pack5(q, y);
+    for (int j = 0; j < 32; j++) r[j] = d * (float)q[j] + m;
 }
 
-/* -- rows --------------------------------------------------------------------------------------- */
+/* -- rows: blocks' bytes into out, decoded values into rec --------------------------------------- */
 
-#define QT_ENCODE_ROW(NAME, TS)                                                                         \
-    static QT_HOT void NAME##_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec) {        \
-        for (Py_ssize_t b = 0; b < blocks; b++) NAME##_block(x + 32 * b, out + (TS) * b, rec + 32 * b); \
+QT_INLINE float abs_max(const float *x) { return qt_float(abs_max_bits(x)); }
+
+/* Q8_0, Q4_0, Q5_0: d = TOP(block) / DIVISOR */
+#define QT_SYMMETRIC_ROW(NAME, TS, TOP, DIVISOR)                                                  \
+    static QT_HOT void NAME##_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec) {  \
+        Scales s;                                                                                 \
+        float top[CHUNK];                                                                         \
+        for (Py_ssize_t b0 = 0; b0 < blocks; b0 += CHUNK) {                                       \
+            const int n = blocks - b0 < CHUNK ? (int)(blocks - b0) : CHUNK;                       \
+            for (int k = 0; k < n; k++) top[k] = TOP(x + 32 * (b0 + k));                          \
+            chunk_scales(top, DIVISOR, n, &s);                                                    \
+            for (int k = 0; k < n; k++) {                                                         \
+                uint8_t *y = out + (TS) * (b0 + k);                                               \
+                memcpy(y, &s.d_half[k], 2);                                                       \
+                NAME##_codes(x + 32 * (b0 + k), s.id[k], s.d[k], y + 2, rec + 32 * (b0 + k));     \
+            }                                                                                     \
+        }                                                                                         \
     }
 
-QT_ENCODE_ROW(q8_0, 34)
-QT_ENCODE_ROW(q4_0, 18)
-QT_ENCODE_ROW(q4_1, 20)
-QT_ENCODE_ROW(q5_0, 22)
-QT_ENCODE_ROW(q5_1, 24)
+/* Q4_1, Q5_1: d = (max - min) / DIVISOR, min stored beside it */
+#define QT_AFFINE_ROW(NAME, TS, DIVISOR)                                                          \
+    static QT_HOT void NAME##_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec) {  \
+        Scales s;                                                                                 \
+        float range[CHUNK], mn[CHUNK];                                                            \
+        for (Py_ssize_t b0 = 0; b0 < blocks; b0 += CHUNK) {                                       \
+            const int n = blocks - b0 < CHUNK ? (int)(blocks - b0) : CHUNK;                       \
+            for (int k = 0; k < n; k++) {                                                         \
+                float mx;                                                                         \
+                first_min_max(x + 32 * (b0 + k), &mn[k], &mx);                                    \
+                range[k] = mx - mn[k];                                                            \
+            }                                                                                     \
+            chunk_scales(range, DIVISOR, n, &s);                                                  \
+            chunk_mins(mn, n, &s);                                                                \
+            for (int k = 0; k < n; k++) {                                                         \
+                uint8_t *y = out + (TS) * (b0 + k);                                               \
+                memcpy(y, &s.d_half[k], 2);                                                       \
+                memcpy(y + 2, &s.m_half[k], 2);                                                   \
+                NAME##_codes(x + 32 * (b0 + k), mn[k], s.id[k], s.d[k], s.m[k], y + 4, rec + 32 * (b0 + k)); \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+QT_SYMMETRIC_ROW(q8_0, 34, abs_max, 127.0f)
+QT_SYMMETRIC_ROW(q4_0, 18, first_abs_max, -8.0f)
+QT_SYMMETRIC_ROW(q5_0, 22, first_abs_max, -16.0f)
+QT_AFFINE_ROW(q4_1, 20, 15.0f)
+QT_AFFINE_ROW(q5_1, 24, 31.0f)
 
 typedef void (*qt_encode_row)(const float *, Py_ssize_t, uint8_t *, float *);
 
