@@ -159,6 +159,25 @@ def test_bad_layouts_and_short_buffers_are_value_errors():
         _kernels.decode_int(bytes(256), bytes(8), 2, None, 2, bytearray(100), 2, 64, 64, 8, 4, 0, 4)
 
 
+def test_hostile_sizes_are_refused_before_any_access():
+    """Sizes whose products overflow Py_ssize_t used to wrap to small numbers that passed the
+    buffer checks (pack_zero_points then read far past its input)."""
+    from qtool.native import _kernels
+
+    huge = 1 << 62
+    calls = [
+        ("bad layout", lambda: _kernels.encode_int(bytes(256), 2, huge, huge, bytearray(64), bytearray(64), None, 8, 0, 4)),
+        ("src: the size asked for overflows", lambda: _kernels.encode_int(bytes(256), 2, 64, 64, bytearray(64), bytearray(64), None, 8, huge - 1, huge)),
+        ("packed: the size asked for overflows", lambda: _kernels.decode_int(bytes(64), bytes(64), 2, None, 2, bytearray(64), 2, 64, 64, 8, huge, huge - 1, huge)),
+        ("zero_point: the size asked for overflows", lambda: _kernels.decode_int(bytes(256), bytes(8), 2, bytes(64), 2, bytearray(512), 2, 64, 64, 8, (1 << 63) - 1, 0, 4)),
+        ("zero_point: the size asked for overflows", lambda: _kernels.pack_zero_points(bytes(64), huge, 4, 8, bytearray(64))),
+        ("zero_point holds 64 bytes, needs 9223372036854775807", lambda: _kernels.pack_zero_points(bytes(64), (1 << 63) - 1, 1, 8, bytearray(64))),
+    ]
+    for message, call in calls:
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
 # -- the pipeline -------------------------------------------------------------------------------
 
 

@@ -7,7 +7,9 @@ buffers (bytes, bytearray, memoryview), and never import torch, so `qtool quanti
 `qtool dequantize` of the common layouts do not import it either.
 
 Each kernel is bit for bit the torch kernel it stands in for (tests/test_native*.py). The torch
-kernels stay the reference, the path for every other layout, and the only path on CUDA.
+kernels stay the reference, the path for every other layout, and the only path on CUDA. The GGUF
+encoders stand in for gguf-py's numpy quantizer instead, byte for byte, since that is what
+writes GGUF files in Python (tests/test_native_gguf_encode.py).
 
 The extension is optional (setup.py): where it was not built, `available()` is False and
 callers use torch. QTOOL_NATIVE=0 turns it off, to compare the two paths or to debug.
@@ -17,10 +19,13 @@ callers use torch. QTOOL_NATIVE=0 turns it off, to compare the two paths or to d
                     qtool.metrics.ErrorStats
     decode_int      the reverse, to bf16 / f16 / f32
     decode_gguf     GGUF blocks (the types in `gguf_types()`) to bf16 / f16 / f32
+    encode_gguf     bf16 / f16 / f32 rows to GGUF blocks (the types in `gguf_encode_types()`),
+                    byte for byte gguf.quants.quantize, with the error sums of ErrorStats
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +35,7 @@ from qtool.buffers import allocate
 from qtool.dtypes import storage_dtype
 from qtool.metrics import ErrorStats
 
-__all__ = ["available", "encode_int", "decode_int", "decode_gguf", "gguf_types", "set_threads", "threads"]
+__all__ = ["available", "encode_int", "decode_int", "decode_gguf", "gguf_types", "encode_gguf", "gguf_encode_types", "EncodedBlocks", "set_threads", "threads"]
 
 try:
     from qtool.native import _kernels
@@ -146,3 +151,53 @@ def gguf_types() -> frozenset[str]:
                 pass
         _gguf_types = frozenset(found)
     return _gguf_types
+
+
+@dataclass
+class EncodedBlocks:
+    data: memoryview  # rows x cols/32 blocks, as gguf.quants.quantize lays out a [rows, cols] array
+    errors: ErrorStats | None  # None when the rows hold inf or NaN: use gguf-py for this weight
+
+
+def encode_gguf(type_name: str, src, dtype: str, rows: int, cols: int) -> EncodedBlocks:
+    """`rows` rows of `cols` values (row-major `dtype` bytes in `src`) as GGUF `type_name`
+    blocks, byte for byte what gguf.quants.quantize makes of them widened to float32.
+
+    Checked here before anything is allocated (the kernel checks again), so a bad size is a
+    ValueError and never a huge allocation."""
+    type_size = _gguf_encoders().get(type_name)
+    if type_size is None:
+        raise ValueError(f"no native GGUF encoder for {type_name!r} (known: {' '.join(sorted(_gguf_encoders()))})")
+    if dtype not in DTYPE_CODES:
+        raise ValueError(f"encode_gguf: dtype {dtype!r} is not one of {' '.join(DTYPE_CODES)}")
+    if rows < 0 or cols < 0 or cols % 32:
+        raise ValueError(f"encode_gguf: {rows} rows of {cols} values; cols must be a multiple of 32")
+    need = rows * cols * (storage_dtype(dtype).bits // 8)
+    have = memoryview(src).nbytes
+    if have < need:
+        raise ValueError(f"encode_gguf src holds {have} bytes, needs {need}")
+    data = allocate(rows * (cols // 32) * type_size)
+    parts = _run(_kernels.encode_gguf, _split(rows), type_name, src, DTYPE_CODES[dtype], cols, data)
+    if not all(part[4] for part in parts):
+        return EncodedBlocks(data, None)
+    xx, xe, ee = (sum(part[i] for part in parts) for i in range(3))
+    # a scale past float16's range decodes to inf, and inf * 0 to NaN: NaN wins whatever the split
+    max_abs = math.nan if any(math.isnan(part[3]) for part in parts) else max(part[3] for part in parts)
+    errors = ErrorStats(signal=xx, noise=ee, recon=xx - 2 * xe + ee, dot=xx - xe, max_abs=max_abs, count=rows * cols)
+    return EncodedBlocks(data, errors)
+
+
+_gguf_encoder_sizes: dict[str, int] | None = None
+
+
+def _gguf_encoders() -> dict[str, int]:
+    """{type name: bytes per block of 32 values}, from the kernel's own table."""
+    global _gguf_encoder_sizes
+    if _gguf_encoder_sizes is None:
+        _gguf_encoder_sizes = _kernels.gguf_encoders() if _kernels is not None else {}
+    return _gguf_encoder_sizes
+
+
+def gguf_encode_types() -> frozenset[str]:
+    """The GGML types `encode_gguf` encodes."""
+    return frozenset(_gguf_encoders())

@@ -181,12 +181,21 @@ static QT_HOT void narrow_row(const float *x, void *out, int dt, Py_ssize_t at, 
     else qt_narrow(x, out, QT_F32, at, n);
 }
 
+/* bytes of `rows` rows of `cols` b-bit codes, or -1 when that overflows */
+static Py_ssize_t packed_bytes(Py_ssize_t rows, Py_ssize_t cols, int bits) {
+    const Py_ssize_t bit_count = qt_mul(qt_mul(rows, cols), bits);
+    return bit_count < 0 ? -1 : bit_count / 8;
+}
+
+/* int32 words holding `rows` b-bit fields each (32 / b to a word), without overflowing */
+static Py_ssize_t words_for(Py_ssize_t rows, int per) { return rows / per + (rows % per != 0); }
+
 static int check_layout(Py_ssize_t cols, Py_ssize_t group, int bits, Py_ssize_t row0, Py_ssize_t row1) {
     if (bits != 2 && bits != 4 && bits != 8) {
         PyErr_Format(PyExc_ValueError, "native int codes are 2, 4 or 8 bits, not %d", bits);
         return 0;
     }
-    if (cols <= 0 || group <= 0 || cols % group || (cols * bits) % 32 || row0 < 0 || row1 < row0) {
+    if (cols <= 0 || group <= 0 || cols % group || qt_mul(cols, bits) < 0 || qt_mul(cols, bits) % 32 || row0 < 0 || row1 < row0) {
         PyErr_Format(PyExc_ValueError, "bad layout: cols %zd, group %zd, bits %d, rows [%zd, %zd)", cols, group, bits, row0, row1);
         return 0;
     }
@@ -223,9 +232,10 @@ PyObject *qt_py_encode_int(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     Py_ssize_t groups = group > 0 ? cols / group : 0;
     if (!qt_check_dtype(dt, "encode_int") || !check_layout(cols, group, bits, row0, row1) ||
-        !qt_check_size(&src, row1 * cols * qt_itemsize(dt), "src") || !qt_check_size(&packed, row1 * cols * bits / 8, "packed") ||
-        !qt_check_size(&scale, row1 * groups * qt_itemsize(dt), "scale") ||
-        !optional_buffer(zp_object, &zp, 1, row1 * groups, "zero_point"))
+        !qt_check_size(&src, qt_mul(qt_mul(row1, cols), qt_itemsize(dt)), "src") ||
+        !qt_check_size(&packed, packed_bytes(row1, cols, bits), "packed") ||
+        !qt_check_size(&scale, qt_mul(qt_mul(row1, groups), qt_itemsize(dt)), "scale") ||
+        !optional_buffer(zp_object, &zp, 1, qt_mul(row1, groups), "zero_point"))
         goto done;
     float *x = malloc((size_t)cols * sizeof(float));
     float *decoded = malloc((size_t)cols * sizeof(float));
@@ -297,12 +307,12 @@ PyObject *qt_py_pack_zero_points(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*nniw*", &zp, &rows, &groups, &bits, &out)) return NULL;
     PyObject *result = NULL;
     const int per = bits > 0 ? 32 / bits : 0;
-    const Py_ssize_t words = per ? (rows + per - 1) / per : 0;
+    const Py_ssize_t words = per && rows >= 0 ? words_for(rows, per) : 0;
     if ((bits != 2 && bits != 4 && bits != 8) || rows < 0 || groups < 0) {
         PyErr_Format(PyExc_ValueError, "pack_zero_points: bad layout (rows %zd, groups %zd, bits %d)", rows, groups, bits);
         goto done;
     }
-    if (!qt_check_size(&zp, rows * groups, "zero_point") || !qt_check_size(&out, words * groups * 4, "out")) goto done;
+    if (!qt_check_size(&zp, qt_mul(rows, groups), "zero_point") || !qt_check_size(&out, qt_mul(qt_mul(words, groups), 4), "out")) goto done;
     {
         const int8_t *z = (const int8_t *)zp.buf;
         uint32_t *o = (uint32_t *)out.buf;
@@ -333,10 +343,10 @@ PyObject *qt_py_decode_int(PyObject *self, PyObject *args) {
     Py_ssize_t groups = group > 0 ? cols / group : 0;
     const int per = (bits == 2 || bits == 4 || bits == 8) ? 32 / bits : 1;
     if (!qt_check_dtype(scale_dt, "scale") || !qt_check_dtype(logical_dt, "logical") || !qt_check_dtype(out_dt, "out") ||
-        !check_layout(cols, group, bits, row0, row1) || !qt_check_size(&packed, row1 * cols * bits / 8, "packed") ||
-        !qt_check_size(&scale, row1 * groups * qt_itemsize(scale_dt), "scale") ||
-        !qt_check_size(&out, row1 * cols * qt_itemsize(out_dt), "out") ||
-        !optional_buffer(zp_object, &zp, 0, ((rows + per - 1) / per) * groups * 4, "zero_point"))
+        !check_layout(cols, group, bits, row0, row1) || !qt_check_size(&packed, packed_bytes(row1, cols, bits), "packed") ||
+        !qt_check_size(&scale, qt_mul(qt_mul(row1, groups), qt_itemsize(scale_dt)), "scale") ||
+        !qt_check_size(&out, qt_mul(qt_mul(row1, cols), qt_itemsize(out_dt)), "out") ||
+        !optional_buffer(zp_object, &zp, 0, rows < 0 ? -1 : qt_mul(qt_mul(words_for(rows, per), groups), 4), "zero_point"))
         goto done;
     if (row1 > rows) {
         PyErr_Format(PyExc_ValueError, "rows [%zd, %zd) past the weight's %zd", row0, row1, rows);

@@ -15,7 +15,11 @@ QT_HOT void qt_widen(const void *src, int dt, float *dst, Py_ssize_t n) {
 }
 
 int qt_check_size(const Py_buffer *buffer, Py_ssize_t need, const char *what) {
-    if (need < 0 || buffer->len < need) {
+    if (need < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: the size asked for overflows", what);
+        return 0;
+    }
+    if (buffer->len < need) {
         PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, needs %zd", what, buffer->len, need);
         return 0;
     }
@@ -38,6 +42,9 @@ static PyMethodDef methods[] = {
      "decode_int(packed, scale, scale_dtype, zero_point|None, logical_dtype, out, out_dtype, cols, group, bits, rows, row0, row1)"},
     {"decode_gguf", qt_py_decode_gguf, METH_VARARGS,
      "decode_gguf(type_name, src, out, out_dtype, block0, block1)"},
+    {"encode_gguf", qt_py_encode_gguf, METH_VARARGS,
+     "encode_gguf(type_name, src, dtype, cols, out, row0, row1) -> (xx, xe, ee, max_abs_err, finite)"},
+    {"gguf_encoders", qt_py_gguf_encoders, METH_NOARGS, "gguf_encoders() -> {type name: bytes per block of 32 values}"},
     {NULL, NULL, 0, NULL},
 };
 

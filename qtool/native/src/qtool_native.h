@@ -105,13 +105,24 @@ static inline __attribute__((always_inline)) void qt_narrow(const float *src, vo
     }
 }
 
-/* Python entry points, one file each: affine.c, gguf.c */
+/* Python entry points, one file each: affine.c, gguf.c, gguf_encode.c */
 PyObject *qt_py_encode_int(PyObject *self, PyObject *args);
 PyObject *qt_py_pack_zero_points(PyObject *self, PyObject *args);
 PyObject *qt_py_decode_int(PyObject *self, PyObject *args);
 PyObject *qt_py_decode_gguf(PyObject *self, PyObject *args);
+PyObject *qt_py_encode_gguf(PyObject *self, PyObject *args);
+PyObject *qt_py_gguf_encoders(PyObject *self, PyObject *args);
 
-/* Checks a buffer holds at least `need` bytes; sets ValueError naming `what` if not. */
+/* a * b, or -1 when either is negative or the product overflows: sizes from callers are never
+ * trusted, and qt_check_size refuses -1 */
+static inline Py_ssize_t qt_mul(Py_ssize_t a, Py_ssize_t b) {
+    Py_ssize_t product;
+    if (a < 0 || b < 0 || __builtin_mul_overflow(a, b, &product)) return -1;
+    return product;
+}
+
+/* Checks a buffer holds at least `need` bytes; sets ValueError naming `what` if not, or if
+ * `need` is negative (a size that overflowed). */
 int qt_check_size(const Py_buffer *buffer, Py_ssize_t need, const char *what);
 int qt_check_dtype(int dt, const char *what);
 

@@ -1,0 +1,383 @@
+/* GGUF block encoders, fused: encode_gguf(type_name, src, dtype, cols, out, row0, row1)
+ *   -> (xx, xe, ee, max_abs_err, finite)
+ *
+ * Each encoder is gguf-py's numpy quantizer (gguf/quants.py of gguf 0.19, `quantize_blocks`,
+ * itself a port of ggml-quants.c's quantize_row_*_ref) redone on blocks of 32 values: the
+ * bytes are `gguf.quants.quantize(values.astype(float32), type)`'s. In the same pass each block
+ * is decoded as `gguf.quants.dequantize` decodes it and the error sums of
+ * qtool.metrics.ErrorStats are taken in float64.
+ *
+ * gguf-py works on float32 arrays, and numpy 2 keeps every step in float32 (a Python scalar
+ * is weak under NEP 50, and np.where(d == 0, 0, 1 / d) stays float32 too), so each step below
+ * is one float32 operation, rounded, in gguf-py's order. With id = 1 / d, or 0 where d == 0,
+ * and d, m stored as float16 (numpy's astype: nearest even, subnormals kept, overflow to inf),
+ * the decoded x^ taken from the stored halves:
+ *
+ *   Q8_0  d = max|x| / 127          q = round_away(x * id)                        x^ = q * d
+ *   Q4_0  d = xm / -8               q = min(15, u8(trunc(x * id + 8.5)))          x^ = d * (q - 8)
+ *   Q5_0  d = xm / -16              q = min(31, u8(trunc(x * id + 16.5)))         x^ = d * (q - 16)
+ *   Q4_1  d = (max - min) / 15      q = min(15, u8(trunc((x - min) * id + 0.5)))  x^ = d * q + min
+ *   Q5_1  d = (max - min) / 31      q = min(31, u8(trunc((x - min) * id + 0.5)))  x^ = d * q + min
+ *
+ * xm is the first value of largest |x| (numpy's argmax), so xm is signed and an all-zero
+ * block stores d = -0. round_away is gguf-py's np_roundf, half away from zero. Where gguf-py's
+ * bytes are not a function of the values alone we pick:
+ *
+ * - u8() and Q8_0's int8 are numpy's float -> integer casts on x86: truncation through int32,
+ *   NaN, +-inf and |v| >= 2^31 giving INT32_MIN, then the low byte. Non-finite codes happen
+ *   only where 1 / d overflows (d under 2^-128: a block whose largest |x| is under ~2^-121);
+ *   gguf-py on x86 then stores code 0 there, an ARM numpy (which saturates) may not.
+ * - Q4_1/Q5_1's min or max is a zero with both +0 and -0 in the block: numpy's SIMD reduction
+ *   order picks the sign, which differs between machines. We take the first, as ggml's C
+ *   reference does. Only the sign bit of a zero d or m can differ; the decoded values cannot.
+ */
+#include "qtool_native.h"
+
+#include <stdlib.h>
+
+#define QT_INLINE static inline __attribute__((always_inline))
+#define LANES 8 /* independent float64 partial sums */
+
+/* |v| < 2^31 (not NaN nor inf) as a mask. Integer compares keep the block loops branch-free:
+ * under the default -ftrapping-math GCC will not if-convert a float compare feeding a select,
+ * and leaves the loop scalar. */
+QT_INLINE uint32_t int32_range(float v) { return (qt_bits(v) & 0x7FFFFFFFu) < 0x4F000000u ? 0xFFFFFFFFu : 0u; }
+
+/* numpy's float32 -> int cast on x86 (cvttss2si): truncation, INT32_MIN for NaN and out of range */
+QT_INLINE int32_t x86_int32(float v) {
+    const uint32_t ok = int32_range(v);
+    const int32_t i = (int32_t)qt_float(qt_bits(v) & ok);
+    return ok ? i : INT32_MIN;
+}
+
+/* .astype(np.uint8).clip(0, top) of np.trunc(v): the cast truncates anyway, its low byte is
+ * the uint8, so only the top needs a clip */
+QT_INLINE uint8_t code_u8(float v, uint8_t top) {
+    const uint8_t u = (uint8_t)(uint32_t)x86_int32(v);
+    return u > top ? top : u;
+}
+
+/* x86_int32(np_roundf(v)): gguf-py's round half away from zero, floor(a) + floor(2 * (a -
+ * floor(a))) with a = |v|, signed. a - floor(a) is exact and so is doubling it, so the second
+ * floor is (a - floor(a) >= 0.5), compared as bits (both >= 0). |v| >= 2^31, inf and NaN
+ * (np_roundf makes NaN of inf) cast to INT32_MIN. */
+QT_INLINE int32_t round_away_int(float v) {
+    const uint32_t ok = int32_range(v);
+    const float a = qt_float(qt_bits(v) & 0x7FFFFFFFu & ok);
+    const int32_t f = (int32_t)a;
+    const uint32_t b = (uint32_t)f + (qt_bits(a - (float)f) >= 0x3F000000u);
+    const uint32_t negative = (uint32_t)((int32_t)qt_bits(v) >> 31);
+    return (int32_t)((((b ^ negative) - negative) & ok) | (0x80000000u & ~ok));
+}
+
+/* max |x| as float bits (x finite: the integer order is |x|'s order), a vectorizable reduction */
+QT_INLINE uint32_t abs_max_bits(const float *x) {
+    uint32_t m = 0;
+    for (int j = 0; j < 32; j++) {
+        const uint32_t a = qt_bits(x[j]) & 0x7FFFFFFFu;
+        m = a > m ? a : m;
+    }
+    return m;
+}
+
+/* the first value of largest |x|: abs(blocks).argmax() then take_along_axis */
+QT_INLINE float first_abs_max(const float *x) {
+    const uint32_t m = abs_max_bits(x);
+    int at = 31;
+    for (int j = 0; j < 32; j++) {
+        const int candidate = (qt_bits(x[j]) & 0x7FFFFFFFu) == m ? j : 31;
+        at = candidate < at ? candidate : at;
+    }
+    return x[at];
+}
+
+/* a float's bits as an int32 that orders as the float does, -0 just below +0 (self-inverse) */
+QT_INLINE int32_t order_key(uint32_t bits) { return (int32_t)(bits ^ ((uint32_t)((int32_t)bits >> 31) & 0x7FFFFFFFu)); }
+
+/* min and max, the first of equal values kept, as ggml's loop keeps it: only +0 and -0 tell the
+ * difference, so the integer reductions run free and a zero result is the block's first zero */
+QT_INLINE void first_min_max(const float *x, float *lo, float *hi) {
+    int32_t kmin = INT32_MAX, kmax = INT32_MIN;
+    for (int j = 0; j < 32; j++) {
+        const int32_t k = order_key(qt_bits(x[j]));
+        kmin = k < kmin ? k : kmin;
+        kmax = k > kmax ? k : kmax;
+    }
+    float mn = qt_float((uint32_t)order_key((uint32_t)kmin)), mx = qt_float((uint32_t)order_key((uint32_t)kmax));
+    if (mn == 0.0f || mx == 0.0f) {
+        int j = 0;
+        while (x[j] != 0.0f) j++; /* a zero is there: min <= 0 <= max */
+        mn = mn == 0.0f ? x[j] : mn;
+        mx = mx == 0.0f ? x[j] : mx;
+    }
+    *lo = mn, *hi = mx;
+}
+
+/* 16 bytes: code j in the low nibble, code j + 16 in the high one (its fifth bit dropped), as
+ * eight-byte words: a shifted word carries each byte's top nibble into the next byte's bottom,
+ * which the mask clears */
+QT_INLINE void pack_nibbles(const uint8_t *q, uint8_t *y) {
+    for (int w = 0; w < 2; w++) {
+        uint64_t lo, hi;
+        memcpy(&lo, q + 8 * w, 8);
+        memcpy(&hi, q + 16 + 8 * w, 8);
+        const uint64_t packed = (lo & 0x0F0F0F0F0F0F0F0Full) | ((hi << 4) & 0xF0F0F0F0F0F0F0F0ull);
+        memcpy(y + 8 * w, &packed, 8);
+    }
+}
+
+/* the 5-bit codes' fifth bits, code j at bit j of a little-endian u32, then their low nibbles */
+QT_INLINE void pack5(const uint8_t *q, uint8_t *y) {
+    uint32_t qh = 0;
+    for (int j = 0; j < 32; j++) qh |= (uint32_t)(q[j] >> 4) << j;
+    memcpy(y, &qh, 4);
+    pack_nibbles(q, y + 4);
+}
+
+/* -- scales, CHUNK blocks at a time ------------------------------------------------------------ */
+
+/* Blocks whose scales are worked out together, in one loop apart from the codes: the
+ * divisions and float16 conversions of many blocks then overlap, instead of each heading its
+ * block's chain of dependent steps (1.3 ns -> 1.0 ns a value, Q4_0, one core). */
+enum { CHUNK = 64 };
+
+typedef struct {
+    float id[CHUNK]; /* 1 / d, or 0 where d == 0 */
+    float d[CHUNK];  /* d as stored: its float16, widened */
+    uint16_t d_half[CHUNK];
+    float m[CHUNK]; /* Q4_1/Q5_1: min as stored */
+    uint16_t m_half[CHUNK];
+} Scales;
+
+/* d = top / divisor for n blocks, its inverse (the zero test and its selects on bits) and its
+ * float16, kept and widened */
+QT_INLINE void chunk_scales(const float *top, float divisor, int n, Scales *s) {
+    for (int k = 0; k < n; k++) {
+        const float d = top[k] / divisor;
+        const uint32_t zero = (qt_bits(d) & 0x7FFFFFFFu) == 0 ? 0xFFFFFFFFu : 0u;
+        const float inverse = 1.0f / qt_float(qt_bits(d) | (zero & 0x3F800000u)); /* 1 / +-1 where d is 0 */
+        s->id[k] = qt_float(qt_bits(inverse) & ~zero);
+        s->d_half[k] = qt_f32_to_f16(d);
+        s->d[k] = qt_f16_to_f32(s->d_half[k]);
+    }
+}
+
+QT_INLINE void chunk_mins(const float *mn, int n, Scales *s) {
+    for (int k = 0; k < n; k++) {
+        s->m_half[k] = qt_f32_to_f16(mn[k]);
+        s->m[k] = qt_f16_to_f32(s->m_half[k]);
+    }
+}
+
+/* -- one block's codes into y (past its halves), its decoded values into r ---------------------- */
+
+/* Q8_0: [d f16][32 x i8] */
+QT_INLINE void q8_0_codes(const float *restrict x, float id, float d, uint8_t *restrict y, float *restrict r) {
+    int8_t q[32];
+    for (int j = 0; j < 32; j++) q[j] = (int8_t)(uint8_t)(uint32_t)round_away_int(x[j] * id);
+    memcpy(y, q, 32);
+    for (int j = 0; j < 32; j++) r[j] = (float)q[j] * d;
+}
+
+/* Q4_0: [d f16][16 B: value j low nibble, j + 16 high] */
+QT_INLINE void q4_0_codes(const float *restrict x, float id, float d, uint8_t *restrict y, float *restrict r) {
+    uint8_t q[32];
+    for (int j = 0; j < 32; j++) q[j] = code_u8(x[j] * id + 8.5f, 15);
+    pack_nibbles(q, y);
+    for (int j = 0; j < 32; j++) r[j] = d * (float)((int)q[j] - 8);
+}
+
+/* Q5_0: [d f16][qh u32][16 B low nibbles] */
+QT_INLINE void q5_0_codes(const float *restrict x, float id, float d, uint8_t *restrict y, float *restrict r) {
+    uint8_t q[32];
+    for (int j = 0; j < 32; j++) q[j] = code_u8(x[j] * id + 16.5f, 31);
+    pack5(q, y);
+    for (int j = 0; j < 32; j++) r[j] = d * (float)((int)q[j] - 16);
+}
+
+/* Q4_1: [d f16][m f16][16 B as Q4_0] */
+QT_INLINE void q4_1_codes(const float *restrict x, float mn, float id, float d, float m, uint8_t *restrict y, float *restrict r) {
+    uint8_t q[32];
+    for (int j = 0; j < 32; j++) q[j] = code_u8((x[j] - mn) * id + 0.5f, 15);
+    pack_nibbles(q, y);
+    for (int j = 0; j < 32; j++) r[j] = d * (float)q[j] + m;
+}
+
+/* Q5_1: [d f16][m f16][qh u32][16 B low nibbles] */
+QT_INLINE void q5_1_codes(const float *restrict x, float mn, float id, float d, float m, uint8_t *restrict y, float *restrict r) {
+    uint8_t q[32];
+    for (int j = 0; j < 32; j++) q[j] = code_u8((x[j] - mn) * id + 0.5f, 31);
+    pack5(q, y);
+    for (int j = 0; j < 32; j++) r[j] = d * (float)q[j] + m;
+}
+
+/* -- rows: blocks' bytes into out, decoded values into rec --------------------------------------- */
+
+QT_INLINE float abs_max(const float *x) { return qt_float(abs_max_bits(x)); }
+
+/* Q8_0, Q4_0, Q5_0: d = TOP(block) / DIVISOR */
+#define QT_SYMMETRIC_ROW(NAME, TS, TOP, DIVISOR)                                                  \
+    static QT_HOT void NAME##_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec) {  \
+        Scales s;                                                                                 \
+        float top[CHUNK];                                                                         \
+        for (Py_ssize_t b0 = 0; b0 < blocks; b0 += CHUNK) {                                       \
+            const int n = blocks - b0 < CHUNK ? (int)(blocks - b0) : CHUNK;                       \
+            for (int k = 0; k < n; k++) top[k] = TOP(x + 32 * (b0 + k));                          \
+            chunk_scales(top, DIVISOR, n, &s);                                                    \
+            for (int k = 0; k < n; k++) {                                                         \
+                uint8_t *y = out + (TS) * (b0 + k);                                               \
+                memcpy(y, &s.d_half[k], 2);                                                       \
+                NAME##_codes(x + 32 * (b0 + k), s.id[k], s.d[k], y + 2, rec + 32 * (b0 + k));     \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+/* Q4_1, Q5_1: d = (max - min) / DIVISOR, min stored beside it */
+#define QT_AFFINE_ROW(NAME, TS, DIVISOR)                                                          \
+    static QT_HOT void NAME##_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec) {  \
+        Scales s;                                                                                 \
+        float range[CHUNK], mn[CHUNK];                                                            \
+        for (Py_ssize_t b0 = 0; b0 < blocks; b0 += CHUNK) {                                       \
+            const int n = blocks - b0 < CHUNK ? (int)(blocks - b0) : CHUNK;                       \
+            for (int k = 0; k < n; k++) {                                                         \
+                float mx;                                                                         \
+                first_min_max(x + 32 * (b0 + k), &mn[k], &mx);                                    \
+                range[k] = mx - mn[k];                                                            \
+            }                                                                                     \
+            chunk_scales(range, DIVISOR, n, &s);                                                  \
+            chunk_mins(mn, n, &s);                                                                \
+            for (int k = 0; k < n; k++) {                                                         \
+                uint8_t *y = out + (TS) * (b0 + k);                                               \
+                memcpy(y, &s.d_half[k], 2);                                                       \
+                memcpy(y + 2, &s.m_half[k], 2);                                                   \
+                NAME##_codes(x + 32 * (b0 + k), mn[k], s.id[k], s.d[k], s.m[k], y + 4, rec + 32 * (b0 + k)); \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+QT_SYMMETRIC_ROW(q8_0, 34, abs_max, 127.0f)
+QT_SYMMETRIC_ROW(q4_0, 18, first_abs_max, -8.0f)
+QT_SYMMETRIC_ROW(q5_0, 22, first_abs_max, -16.0f)
+QT_AFFINE_ROW(q4_1, 20, 15.0f)
+QT_AFFINE_ROW(q5_1, 24, 31.0f)
+
+typedef void (*qt_encode_row)(const float *, Py_ssize_t, uint8_t *, float *);
+
+static const struct {
+    const char *name;
+    Py_ssize_t type_size; /* bytes per block of 32 values */
+    qt_encode_row row;
+} qt_encoders[] = {
+    {"Q8_0", 34, q8_0_row}, {"Q4_0", 18, q4_0_row}, {"Q4_1", 20, q4_1_row}, {"Q5_0", 22, q5_0_row}, {"Q5_1", 24, q5_1_row},
+};
+#define QT_ENCODERS ((int)(sizeof qt_encoders / sizeof qt_encoders[0]))
+
+typedef struct {
+    double xx, xe, ee;
+    uint64_t max_err_bits; /* |x - x^| as float64 bits: the integer order is the float order, NaN above inf */
+} Sums;
+
+static QT_HOT int row_is_finite(const float *x, Py_ssize_t n) {
+    uint32_t m = 0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        const uint32_t u = qt_bits(x[j]) & 0x7FFFFFFFu;
+        m = u > m ? u : m;
+    }
+    return m < 0x7F800000u;
+}
+
+/* x.x, x.e, e.e and max |e| with e = x - x^, each term in float64 as numpy's float64 would */
+static QT_HOT void add_errors(const float *x, const float *rec, Py_ssize_t n, Sums *sums) {
+    double xx[LANES] = {0}, xe[LANES] = {0}, ee[LANES] = {0};
+    uint64_t me[LANES] = {0};
+    for (Py_ssize_t j = 0; j < n; j += LANES) /* n is a multiple of 32 */
+        for (int k = 0; k < LANES; k++) {
+            const double xv = (double)x[j + k], e = xv - (double)rec[j + k];
+            uint64_t eb;
+            memcpy(&eb, &e, 8);
+            eb &= 0x7FFFFFFFFFFFFFFFull;
+            xx[k] += xv * xv;
+            xe[k] += xv * e;
+            ee[k] += e * e;
+            me[k] = eb > me[k] ? eb : me[k];
+        }
+    for (int k = 0; k < LANES; k++) {
+        sums->xx += xx[k];
+        sums->xe += xe[k];
+        sums->ee += ee[k];
+        sums->max_err_bits = me[k] > sums->max_err_bits ? me[k] : sums->max_err_bits;
+    }
+}
+
+PyObject *qt_py_encode_gguf(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *type_name;
+    Py_buffer src, out;
+    int dt;
+    Py_ssize_t cols, row0, row1;
+    if (!PyArg_ParseTuple(args, "sy*inw*nn", &type_name, &src, &dt, &cols, &out, &row0, &row1)) return NULL;
+
+    PyObject *result = NULL;
+    int found = -1;
+    for (int i = 0; i < QT_ENCODERS; i++)
+        if (strcmp(type_name, qt_encoders[i].name) == 0) found = i;
+    if (found < 0) {
+        PyErr_Format(PyExc_ValueError, "no native encoder for GGUF %s", type_name);
+        goto done;
+    }
+    if (!qt_check_dtype(dt, "encode_gguf")) goto done;
+    if (cols < 0 || cols % 32 || row0 < 0 || row1 < row0) {
+        PyErr_Format(PyExc_ValueError, "encode_gguf: bad layout: cols %zd (a multiple of 32), rows [%zd, %zd)", cols, row0, row1);
+        goto done;
+    }
+    const Py_ssize_t ts = qt_encoders[found].type_size, item = qt_itemsize(dt), blocks = cols / 32;
+    if (!qt_check_size(&src, qt_mul(qt_mul(row1, cols), item), "encode_gguf src") ||
+        !qt_check_size(&out, qt_mul(qt_mul(row1, blocks), ts), "encode_gguf out"))
+        goto done;
+    Sums sums = {0, 0, 0, 0};
+    int finite = 1;
+    if (row1 > row0 && cols > 0) { /* cols * item <= src.len now, so the row buffers are bounded */
+        float *x = malloc((size_t)cols * sizeof(float)), *rec = malloc((size_t)cols * sizeof(float));
+        if (!x || !rec) {
+            free(x);
+            free(rec);
+            PyErr_NoMemory();
+            goto done;
+        }
+        const qt_encode_row row = qt_encoders[found].row;
+        const char *in = (const char *)src.buf;
+        uint8_t *o = (uint8_t *)out.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t r = row0; r < row1; r++) {
+            qt_widen(in + r * cols * item, dt, x, cols);
+            if (!row_is_finite(x, cols)) { /* the caller encodes this weight with gguf-py */
+                finite = 0;
+                break;
+            }
+            row(x, blocks, o + r * blocks * ts, rec);
+            add_errors(x, rec, cols, &sums);
+        }
+        Py_END_ALLOW_THREADS
+        free(x);
+        free(rec);
+    }
+    double max_err;
+    memcpy(&max_err, &sums.max_err_bits, 8);
+    result = Py_BuildValue("ddddO", sums.xx, sums.xe, sums.ee, max_err, finite ? Py_True : Py_False);
+done:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+/* gguf_encoders() -> {type name: bytes per block of 32 values}, the table above */
+PyObject *qt_py_gguf_encoders(PyObject *self, PyObject *args) {
+    (void)self, (void)args;
+    PyObject *table = PyDict_New();
+    for (int i = 0; table && i < QT_ENCODERS; i++) {
+        PyObject *size = PyLong_FromSsize_t(qt_encoders[i].type_size);
+        if (!size || PyDict_SetItemString(table, qt_encoders[i].name, size) < 0) Py_CLEAR(table);
+        Py_XDECREF(size);
+    }
+    return table;
+}
