@@ -72,3 +72,26 @@ def test_dry_run_plans_are_the_bytes_written(tmp_path):
         files = [target] if target.is_file() else [p for p in target.iterdir() if p.suffix in (".safetensors", ".gguf")]
         written = sum(p.stat().st_size for p in files)
         assert planned <= written <= planned + 64 * 1024 * math.ceil(len(files)), (name, planned, written)  # headers on top
+
+
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4"])
+@pytest.mark.parametrize("dtype", ["BF16", "F16", "F32"])
+def test_gguf_native_kernels_write_gguf_pys_bytes(tmp_path, monkeypatch, make_safetensors, scheme, dtype):
+    """The GGUF layout's two backends (qtool.native, gguf-py's numpy quantize) write the same file."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(7)
+    values = {f"m.{i}.weight": (rng.standard_t(3, (64, 256)) * 0.02).astype(np.float32) for i in range(3)}
+    values["m.0.weight"][3, :32] = 0.0  # an all-zero block
+    values["m.1.weight"][5, 32:64] = 1e-30  # subnormal scales
+    source = tmp_path / "model.safetensors"
+    if dtype == "BF16":
+        bf16 = {k: (v.view(np.uint32) >> 16).astype(np.uint16) for k, v in values.items()}
+        make_safetensors({k: ("BF16", list(v.shape)) for k, v in bf16.items()}, data={k: v.tobytes() for k, v in bf16.items()})
+    else:
+        save_file({k: v.astype(np.float16 if dtype == "F16" else np.float32) for k, v in values.items()}, str(source))
+    qtool.quantize(source, tmp_path / "native.gguf", scheme)
+    monkeypatch.setenv("QTOOL_NATIVE", "0")
+    qtool.quantize(source, tmp_path / "numpy.gguf", scheme)
+    assert (tmp_path / "native.gguf").read_bytes() == (tmp_path / "numpy.gguf").read_bytes()

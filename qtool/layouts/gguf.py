@@ -186,7 +186,7 @@ class GgufEncoder:
     def __init__(self, job: Job, measure: bool, native_ok: bool) -> None:
         self.job, self.measure = job, measure
         self.gtype = ggml_type_named(job.outputs[0].dtype)
-        self.native = native_ok and native.available() and self.gtype.name in getattr(native, "gguf_encode_types", frozenset)()
+        self.native = native_ok and native.available() and self.gtype.name in native.gguf_encode_types()
         self.wants = "tensor" if job.weight.quantized else "bytes"
         self.errors: ErrorStats | None = ErrorStats() if measure else None
 
