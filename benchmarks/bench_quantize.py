@@ -385,7 +385,7 @@ for shard in shards:
     for name, t in load_file(os.path.join(src, shard)).items():
         module = name.rpartition(".")[0]
         if t.ndim == 2 and module.endswith("_proj"):
-            writer.add_tensor(name, gguf.quants.quantize(t.float().numpy(), Q4_0), raw_shape=list(t.shape), raw_dtype=Q4_0)
+            writer.add_tensor(name, gguf.quants.quantize(t.float().numpy(), Q4_0), raw_dtype=Q4_0)
         elif t.ndim == 1:
             writer.add_tensor(name, t.float().numpy())
         else:  # bf16 bytes as they are

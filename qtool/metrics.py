@@ -92,6 +92,40 @@ class ErrorStats:
         self.count += total
         return self
 
+    def update_numpy(self, original, reconstructed) -> "ErrorStats":
+        """`update` for numpy arrays on the CPU (the torch-free paths): the same float64 terms,
+        the same slices and sums, so the same digits."""
+        import numpy as np
+
+        same = reconstructed is original
+        x, y = np.ravel(original), np.ravel(reconstructed)
+        if same:  # a copy: no error, so only sum x^2, slice by slice as below
+            xx = 0.0
+            for start in range(0, x.size, _CPU_SLICE):
+                xs = x[start : start + _CPU_SLICE].astype(np.float64)
+                xx += float(np.einsum("i,i->", xs, xs))
+            part = ErrorStats.from_sums(xx, 0.0, 0.0, 0.0, x.size)
+            self.signal, self.dot, self.recon, self.count = self.signal + xx, self.dot + part.dot, self.recon + part.recon, self.count + x.size
+            return self
+        if x.size != y.size:
+            raise ValueError(f"ErrorStats.update_numpy: {x.size} original values against {y.size} reconstructed")
+        xx = xe = ee = 0.0
+        max_abs = self.max_abs
+        for start in range(0, x.size, _CPU_SLICE):
+            xs = x[start : start + _CPU_SLICE].astype(np.float64)
+            es = xs - y[start : start + _CPU_SLICE].astype(np.float64)
+            part_xx, part_xe, part_ee, high, low = _cpu_sums(xs, es)
+            xx, xe, ee = xx + part_xx, xe + part_xe, ee + part_ee
+            max_abs = max(max_abs, high, -low)
+        part = ErrorStats.from_sums(xx, xe, ee, max_abs, x.size)
+        self.signal += part.signal
+        self.noise += part.noise
+        self.dot += part.dot
+        self.recon += part.recon
+        self.max_abs = max_abs
+        self.count += x.size
+        return self
+
     def merge(self, other: "ErrorStats") -> "ErrorStats":
         return ErrorStats(
             self.signal + other.signal,
@@ -136,10 +170,11 @@ class ErrorStats:
 
 
 def _cpu_sums(xs, es) -> tuple[float, float, float, float, float]:
-    """sum x*x, x*e, e*e, max e, min e of two float64 CPU slices, on the calling thread."""
+    """sum x*x, x*e, e*e, max e, min e of two float64 CPU slices (torch or numpy), on the
+    calling thread."""
     import numpy as np
 
-    x, e = xs.numpy(), es.numpy()
+    x, e = np.asarray(xs), np.asarray(es)
     return (
         float(np.einsum("i,i->", x, x)),
         float(np.einsum("i,i->", x, e)),

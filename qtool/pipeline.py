@@ -253,19 +253,13 @@ class _Runner:
 
 def kept_error(original, written, source: str, target: str) -> ErrorStats:
     """The error of a float weight written unquantized (exact for a copy, a cast's rounding
-    otherwise), in numpy float64; nothing for dtypes numpy does not read."""
-    import numpy as np
-
+    otherwise), as `ErrorStats` measures everything; nothing for dtypes numpy does not read."""
     from qtool.numeric import NUMPY_FLOATS, to_float32
 
     if source not in NUMPY_FLOATS or target not in NUMPY_FLOATS:
         return ErrorStats()
-    x = to_float32(original, source).astype(np.float64)
-    xx = float(x @ x)
-    if original is written:
-        return ErrorStats.from_sums(xx, 0.0, 0.0, 0.0, x.size)
-    error = x - to_float32(written, target).astype(np.float64)
-    return ErrorStats.from_sums(xx, float(x @ error), float(error @ error), float(np.abs(error).max(initial=0.0)), x.size)
+    x = to_float32(original, source)
+    return ErrorStats().update_numpy(x, x if original is written else to_float32(written, target))
 
 
 def execute(plan: Plan, output: Output, options: ExecOptions = ExecOptions(), *, before_commit: Callable[[Result], None] | None = None) -> Result:
