@@ -14,8 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qtool import native
-from qtool.layouts.compressed_tensors import CompressedTensors
-from qtool.layouts.compressed_tensors import encode
+from qtool.layouts.compressed_tensors import CompressedTensors, encode
 from qtool.metrics import ErrorStats
 from qtool.scheme import parse_scheme
 
@@ -268,3 +267,30 @@ def test_files_written_by_compressed_tensors_dequantize_the_same_on_both_paths(t
         native, reference = (tmp_path / f"{fixture.name}-{k}.safetensors" for k in ("native", "torch"))
         assert native.read_bytes() == reference.read_bytes(), fixture.name
     assert {"W4A16", "W8A16", "W4A16_ASYM"} <= taken, taken
+
+
+def test_set_threads_never_shuts_the_pool_under_a_running_job():
+    """A library caller may change the thread count while another thread encodes."""
+    import threading
+
+    w = _weight(3, 64, 256, torch.bfloat16)  # small jobs split over the pool: many submissions
+    expected = bytes(_native_encode(w, "BF16", 4, 128).packed)
+    failures: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(800):
+                assert bytes(_native_encode(w, "BF16", 4, 128).packed) == expected
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    try:
+        while worker.is_alive():
+            for count in (2, 3, 4):
+                native.set_threads(count)
+    finally:
+        worker.join()
+        native.set_threads(None)
+    assert failures == []

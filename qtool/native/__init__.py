@@ -60,12 +60,15 @@ def threads() -> int:
 
 
 def set_threads(count: int | None) -> None:
-    """Threads for the kernels (default: every CPU). Each call is split into row ranges."""
+    """Threads for the kernels (default: every CPU). Each call is split into row ranges.
+
+    A job already running keeps the pool it took: the old pool is only told to finish what it
+    holds (`shutdown(wait=False)`), never shut under a caller, and the next job starts a new one."""
     global _threads, _pool
     with _lock:
         wanted = count or os.cpu_count() or 1
         if wanted != _threads and _pool is not None:
-            _pool.shutdown()
+            _pool.shutdown(wait=False)
             _pool = None
         _threads = wanted
 
@@ -85,11 +88,11 @@ def _run(function, ranges: list[tuple[int, int]], *args) -> list:
     global _pool
     if len(ranges) == 1:
         return [function(*args, *ranges[0])]
-    with _lock:
+    with _lock:  # submitted under the lock, so set_threads cannot retire the pool in between
         if _pool is None:
             _pool = ThreadPoolExecutor(_threads, thread_name_prefix="qtool-native")
-        pool = _pool
-    return [f.result() for f in [pool.submit(function, *args, begin, end) for begin, end in ranges]]
+        futures = [_pool.submit(function, *args, begin, end) for begin, end in ranges]
+    return [f.result() for f in futures]
 
 
 @dataclass
