@@ -16,16 +16,16 @@ Decoding is the reading convention's job: every layout round-trips through the r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
-from qtool.scheme import QScheme
+from qtool.scheme import QScheme, SchemeError
 from qtool.weight import Weight
 
 if TYPE_CHECKING:
     from qtool.formats.checkpoint import Checkpoint
     from qtool.metrics import ErrorStats
 
-__all__ = ["Planned", "Job", "Plan", "Piece", "WeightEncoder", "Layout", "PlanOptions", "QUANTIZE", "DEQUANTIZE", "COPY", "CAST"]
+__all__ = ["Planned", "Job", "Plan", "Piece", "WeightEncoder", "Layout", "PlanOptions", "refusal_of", "QUANTIZE", "DEQUANTIZE", "COPY", "CAST"]
 
 QUANTIZE, DEQUANTIZE, COPY, CAST = "quantize", "dequantize", "copy", "cast"
 
@@ -164,3 +164,12 @@ class Layout(Protocol):
 
     def encoder(self, job: Job, device: str, measure: bool) -> WeightEncoder: ...
 
+
+
+def refusal_of(attempt: Callable[[], object]) -> str | None:
+    """The message of the SchemeError `attempt` raises (why a layout refuses), or None."""
+    try:
+        attempt()
+    except SchemeError as exc:
+        return exc.message
+    return None

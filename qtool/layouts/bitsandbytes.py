@@ -12,8 +12,8 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from qtool.conventions.bitsandbytes import _DTYPES, _QUANT_TYPES, _STATE, BLOCKSIZES
-from qtool.layouts.base import Planned
-from qtool.layouts.safetensors import SafetensorsLayout, planned
+from qtool.layouts.base import refusal_of
+from qtool.layouts.safetensors import SafetensorsLayout
 from qtool.scheme import QScheme, SchemeError
 from qtool.weight import Weight
 
@@ -131,22 +131,13 @@ class Bitsandbytes(SafetensorsLayout):
     name = "bitsandbytes"
     description = "bitsandbytes 4-bit nf4/fp4 safetensors (transformers)"
 
+    encoded_layout = staticmethod(encoded_layout)
+    quantization_config = staticmethod(config_for)
+    encode_tensors = staticmethod(encode)
+
     def refusal(self, scheme: QScheme) -> str | None:
-        try:
-            _settings("weight", (1,), scheme)
-        except SchemeError as exc:
-            return exc.message
-        return None
+        return refusal_of(lambda: _settings("weight", (1,), scheme))
 
     def check(self, weight: Weight, scheme: QScheme) -> None:
         _settings(weight.name, tuple(weight.shape), scheme)
         _state_blob("nf4", 64, weight.dtype, tuple(weight.shape))
-
-    def tensors(self, weight: Weight, scheme: QScheme) -> list[Planned]:
-        return [planned(name, dtype, shape) for name, dtype, shape in encoded_layout(weight.name, weight.shape, weight.dtype, scheme)]
-
-    def quantization_config(self, schemes_by_module: dict[str, QScheme], ignore: list[str], dtype: str) -> dict[str, Any]:
-        return config_for(schemes_by_module, ignore, dtype)
-
-    def encode_tensors(self, name: str, tensor, scheme: QScheme) -> dict[str, Any]:
-        return encode(name, tensor, scheme)

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from qtool import native
 from qtool.dtypes import WEIGHT_FLOATS
-from qtool.layouts.base import Job, Planned
-from qtool.layouts.safetensors import CHUNK_ELEMENTS, SafetensorsLayout, planned
+from qtool.layouts.base import Job, refusal_of
+from qtool.layouts.safetensors import CHUNK_ELEMENTS, SafetensorsLayout
 from qtool.metrics import ErrorStats
 from qtool.scheme import QScheme, QType, SchemeError, qtype
 from qtool.weight import Weight
@@ -356,25 +356,16 @@ class CompressedTensors(SafetensorsLayout):
     description = "compressed-tensors safetensors (vLLM, transformers)"
     metadata_key = "quantization_config"
 
+    encoded_layout = staticmethod(encoded_layout)
+    quantization_config = staticmethod(config_for)
+    encode_tensors = staticmethod(encode)
+
     def refusal(self, scheme: QScheme) -> str | None:
-        try:
-            _target(scheme)
-        except SchemeError as exc:
-            return exc.message
-        return None
+        return refusal_of(lambda: _target(scheme))
 
     def check(self, weight: Weight, scheme: QScheme) -> None:
         _check_shape(weight.name, tuple(weight.shape), _target(scheme))
         _module_of(weight.name)
-
-    def tensors(self, weight: Weight, scheme: QScheme) -> list[Planned]:
-        return [planned(name, dtype, shape) for name, dtype, shape in encoded_layout(weight.name, weight.shape, weight.dtype, scheme)]
-
-    def quantization_config(self, schemes_by_module: dict[str, QScheme], ignore: list[str], dtype: str) -> dict[str, Any]:
-        return config_for(schemes_by_module, ignore, dtype)
-
-    def encode_tensors(self, name: str, tensor, scheme: QScheme) -> dict[str, Any]:
-        return encode(name, tensor, scheme)
 
     def whole_weight(self, encoded: dict[str, Any], shape: tuple[int, ...]) -> dict[str, Any]:
         import torch

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator
 from qtool import native
 from qtool.formats.checkpoint import Checkpoint
 from qtool.formats.gguf import GgmlType, ggml_type_named
-from qtool.layouts.base import CAST, COPY, DEQUANTIZE, QUANTIZE, Job, Piece, Plan, Planned, PlanOptions
+from qtool.layouts.base import CAST, COPY, DEQUANTIZE, QUANTIZE, Job, Piece, Plan, Planned, PlanOptions, refusal_of
 from qtool.metrics import ErrorStats
 from qtool.scheme import QScheme, SchemeError
 from qtool.weight import Weight
@@ -85,11 +85,7 @@ class Gguf:
     description = "one GGUF file (llama.cpp)"
 
     def refusal(self, scheme: QScheme) -> str | None:
-        try:
-            gguf_type_for(scheme)
-        except SchemeError as exc:
-            return exc.message
-        return None
+        return refusal_of(lambda: gguf_type_for(scheme))
 
     def check(self, weight: Weight, scheme: QScheme) -> None:
         if not weight.quantized and not weight.data.dtype.is_float:

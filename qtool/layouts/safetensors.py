@@ -69,14 +69,23 @@ class SafetensorsLayout:
     def check(self, weight: Weight, scheme: QScheme) -> None:
         pass
 
-    def tensors(self, weight: Weight, scheme: QScheme) -> list[Planned]:
+    @staticmethod
+    def encoded_layout(name: str, shape: tuple[int, ...], dtype: str, scheme: QScheme) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, safetensors dtype, shape) of every tensor written for a weight, from its shape."""
         raise NotImplementedError
 
-    def quantization_config(self, schemes_by_module: dict[str, QScheme], ignore: list[str], dtype: str) -> dict[str, Any] | None:
+    @staticmethod
+    def quantization_config(schemes_by_module: dict[str, QScheme], ignore: list[str], dtype: str) -> dict[str, Any] | None:
+        """The `quantization_config` recorded for these modules."""
         return None
 
-    def encode_tensors(self, name: str, tensor, scheme: QScheme) -> dict[str, Any]:
+    @staticmethod
+    def encode_tensors(name: str, tensor, scheme: QScheme) -> dict[str, Any]:
+        """The tensors of `encoded_layout` for these values, in torch."""
         raise NotImplementedError
+
+    def tensors(self, weight: Weight, scheme: QScheme) -> list[Planned]:
+        return [planned(name, dtype, shape) for name, dtype, shape in self.encoded_layout(weight.name, weight.shape, weight.dtype, scheme)]
 
     def whole_weight(self, encoded: dict[str, Any], shape: tuple[int, ...]) -> dict[str, Any]:
         """A chunk's tensors, with any that describe the whole weight corrected to its shape."""
