@@ -164,24 +164,20 @@ def _exit_code(exc: BaseException) -> int:
 # -- the entry point -------------------------------------------------------------------------------
 
 
-def _completion_requested(args: list[str]) -> bool:
-    """Typer's completion options cost ~1 ms; a run of a command needs them only when the shell
-    asks for completions, which it does through the environment with no arguments."""
-    value = os.environ.get(COMPLETE_ENV)
-    if value:
-        shell, _, instruction = value.partition("_")
-        if shell in _SHELLS and instruction in ("source", "complete"):  # click 8 spells it bash_source
-            os.environ[COMPLETE_ENV] = f"{instruction}_{shell}"
-        return True
-    return not (args and args[0] in COMMANDS)
+def _accept_click_completion_spelling() -> None:
+    """Typer asks for `source_bash` / `complete_bash`; click 8 documents `bash_source`."""
+    shell, _, instruction = os.environ.get(COMPLETE_ENV, "").partition("_")
+    if shell in _SHELLS and instruction in ("source", "complete"):
+        os.environ[COMPLETE_ENV] = f"{instruction}_{shell}"
 
 
 def _run(args: list[str]) -> int:
     from qtool.cli.root import build_app  # typer and the command: after the handlers are in place
 
-    only = args[0] if args and args[0] in COMMANDS else None
+    _accept_click_completion_spelling()
+    only = args[0] if args and args[0] in COMMANDS else None  # a completion request has no args: all
     try:
-        build_app(only, completion=_completion_requested(args))(args=args, prog_name=PROG)
+        build_app(only)(args=args, prog_name=PROG)
     except SystemExit as exc:
         return _exit_code(exc)
     return 0
@@ -211,7 +207,7 @@ def __getattr__(name: str) -> Any:
     if name == "app":
         from qtool.cli.root import build_app
 
-        globals()["app"] = build_app(None, completion=True)
+        globals()["app"] = build_app()
         return globals()["app"]
     if name in ("build_app", "_ErrorBoundary"):
         from qtool.cli import root
