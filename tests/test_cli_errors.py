@@ -150,3 +150,19 @@ def test_subprocess_interrupted_and_terminated(exc, code, line):
     result = crashing_qtool(exc)
     assert result.returncode == code
     assert result.stderr == f"error: {line}\n"
+
+
+def test_a_signal_aborts_the_writers_open_outputs(monkeypatch):
+    """The writer's registry of open outputs (`abort_all`, when it has one) is emptied before the
+    exit, a write-behind thread's outputs included; a failing abort is a warning, not a crash."""
+    import qtool.formats.writer
+
+    calls = []
+    monkeypatch.setattr(qtool.formats.writer, "abort_all", lambda: calls.append(1), raising=False)
+    monkeypatch.setattr(qtool.api, "inspect", _raise(Terminated()))
+    result = runner.invoke(app, ["inspect", str(TINY)])
+    assert (result.exit_code, result.stderr, calls) == (143, "error: terminated\n", [1])
+    monkeypatch.setattr(qtool.formats.writer, "abort_all", _raise(OSError(5, "Input/output error")), raising=False)
+    result = runner.invoke(app, ["inspect", str(TINY)])
+    assert result.exit_code == 143
+    assert result.stderr == "warning: cleaning up the outputs failed: OSError: [Errno 5] Input/output error\nerror: terminated\n"

@@ -153,19 +153,52 @@ def _big_model(folder: Path) -> Path:
     return folder
 
 
+def _staging(folder: Path) -> list[Path]:
+    return [p for p in folder.iterdir() if "qtool-tmp" in p.name]
+
+
+def _quantize_and_signal(tmp_path: Path, signum: int, ready) -> subprocess.CompletedProcess:
+    """Quantize ~200 MB and send `signum` as soon as `ready(staging folder)` holds."""
+    model = _big_model(tmp_path / "model")
+    process, _ = _start("quantize", str(model), "-o", str(tmp_path / "out"), "--scheme", "int8", "-q", "--threads", "1", cwd=tmp_path)
+    deadline = time.monotonic() + 60
+    while process.poll() is None and time.monotonic() < deadline:
+        staging = _staging(tmp_path)
+        if staging and ready(staging[0]):
+            process.send_signal(signum)
+            break
+        time.sleep(0.001)
+    stdout, stderr = process.communicate(timeout=120)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
 @posix_only
 @pytest.mark.parametrize(("signum", "code", "line"), SIGNALS, ids=["SIGINT", "SIGTERM"])
-def test_a_signal_during_quantize_leaves_no_output_and_no_temporary_files(tmp_path, signum, code, line):
-    model = _big_model(tmp_path / "model")
-    for attempt, delay in enumerate((0.5, 1.0, 2.0)):
-        out = tmp_path / f"out{attempt}"
-        result = _signal_at(delay, signum, "quantize", str(model), "-o", str(out), "--scheme", "int8", "-q", "--threads", "1", cwd=tmp_path)
-        assert "Traceback" not in result.stderr, result.stderr
-        leftovers = [p.name for p in tmp_path.iterdir() if "qtool-tmp" in p.name]
-        assert leftovers == []
-        if result.returncode == code:
-            assert result.stderr.endswith(line + "\n"), result.stderr
-            assert not out.exists()
-            return
-        assert result.returncode == 0, result.stderr  # it finished first
-    pytest.fail("quantize finished before every signal: make the model bigger")
+def test_a_signal_while_quantize_writes_removes_the_output(tmp_path, signum, code, line):
+    """Once a shard file exists the pipeline's `except BaseException` cleanup is in force."""
+
+    def writing(staging: Path) -> bool:
+        return any(staging.iterdir())
+
+    result = _quantize_and_signal(tmp_path, signum, writing)
+    assert "Traceback" not in result.stderr, result.stderr
+    assert (result.returncode, result.stderr) == (code, line + "\n"), "quantize finished before the signal: make the model bigger"
+    assert result.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no output, no staging folder
+
+
+@posix_only
+@pytest.mark.parametrize(("signum", "code", "line"), SIGNALS, ids=["SIGINT", "SIGTERM"])
+def test_a_signal_as_the_output_is_created_leaves_no_staging_folder(tmp_path, signum, code, line):
+    """The instant after the staging folder appears, before the pipeline's cleanup is in
+    force: only the writer's registry of open outputs (`writer.abort_all()`, which the CLI
+    calls on a signal) can remove it."""
+    result = _quantize_and_signal(tmp_path, signum, lambda staging: True)
+    assert "Traceback" not in result.stderr, result.stderr
+    assert (result.returncode, result.stderr) == (code, line + "\n")
+    assert not (tmp_path / "out").exists()
+    import qtool.formats.writer
+
+    if _staging(tmp_path) and not hasattr(qtool.formats.writer, "abort_all"):
+        pytest.xfail("the staging folder stays: qtool.formats.writer.abort_all() does not exist yet")
+    assert _staging(tmp_path) == []
