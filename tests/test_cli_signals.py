@@ -21,7 +21,7 @@ posix_only = pytest.mark.skipif(os.name != "posix", reason="POSIX signals")
 
 # What `import X` may load before `main()` installs the handlers: nothing that takes time.
 LIGHT = {"qtool", "qtool.errors", "qtool.cli"}
-HEAVY_ROOTS = {"typer", "click", "rich", "torch", "numpy", "safetensors", "gguf", "json", "dataclasses"}
+HEAVY_ROOTS = {"typer", "click", "rich", "torch", "numpy", "safetensors", "gguf", "json", "dataclasses", "typing"}
 
 
 def _environment() -> dict[str, str]:
