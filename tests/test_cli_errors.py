@@ -166,3 +166,17 @@ def test_a_signal_aborts_the_writers_open_outputs(monkeypatch):
     result = runner.invoke(app, ["inspect", str(TINY)])
     assert result.exit_code == 143
     assert result.stderr == "warning: cleaning up the outputs failed: OSError: [Errno 5] Input/output error\nerror: terminated\n"
+
+
+def test_an_error_after_a_signal_is_the_signals_doing_not_a_bug(monkeypatch):
+    """A library that swallows the KeyboardInterrupt mid-import fails on the next import (numpy:
+    'cannot load module more than once per process'): that is the interruption, not a bug."""
+    import signal
+
+    import qtool.cli
+
+    monkeypatch.setattr(qtool.cli._Signals, "raised", signal.SIGINT)
+    monkeypatch.setattr(qtool.cli._Signals, "reported", False)
+    monkeypatch.setattr(qtool.api, "inspect", _raise(ImportError("cannot load module more than once per process")))
+    result = runner.invoke(app, ["inspect", str(TINY)])
+    assert (result.exit_code, result.stderr) == (130, "error: interrupted\n")

@@ -139,7 +139,11 @@ def stopped(exc: BaseException | None = None) -> int:
 
 def report(exc: BaseException) -> int:
     """Print an exception that ends a run, as one `error:` line (and a hint for a QtoolError);
-    return the exit code."""
+    return the exit code. After a signal, any error is its consequence, not a bug: a library
+    that swallowed the KeyboardInterrupt half-way through an import fails on the next one
+    (numpy: "cannot load module more than once per process")."""
+    if _Signals.raised is not None:
+        return stopped()
     from qtool.cli.output import print_error
 
     if isinstance(exc, QtoolError):
