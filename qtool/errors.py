@@ -1,7 +1,8 @@
 """The errors qtool expects, each carrying the exit code the CLI turns it into.
 
-Exit codes are a contract with CI scripts (see README "Exit codes"):
-0 success, 1 a check or comparison found a violation, 2 bad usage or unreadable input.
+Exit codes are a contract with CI scripts (see README "Exit codes and errors"):
+0 success, 1 a check or comparison found a violation, 2 bad usage or unreadable input,
+70 a bug in qtool (never 1, which CI reads as a failed gate), 130 Ctrl-C, 143 SIGTERM.
 """
 
 from __future__ import annotations
@@ -10,19 +11,29 @@ __all__ = [
     "EXIT_OK",
     "EXIT_VIOLATION",
     "EXIT_USAGE",
+    "EXIT_SOFTWARE",
+    "EXIT_INTERRUPTED",
+    "EXIT_TERMINATED",
     "QtoolError",
     "UsageError",
     "CheckpointError",
     "NotQuantizedError",
     "ViolationError",
     "InternalError",
+    "Interrupted",
+    "Terminated",
+    "internal_error_line",
     "EXIT_SOFTWARE",
+    "EXIT_INTERRUPTED",
+    "EXIT_TERMINATED",
 ]
 
 EXIT_OK = 0
 EXIT_VIOLATION = 1
 EXIT_USAGE = 2
-EXIT_SOFTWARE = 70  # EX_SOFTWARE: a bug in qtool, never a failed gate
+EXIT_SOFTWARE = 70  # EX_SOFTWARE in sysexits.h: an internal error
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM
 
 
 class QtoolError(Exception):
@@ -64,8 +75,35 @@ class ViolationError(QtoolError):
         super().__init__(message, hint=hint, path=path)
 
 
+BUG_REPORT = "this is a bug in qtool; please report it with QTOOL_DEBUG=1 output"
+
+
+def internal_error_line(detail: str) -> str:
+    """The one line the CLI prints for a bug: an `InternalError`, or any exception that is not a
+    QtoolError (then `detail` is `<ExceptionType>: <message>`)."""
+    return f"internal error: {detail} ({BUG_REPORT})"
+
+
 class InternalError(QtoolError):
-    """qtool caught itself in a bug (two conventions claimed one tensor, an encoder wrote what
-    its reader cannot read back): exit 70, never 1, which CI reads as a failed gate."""
+    """A bug qtool detected in itself (an invariant that does not hold). Exit 70, never 1: CI
+    must not read a crash as a failed gate. Prints as one line, `error: internal error: <message>
+    (this is a bug in qtool; ...)`, like an unexpected exception."""
 
     exit_code = EXIT_SOFTWARE
+
+    def __str__(self) -> str:
+        return internal_error_line(super().__str__())
+
+
+class Interrupted(KeyboardInterrupt):
+    """Raised in the main thread by the CLI's SIGINT handler: `except KeyboardInterrupt` treats
+    it as the Ctrl-C it is. Not KeyboardInterrupt itself: CPython flags an exact
+    KeyboardInterrupt that leaves code run by `exec()` of a string (dataclasses and namedtuple
+    build their methods that way) as unhandled even when it is caught later, and the interpreter
+    then kills itself with SIGINT at exit instead of exiting 130."""
+
+
+class Terminated(BaseException):
+    """Raised in the main thread by the CLI's SIGTERM handler, so that every `finally` and
+    `except BaseException` cleanup runs as it does for Ctrl-C. A BaseException, like
+    KeyboardInterrupt, so that `except Exception` code doesn't swallow it."""

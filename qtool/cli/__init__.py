@@ -1,103 +1,223 @@
-"""The `qtool` command. One error boundary: a `QtoolError` becomes `error: ...` plus a hint on
-stderr and its exit code; a traceback appears only with QTOOL_DEBUG=1."""
+"""The `qtool` command and its one error boundary.
+
+Every way out of the process is decided here, in `main`:
+
+- a `QtoolError` prints `error: ...` and `hint: ...` on stderr and exits with its code (1 a
+  violation, 2 bad usage or an unreadable input, 70 an `InternalError`);
+- any other exception is a bug: one line, `error: internal error: <Type>: <message> (...)`,
+  and exit 70 (EX_SOFTWARE), never 1, which CI reads as a failed gate;
+- Ctrl-C prints `error: interrupted` and exits 130, SIGTERM `error: terminated` and 143, both
+  after every `finally` and `except BaseException` cleanup has run;
+- QTOOL_DEBUG=1 adds the traceback.
+
+This module imports nothing heavy: `main` installs the signal handlers first, then imports
+typer and the command it runs (`qtool.cli.root`), so a signal during start-up is handled too.
+The commands' own boundary, for CliRunner as well, is `root._ErrorBoundary`.
+"""
 
 from __future__ import annotations
 
-import importlib
 import os
+import signal
 import sys
 
-import typer
-from typer.core import TyperGroup
+from qtool.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_SOFTWARE,
+    EXIT_TERMINATED,
+    Interrupted,
+    QtoolError,
+    Terminated,
+    internal_error_line,
+)
 
-from qtool.cli.output import print_error
-from qtool.cli.text import paragraphs
-from qtool.errors import QtoolError
+TYPE_CHECKING = False  # typing costs ~2 ms, before the signal handlers are in place
+if TYPE_CHECKING:
+    from typing import Any, NoReturn
 
-__all__ = ["app", "main"]
+__all__ = ["app", "main", "COMMANDS", "DEBUG_ENV", "COMPLETE_ENV"]
 
+PROG = "qtool"
 DEBUG_ENV = "QTOOL_DEBUG"
+COMPLETE_ENV = "_QTOOL_COMPLETE"  # Typer's shell completion: `source_bash`, `complete_zsh`, ...
+COMMANDS = ("inspect", "quantize", "dequantize", "schemes", "compare", "check")  # qtool.cli.<name>
+_SHELLS = ("bash", "zsh", "fish", "powershell", "pwsh")
 
 
-def _debug() -> bool:
+def debug() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
-class _ErrorBoundary(TyperGroup):
-    """Catches qtool's expected errors for every command, in the CLI and under CliRunner alike."""
+# -- signals ---------------------------------------------------------------------------------------
+# The first SIGINT or SIGTERM becomes an exception in the main thread (Interrupted, a
+# KeyboardInterrupt, or Terminated), so cleanup runs as the stack unwinds. A later one is only
+# counted: a second signal must not cut that cleanup short or print a traceback from inside
+# it. A third, should the cleanup hang, exits at once.
 
-    def invoke(self, ctx):  # type: ignore[override]
+
+class _Signals:
+    installed: tuple[int, ...] = ()  # the signals whose handler is ours
+    armed = False  # the next signal raises
+    raised: int | None = None  # the signal that was turned into an exception
+    later = 0  # signals received while not armed
+    reported = False  # `error: interrupted` / `error: terminated` has been printed
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    if _Signals.armed:
+        _Signals.armed = False
+        _Signals.raised = signum
+        raise Interrupted if signum == signal.SIGINT else Terminated
+    _Signals.later += 1
+    if _Signals.later >= 2:
+        code = EXIT_INTERRUPTED if (_Signals.raised or signum) == signal.SIGINT else EXIT_TERMINATED
+        try:  # os.write: the main thread may be inside a write to sys.stderr right now
+            os.write(2, b"error: stopped again; exiting without cleanup\n")
+        except OSError:
+            pass
+        os._exit(code)
+
+
+def _install_signal_handlers() -> None:
+    for signum in (signal.SIGINT, signal.SIGTERM):
         try:
-            return super().invoke(ctx)
-        except QtoolError as exc:
-            if _debug():
-                raise
-            print_error(str(exc), exc.hint)
-            ctx.exit(exc.exit_code)
-        except BrokenPipeError:  # `qtool inspect big | head`: not an error
-            sys.stderr.close()
-            ctx.exit(0)
+            if signal.getsignal(signum) is signal.SIG_IGN:  # `nohup`, or `cmd &` in a script: keep ignoring
+                continue
+            signal.signal(signum, _on_signal)
+        except ValueError:  # not the main thread: leave the signals to whoever owns it
+            return
+        _Signals.installed += (signum,)
+    _Signals.armed = True
 
 
-COMMANDS = ("inspect", "quantize", "dequantize", "schemes", "compare", "check")  # qtool.cli.<name>
+def _disarm() -> None:
+    _Signals.armed = False
 
 
-def _print_version(value: bool) -> None:
-    if value:
-        from qtool import __version__
-
-        typer.echo(f"qtool {__version__}")
-        raise typer.Exit()
-
-
-def _root(
-    version: bool = typer.Option(
-        False, "--version", help="Print the version and exit.", is_eager=True, callback=_print_version
-    ),
-) -> None:
-    """See inside model checkpoints: every weight's shape, dtype and quantization scheme."""
+def _ignore_signals_from_now_on() -> None:
+    """Just before the exit: the interpreter's shutdown restores the default action of every
+    signal with a Python handler, and a signal in that instant would kill the finished process
+    (exit -2 instead of its code). An ignored signal it leaves alone."""
+    for signum in _Signals.installed:
+        signal.signal(signum, signal.SIG_IGN)
 
 
-def build_app(only: str | None = None) -> typer.Typer:
-    """The `qtool` app with every command, or with `only` that one. Typer turns each registered
-    command's signature into click parameters when the app runs (~25 ms for all six here, a
-    tenth of `qtool inspect`), so a run imports and registers just the command it runs."""
-    built = typer.Typer(
-        name="qtool",
-        cls=_ErrorBoundary,
-        help="See inside model checkpoints: every weight's shape, dtype and quantization scheme.",
-        epilog="Exit codes: 0 ok, 1 a check found a violation, 2 bad usage or unreadable input. "
-        "Set QTOOL_DEBUG=1 for tracebacks.",
-        no_args_is_help=True,
-        add_completion=False,
-        pretty_exceptions_show_locals=False,
-        context_settings={"help_option_names": ["-h", "--help"]},
-    )
-    for name in COMMANDS:
-        if only is None or name == only:
-            module = importlib.import_module(f"qtool.cli.{name}")
-            built.command(name, help=paragraphs(module.HELP))(getattr(module, f"{name}_command"))
-    built.callback()(_root)
-    return built
+def _abort_outputs() -> None:
+    """Remove the temporary files of every output still open, a write-behind thread's too."""
+    writer = sys.modules.get("qtool.formats.writer")  # not imported: nothing was being written
+    abort_all = getattr(writer, "abort_all", None)
+    if callable(abort_all):
+        try:
+            abort_all()
+        except Exception as failure:  # noqa: BLE001 - the signal's exit code still stands
+            from qtool.cli.output import print_warning
+
+            print_warning(f"cleaning up the outputs failed: {type(failure).__name__}: {failure}")
 
 
-def __getattr__(name: str):
-    """`qtool.cli.app`, the app with every command (tests drive it), built on first use."""
+def stopped(exc: BaseException | None = None) -> int:
+    """The exit code for a run stopped by a signal, or by a KeyboardInterrupt or Terminated
+    raised some other way. Aborts the writer's open outputs and prints one line: once per
+    signal, although both boundaries may see it."""
+    signum = _Signals.raised
+    if signum is None:
+        signum = signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
+    code = EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_TERMINATED
+    if _Signals.raised is not None:
+        if _Signals.reported:
+            return code
+        _Signals.reported = True
+    _abort_outputs()
+    from qtool.cli.output import print_error
+
+    print_error("interrupted" if signum == signal.SIGINT else "terminated")
+    return code
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+
+def report(exc: BaseException) -> int:
+    """Print an exception that ends a run, as one `error:` line (and a hint for a QtoolError);
+    return the exit code. After a signal, any error is its consequence, not a bug: a library
+    that swallowed the KeyboardInterrupt half-way through an import fails on the next one
+    (numpy: "cannot load module more than once per process")."""
+    if _Signals.raised is not None:
+        return stopped()
+    from qtool.cli.output import print_error
+
+    if isinstance(exc, QtoolError):
+        print_error(str(exc), exc.hint)
+        return exc.exit_code
+    message = str(exc)
+    detail = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    print_error(internal_error_line(detail))
+    return EXIT_SOFTWARE
+
+
+def _exit_code(exc: BaseException) -> int:
+    if isinstance(exc, SystemExit):
+        code = exc.code
+        return 0 if code is None else code if isinstance(code, int) else 1
+    if isinstance(exc, (KeyboardInterrupt, Terminated)):
+        return stopped(exc)
+    if debug():
+        import traceback
+
+        traceback.print_exception(exc)
+    return report(exc)
+
+
+# -- the entry point -------------------------------------------------------------------------------
+
+
+def _accept_click_completion_spelling() -> None:
+    """Typer asks for `source_bash` / `complete_bash`; click 8 documents `bash_source`."""
+    shell, _, instruction = os.environ.get(COMPLETE_ENV, "").partition("_")
+    if shell in _SHELLS and instruction in ("source", "complete"):
+        os.environ[COMPLETE_ENV] = f"{instruction}_{shell}"
+
+
+def _run(args: list[str]) -> int:
+    from qtool.cli.root import build_app  # typer and the command: after the handlers are in place
+
+    _accept_click_completion_spelling()
+    only = args[0] if args and args[0] in COMMANDS else None  # a completion request has no args: all
+    try:
+        build_app(only)(args=args, prog_name=PROG)
+    except SystemExit as exc:
+        return _exit_code(exc)
+    return 0
+
+
+def main() -> NoReturn:
+    """`qtool` (the console script) and `python -m qtool`."""
+    _install_signal_handlers()
+    try:
+        try:
+            code = _run(sys.argv[1:])
+        finally:
+            _disarm()  # from here on a signal is counted, never raised
+    except BaseException as exc:  # noqa: BLE001 - the one place every exception ends
+        code = _exit_code(exc)
+    if _Signals.raised is not None:
+        # Typer turns a KeyboardInterrupt during parsing into a silent exit 130, and a command
+        # may have swallowed the exception: a signalled run never reports success.
+        code = stopped()
+    _ignore_signals_from_now_on()
+    sys.exit(code)
+
+
+def __getattr__(name: str) -> Any:
+    """`qtool.cli.app`, the app with every command (tests drive it with CliRunner), built on
+    first use; `build_app` and `_ErrorBoundary` live in `qtool.cli.root`."""
     if name == "app":
+        from qtool.cli.root import build_app
+
         globals()["app"] = build_app()
         return globals()["app"]
+    if name in ("build_app", "_ErrorBoundary"):
+        from qtool.cli import root
+
+        return getattr(root, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def main() -> None:
-    args = sys.argv[1:]
-    try:
-        build_app(args[0] if args and args[0] in COMMANDS else None)()
-    except KeyboardInterrupt:
-        print_error("interrupted")
-        sys.exit(130)
-    except QtoolError as exc:  # raised outside a command, or re-raised under QTOOL_DEBUG
-        if _debug():
-            raise
-        print_error(str(exc), exc.hint)
-        sys.exit(exc.exit_code)

@@ -23,7 +23,7 @@ unreadable input.
 
 \b
 Examples:
-  qtool check model-w4/ --expect-scheme W4A16 --max-bits-per-weight 4.5
+  qtool check model-w4/ --expect-scheme W4A16 --max-bits-per-weight 8
   qtool check model-w4/ --require-quantized 're:.*\\.experts\\..*' --allow-plain 're:.*\\.mlp\\.gate\\.weight'
   qtool check model-w4/ --policy qtool-policy.toml --json
   qtool check model.gguf --fail-on-unknown --no-nan

@@ -1,4 +1,8 @@
-"""Options shared by several commands, declared once."""
+"""Options shared by several commands, declared once.
+
+Every command prints through the same two options: `-f/--format` (table, json, tsv, names, or
+auto: a table on a terminal, TSV in a pipe) and `--json`, the same as `--format json`.
+"""
 
 from __future__ import annotations
 
@@ -28,9 +32,9 @@ CheckpointArg = Annotated[
 ]
 FormatOpt = Annotated[
     OutputFormat,
-    typer.Option("--format", "-f", help="Output: table, json, tsv or names. auto = a table on a terminal, else TSV."),
+    typer.Option("--format", "-f", help="How to print: table, json, tsv or names. auto = a table on a terminal, else TSV."),
 ]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Same as --format json.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON: the same as --format json.")]
 FilterOpt = Annotated[
     Optional[str],
     typer.Option("--filter", "-k", help="Only names matching a glob ('*.q_proj.*'), or a regex after 're:' (anchored at the start)."),
@@ -49,7 +53,8 @@ MaxShardOpt = Annotated[
     Optional[str],
     typer.Option("--max-shard-size", help="Split the output into shards of at most this size (5GB, 500MB). Default: follow the input's sharding."),
 ]
-# quantize/dequantize: --format names the layout written, so the printed summary takes --print
+# Goes away: quantize and dequantize move to FormatOpt (-f/--format) as every other command has,
+# once quantize's output layout option is --layout. Nothing else may use it.
 PrintOpt = Annotated[
     OutputFormat,
     typer.Option("--print", "-f", help="How to print the summary: table, json, tsv or names. auto = a table on a terminal, else TSV."),

@@ -1,0 +1,204 @@
+"""Ctrl-C and SIGTERM at any moment of a real `qtool` process: exit 130 or 143 with one line
+and no traceback (or 0 when the run had already finished), outputs cleaned up; and the light
+imports that let the handlers go in within milliseconds of start-up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, SAMPLES
+
+TINY = SAMPLES / "tiny-llama"
+posix_only = pytest.mark.skipif(os.name != "posix", reason="POSIX signals")
+
+# What `import X` may load before `main()` installs the handlers: nothing that takes time.
+LIGHT = {"qtool", "qtool.errors", "qtool.cli"}
+HEAVY_ROOTS = {"typer", "click", "rich", "torch", "numpy", "safetensors", "gguf", "json", "dataclasses", "typing"}
+
+
+def _environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "QTOOL_DEBUG"}
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+def _loaded_after(statement: str) -> list[str]:
+    code = f"import sys; before = set(sys.modules); {statement}; print('\\n'.join(sorted(set(sys.modules) - before)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_environment(), cwd=REPO, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split()
+
+
+def test_import_qtool_loads_nothing_heavy_and_every_public_name_still_works():
+    loaded = _loaded_after("import qtool")
+    assert [m for m in loaded if m.startswith("qtool")] == ["qtool"]
+    assert not {m.split(".")[0] for m in loaded} & HEAVY_ROOTS
+    import qtool
+
+    for name in qtool.__all__:
+        assert getattr(qtool, name) is not None, name
+        assert name in dir(qtool)
+    namespace: dict = {}
+    exec(f"from qtool import {', '.join(qtool.__all__)}", namespace)
+    assert namespace["inspect"] is qtool.api.inspect and namespace["QtoolError"] is qtool.errors.QtoolError
+    with pytest.raises(AttributeError, match="has no attribute 'nonexistent'"):
+        qtool.nonexistent  # noqa: B018
+
+
+def test_the_console_script_imports_only_light_modules_before_main_installs_the_handlers():
+    """pyproject's entry point is `qtool.cli:main`: importing it must not import typer (~25 ms)
+    or qtool's readers, so that the handlers are in place ~5 ms after the interpreter's own
+    start-up; `main` imports them after."""
+    text = (REPO / "pyproject.toml").read_text()
+    assert 'qtool = "qtool.cli:main"' in text
+    loaded = _loaded_after("import qtool.cli")
+    assert {m for m in loaded if m.startswith("qtool")} == LIGHT
+    assert not {m.split(".")[0] for m in loaded} & HEAVY_ROOTS
+    assert (REPO / "qtool" / "__main__.py").read_text().startswith("from qtool.cli import main\n")
+
+
+def _start(*args: str, cwd: Path = REPO) -> tuple[subprocess.Popen, float]:
+    started = time.monotonic()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "qtool", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_environment(), cwd=cwd
+    )
+    return process, started
+
+
+def _wait_for_the_handlers(process: subprocess.Popen) -> None:
+    """Until qtool's SIGTERM handler shows in /proc (Python catches SIGINT from its own start,
+    SIGTERM only once `main` runs). Before that instant the interpreter is still starting and
+    its defaults apply; under a loaded machine that can take longer than the first delays."""
+    status = Path(f"/proc/{process.pid}/status")
+    if not status.exists():
+        return
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            caught = next(int(line.split()[1], 16) for line in status.read_text().splitlines() if line.startswith("SigCgt:"))
+        except (OSError, StopIteration):
+            return
+        if caught & (1 << (signal.SIGTERM - 1)):
+            return
+        time.sleep(0.002)
+
+
+def _signal_at(delay: float, signum: int, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    process, started = _start(*args, cwd=cwd)
+    _wait_for_the_handlers(process)
+    time.sleep(max(0.0, started + delay - time.monotonic()))
+    if process.poll() is None:
+        process.send_signal(signum)
+    stdout, stderr = process.communicate(timeout=120)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+DELAYS = [0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0]
+SIGNALS = [(signal.SIGINT, 130, "error: interrupted"), (signal.SIGTERM, 143, "error: terminated")]
+
+
+@posix_only
+@pytest.mark.parametrize(("signum", "code", "line"), SIGNALS, ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("args", [["inspect", str(TINY)], ["inspect", str(TINY), "--stats", "-q"]], ids=["inspect", "inspect-stats"])
+def test_a_signal_at_any_moment_exits_with_its_code_and_no_traceback(signum, code, line, args):
+    """`--stats` imports torch: signals land inside a long import, as Ctrl-C in the first second
+    of a quantize does."""
+    outcomes = []
+    for delay in DELAYS:
+        result = _signal_at(delay, signum, *args)
+        outcomes.append(result.returncode)
+        assert "Traceback" not in result.stderr, (delay, result.stderr)
+        if result.returncode == 0:  # it had finished: the signal came during the exit, or after
+            assert result.stderr == ""
+        else:
+            assert (result.returncode, result.stderr) == (code, line + "\n"), delay
+    assert code in outcomes, "no signal landed while qtool was running"
+
+
+@posix_only
+@pytest.mark.parametrize(("first", "then"), [(signal.SIGTERM, signal.SIGINT), (signal.SIGINT, signal.SIGINT), (signal.SIGTERM, signal.SIGTERM)])
+def test_a_second_signal_during_cleanup_leaves_no_traceback(first, then):
+    codes = {signal.SIGINT: 130, signal.SIGTERM: 143}
+    for delay in (0.1, 0.3, 0.6):
+        process, started = _start("inspect", str(TINY), "--stats", "-q")
+        _wait_for_the_handlers(process)
+        time.sleep(max(0.0, started + delay - time.monotonic()))
+        process.send_signal(first)
+        time.sleep(0.001)
+        if process.poll() is None:
+            process.send_signal(then)
+        _, stderr = process.communicate(timeout=120)
+        assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+        # Two signals pending at once run in signal-number order: either may be the one reported.
+        assert process.returncode in (0, codes[first], codes[then]), (delay, process.returncode, stderr)
+        assert len(stderr.splitlines()) == (process.returncode != 0), stderr
+
+
+def _big_model(folder: Path) -> Path:
+    """~200 MB of bf16 linear weights, so that quantizing it takes a while."""
+    from tests.conftest import write_safetensors
+
+    folder.mkdir()
+    tensors = {f"model.layers.{i}.mlp.{p}.weight": ("BF16", (4096, 4096)) for i in range(3) for p in ("up_proj", "down_proj")}
+    write_safetensors(folder / "model.safetensors", tensors)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": "bfloat16"}))
+    return folder
+
+
+def _staging(folder: Path) -> list[Path]:
+    return [p for p in folder.iterdir() if "qtool-tmp" in p.name]
+
+
+def _quantize_and_signal(tmp_path: Path, signum: int, ready) -> subprocess.CompletedProcess:
+    """Quantize ~200 MB and send `signum` as soon as `ready(staging folder)` holds."""
+    model = _big_model(tmp_path / "model")
+    process, _ = _start("quantize", str(model), "-o", str(tmp_path / "out"), "--scheme", "int8", "-q", "--threads", "1", cwd=tmp_path)
+    deadline = time.monotonic() + 60
+    while process.poll() is None and time.monotonic() < deadline:
+        staging = _staging(tmp_path)
+        if staging and ready(staging[0]):
+            process.send_signal(signum)
+            break
+        time.sleep(0.001)
+    stdout, stderr = process.communicate(timeout=120)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+@posix_only
+@pytest.mark.parametrize(("signum", "code", "line"), SIGNALS, ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_quantize_writes_removes_the_output(tmp_path, signum, code, line):
+    """Once a shard file exists the pipeline's `except BaseException` cleanup is in force."""
+
+    def writing(staging: Path) -> bool:
+        return any(staging.iterdir())
+
+    result = _quantize_and_signal(tmp_path, signum, writing)
+    assert "Traceback" not in result.stderr, result.stderr
+    assert (result.returncode, result.stderr) == (code, line + "\n"), "quantize finished before the signal: make the model bigger"
+    assert result.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no output, no staging folder
+
+
+@posix_only
+@pytest.mark.parametrize(("signum", "code", "line"), SIGNALS, ids=["SIGINT", "SIGTERM"])
+def test_a_signal_as_the_output_is_created_leaves_no_staging_folder(tmp_path, signum, code, line):
+    """The instant after the staging folder appears, before the pipeline's cleanup is in
+    force: only the writer's registry of open outputs (`writer.abort_all()`, which the CLI
+    calls on a signal) can remove it."""
+    result = _quantize_and_signal(tmp_path, signum, lambda staging: True)
+    assert "Traceback" not in result.stderr, result.stderr
+    assert (result.returncode, result.stderr) == (code, line + "\n")
+    assert not (tmp_path / "out").exists()
+    import qtool.formats.writer
+
+    if _staging(tmp_path) and not hasattr(qtool.formats.writer, "abort_all"):
+        pytest.xfail("the staging folder stays: qtool.formats.writer.abort_all() does not exist yet")
+    assert _staging(tmp_path) == []
