@@ -222,10 +222,13 @@ def run(
         if task.report is not None:
             staged.append(stage_json(task.report, RunReport(task, result, options.device).to_json(), overwrite=overwrite))
 
+    output = None
     try:
         output = Output(task.output, single_file=task.single_file, overwrite=overwrite)
         result = execute(task.plan, output, options, before_commit=stage_report)
-    except BaseException:
+    except BaseException:  # a Ctrl-C between the two lines above too: nothing is left
+        if output is not None:
+            output.abort()
         for report in staged:
             report.abort()
         raise

@@ -23,9 +23,6 @@ __all__ = [
     "Interrupted",
     "Terminated",
     "internal_error_line",
-    "EXIT_SOFTWARE",
-    "EXIT_INTERRUPTED",
-    "EXIT_TERMINATED",
 ]
 
 EXIT_OK = 0

@@ -14,9 +14,6 @@ from qtool.cli import COMMANDS, app
 runner = CliRunner()
 FORMAT_HELP = "How to print: table, json, tsv or names. auto = a table on a terminal, else TSV."
 JSON_HELP = "Print JSON: the same as --format json."
-NOT_YET = pytest.mark.xfail(
-    strict=True, reason="quantize.py/dequantize.py still print with --print (PrintOpt); --format becomes theirs once the layout option is --layout"
-)
 
 
 def _params(command: str) -> dict[str, object]:
@@ -24,7 +21,7 @@ def _params(command: str) -> dict[str, object]:
     return {param.name: param for param in group.commands[command].params}
 
 
-@pytest.mark.parametrize("command", [pytest.param(c, marks=NOT_YET) if c in ("quantize", "dequantize") else c for c in COMMANDS])
+@pytest.mark.parametrize("command", COMMANDS)
 def test_every_command_has_the_same_print_options(command):
     params = _params(command)
     fmt = params["fmt"]

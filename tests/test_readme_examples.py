@@ -34,12 +34,7 @@ FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```", re.M | re.S)
 SHELL_BLOCKS = ("", "sh", "bash", "console", "yaml")
 
 # README line (verbatim) -> why it fails today
-KNOWN_FAILURES = {
-    "qtool quantize model.safetensors -o out/ --scheme int8 --device cuda --report report.json": (
-        "quantize of a bare file name in the current folder crashes copying side files: "
-        "os.listdir('') raises FileNotFoundError (pipeline._side_files)"
-    ),
-}
+KNOWN_FAILURES: dict[str, str] = {}
 
 
 @dataclass(frozen=True)

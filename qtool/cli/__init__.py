@@ -137,6 +137,19 @@ def stopped(exc: BaseException | None = None) -> int:
 # -- errors ----------------------------------------------------------------------------------------
 
 
+# API parameters whose flag is not the parameter's name spelled with dashes
+_FLAGS = {"tensor_schemes": "--tensor-scheme", "path": "the PATH argument"}
+
+
+def _with_flag(hint: str | None, option: str | None) -> str | None:
+    """The API names no CLI flags (its messages serve scripts too); the CLI adds the flag that
+    sets the parameter at fault."""
+    if not option:
+        return hint
+    flag = _FLAGS.get(option, "--" + option.replace("_", "-"))
+    return f"{hint} ({flag})" if hint else f"see {flag}"
+
+
 def report(exc: BaseException) -> int:
     """Print an exception that ends a run, as one `error:` line (and a hint for a QtoolError);
     return the exit code. After a signal, any error is its consequence, not a bug: a library
@@ -147,7 +160,7 @@ def report(exc: BaseException) -> int:
     from qtool.cli.output import print_error
 
     if isinstance(exc, QtoolError):
-        print_error(str(exc), exc.hint)
+        print_error(str(exc), _with_flag(exc.hint, exc.option))
         return exc.exit_code
     message = str(exc)
     detail = f"{type(exc).__name__}: {message}" if message else type(exc).__name__

@@ -53,9 +53,3 @@ MaxShardOpt = Annotated[
     Optional[str],
     typer.Option("--max-shard-size", help="Split the output into shards of at most this size (5GB, 500MB). Default: follow the input's sharding."),
 ]
-# Goes away: quantize and dequantize move to FormatOpt (-f/--format) as every other command has,
-# once quantize's output layout option is --layout. Nothing else may use it.
-PrintOpt = Annotated[
-    OutputFormat,
-    typer.Option("--print", "-f", help="How to print the summary: table, json, tsv or names. auto = a table on a terminal, else TSV."),
-]
