@@ -73,11 +73,13 @@ DTYPES: dict[str, StorageDType] = {d.name: d for d in _TABLE}
 
 
 def storage_dtype(name: str) -> StorageDType:
-    """Look up a safetensors dtype string; the KeyError lists the valid names."""
+    """Look up a safetensors dtype string; the UnknownNameError (a KeyError) lists the valid names."""
     try:
         return DTYPES[name]
     except (KeyError, TypeError):
-        raise KeyError(f"unknown dtype {name!r} (known: {' '.join(DTYPES)})") from None
+        from qtool.errors import UnknownNameError
+
+        raise UnknownNameError(f"unknown dtype {name!r}", hint=f"known: {' '.join(DTYPES)}") from None
 
 
 def nbytes_for(dtype: StorageDType, numel: int) -> int | None:

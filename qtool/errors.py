@@ -20,6 +20,8 @@ __all__ = [
     "NotQuantizedError",
     "ViolationError",
     "InternalError",
+    "KernelError",
+    "UnknownNameError",
     "Interrupted",
     "Terminated",
     "internal_error_line",
@@ -90,6 +92,17 @@ class InternalError(QtoolError):
 
     def __str__(self) -> str:
         return internal_error_line(super().__str__())
+
+
+class UnknownNameError(UsageError, KeyError):
+    """A name that is in none of qtool's tables (a dtype, a GGML type); the message lists the
+    known ones. Also a KeyError, for code that looks names up."""
+
+
+class KernelError(InternalError, ValueError):
+    """A kernel called with arguments no layout or convention should pass (a block with more
+    dims than the tensor, a scale grid of the wrong size): a bug in the caller, exit 70. Also a
+    ValueError, as Python code calling the kernels directly expects."""
 
 
 class Interrupted(KeyboardInterrupt):

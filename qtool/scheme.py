@@ -381,8 +381,8 @@ def nominal_bits_per_weight(scheme: QScheme, shape: tuple[int, int] = (4096, 409
     blocks = math.ceil(rows / block[0]) * math.ceil(cols / block[1])
     scale_bits = {AUTO: weight_bits, "F32": 32, "F16": 16, "BF16": 16, "E8M0": 8, "F8_E4M3": 8}.get(scheme.scale_dtype, 32)
     total = rows * cols * scheme.bits + blocks * scale_bits
-    if scheme.zero_point:  # packed at the value width (compressed-tensors), an f16 minimum (GGUF), else int8
-        total += blocks * {CT: scheme.bits, GGUF: 16}.get(scheme.convention, 8)
+    if scheme.zero_point:
+        total += blocks * (16 if scheme.gguf_type else scheme.bits)  # GGUF's f16 minimum, else packed at the value width
     if scheme.global_scale:
         total += 32
     return total / (rows * cols)

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qtool import kernels as K
-from qtool.errors import UsageError
+from qtool.errors import KernelError
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 FAST = settings(max_examples=40, deadline=None)
@@ -49,7 +49,7 @@ def test_block_resolution(shape, block, resolved, grid):
 
 
 def test_block_with_more_real_dims_than_the_tensor_is_refused():
-    with pytest.raises(UsageError, match=r"block \[2, 1, 32\] has more dims than the tensor's shape \[12, 100\]"):
+    with pytest.raises(KernelError, match=r"block \[2, 1, 32\] has more dims than the tensor's shape \[12, 100\]"):
         K.resolve_block((12, 100), (2, 1, 32))
 
 
@@ -173,15 +173,15 @@ def test_round_to_power_2_in_each_dtype():
 
 def test_errors_name_what_to_do():
     x = torch.ones(4, 4)
-    with pytest.raises(UsageError, match="fp8_e4m3 is symmetric only"):
+    with pytest.raises(KernelError, match="fp8_e4m3 is symmetric only"):
         K.choose_qparams(x, (1, 4), "fp8_e4m3", False)
-    with pytest.raises(UsageError, match="uint4 is unsigned: symmetric quantization needs a signed type such as int4"):
+    with pytest.raises(KernelError, match="uint4 is unsigned: symmetric quantization needs a signed type such as int4"):
         K.choose_qparams(x, (1, 4), "uint4", True)
-    with pytest.raises(UsageError, match=r"unknown scale dtype 'F64'"):
+    with pytest.raises(KernelError, match=r"unknown scale dtype 'F64'"):
         K.choose_qparams(x, (1, 4), "int4", True, "F64")
-    with pytest.raises(UsageError, match="uint8 data is ambiguous"):
+    with pytest.raises(KernelError, match="uint8 data is ambiguous"):
         K.dequantize(torch.zeros(4, dtype=torch.uint8), torch.ones(1), None, (None,))
-    with pytest.raises(UsageError, match="scale has 3 values, the block grid \\[4, 1\\] needs 4"):
+    with pytest.raises(KernelError, match="scale has 3 values, the block grid \\[4, 1\\] needs 4"):
         K.quantize(x, torch.ones(3), None, (1, 4), "int8")
 
 
@@ -366,9 +366,9 @@ def test_fp6_round_trip(values):
 
 
 def test_packing_errors():
-    with pytest.raises(UsageError, match="bit width must be 1..8, got 9"):
+    with pytest.raises(KernelError, match="bit width must be 1..8, got 9"):
         K.pack_int32(torch.zeros(4, dtype=torch.int32), 9)
-    with pytest.raises(UsageError, match="the last dim must be even, got 3"):
+    with pytest.raises(KernelError, match="the last dim must be even, got 3"):
         K.pack_nibbles(torch.zeros(3, dtype=torch.uint8))
-    with pytest.raises(UsageError, match="2 int32 words cannot hold 100 values of 4 bits"):
+    with pytest.raises(KernelError, match="2 int32 words cannot hold 100 values of 4 bits"):
         K.unpack_int32(torch.zeros(2, dtype=torch.int32), 4, 100)

@@ -28,8 +28,9 @@ def test_the_dtype_table_covers_every_safetensors_dtype_with_its_bits():
 
 
 def test_unknown_dtype_lists_the_valid_names():
-    with pytest.raises(KeyError, match="BF16"):
+    with pytest.raises(KeyError, match="F12") as unknown:  # a KeyError, and a QtoolError (exit 2)
         storage_dtype("F12")
+    assert "BF16" in unknown.value.hint and unknown.value.exit_code == 2
 
 
 def test_torch_dtypes_resolve_where_torch_has_them():

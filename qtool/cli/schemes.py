@@ -17,6 +17,7 @@ Examples:
 
 
 def schemes_command(fmt: FormatOpt = OutputFormat.auto, json_: JsonOpt = False) -> None:
+    from qtool.layouts import choose_layout
     from qtool.scheme import PRESETS, nominal_bits_per_weight, parse_scheme, scheme_names
 
     entries = []
@@ -27,7 +28,7 @@ def schemes_command(fmt: FormatOpt = OutputFormat.auto, json_: JsonOpt = False) 
                 "name": name,
                 "label": scheme.label,
                 "bits_per_weight": round(nominal_bits_per_weight(scheme), 4),
-                "layout": scheme.convention,
+                "layout": choose_layout({scheme}, None).name,
                 "preset": name in PRESETS,
                 "description": PRESETS[name][1] if name in PRESETS else "",
             }

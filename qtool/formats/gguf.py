@@ -28,7 +28,7 @@ import struct
 from dataclasses import dataclass
 
 from qtool.dtypes import DTYPES, StorageDType
-from qtool.errors import CheckpointError
+from qtool.errors import CheckpointError, UnknownNameError
 from qtool.formats.checkpoint import StoredTensor
 
 __all__ = ["GgmlType", "GGML_TYPES", "ggml_type", "ggml_type_named", "read_gguf_file", "GGUF_MAGIC", "MAX_DIMS"]
@@ -116,11 +116,11 @@ def ggml_type(type_id: int) -> GgmlType | None:
 
 
 def ggml_type_named(name: str) -> GgmlType:
-    """Look up a type by name ("Q4_K"); the KeyError lists the valid names."""
+    """Look up a type by name ("Q4_K"); the UnknownNameError (a KeyError) lists the valid names."""
     try:
         return _BY_NAME[name.upper()]
     except KeyError:
-        raise KeyError(f"unknown GGML type {name!r} (known: {' '.join(_BY_NAME)})") from None
+        raise UnknownNameError(f"unknown GGML type {name!r}", hint=f"known: {' '.join(_BY_NAME)}") from None
 
 
 # -- the header parser ---------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from qtool.errors import UsageError
+from qtool.errors import KernelError
 from qtool.kernels import floats
 from qtool.scheme import QType
 from qtool.scheme import qtype as lookup_qtype
@@ -78,12 +78,12 @@ def resolve_block(shape: Sequence[int], block: BlockLike) -> tuple[int, ...]:
     if len(block) > len(shape):
         extra, block = block[: len(block) - len(shape)], block[len(block) - len(shape) :]
         if any(b not in (None, 1) for b in extra):
-            raise UsageError(f"block {list(extra + block)} has more dims than the tensor's shape {list(shape)}")
+            raise KernelError(f"block {list(extra + block)} has more dims than the tensor's shape {list(shape)}")
     block = (1,) * (len(shape) - len(block)) + block
     resolved = []
     for dim, size in zip(shape, block):
         if size is not None and (not isinstance(size, int) or size < 1):
-            raise UsageError(f"block sizes must be positive ints or None, got {list(block)}")
+            raise KernelError(f"block sizes must be positive ints or None, got {list(block)}")
         resolved.append(max(1, dim if size is None else min(size, dim)))
     return tuple(resolved)
 
@@ -113,7 +113,7 @@ def _from_blocks(blocks: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 def _grid_view(t: torch.Tensor, grid: tuple[int, ...]) -> torch.Tensor:
     """A per-block tensor (any shape with the grid's numel) as [g0, 1, g1, 1, ...]."""
     if t.numel() != math.prod(grid):
-        raise UsageError(f"scale has {t.numel()} values, the block grid {list(grid)} needs {math.prod(grid)}")
+        raise KernelError(f"scale has {t.numel()} values, the block grid {list(grid)} needs {math.prod(grid)}")
     return t.reshape([n for g in grid for n in (g, 1)])
 
 
@@ -138,7 +138,7 @@ def _scale_kind(scale_dtype: str | torch.dtype, x: torch.Tensor) -> tuple[str, t
     if name in _E8M0_SCALES:
         return "e8m0", None
     known = " ".join([*_FLOAT_SCALES, "E4M3", "E8M0", "auto"])
-    raise UsageError(f"unknown scale dtype {scale_dtype!r} (known: {known})")
+    raise KernelError(f"unknown scale dtype {scale_dtype!r} (known: {known})")
 
 
 def scale_to_float(scale: torch.Tensor, global_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -151,7 +151,7 @@ def scale_to_float(scale: torch.Tensor, global_scale: torch.Tensor | None = None
     elif scale.dtype.is_floating_point:
         effective = scale
     else:
-        raise UsageError(f"a scale must be a float or uint8 (E8M0) tensor, got {scale.dtype}")
+        raise KernelError(f"a scale must be a float or uint8 (E8M0) tensor, got {scale.dtype}")
     if global_scale is not None:
         effective = effective / global_scale.to(effective.device)
     return effective
@@ -178,7 +178,7 @@ def choose_global_scale(x: torch.Tensor, qtype: QType | str = "fp4_e2m1", scale_
     (compressed-tensors' `generate_gparam`, in x's dtype; NaN or inf -> 1)."""
     qt, st = _qtype(qtype), _qtype(scale_qtype)
     if not x.dtype.is_floating_point:
-        raise UsageError(f"choose_global_scale needs a float tensor, got {x.dtype}")
+        raise KernelError(f"choose_global_scale needs a float tensor, got {x.dtype}")
     amax = torch.max(torch.abs(torch.clamp(x.amin(), max=0)), torch.abs(torch.clamp(x.amax(), min=0)))
     amax = torch.clamp(amax, min=torch.finfo(amax.dtype).tiny)
     # `float / tensor` in compressed-tensors is torch's __rtruediv__: reciprocal, then multiply
@@ -207,7 +207,7 @@ def choose_qparams(
     """
     qt = _qtype(qtype)
     if not x.dtype.is_floating_point:
-        raise UsageError(f"choose_qparams needs a float tensor, got {x.dtype}")
+        raise KernelError(f"choose_qparams needs a float tensor, got {x.dtype}")
     resolved = resolve_block(x.shape, block)
     blocks = _to_blocks(x, resolved)
     dims = _block_dims(x.dim())
@@ -215,14 +215,14 @@ def choose_qparams(
 
     if qt.kind == "codebook":
         if str(scale_dtype).upper() not in ("F32", "AUTO", "TORCH.FLOAT32"):
-            raise UsageError(f"{qt.name} stores float32 absmax scales, not {scale_dtype}")
+            raise KernelError(f"{qt.name} stores float32 absmax scales, not {scale_dtype}")
         return blocks.float().abs().amax(dim=dims), None
     if qt.kind not in ("int", "float") or qt.qmin is None or qt.qmax is None:
-        raise UsageError(f"qtool cannot quantize to {qt.name}")
+        raise KernelError(f"qtool cannot quantize to {qt.name}")
     if not symmetric and qt.kind != "int":
-        raise UsageError(f"{qt.name} is symmetric only: asymmetric (zero point) quantization needs an int type")
+        raise KernelError(f"{qt.name} is symmetric only: asymmetric (zero point) quantization needs an int type")
     if symmetric and not qt.signed:
-        raise UsageError(f"{qt.name} is unsigned: symmetric quantization needs a signed type such as int{qt.bits}")
+        raise KernelError(f"{qt.name} is unsigned: symmetric quantization needs a signed type such as int{qt.bits}")
 
     # amin and amax, not aminmax: on CPU aminmax over a dim is ~5x slower than both together
     minimum = torch.minimum(blocks.amin(dim=dims), torch.zeros((), dtype=x.dtype, device=x.device))
@@ -230,7 +230,7 @@ def choose_qparams(
 
     if kind == "e8m0":
         if qt.kind != "float":
-            raise UsageError(f"E8M0 (MX) scales go with float elements (fp4_e2m1, fp8_e4m3), not {qt.name}")
+            raise KernelError(f"E8M0 (MX) scales go with float elements (fp4_e2m1, fp8_e4m3), not {qt.name}")
         return floats.mx_scale_exponent(torch.max(torch.abs(minimum), torch.abs(maximum)), qt), None
 
     if kind == "e4m3":
@@ -264,7 +264,7 @@ def choose_qparams(
 
 def _int_dtype(qt: QType) -> torch.dtype:
     if qt.bits > 8:
-        raise UsageError(f"qtool stores int values of at most 8 bits, got {qt.name}")
+        raise KernelError(f"qtool stores int values of at most 8 bits, got {qt.name}")
     return torch.int8 if qt.signed else torch.uint8
 
 
@@ -283,14 +283,14 @@ def quantize(
     """Unpacked quantized values of x's shape (see the module docstring for their dtype)."""
     qt = _qtype(qtype)
     if zero_point is not None and qt.kind != "int":
-        raise UsageError(f"{qt.name} takes no zero point")
+        raise KernelError(f"{qt.name} takes no zero point")
     resolved = resolve_block(x.shape, block)
     grid = tuple(math.ceil(d / b) for d, b in zip(x.shape, resolved))
     blocks = _to_blocks(x, resolved)
 
     if qt.kind == "codebook":
         if qt.name not in ("nf4", "fp4_bnb"):
-            raise UsageError(f"unknown codebook type {qt.name}")
+            raise KernelError(f"unknown codebook type {qt.name}")
         inverse = _grid_view(scale.float(), grid).clamp(min=1e-38).reciprocal()
         normalized = torch.clamp(blocks.float() * inverse, -1, 1)
         return _from_blocks(floats.codebook_encode(normalized, qt.name), tuple(x.shape))
@@ -307,7 +307,7 @@ def quantize(
     elif qt.name == "fp4_e2m1":
         values = floats.fp4_e2m1_encode(torch.clamp(scaled, qt.qmin, qt.qmax))
     else:
-        raise UsageError(f"qtool cannot quantize to {qt.name} (it decodes it only)")
+        raise KernelError(f"qtool cannot quantize to {qt.name} (it decodes it only)")
     return _from_blocks(values, tuple(x.shape))
 
 
@@ -315,7 +315,7 @@ def _values(q: torch.Tensor, qt: QType | None) -> torch.Tensor:
     """float32 values of unpacked quantized data."""
     if qt is None:
         if q.dtype == torch.uint8:
-            raise UsageError("uint8 data is ambiguous (uint8 ints, fp4 codes or codebook indices): pass qtype=")
+            raise KernelError("uint8 data is ambiguous (uint8 ints, fp4 codes or codebook indices): pass qtype=")
         return q.to(torch.float32)
     if qt.kind == "codebook":
         return floats.codebook_decode(q, qt.name)
@@ -325,7 +325,7 @@ def _values(q: torch.Tensor, qt: QType | None) -> torch.Tensor:
         return floats.fp6_e2m3_decode(q)
     if qt.kind in ("int", "float"):
         return q.to(torch.float32)
-    raise UsageError(f"qtool cannot dequantize {qt.name}")
+    raise KernelError(f"qtool cannot dequantize {qt.name}")
 
 
 def dequantize(
@@ -342,7 +342,7 @@ def dequantize(
     for uint8 codes (fp4, fp6, codebooks); int and float8 data speak for themselves."""
     if isinstance(dtype, str):
         if dtype.upper() not in _FLOAT_SCALES:
-            raise UsageError(f"dequantize to F32, F16 or BF16, not {dtype!r}")
+            raise KernelError(f"dequantize to F32, F16 or BF16, not {dtype!r}")
         dtype = _FLOAT_SCALES[dtype.upper()]
     qt = _qtype(qtype) if qtype is not None else None
     values = _values(q, qt)

@@ -29,7 +29,7 @@ from functools import lru_cache
 
 import torch
 
-from qtool.errors import UsageError
+from qtool.errors import KernelError
 from qtool.scheme import FP4_BNB_CODEBOOK, NF4_CODEBOOK, QType
 from qtool.scheme import qtype as lookup_qtype
 
@@ -78,7 +78,7 @@ def float8_dtype(qtype: QType | str) -> torch.dtype:
     qt = _qt(qtype)
     name = _FLOAT8.get(qt.name)
     if name is None:
-        raise UsageError(f"{qt.name} is not an fp8 type (fp8 types: {' '.join(_FLOAT8)})")
+        raise KernelError(f"{qt.name} is not an fp8 type (fp8 types: {' '.join(_FLOAT8)})")
     return getattr(torch, name)
 
 
@@ -132,7 +132,7 @@ def round_to_power_2(x: torch.Tensor, elem_mantissa: int = 1) -> torch.Tensor:
         torch.float64: (torch.uint64, 52, 11),
     }
     if x.dtype not in layouts:
-        raise UsageError(f"round_to_power_2 needs a float16/bfloat16/float32/float64 tensor, got {x.dtype}")
+        raise KernelError(f"round_to_power_2 needs a float16/bfloat16/float32/float64 tensor, got {x.dtype}")
     int_dtype, mantissa, exponent = layouts[x.dtype]
     bits = x.view(int_dtype).to(torch.int64 if int_dtype is torch.uint64 else torch.int32)
     carry = 1 << (mantissa - elem_mantissa - 1)
@@ -149,7 +149,7 @@ def mx_scale_exponent(amax: torch.Tensor, elem_qtype: QType | str) -> torch.Tens
     - floor(log2(element max)), clamped to [0, 255]. An all-zero block gets 0 (2^-127)."""
     qt = _qt(elem_qtype)
     if qt.qmax is None or qt.kind != "float":
-        raise UsageError(f"MX scales need a float element type, got {qt.name}")
+        raise KernelError(f"MX scales need a float element type, got {qt.name}")
     offset = int(math.floor(math.log2(qt.qmax)))
     elem_mantissa = 3 if qt.name == "fp6_e2m3" else 1  # compressed-tensors uses fp4's for fp8 too
     if amax.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
@@ -181,7 +181,7 @@ def _codebook(name: str, device: torch.device) -> torch.Tensor:
 def codebook(name: str, device: torch.device | str = "cpu") -> torch.Tensor:
     """float32 [16] table of a 4-bit codebook ("nf4" or "fp4_bnb"), in bitsandbytes' order."""
     if name not in _CODEBOOKS:
-        raise UsageError(f"unknown codebook {name!r} (known: {' '.join(_CODEBOOKS)})")
+        raise KernelError(f"unknown codebook {name!r} (known: {' '.join(_CODEBOOKS)})")
     return _codebook(name, torch.device(device))
 
 

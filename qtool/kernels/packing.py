@@ -23,14 +23,14 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from qtool.errors import UsageError
+from qtool.errors import KernelError
 
 __all__ = ["pack_int32", "unpack_int32", "pack_nibbles", "unpack_nibbles", "pack_fp6", "unpack_fp6"]
 
 
 def _check_bits(bits: int) -> None:
     if not isinstance(bits, int) or not 1 <= bits <= 8:
-        raise UsageError(f"bit width must be 1..8, got {bits!r}")
+        raise KernelError(f"bit width must be 1..8, got {bits!r}")
 
 
 # An LSB-first bit stream of b-bit values is a byte stream in which every 8 values fill
@@ -82,7 +82,7 @@ def pack_int32(values: torch.Tensor, bits: int, dim: int = -1, *, check: bool = 
     `check=False` skips the range check (a full pass) for values a quantizer just clamped."""
     _check_bits(bits)
     if check and values.numel() and (int(values.min()) < 0 or int(values.max()) >= 1 << bits):
-        raise UsageError(f"{bits}-bit packing takes values in [0, {(1 << bits) - 1}], got [{int(values.min())}, {int(values.max())}]")
+        raise KernelError(f"{bits}-bit packing takes values in [0, {(1 << bits) - 1}], got [{int(values.min())}, {int(values.max())}]")
     moved = values.movedim(dim, -1)
     count = moved.shape[-1]
     words = math.ceil(count * bits / 32)
@@ -100,11 +100,11 @@ def unpack_int32(packed: torch.Tensor, bits: int, size: int, dim: int = -1) -> t
     """uint8 values, `size` of them along `dim`, from a `pack_int32` stream."""
     _check_bits(bits)
     if packed.dtype != torch.int32:
-        raise UsageError(f"packed words must be int32, got {packed.dtype}")
+        raise KernelError(f"packed words must be int32, got {packed.dtype}")
     moved = packed.movedim(dim, -1)
     words = moved.shape[-1]
     if words < math.ceil(size * bits / 32):
-        raise UsageError(f"{words} int32 words cannot hold {size} values of {bits} bits")
+        raise KernelError(f"{words} int32 words cannot hold {size} values of {bits} bits")
     whole = math.ceil(size / 32) * bits  # words of whole 32-value groups
     moved = F.pad(moved, (0, whole - words)) if whole > words else moved[..., :whole]
     stream = moved.contiguous().view(torch.uint8)
@@ -117,7 +117,7 @@ def unpack_int32(packed: torch.Tensor, bits: int, size: int, dim: int = -1) -> t
 def pack_nibbles(codes: torch.Tensor, *, high_first: bool = False) -> torch.Tensor:
     """uint8 bytes of 4-bit codes paired along the last dim, which must be even."""
     if codes.shape[-1] % 2:
-        raise UsageError(f"nibble packing pairs elements: the last dim must be even, got {codes.shape[-1]}")
+        raise KernelError(f"nibble packing pairs elements: the last dim must be even, got {codes.shape[-1]}")
     pairs = codes.to(torch.uint8).reshape(*codes.shape[:-1], -1, 2) & 0xF
     first, second = pairs[..., 0], pairs[..., 1]
     return (first << 4 | second) if high_first else (first | second << 4)
@@ -134,7 +134,7 @@ def unpack_nibbles(packed: torch.Tensor, *, high_first: bool = False) -> torch.T
 def pack_fp6(codes: torch.Tensor) -> torch.Tensor:
     """uint8 [..., 3n/4]: four 6-bit codes per 24-bit little-endian word over the last dim."""
     if codes.shape[-1] % 4:
-        raise UsageError(f"fp6 packing takes groups of 4: the last dim must be a multiple of 4, got {codes.shape[-1]}")
+        raise KernelError(f"fp6 packing takes groups of 4: the last dim must be a multiple of 4, got {codes.shape[-1]}")
     quads = (codes.to(torch.int32) & 0x3F).reshape(*codes.shape[:-1], -1, 4)
     word = quads[..., 0] | quads[..., 1] << 6 | quads[..., 2] << 12 | quads[..., 3] << 18
     out = torch.stack((word, word >> 8, word >> 16), dim=-1) & 0xFF
@@ -144,7 +144,7 @@ def pack_fp6(codes: torch.Tensor) -> torch.Tensor:
 def unpack_fp6(packed: torch.Tensor) -> torch.Tensor:
     """uint8 6-bit codes, 4/3 as many along the last dim as `packed` bytes."""
     if packed.shape[-1] % 3:
-        raise UsageError(f"fp6 data comes in 3-byte groups: the last dim must be a multiple of 3, got {packed.shape[-1]}")
+        raise KernelError(f"fp6 data comes in 3-byte groups: the last dim must be a multiple of 3, got {packed.shape[-1]}")
     triples = packed.to(torch.int32).reshape(*packed.shape[:-1], -1, 3)
     word = triples[..., 0] | triples[..., 1] << 8 | triples[..., 2] << 16
     codes = torch.stack([(word >> shift) & 0x3F for shift in (0, 6, 12, 18)], dim=-1)
