@@ -266,4 +266,9 @@ def test_the_fixture_script_reproduces_the_committed_files(tmp_path):
 
     maker.make_bnb(tmp_path / "bnb")
     for path in sorted(p for p in FIXTURES.rglob("*") if p.is_file() and p.name != "manifest.json"):
-        assert (tmp_path / "bnb" / path.relative_to(FIXTURES)).read_bytes() == path.read_bytes(), path
+        made = tmp_path / "bnb" / path.relative_to(FIXTURES)
+        if path.parent.name == "reference":  # bitsandbytes' own decoding: by value (its zeros' sign varies by code path)
+            ours, committed = load_file(str(made)), load_file(str(path))
+            assert set(ours) == set(committed) and all(torch.equal(ours[k], committed[k]) and ours[k].dtype == committed[k].dtype for k in ours), path
+        else:  # what bitsandbytes and transformers write: byte for byte
+            assert made.read_bytes() == path.read_bytes(), path
