@@ -211,6 +211,9 @@ class _Runner:
             from qtool.layouts.gguf import permute_rows
 
             data = loaded if job.action == DEQUANTIZE else self._converted(job, loaded)
+            if self.options.measure and job.action != DEQUANTIZE:
+                dtype = job.weight.data.dtype.name
+                self.result.kept = self.result.kept.merge(kept_error(loaded, data, dtype, job.out_dtype or dtype))
             yield name, permute_rows(data, job.weight.shape[0], job.rope_heads), 0
         elif job.action == DEQUANTIZE:
             yield name, loaded, 0

@@ -123,3 +123,10 @@ def test_update_of_nothing_and_of_unequal_sizes():
     assert empty == ErrorStats() and empty.to_json() == {"sqnr_db": None, "rel_rmse": 0.0, "max_abs_err": 0.0, "cosine": 1.0}
     with pytest.raises(ValueError, match="ErrorStats.update: 4 original values against 3 reconstructed"):
         ErrorStats().update(torch.zeros(4), torch.zeros(3))
+
+
+@pytest.mark.parametrize("scheme, out, ignore", [("q8_0", "x.gguf", ["re:.*q_proj.*"]), ("W4A16", "x", []), ("int8", "x", [])])
+def test_quantize_over_all_weights_is_compares_model_figure(tmp_path, scheme, out, ignore):
+    """Copies (also GGUF's q/k rows, permuted, and norms cast to F32) count as compare counts them."""
+    result = qtool.quantize(TINY, tmp_path / out, scheme, ignore=ignore)
+    assert result.to_json()["summary"]["all_weights"] == qtool.compare(TINY, tmp_path / out).model_error().to_json()
