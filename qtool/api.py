@@ -95,13 +95,22 @@ def prepare_quantize(
 ) -> Task:
     """Plan a quantization: which weights, which scheme and layout, every output tensor.
     Writes nothing; refuses an impossible job (and every unsafe output path) here."""
-    from qtool.layouts import PlanOptions, choose_layout
-    from qtool.pipeline import parse_dtype, parse_size
     from qtool.selection import Selection
 
     selection = Selection.from_options(scheme, list(include), list(ignore), list(tensor_schemes))
     checkpoint = _open_checkpoint(path)
-    output, report = os.fspath(output), (os.fspath(report) if report is not None else None)
+    try:
+        return _plan_quantize(checkpoint, path, os.fspath(output), selection, layout, dtype, max_shard_size, allow_requantize, report)
+    except BaseException:
+        checkpoint.close()  # `run` closes it after a plan; nothing does after a refusal
+        raise
+
+
+def _plan_quantize(checkpoint: Checkpoint, path, output: str, selection, layout, dtype, max_shard_size, allow_requantize, report) -> Task:
+    from qtool.layouts import PlanOptions, choose_layout
+    from qtool.pipeline import parse_dtype, parse_size
+
+    report = os.fspath(report) if report is not None else None
     weights = inspect_checkpoint(checkpoint).weights
     warnings = []
     quantized = [w for w in weights if w.quantized]
@@ -148,16 +157,20 @@ def prepare_dequantize(
 
     checkpoint = _open_checkpoint(path)
     output = os.fspath(output)
-    single_file = check_paths(checkpoint, output, None, container="safetensors")
-    weights = inspect_checkpoint(checkpoint).weights
-    warnings = [] if any(w.quantized for w in weights) else [f"{path} has no quantized weights; the output is a copy"]
-    options = PlanOptions(
-        single_file=single_file,
-        out_dtype=parse_dtype(dtype),
-        max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
-        file_name=os.path.basename(output) if single_file else "model.safetensors",
-    )
-    plan = LAYOUTS["safetensors"].plan(checkpoint, weights, {}, options)
+    try:
+        single_file = check_paths(checkpoint, output, None, container="safetensors")
+        weights = inspect_checkpoint(checkpoint).weights
+        warnings = [] if any(w.quantized for w in weights) else [f"{path} has no quantized weights; the output is a copy"]
+        options = PlanOptions(
+            single_file=single_file,
+            out_dtype=parse_dtype(dtype),
+            max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
+            file_name=os.path.basename(output) if single_file else "model.safetensors",
+        )
+        plan = LAYOUTS["safetensors"].plan(checkpoint, weights, {}, options)
+    except BaseException:
+        checkpoint.close()
+        raise
     return Task(plan, output, single_file, tuple(warnings + _side_file_warnings(checkpoint, single_file)))
 
 
