@@ -134,6 +134,8 @@ def _plan_quantize(checkpoint: Checkpoint, path, output: str, selection, layout,
     requested = "gguf" if layout in (None, "auto") and output.endswith(".gguf") else layout
     chosen_layout = choose_layout(schemes, requested)
     single_file = check_paths(checkpoint, output, report, container=chosen_layout.container)
+    if max_shard_size and chosen_layout.container == "gguf":
+        raise UsageError("a GGUF output is one file and is not split into shards", option="max_shard_size")
     options = PlanOptions(
         single_file=single_file,
         out_dtype=parse_dtype(dtype),
@@ -190,18 +192,36 @@ def check_paths(checkpoint: Checkpoint, output: str, report: str | None, *, cont
             if real.startswith(source.rstrip(os.sep) + os.sep):
                 raise UsageError(f"{what} {path} lies inside the input {source}", hint="write beside the input, not into it")
 
+    for path, what in ((output, "output"), (report, "report")):
+        if path is not None and not path.strip():
+            raise UsageError(f"the {what} path is empty", option=what)
     clash(output, "output")
+    real_out = os.path.realpath(output)
+    for source in inputs:  # an --overwrite of a folder holding the input would replace the input
+        if source.startswith(real_out.rstrip(os.sep) + os.sep):
+            raise UsageError(f"output {output} holds the input {source}", hint="write to a new path; qtool never modifies its input")
     single_file = output.endswith((".safetensors", ".gguf"))
     if container == "gguf" and not output.endswith(".gguf"):
         raise UsageError(f"a GGUF output is one file: {output} should end in .gguf", hint="e.g. model-q4_0.gguf")
     if container != "gguf" and output.endswith(".gguf"):
-        raise UsageError(f"{output} ends in .gguf, but the chosen schemes write {container}", hint="pick a GGUF scheme (q8_0, q4_0, ...) or another output path")
+        raise UsageError(f"{output} ends in .gguf, but this writes {container}", hint="name a folder or a .safetensors file, or quantize to a GGUF scheme (q8_0, q4_0, ...)")
+    _refuse_linked_config(checkpoint)
     if report is not None:
         clash(report, "report")
         real_out, real_report = os.path.realpath(output), os.path.realpath(report)
         if real_report == real_out or real_report.startswith(real_out + os.sep):
             raise UsageError(f"report {report} would be inside the output {output}", hint="write the report beside the output")
     return single_file
+
+
+def _refuse_linked_config(checkpoint: Checkpoint) -> None:
+    """config.json is rewritten into the output: one that links out of the model's folder (an
+    HF cache's blobs aside) would publish whatever it points at."""
+    from qtool.side_files import linked_out
+
+    for file in {os.path.join(os.path.dirname(f), "config.json") for f in checkpoint.files}:
+        if linked_out(file):
+            raise UsageError(f"{file} links out of the model folder, to {os.path.realpath(file)}", hint="copy the real config.json into the model folder; qtool will not publish a linked one")
 
 
 def _side_file_warnings(checkpoint: Checkpoint, single_file: bool) -> list[str]:

@@ -19,7 +19,7 @@ import stat
 
 from qtool.formats.checkpoint import Checkpoint
 
-__all__ = ["SIDE_FILE_PATTERNS", "SIDE_FILE_LIMIT", "carried_over", "skipped_links"]
+__all__ = ["SIDE_FILE_PATTERNS", "SIDE_FILE_LIMIT", "carried_over", "skipped_links", "linked_out"]
 
 SIDE_FILE_LIMIT = 64 << 20  # a tokenizer is a few MB; anything larger is not a side file
 SIDE_FILE_PATTERNS = (
@@ -71,3 +71,8 @@ def skipped_links(source: Checkpoint) -> list[str]:
     regular files): what the warning names."""
     roots = _roots(source.path) if os.path.isdir(source.path) else []
     return [name for path, name in _candidates(source) if not _safe(path, roots)]
+
+
+def linked_out(path: str) -> bool:
+    """Whether `path` is a link that resolves out of its folder (an HF cache's blobs aside)."""
+    return os.path.islink(path) and not _inside(os.path.realpath(path), _roots(os.path.dirname(os.path.abspath(path))))

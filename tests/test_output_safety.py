@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 import re
 import signal
 import subprocess
@@ -259,7 +260,7 @@ def test_overwrite_refuses_a_folder_of_other_files(tmp_path):
         (target / name).write_text("x")
     with pytest.raises(UsageError) as caught:
         Output(str(target), single_file=False, overwrite=True)
-    assert str(caught.value) == f"-o {target} holds code/, thesis.tex, which are not checkpoint files; refusing to replace it"
+    assert str(caught.value) == f"output {target} holds code/, thesis.tex, which are not checkpoint files; refusing to replace it"
     assert sorted(os.listdir(tmp_path)) == ["work"]  # nothing was written
     for index in range(6):
         (target / f"notes{index}.txt").write_text("x")
@@ -271,8 +272,8 @@ def test_overwrite_accepts_a_hugging_face_model_folder(tmp_path):
     target = tmp_path / "model"
     target.mkdir()
     names = ["config.json", "generation_config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json",
-             "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "README.md",
-             "LICENSE", "chat_template.jinja", ".gitattributes"]
+             "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+             "chat_template.jinja"]  # a model card, licence or code may be hand-written: refused (test_write_safety)
     for name in names:
         (target / name).write_text("x")
     small_output(target, overwrite=True).commit()
@@ -306,7 +307,7 @@ def test_the_cli_refuses_to_overwrite_a_folder_of_other_files(tmp_path):
     (tmp_path / "thesis.tex").write_text("x")
     result = CliRunner().invoke(app, ["quantize", str(TINY), "-o", str(tmp_path), "--overwrite", "-q"])
     assert result.exit_code == EXIT_USAGE
-    assert result.stderr.splitlines()[0] == f"error: -o {tmp_path} holds thesis.tex, which are not checkpoint files; refusing to replace it"
+    assert result.stderr.splitlines()[0] == f"error: output {tmp_path} holds thesis.tex, which are not checkpoint files; refusing to replace it"
     assert os.listdir(tmp_path) == ["thesis.tex"]
 
 
@@ -588,9 +589,15 @@ def test_write_json_atomic_refuses_what_exists_unless_told(tmp_path):
         write_json_atomic(str(path), {"a": 2})
     write_json_atomic(str(path), {"a": 2}, overwrite=True)
     assert json.loads(path.read_text()) == {"a": 2}
-    with pytest.raises(UsageError, match="is a folder; refusing to replace it"):
+    with pytest.raises(UsageError, match="is not a regular file; refusing to replace it"):
         write_json_atomic(str(tmp_path / "reports"), {}, overwrite=True)
     assert os.listdir(tmp_path / "reports") == ["r.json"]
+    os.mkfifo(tmp_path / "fifo.json")
+    os.symlink(path, tmp_path / "link.json")
+    for special in ("fifo.json", "link.json"):  # never replaced, even with overwrite
+        with pytest.raises(UsageError, match="is not a regular file"):
+            write_json_atomic(str(tmp_path / special), {}, overwrite=True)
+    assert os.path.islink(tmp_path / "link.json") and stat.S_ISFIFO(os.lstat(tmp_path / "fifo.json").st_mode)
 
 
 def test_write_json_atomic_never_replaces_a_report_that_appeared(tmp_path, monkeypatch):

@@ -80,6 +80,44 @@ def test_an_output_onto_a_side_file_of_a_file_input_is_refused(tmp_path, model):
     assert (model / "config.json").read_bytes() == config
 
 
+@pytest.mark.parametrize("command, source", [("quantize", "model.safetensors"), ("dequantize", "model.safetensors"), ("quantize", ".")])
+def test_an_output_that_holds_the_input_is_refused_even_with_overwrite(tmp_path, model, command, source):
+    before = digest(model)
+    result = run(command, model / source, "-o", model, "--overwrite", "-q")
+    one_error_line(result, "input")
+    assert digest(model) == before
+
+
+def test_a_config_linking_out_of_the_model_is_never_published(tmp_path, model):
+    (tmp_path / "private.json").write_text('{"model_type": "llama", "secret_token": "hf_SECRET"}')
+    (model / "config.json").unlink()
+    (model / "config.json").symlink_to(tmp_path / "private.json")
+    one_error_line(run("quantize", model, "-o", tmp_path / "out"), "config.json", "links out of the model folder")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_input_rewritten_in_place_with_its_mtime_restored_is_caught(tmp_path, model, monkeypatch):
+    from qtool.formats.checkpoint import Checkpoint
+
+    weights = model / "model.safetensors"
+    original, calls = Checkpoint.read_bytes, []
+    stamp = os.stat(weights)
+
+    def read_then_rewrite(self, tensor, *args, **kwargs):
+        data = original(self, tensor, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 3:
+            with open(weights, "r+b") as handle:  # same size, same inode
+                handle.seek(stamp.st_size - 64)
+                handle.write(b"\x7f" * 64)
+            os.utime(weights, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+        return data
+
+    monkeypatch.setattr(Checkpoint, "read_bytes", read_then_rewrite)
+    one_error_line(run("quantize", model, "-o", tmp_path / "out", "-q"), "model.safetensors", "modified")
+    assert not (tmp_path / "out").exists()
+
+
 def test_overwrite_never_replaces_a_folder_of_other_files(tmp_path, model):
     work = tmp_path / "work"
     (work / "code").mkdir(parents=True)
@@ -87,6 +125,11 @@ def test_overwrite_never_replaces_a_folder_of_other_files(tmp_path, model):
     result = run("quantize", model, "-o", work, "--overwrite")
     one_error_line(result, "thesis.tex", "not checkpoint files")
     assert (work / "thesis.tex").read_text() == "years of work" and (work / "code").is_dir()
+    done = tmp_path / "done"
+    assert run("quantize", model, "-o", done, "-q").exit_code == 0
+    (done / "README.md").write_text("a model card written by hand")  # qtool never writes one
+    one_error_line(run("quantize", model, "-o", done, "--overwrite", "-q"), "README.md")
+    assert (done / "README.md").read_text() == "a model card written by hand"
 
 
 def test_missing_parents_are_created_and_a_file_in_the_way_is_named(tmp_path, model):

@@ -7,7 +7,7 @@ facts only. Which stored tensors make up one logical weight is decided later, by
 A `Checkpoint` reads each file through one descriptor, opened on first use and kept until
 `close()`, so every byte comes from the file whose header was parsed, even if the path is
 replaced meanwhile (an `hf download` or a training job writing over it). Each file's identity
-(st_dev, st_ino, st_size, st_mtime_ns) is taken when the checkpoint is built, checked when the
+(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns) is taken when the checkpoint is built, checked when the
 file is opened, and again by `verify_unchanged()`, which a writer calls before it commits: an
 output is never built from a file that changed while it was read.
 """
@@ -32,11 +32,11 @@ __all__ = ["StoredTensor", "Checkpoint", "SMALL_TENSOR_LIMIT"]
 SMALL_TENSOR_LIMIT = 64 * 1024
 
 _OPEN_LOCK = threading.Lock()  # one open per file, though the reader thread and the main thread both read
-_Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
+_Identity = tuple[int, int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns
 
 
 def _identity_of(st: os.stat_result) -> _Identity:
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _how_changed(before: _Identity, after: _Identity | None) -> str | None:
@@ -49,7 +49,7 @@ def _how_changed(before: _Identity, after: _Identity | None) -> str | None:
         return f"truncated from {before[2]} to {after[2]} bytes"
     if after[2] != before[2]:
         return f"grown from {before[2]} to {after[2]} bytes"
-    if after[3] != before[3]:
+    if after[3:] != before[3:]:  # ctime too: a writer can restore the mtime, never the ctime
         return "modified"
     return None
 
@@ -137,16 +137,16 @@ class Checkpoint:
         descriptor's file was modified or truncated, or the path now names another file. A
         writer calls this before it commits, so a changed input leaves no output."""
         for file, before in self._identity.items():
+            try:  # the path first: a replaced file also changes the old one's ctime (its links)
+                now: _Identity | None = _identity_of(os.stat(file))
+            except FileNotFoundError:
+                now = None
+            except OSError as exc:
+                raise CheckpointError(f"cannot check whether it changed: {exc.strerror or exc}", path=file) from None
+            how = _how_changed(before, now)
             fd = self._fds.get(file)
-            how = _how_changed(before, _identity_of(os.fstat(fd))) if fd is not None else None
-            if how is None:
-                try:
-                    now: _Identity | None = _identity_of(os.stat(file))
-                except FileNotFoundError:
-                    now = None
-                except OSError as exc:
-                    raise CheckpointError(f"cannot check whether it changed: {exc.strerror or exc}", path=file) from None
-                how = _how_changed(before, now)
+            if how is None and fd is not None:
+                how = _how_changed(before, _identity_of(os.fstat(fd)))
             if how is not None:
                 raise _changed(file, how)
 

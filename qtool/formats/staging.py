@@ -71,10 +71,10 @@ _NAME_MAX = 255  # bytes in one path component on every Linux filesystem qtool w
 
 CHECKPOINT_SUFFIXES = (".safetensors", ".gguf")  # what a single-file output may replace
 
-# What a folder output may replace: a folder holding these names only, and no subfolder. These
-# are the files of a Hugging Face model folder, which qtool also copies into its own outputs:
-# weights and their index, configs, tokenizer files, the model card (README.md), licence files,
-# and trust_remote_code modules (configuration_*.py, modeling_*.py, tokenization_*.py).
+# What a folder output may replace: a folder holding these names only, and no subfolder: weights
+# and their index, configs and tokenizer files, what qtool writes and carries over. A model card,
+# a licence or code (README.md, LICENSE, modeling_*.py) may have been written by hand, so a
+# folder holding them is refused rather than replaced.
 CHECKPOINT_FILES = (
     "*.safetensors",
     "*.safetensors.index.json",
@@ -94,14 +94,6 @@ CHECKPOINT_FILES = (
     "*.model",  # sentencepiece
     "*.tiktoken",
     "chat_template.*",
-    "README.md",
-    "LICENSE*",
-    "NOTICE*",
-    "USE_POLICY.md",
-    ".gitattributes",
-    "configuration_*.py",
-    "modeling_*.py",
-    "tokenization_*.py",
 )
 
 
@@ -357,11 +349,11 @@ def _identity(path: str) -> tuple[int, int] | None:
 
 
 def _appeared(shown: str) -> UsageError:
-    return UsageError(f"output {shown} appeared while writing; nothing was replaced", hint="another run may be writing there; choose another -o")
+    return UsageError(f"output {shown} appeared while writing; nothing was replaced", hint="another run may be writing there; choose another output path", option="output")
 
 
 def _changed(shown: str) -> UsageError:
-    return UsageError(f"output {shown} changed while writing; nothing was replaced", hint="another run may be writing there; choose another -o")
+    return UsageError(f"output {shown} changed while writing; nothing was replaced", hint="another run may be writing there; choose another output path", option="output")
 
 
 def place(source: str, target: str, *, shown: str, replacing: tuple[int, int] | None, check: Callable[[str], None]) -> str | None:
@@ -444,7 +436,7 @@ def _put_back(aside: str, target: str) -> None:
 # -- before writing: the target's folder, and what may be replaced --------------------------------
 
 
-def make_parents(folder: str, shown: str) -> list[str]:
+def make_parents(folder: str, shown: str, what: str = "output") -> list[str]:
     """Create `folder` and its missing ancestors (mode 0o777, less the umask); return the ones
     created, outermost first, so an aborted run can remove them again. A component that exists
     and is not a folder is a UsageError that names it."""
@@ -464,7 +456,7 @@ def make_parents(folder: str, shown: str) -> list[str]:
             st = os.stat(path)
         except FileNotFoundError:
             if os.path.islink(path):
-                raise UsageError(f"cannot create output {shown}: {path} is a broken symlink") from None
+                raise UsageError(f"cannot create {what} {shown}: {path} is a broken symlink") from None
             try:
                 os.mkdir(path, 0o777)
                 created.append(path)
@@ -473,13 +465,13 @@ def make_parents(folder: str, shown: str) -> list[str]:
                 st = os.stat(path)
             except OSError as exc:
                 remove_created(created)
-                raise CheckpointError(f"cannot create output {shown}: cannot create {path}: {exc.strerror or exc}") from None
+                raise CheckpointError(f"cannot create {what} {shown}: cannot create {path}: {exc.strerror or exc}") from None
         except OSError as exc:
             remove_created(created)
-            raise CheckpointError(f"cannot create output {shown}: {path}: {exc.strerror or exc}") from None
+            raise CheckpointError(f"cannot create {what} {shown}: {path}: {exc.strerror or exc}") from None
         if not stat.S_ISDIR(st.st_mode):
             remove_created(created)
-            raise UsageError(f"cannot create output {shown}: {path} is a file", hint="choose another -o")
+            raise UsageError(f"cannot create {what} {shown}: {path} is a file", hint="choose another output path", option="output")
     return created
 
 
@@ -506,15 +498,15 @@ def check_replaceable(target: str, shown: str, *, single_file: bool, name: str |
     st = os.lstat(target)
     refuse = "refusing to replace it"
     if stat.S_ISLNK(st.st_mode):
-        raise UsageError(f"output {shown} is a symlink; {refuse}", hint="write to the path it points to, or choose another -o")
+        raise UsageError(f"output {shown} is a symlink; {refuse}", hint="write to the path it points to, or choose another output path", option="output")
     if single_file:
         if stat.S_ISDIR(st.st_mode):
-            raise UsageError(f"output {shown} is a folder, and this output is one file; {refuse}", hint="choose another -o")
+            raise UsageError(f"output {shown} is a folder, and this output is one file; {refuse}", hint="choose another output path", option="output")
         if not stat.S_ISREG(st.st_mode) or not (name or target).endswith(CHECKPOINT_SUFFIXES):
-            raise UsageError(f"output {shown} is not a checkpoint file ({', '.join(CHECKPOINT_SUFFIXES)}); {refuse}", hint="choose another -o")
+            raise UsageError(f"output {shown} is not a checkpoint file ({', '.join(CHECKPOINT_SUFFIXES)}); {refuse}", hint="choose another output path", option="output")
         return
     if not stat.S_ISDIR(st.st_mode):
-        raise UsageError(f"output {shown} is a file, and this output is a folder; {refuse}", hint="choose another -o")
+        raise UsageError(f"output {shown} is a file, and this output is a folder; {refuse}", hint="choose another output path", option="output")
     unexpected = []
     with os.scandir(target) as entries:
         for entry in entries:
@@ -530,6 +522,6 @@ def check_replaceable(target: str, shown: str, *, single_file: bool, name: str |
         if len(unexpected) > 5:
             listed += f" and {len(unexpected) - 5} more"
         raise UsageError(
-            f"-o {shown} holds {listed}, which are not checkpoint files; {refuse}",
+            f"output {shown} holds {listed}, which are not checkpoint files; {refuse}",
             hint="--overwrite replaces only a previous checkpoint folder; choose another -o",
         )

@@ -20,6 +20,7 @@ import ctypes
 import errno
 import json
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -334,7 +335,7 @@ def _existing(target: str, shown: str, *, single_file: bool, overwrite: bool, wh
     except OSError as exc:
         raise CheckpointError(f"cannot check {what} {shown}: {exc.strerror or exc}") from None
     if not overwrite:
-        raise UsageError(f"{what} {shown} already exists", hint="pass --overwrite to replace it, or choose another -o")
+        raise UsageError(f"{what} {shown} already exists", hint="allow overwriting to replace it, or choose another output path", option="overwrite")
     staging.check_replaceable(target, shown, single_file=single_file)
     return st.st_dev, st.st_ino
 
@@ -364,11 +365,11 @@ class StagedJson:
         data = (json.dumps(document, indent=2) + "\n").encode("utf-8")  # before any file exists
         if os.path.lexists(self.target):
             if not overwrite:
-                raise UsageError(f"report {self.shown} already exists", hint="pass --overwrite to replace it, or choose another path")
-            if os.path.isdir(self.target) and not os.path.islink(self.target):
-                raise UsageError(f"report {self.shown} is a folder; refusing to replace it", hint="choose another path")
+                raise UsageError(f"report {self.shown} already exists", hint="allow overwriting to replace it, or choose another path", option="overwrite")
+            if not stat.S_ISREG(os.lstat(self.target).st_mode):  # a folder, a link, a device, a FIFO
+                raise UsageError(f"report {self.shown} is not a regular file; refusing to replace it", hint="choose another path", option="report")
         self.parent = os.path.dirname(self.target)
-        self.created = staging.make_parents(self.parent, self.shown)
+        self.created = staging.make_parents(self.parent, self.shown, "report")
         cleanup_stale(self.parent)
         self.temp = staging.staging_path(self.target)
         staging.register(self.temp)
