@@ -24,12 +24,18 @@ _PICKLE_INDEX_SUFFIXES = tuple(f"{s}.index.json" for s in _PICKLE_SUFFIXES)  # p
 # In a folder of several pickles (a trainer checkpoint: optimizer.pt, rng_state.pth, ...) these
 # hold the model.
 _PICKLE_MODEL_NAMES = ("pytorch_model.bin", "model.pt", "model.pth", "model.bin")
+_REMOTE_SCHEMES = ("hf://", "http://", "https://")
 _TYPES_HINT = "pass a .safetensors, .gguf, .pt/.pth/.bin or .bpk file, a *.index.json, or a model folder"
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Read the headers of a checkpoint. No tensor data is read."""
+    """Read the headers of a checkpoint. No tensor data is read. `hf://`, `http://` and
+    `https://` locations are read by range requests (qtool.formats.remote_loader)."""
     path = os.fspath(path)
+    if path.startswith(_REMOTE_SCHEMES):
+        from qtool.formats.remote_loader import open_remote
+
+        return open_remote(path)
     if not os.path.exists(path):
         raise CheckpointError("no such file or directory", path=path, hint=_TYPES_HINT)
     if os.path.isdir(path):
@@ -262,6 +268,11 @@ def _read_json(path: str) -> Any:
             raw = handle.read()
     except OSError as exc:
         raise CheckpointError(f"cannot read: {exc.strerror}", path=path) from None
+    return parse_json(raw, path)
+
+
+def parse_json(raw: bytes, path: str) -> Any:
+    """A side file's or an index's JSON, or a one-line CheckpointError naming `path`."""
     try:
         return json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
