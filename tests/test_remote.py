@@ -36,6 +36,7 @@ class Server:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.mode = "ok"
+        self.busy_sent = False
         self.log: list[dict] = []
         self.repos: dict[str, dict] = {}  # repo id -> {"folder": Path, "private": bool}
         server = self
@@ -127,6 +128,9 @@ class Server:
         start, last = int(match.group(1)), min(int(match.group(2)), len(data) - 1)
         body = data[start : last + 1]
         mode = self.mode
+        if mode == "busy" or (mode == "busy-once" and not self.busy_sent):
+            self.busy_sent = True
+            return self._send(h, entry, 503, b"busy")
         if mode == "norange":
             return self._stream(h, entry, 200, data, {"ETag": etag, "Content-Length": str(len(data))})
         content_range = f"bytes {start}-{last}/{len(data)}"
@@ -341,6 +345,21 @@ def test_misbehaving_servers_are_refused_in_one_line(served, tmp_path, mode, say
     for entry in served.requests("big/model.safetensors"):
         assert entry["sent"] <= FIRST_READ + SLACK + 4 * CHUNK, entry
     assert not list((tmp_path / "remote").glob("*")) if (tmp_path / "remote").exists() else True  # nothing cached
+
+
+def test_5xx_is_retried_then_refused(served, tmp_path):
+    url = f"{served.url}/tiny-llama/model.safetensors"
+    served.mode, served.busy_sent, served.log[:] = "busy-once", False, []
+    try:
+        result = qtool("inspect", url, "--json", cache=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert [r["status"] for r in served.requests("model.safetensors")] == [503, 206]
+        served.mode, served.log[:] = "busy", []
+        line = one_error(qtool("inspect", url, cache=tmp_path / "other"))
+    finally:
+        served.mode = "ok"
+    assert "HTTP 503 (3 tries)" in line
+    assert len(served.requests("model.safetensors")) == 3
 
 
 def test_a_missing_file_is_one_line(served, tmp_path):

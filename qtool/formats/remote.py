@@ -73,6 +73,7 @@ class RemoteFile:
         self.headers = dict(headers or {})
         self.size: int | None = None
         self.etag: str | None = None
+        self.status: int | None = None  # of the last whole-file read: 200, 304 or 404
 
     def fail(self, message: str, hint: str | None = None) -> CheckpointError:
         return CheckpointError(message, path=self.display, hint=hint)
@@ -165,8 +166,11 @@ class RemoteFile:
             raise _Truncated(len(data), want)
         if self.size is not None and self.size != total:
             raise self.fail(f"the file changed size while it was read ({self.size} then {total} bytes)")
+        etag = response.headers.get("ETag")
+        if etag and self.etag and etag != self.etag:
+            raise self.fail("the file changed while it was read (its ETag changed)", hint="run qtool again")
         self.size = total
-        self.etag = response.headers.get("ETag") or self.etag
+        self.etag = etag or self.etag
         return data
 
     def read_whole(self, cap: int, etag: str | None = None) -> bytes | None:

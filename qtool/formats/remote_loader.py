@@ -90,6 +90,8 @@ class _Session:
         remote = self.file(url)
         cached = self.cache.get(url, "head")
         data: bytes | None = None
+        if cached is not None and not isinstance(cached[0].get("size"), int):
+            cached = None  # an entry from elsewhere: fetch afresh
         if cached is not None:
             meta, blob = cached
             if self.cache.immutable(url) or meta.get("etag"):
@@ -101,8 +103,7 @@ class _Session:
         if data is None:
             data = remote.read(0, first)
         size = remote.size
-        if not isinstance(size, int):
-            raise remote.fail("the cache entry is damaged; remove qtool's cache folder")
+        assert isinstance(size, int)  # every read that returned bytes set it
         fetched = cached is None or data is not cached[1]
         while True:
             try:
