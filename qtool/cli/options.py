@@ -27,7 +27,7 @@ class OutputFormat(str, Enum):
 CheckpointArg = Annotated[
     str,
     typer.Argument(
-        help="A .safetensors, .gguf, .pt/.bin or .bpk file, a *.index.json, or a model folder; or (inspect, check) hf://ORG/REPO[@REVISION][/PATH] or an https:// URL.",
+        help="A .safetensors, .gguf, .pt/.bin or .bpk file, a *.index.json, or a model folder; or, for inspect and check, hf://ORG/REPO, hf://ORG/REPO@REVISION/PATH or an https:// URL of a file.",
         show_default=False,
     ),
 ]
