@@ -37,6 +37,7 @@ class Server:
         self.root = root
         self.mode = "ok"
         self.busy_sent = False
+        self.latency = 0.0  # seconds added before each file response (benchmarks/bench_remote.py)
         self.log: list[dict] = []
         self.repos: dict[str, dict] = {}  # repo id -> {"folder": Path, "private": bool}
         server = self
@@ -115,58 +116,61 @@ class Server:
         self._send(h, entry, 200, body.encode(), {"Content-Type": "application/json"})
 
     def _file(self, h, entry, file: Path) -> None:
+        if self.latency:
+            time.sleep(self.latency)
         if not file.is_file():
-            return self._send(h, entry, 404, b"not found")
-        data = file.read_bytes()
-        etag = '"' + hashlib.sha1(data).hexdigest() + '"'
+            return self._send(h, entry, 404, b"not found", {"X-Error-Code": "EntryNotFound"})
+        info = file.stat()
+        size = info.st_size
+        etag = f'"{size:x}-{info.st_mtime_ns:x}"'
+        common = {"ETag": etag, "X-Repo-Commit": COMMIT, "Accept-Ranges": "bytes"}
         wanted = h.headers.get("Range")
         if h.headers.get("If-None-Match") == etag:
-            return self._send(h, entry, 304, b"", {"ETag": etag, "Content-Length": "0"})
+            return self._send(h, entry, 304, b"", {**common, "Content-Length": "0"})
         if not wanted:
-            return self._send(h, entry, 200, data, {"ETag": etag})
+            return self._stream(h, entry, 200, file, 0, size, {**common, "Content-Length": str(size)}, pace=False)
         match = re.match(r"bytes=(\d+)-(\d+)$", wanted)
-        start, last = int(match.group(1)), min(int(match.group(2)), len(data) - 1)
-        body = data[start : last + 1]
+        start, last = int(match.group(1)), min(int(match.group(2)), size - 1)
         mode = self.mode
         if mode == "busy" or (mode == "busy-once" and not self.busy_sent):
             self.busy_sent = True
             return self._send(h, entry, 503, b"busy")
         if mode == "norange":
-            return self._stream(h, entry, 200, data, {"ETag": etag, "Content-Length": str(len(data))})
-        content_range = f"bytes {start}-{last}/{len(data)}"
+            return self._stream(h, entry, 200, file, 0, size, {**common, "Content-Length": str(size)})
+        content_range = f"bytes {start}-{last}/{size}"
         if mode == "badrange":
-            content_range = f"bytes {start + 1}-{last + 1}/{len(data)}"
-        headers = {"ETag": etag, "Content-Range": content_range, "Content-Length": str(len(body))}
+            content_range = f"bytes {start + 1}-{last + 1}/{size}"
+        headers = {**common, "Content-Range": content_range, "Content-Length": str(last + 1 - start)}
         if mode == "cut":
-            entry["status"] = 206
-            h.send_response(206)
-            for key, value in headers.items():
-                h.send_header(key, value)
-            h.end_headers()
-            h.wfile.write(body[:100])
-            entry["sent"] += 100
-            h.wfile.flush()
-            h.close_connection = True
-            return
+            return self._stream(h, entry, 206, file, start, start + 100, headers)
         if mode == "huge":
-            return self._stream(h, entry, 206, data[start:], {**headers, "Content-Length": str(10**12)})
+            return self._stream(h, entry, 206, file, start, size, {**headers, "Content-Length": str(10**12)})
         if mode == "long":
             del headers["Content-Length"]
-            return self._stream(h, entry, 206, data[start:], headers)
-        self._send(h, entry, 206, body, headers)
+            return self._stream(h, entry, 206, file, start, size, headers)
+        self._stream(h, entry, 206, file, start, last + 1, headers, pace=False)
 
-    def _stream(self, h, entry, status: int, data: bytes, headers: dict) -> None:
-        """Send in chunks, as a real server does, until the client goes away."""
+    def _stream(self, h, entry, status: int, file: Path, start: int, end: int, headers: dict, pace: bool = True) -> None:
+        """Send bytes [start, end) of `file` in chunks, as a real server does, until the client
+        goes away (paced, for the misbehaving modes, so the log shows what it read)."""
         entry["status"] = status
         h.send_response(status)
         for key, value in headers.items():
             h.send_header(key, value)
         h.end_headers()
-        for at in range(0, len(data), CHUNK):
-            h.wfile.write(data[at : at + CHUNK])
-            h.wfile.flush()
-            entry["sent"] += len(data[at : at + CHUNK])
-            time.sleep(0.002)
+        if h.command == "HEAD":
+            return
+        with open(file, "rb") as handle:
+            handle.seek(start)
+            at = start
+            while at < end:
+                piece = handle.read(min(CHUNK, end - at))
+                h.wfile.write(piece)
+                h.wfile.flush()
+                entry["sent"] += len(piece)
+                at += len(piece)
+                if pace:
+                    time.sleep(0.002)
         h.close_connection = True
 
 
