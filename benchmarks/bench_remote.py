@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.test_remote import Server  # noqa: E402
+from tests.test_remote import Server
 
 LATENCY = 0.020
 HIDDEN, INTER, LAYERS, VOCAB, KV = 8192, 28672, 80, 32000, 1024

@@ -5,7 +5,6 @@ sent. No network beyond 127.0.0.1."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -226,7 +225,7 @@ def local_json(path: Path) -> dict:
 
 
 def same_but_location(remote: dict, local: dict) -> bool:
-    strip = lambda d: {k: v for k, v in d.items() if k not in ("path", "files")}  # noqa: E731
+    strip = lambda d: {k: v for k, v in d.items() if k not in ("path", "files")}
     return strip(remote) == strip(local)
 
 

@@ -13,6 +13,7 @@ the revision (one request; the listing of a commit hash is cached), builds each 
 
 from __future__ import annotations
 
+import json
 import posixpath
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -305,7 +306,7 @@ def _hub_listing(hub, location: str, repo_id: str, revision: str | None, token: 
             listing = parse_json(cached[1], location)
             if isinstance(listing, dict) and isinstance(listing.get("files"), list):
                 return revision, [f for f in listing["files"] if isinstance(f, str)]
-    from huggingface_hub import errors
+    from huggingface_hub import utils as errors  # where 0.20 and later all export the error types
 
     try:
         info = hub.HfApi().model_info(repo_id, revision=revision, token=token or False)
@@ -324,15 +325,14 @@ def _hub_listing(hub, location: str, repo_id: str, revision: str | None, token: 
     commit = info.sha if isinstance(info.sha, str) and _COMMIT.match(info.sha) else revision or "main"
     files = [s.rfilename for s in (info.siblings or []) if isinstance(getattr(s, "rfilename", None), str)]
     if _COMMIT.match(commit):
-        import json
-
         cache.put(f"{hub.constants.ENDPOINT}/api/models/{repo_id}/revision/{commit}", "listing", json.dumps({"files": files}).encode())
     return commit, files
 
 
 def _choose(location: str, files: list[str], path: str) -> str:
-    """The file to read, chosen as in a local folder: the index, else model.safetensors, else
-    every .safetensors file is not supported remotely without an index, else the one .gguf."""
+    """The file to read, chosen as in a local folder: the index, else model.safetensors, else the
+    one .safetensors file, else the one .gguf. (Several .safetensors files without an index,
+    which a local folder reads together, are refused: name one.)"""
     if path in files:
         return path
     prefix = f"{path}/" if path else ""
