@@ -98,6 +98,8 @@ class Server:
             repo = self.repos.get(resolve.group(1))
             if repo is None or resolve.group(2) not in ("main", COMMIT) or not self._authorized(h, repo):
                 return self._send(h, entry, 401 if repo and repo["private"] else 404, b"{}")
+            if repo.get("cdn") is not None:  # large files live elsewhere, as on the Hub
+                return self._send(h, entry, 302, b"", {"Location": f"{repo['cdn'].url}/{resolve.group(3)}", "X-Repo-Commit": COMMIT})
             return self._file(h, entry, repo["folder"] / resolve.group(3))
         return self._file(h, entry, self.root / path.lstrip("/"))
 
@@ -181,12 +183,23 @@ def served(tmp_path_factory):
     shutil.copytree(CT_FIXTURES / "W4A16", root / "ct-w4a16", ignore=shutil.ignore_patterns("reference"))
     _write_gguf(root / "gguf" / "model.gguf")
     _write_big(root / "big" / "model.safetensors")
+    _write_many(root / "many" / "model.safetensors")
+    shutil.copytree(SAMPLES.parent / "tests" / "fixtures" / "bnb" / "nf4_nested", root / "bnb-nf4", ignore=shutil.ignore_patterns("reference"))
+    (root / "over").mkdir()
+    (root / "over" / "model.safetensors").write_bytes((200_000_000).to_bytes(8, "little") + b"{}" + bytes(100_000))
     server = Server(root)
     server.repos["org/public"] = {"folder": root / "tiny-llama", "private": False}
     server.repos["org/private"] = {"folder": root / "ct-w4a16", "private": True}
     server.repos["org/sharded"] = {"folder": root / "tiny-llama-sharded", "private": False}
     yield server
     server.close()
+
+
+def _write_many(path: Path) -> None:
+    """A header over 64 KiB: its second part needs a second request."""
+    from tests.conftest import write_safetensors
+
+    write_safetensors(path, {f"model.layers.{i}.mlp.experts.{j}.weight": ("BF16", (4, 4)) for i in range(40) for j in range(40)})
 
 
 def _write_gguf(path: Path) -> None:
@@ -282,6 +295,34 @@ def test_compressed_tensors_weight_shape_comes_by_range(served, tmp_path):
     reads = served.requests("model.safetensors")
     assert len(reads) > 1  # the header, then weight_shape tensors by range
     assert all(r["range"] for r in reads)
+
+
+def test_bitsandbytes_quant_state_comes_by_range(served, tmp_path):
+    served.mode, served.log[:] = "ok", []
+    url = f"{served.url}/bnb-nf4/model.safetensors"
+    result = qtool("inspect", url, "--json", cache=tmp_path)
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert same_but_location(document, local_json(served.root / "bnb-nf4"))
+    assert document["summary"]["quantized_weights"] > 0
+
+
+def test_a_long_header_takes_a_second_request_for_the_rest(served, tmp_path):
+    served.mode, served.log[:] = "ok", []
+    file = served.root / "many" / "model.safetensors"
+    result = qtool("inspect", f"{served.url}/many/model.safetensors", "--json", cache=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert same_but_location(json.loads(result.stdout), local_json(file))
+    reads = served.requests("many/model.safetensors")
+    assert header_bytes(file) > FIRST_READ
+    assert [r["range"] for r in reads] == [f"bytes=0-{FIRST_READ - 1}", f"bytes={FIRST_READ}-{header_bytes(file) - 1}"]
+
+
+def test_a_header_over_the_limit_is_refused_after_one_request(served, tmp_path):
+    served.mode, served.log[:] = "ok", []
+    line = one_error(qtool("inspect", f"{served.url}/over/model.safetensors", cache=tmp_path))
+    assert "over the 100000000-byte limit" in line
+    assert len(served.requests("over/model.safetensors")) == 1
 
 
 def test_gguf_header_grows_by_ranges(served, tmp_path):
@@ -440,6 +481,21 @@ def test_hf_private_repo_needs_the_token_and_never_shows_it(served, tmp_path):
     assert all(r["auth"] == f"Bearer {TOKEN}" for r in served.log)
     line = one_error(qtool("dequantize", "hf://org/private", "-o", str(tmp_path / "out"), cache=tmp_path, env=hub_env(served, token=TOKEN)))
     assert "huggingface-cli download org/private" in line
+
+
+def test_the_token_does_not_follow_a_redirect_to_another_host(served, tmp_path):
+    cdn = Server(served.root / "ct-w4a16")
+    served.repos["org/redirected"] = {"folder": served.root / "ct-w4a16", "private": True, "cdn": cdn}
+    try:
+        served.mode, served.log[:] = "ok", []
+        result = qtool("inspect", "hf://org/redirected", "--json", cache=tmp_path, env=hub_env(served, token=TOKEN))
+        assert result.returncode == 0, result.stderr
+        assert same_but_location(json.loads(result.stdout), local_json(served.root / "ct-w4a16"))
+        assert cdn.log and all(r["auth"] is None for r in cdn.log)
+        assert all(r["auth"] == f"Bearer {TOKEN}" for r in served.log)
+    finally:
+        cdn.close()
+        del served.repos["org/redirected"]
 
 
 def test_hf_unknown_revision_and_bad_location(served, tmp_path):
