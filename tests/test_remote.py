@@ -502,6 +502,7 @@ def test_hf_unknown_revision_and_bad_location(served, tmp_path):
     line = one_error(qtool("inspect", "hf://org/public@nope", cache=tmp_path, env=hub_env(served)))
     assert "revision 'nope' not found" in line
     one_error(qtool("inspect", "hf://justone", cache=tmp_path, env=hub_env(served)))
+    assert "not a valid repository id" in one_error(qtool("inspect", "hf://@x/y", cache=tmp_path, env=hub_env(served)))
 
 
 def test_hf_without_huggingface_hub_says_how_to_install(served, tmp_path):

@@ -310,6 +310,8 @@ def _hub_listing(hub, location: str, repo_id: str, revision: str | None, token: 
 
     try:
         info = hub.HfApi().model_info(repo_id, revision=revision, token=token or False)
+    except errors.HFValidationError:
+        raise UsageError(f"{repo_id!r} is not a valid repository id", hint=f"write {_HF_FORM}") from None
     except errors.GatedRepoError:
         raise CheckpointError("the repository is gated: accept its terms on the Hub, then log in", path=location, hint=LOGIN_HINT) from None
     except errors.RevisionNotFoundError:
