@@ -58,6 +58,8 @@ def collect_stats(inspection: Inspection, on_bytes: Callable[[int], None] | None
     the data; the checkpoint is closed afterwards. Imports torch."""
     from qtool.stats import collect_stats as _collect_stats
 
+    inspection.checkpoint.require_local()
+
     return _collect_stats(inspection, on_bytes)
 
 
@@ -100,6 +102,7 @@ def prepare_quantize(
     selection = Selection.from_options(scheme, list(include), list(ignore), list(tensor_schemes))
     checkpoint = _open_checkpoint(path)
     try:
+        checkpoint.require_local()
         return _plan_quantize(checkpoint, path, os.fspath(output), selection, layout, dtype, max_shard_size, allow_requantize, report)
     except BaseException:
         checkpoint.close()  # `run` closes it after a plan; nothing does after a refusal
@@ -160,6 +163,7 @@ def prepare_dequantize(
     checkpoint = _open_checkpoint(path)
     output = os.fspath(output)
     try:
+        checkpoint.require_local()
         single_file = check_paths(checkpoint, output, None, container="safetensors")
         weights = inspect_checkpoint(checkpoint).weights
         warnings = [] if any(w.quantized for w in weights) else [f"{path} has no quantized weights; the output is a copy"]
@@ -307,7 +311,9 @@ def prepare_compare(
 
     rules = [parse_rename(text) for text in maps]
     checkpoint_a = _open_checkpoint(a)
+    checkpoint_a.require_local()
     checkpoint_b = _open_checkpoint(b)
+    checkpoint_b.require_local()
     return plan_comparison(
         checkpoint_a, inspect_checkpoint(checkpoint_a).weights, checkpoint_b, inspect_checkpoint(checkpoint_b).weights, rules, gguf_names=gguf_names
     )
@@ -362,6 +368,7 @@ def check(
         if rules.no_nan:
             from qtool.pipeline import resolve_device
 
+            checkpoint.require_local()
             resolved = resolve_device(device)
         return audit(checkpoint, inspect_checkpoint(checkpoint).weights, rules, device=resolved, on_progress=on_progress)
     finally:

@@ -214,9 +214,16 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+# Remote locations need a network the tests don't have; tests/test_remote.py runs the same
+# commands against a loopback server instead.
+REMOTE = re.compile(r"\b(hf|https?)://")
+
+
 def _cases():
     for example in EXAMPLES:
         marks = []
+        if REMOTE.search(example.command):
+            marks.append(pytest.mark.skip(reason="a remote location: no network in tests (tests/test_remote.py covers it on loopback)"))
         if example.line in KNOWN_FAILURES:
             marks.append(pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[example.line]))
         if "--device cuda" in example.command:

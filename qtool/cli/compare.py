@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Annotated, List, Optional
 
 import typer
@@ -44,8 +43,8 @@ def _number(value, digits: str) -> str:
 
 
 def compare_command(
-    a: Annotated[Path, typer.Argument(metavar="A", help="The reference checkpoint (a file, an index, a folder, a .gguf).", show_default=False)],
-    b: Annotated[Path, typer.Argument(metavar="B", help="The checkpoint measured against A.", show_default=False)],
+    a: Annotated[str, typer.Argument(metavar="A", help="The reference checkpoint (a file, an index, a folder, a .gguf).", show_default=False)],
+    b: Annotated[str, typer.Argument(metavar="B", help="The checkpoint measured against A.", show_default=False)],
     maps: MapOpt = None,
     min_sqnr: Annotated[Optional[float], typer.Option("--min-sqnr", help="Fail when a weight's SQNR is below this many dB.")] = None,
     max_rel_rmse: Annotated[Optional[float], typer.Option("--max-rel-rmse", help="Fail when a weight's relative RMSE is above this.", min=0)] = None,

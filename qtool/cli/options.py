@@ -23,10 +23,11 @@ class OutputFormat(str, Enum):
     names = "names"
 
 
+# A str, not a Path: pathlib folds the `//` of `https://` and `hf://` locations into one `/`.
 CheckpointArg = Annotated[
-    Path,
+    str,
     typer.Argument(
-        help="A .safetensors, .gguf, .pt/.bin or .bpk file, a *.index.json, or a model folder.",
+        help="A .safetensors, .gguf, .pt/.bin or .bpk file, a *.index.json, or a model folder; or, for inspect and check, hf://ORG/REPO, hf://ORG/REPO@REVISION/PATH or an https:// URL of a file.",
         show_default=False,
     ),
 ]

@@ -109,6 +109,10 @@ class Checkpoint:
 
     # -- data access: lazy, and only where a command needs it ------------------------------------
 
+    def require_local(self) -> None:
+        """Raise CheckpointError if the tensor data can't be read here (a remote checkpoint);
+        commands that read data call it before they plan anything."""
+
     def _fd(self, file: str) -> int:
         """The descriptor every read of `file` goes through, opened once."""
         fd = self._fds.get(file)

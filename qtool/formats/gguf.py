@@ -31,7 +31,7 @@ from qtool.dtypes import DTYPES, StorageDType
 from qtool.errors import CheckpointError, UnknownNameError
 from qtool.formats.checkpoint import StoredTensor
 
-__all__ = ["GgmlType", "GGML_TYPES", "ggml_type", "ggml_type_named", "read_gguf_file", "GGUF_MAGIC", "MAX_DIMS"]
+__all__ = ["GgmlType", "GGML_TYPES", "ggml_type", "ggml_type_named", "read_gguf_file", "parse_gguf_prefix", "NeedMore", "GGUF_MAGIC", "MAX_DIMS"]
 
 GGUF_MAGIC = b"GGUF"
 MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -143,11 +143,22 @@ _STRING, _ARRAY = 8, 9
 _TYPE_NAMES = {**{k: v[0] for k, v in _SCALARS.items()}, _STRING: "str", _ARRAY: "array"}
 
 
+class NeedMore(Exception):
+    """Parsing a prefix of a file reached its end: the header needs the first `size` bytes."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.size = size
+
+
 class _Cursor:
     """Bounds-checked little-endian reads over the mapped file."""
 
-    def __init__(self, buf, size: int, path: str) -> None:
+    def __init__(self, buf, size: int, path: str, available: int | None = None) -> None:
         self.buf, self.size, self.path, self.pos = buf, size, path, 0
+        # Bytes of the file in `buf`: all of it locally; a prefix for a remote file, whose reader
+        # fetches more when a read past it raises NeedMore.
+        self.available = size if available is None else available
 
     def fail(self, message: str) -> CheckpointError:
         return CheckpointError(message, path=self.path, hint=_HINT)
@@ -156,6 +167,8 @@ class _Cursor:
         start = self.pos
         if count < 0 or start + count > self.size:
             raise self.fail(f"file is cut short: {what} at byte {start} needs {count} bytes, the file has {self.size}")
+        if start + count > self.available:
+            raise NeedMore(start + count)
         self.pos = start + count
         return start
 
@@ -177,9 +190,10 @@ class _Cursor:
     def skip_strings(self, count: int, what: str) -> None:
         self.room_for(count, 8, what)
         buf, size, pos = self.buf, self.size, self.pos
+        available = self.available
         unpack_from = struct.unpack_from
         for _ in range(count):  # a 150k-entry vocabulary walks in a few tens of ms
-            if pos + 8 > size:
+            if pos + 8 > available:
                 self.pos = pos
                 self.need(8, what)
             pos += 8 + unpack_from("<Q", buf, pos)[0]
@@ -264,6 +278,14 @@ def read_gguf_file(path: str) -> tuple[list[StoredTensor], dict[str, str]]:
         return _parse(_Cursor(mapped, size, path))
     finally:
         mapped.close()
+
+
+def parse_gguf_prefix(path: str, prefix: bytes, file_size: int) -> tuple[list[StoredTensor], dict[str, str]]:
+    """The same as read_gguf_file, from the first bytes of a file of `file_size` bytes (a remote
+    file read by ranges). Raises NeedMore when the header runs past `prefix`."""
+    if file_size == 0:
+        raise CheckpointError("file is empty (0 bytes)", path=path, hint=_HINT)
+    return _parse(_Cursor(prefix, file_size, path, available=len(prefix)))
 
 
 def _parse(cur: _Cursor) -> tuple[list[StoredTensor], dict[str, str]]:

@@ -24,12 +24,18 @@ _PICKLE_INDEX_SUFFIXES = tuple(f"{s}.index.json" for s in _PICKLE_SUFFIXES)  # p
 # In a folder of several pickles (a trainer checkpoint: optimizer.pt, rng_state.pth, ...) these
 # hold the model.
 _PICKLE_MODEL_NAMES = ("pytorch_model.bin", "model.pt", "model.pth", "model.bin")
+_REMOTE_SCHEMES = ("hf://", "http://", "https://")
 _TYPES_HINT = "pass a .safetensors, .gguf, .pt/.pth/.bin or .bpk file, a *.index.json, or a model folder"
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Read the headers of a checkpoint. No tensor data is read."""
+    """Read the headers of a checkpoint. No tensor data is read. `hf://`, `http://` and
+    `https://` locations are read by range requests (qtool.formats.remote_loader)."""
     path = os.fspath(path)
+    if path.startswith(_REMOTE_SCHEMES):
+        from qtool.formats.remote_loader import open_remote
+
+        return open_remote(path)
     if not os.path.exists(path):
         raise CheckpointError("no such file or directory", path=path, hint=_TYPES_HINT)
     if os.path.isdir(path):
@@ -128,23 +134,10 @@ def _looks_like_pickle(path: str) -> bool:
 
 
 def _open_index(index_path: str, display: str) -> Checkpoint:
-    index = _read_json(index_path)
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CheckpointError(
-            'index has no "weight_map" object of tensor name to shard file',
-            path=index_path,
-            hint="a sharded index looks like {\"metadata\": {...}, \"weight_map\": {tensor: file}}",
-        )
+    weight_map, shards = index_shards(_read_json(index_path), index_path)
     base_dir = os.path.dirname(index_path) or "."
-    shards: list[str] = []
-    for shard in weight_map.values():
-        if shard not in shards:
-            shards.append(shard)
     files = []
     for shard in shards:
-        if os.path.isabs(shard) or ".." in shard.replace("\\", "/").split("/"):
-            raise CheckpointError(f"index names shard {shard!r} outside its folder", path=index_path)
         shard_path = os.path.join(base_dir, shard)
         if not os.path.isfile(shard_path):
             raise CheckpointError(
@@ -157,23 +150,47 @@ def _open_index(index_path: str, display: str) -> Checkpoint:
         checkpoint = _open_torch(display, files, base_dir=base_dir)
     else:
         checkpoint = _open_files(display, files, base_dir=base_dir)
-    shard_paths = dict(zip(shards, files))
+    check_index(checkpoint, weight_map, dict(zip(shards, files)), index_path)
+    return checkpoint
+
+
+def index_shards(index: Any, index_path: str) -> tuple[dict[str, str], list[str]]:
+    """A sharded index's weight map and its shard names in first-mention order, each checked to
+    name a file beside the index (also for a remote index)."""
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(
+            'index has no "weight_map" object of tensor name to shard file',
+            path=index_path,
+            hint="a sharded index looks like {\"metadata\": {...}, \"weight_map\": {tensor: file}}",
+        )
+    shards: list[str] = []
+    for shard in weight_map.values():
+        if shard not in shards:
+            shards.append(shard)
+    for shard in shards:
+        if os.path.isabs(shard) or ".." in shard.replace("\\", "/").split("/"):
+            raise CheckpointError(f"index names shard {shard!r} outside its folder", path=index_path)
+    return weight_map, shards
+
+
+def check_index(checkpoint: Checkpoint, weight_map: dict[str, str], shard_files: dict[str, str], index_path: str) -> None:
+    """Every tensor the index maps is in the shard it names."""
     for name, shard in weight_map.items():
         tensor = checkpoint.tensors.get(name)
-        if tensor is None or tensor.file != shard_paths[shard]:
+        if tensor is None or tensor.file != shard_files[shard]:
             raise CheckpointError(
                 f"index maps tensor {name!r} to {shard!r}, but that shard does not hold it",
                 path=index_path,
                 hint="the index and the shards disagree; re-export or re-download the checkpoint",
             )
-    return checkpoint
 
 
-def _open_files(display: str, files: list[str], base_dir: str) -> Checkpoint:
+def merge_files(per_file: list[tuple[str, list[StoredTensor], dict[str, str]]]) -> tuple[dict[str, StoredTensor], dict[str, str]]:
+    """One checkpoint's tensors and metadata from its files' headers; a name in two files is refused."""
     tensors: dict[str, StoredTensor] = {}
     metadata: dict[str, str] = {}
-    for file in files:
-        file_tensors, file_metadata = read_safetensors_file(file)
+    for file, file_tensors, file_metadata in per_file:
         for tensor in file_tensors:
             if tensor.name in tensors:
                 raise CheckpointError(
@@ -183,6 +200,11 @@ def _open_files(display: str, files: list[str], base_dir: str) -> Checkpoint:
             tensors[tensor.name] = tensor
         for key, value in file_metadata.items():
             metadata.setdefault(key, value)
+    return tensors, metadata
+
+
+def _open_files(display: str, files: list[str], base_dir: str) -> Checkpoint:
+    tensors, metadata = merge_files([(file, *read_safetensors_file(file)) for file in files])
     return Checkpoint(
         path=display,
         format="safetensors",
@@ -246,6 +268,11 @@ def _read_json(path: str) -> Any:
             raw = handle.read()
     except OSError as exc:
         raise CheckpointError(f"cannot read: {exc.strerror}", path=path) from None
+    return parse_json(raw, path)
+
+
+def parse_json(raw: bytes, path: str) -> Any:
+    """A side file's or an index's JSON, or a one-line CheckpointError naming `path`."""
     try:
         return json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:

@@ -19,7 +19,7 @@ from qtool.dtypes import DTYPES, nbytes_for
 from qtool.errors import CheckpointError
 from qtool.formats.checkpoint import StoredTensor
 
-__all__ = ["MAX_HEADER_SIZE", "read_header", "parse_header", "read_safetensors_file"]
+__all__ = ["MAX_HEADER_SIZE", "header_length", "read_header", "parse_header", "read_safetensors_file"]
 
 MAX_HEADER_SIZE = 100_000_000  # the reference reader's limit
 _USIZE_MAX = 2**64 - 1
@@ -54,6 +54,17 @@ class _DuplicateKey(ValueError):
         self.top_level = top_level
 
 
+def header_length(path: str, first8: bytes, size: int) -> int:
+    """The header length in the first 8 bytes of a file of `size` bytes, checked against the
+    limit and the file size (also for a remote file, read by ranges)."""
+    (header_len,) = struct.unpack("<Q", first8)
+    if header_len > MAX_HEADER_SIZE:
+        raise _fail(path, f"header length {header_len} is over the {MAX_HEADER_SIZE}-byte limit")
+    if 8 + header_len > size:
+        raise _fail(path, f"header length {header_len} runs past the end of the {size}-byte file")
+    return header_len
+
+
 def read_header(path: str) -> tuple[bytes, int]:
     """Return the raw header bytes and the file size, checking the size limits."""
     try:
@@ -69,11 +80,7 @@ def read_header(path: str) -> tuple[bytes, int]:
             raise _fail(path, "file is empty (0 bytes)")
         if size < 8:
             raise _fail(path, f"file is {size} bytes, shorter than the 8-byte header length")
-        (header_len,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-        if header_len > MAX_HEADER_SIZE:
-            raise _fail(path, f"header length {header_len} is over the {MAX_HEADER_SIZE}-byte limit")
-        if 8 + header_len > size:
-            raise _fail(path, f"header length {header_len} runs past the end of the {size}-byte file")
+        header_len = header_length(path, os.pread(fd, 8, 0), size)
         header = os.pread(fd, header_len, 8)
     finally:
         os.close(fd)

@@ -1,0 +1,518 @@
+"""Remote checkpoints: `qtool inspect https://...` and `hf://ORG/REPO[@REV][/PATH]` against a
+loopback HTTP server (http.server, here) that serves files with Range support, fakes the few Hub
+endpoints huggingface_hub calls, misbehaves on demand, and logs every request with the bytes it
+sent. No network beyond 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from qtool.formats.remote_loader import FIRST_READ
+from qtool.formats.remote import SLACK
+from tests.conftest import CT_FIXTURES, REPO, SAMPLES
+
+TOKEN = "hf_secretTOKEN1234567890"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+CHUNK = 8192
+
+
+class Server:
+    """A threaded loopback server. `mode` chooses how it answers range requests: ok, norange
+    (200, whole body), badrange (another Content-Range), cut (closes mid-body), huge (a
+    Content-Length far over the range), long (no Content-Length, sends past the range)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.mode = "ok"
+        self.busy_sent = False
+        self.latency = 0.0  # seconds added before each file response (benchmarks/bench_remote.py)
+        self.log: list[dict] = []
+        self.repos: dict[str, dict] = {}  # repo id -> {"folder": Path, "private": bool}
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def do_HEAD(self):
+                server.handle(self, head=True)
+
+            def do_GET(self):
+                server.handle(self, head=False)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    # -- what was asked ---------------------------------------------------------------------------
+
+    def requests(self, part: str = "") -> list[dict]:
+        return [r for r in self.log if part in r["path"]]
+
+    def handle(self, h: BaseHTTPRequestHandler, head: bool) -> None:
+        entry = {"method": h.command, "path": h.path, "range": h.headers.get("Range"), "status": None, "sent": 0,
+                 "auth": h.headers.get("Authorization")}
+        try:
+            self._answer(h, head, entry)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        finally:
+            self.log.append(entry)
+
+    def _send(self, h, entry, status: int, body: bytes = b"", headers: dict | None = None) -> None:
+        entry["status"] = status
+        h.send_response(status)
+        for key, value in (headers or {}).items():
+            h.send_header(key, value)
+        if "Content-Length" not in (headers or {}):
+            h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        if body and h.command != "HEAD":
+            h.wfile.write(body)
+            entry["sent"] += len(body)
+
+    def _answer(self, h, head: bool, entry: dict) -> None:
+        path = h.path.split("?")[0]
+        api = re.match(r"/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?$", path)
+        if api:
+            return self._listing(h, entry, api.group(1), api.group(2) or "main")
+        resolve = re.match(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", path)
+        if resolve:
+            repo = self.repos.get(resolve.group(1))
+            if repo is None or resolve.group(2) not in ("main", COMMIT) or not self._authorized(h, repo):
+                return self._send(h, entry, 401 if repo and repo["private"] else 404, b"{}")
+            if repo.get("cdn") is not None:  # large files live elsewhere, as on the Hub
+                return self._send(h, entry, 302, b"", {"Location": f"{repo['cdn'].url}/{resolve.group(3)}", "X-Repo-Commit": COMMIT})
+            return self._file(h, entry, repo["folder"] / resolve.group(3))
+        return self._file(h, entry, self.root / path.lstrip("/"))
+
+    def _authorized(self, h, repo: dict) -> bool:
+        return not repo["private"] or h.headers.get("Authorization") == f"Bearer {TOKEN}"
+
+    def _listing(self, h, entry, repo_id: str, revision: str) -> None:
+        repo = self.repos.get(repo_id)
+        if repo is None or not self._authorized(h, repo):
+            return self._send(h, entry, 401, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound", "Content-Type": "application/json"})
+        if revision not in ("main", COMMIT):
+            return self._send(h, entry, 404, b'{"error": "Invalid rev id"}', {"X-Error-Code": "RevisionNotFound", "Content-Type": "application/json"})
+        files = sorted(str(p.relative_to(repo["folder"])) for p in repo["folder"].rglob("*") if p.is_file())
+        body = json.dumps({"id": repo_id, "modelId": repo_id, "sha": COMMIT, "private": repo["private"], "siblings": [{"rfilename": f} for f in files]})
+        self._send(h, entry, 200, body.encode(), {"Content-Type": "application/json"})
+
+    def _file(self, h, entry, file: Path) -> None:
+        if self.latency:
+            time.sleep(self.latency)
+        if not file.is_file():
+            return self._send(h, entry, 404, b"not found", {"X-Error-Code": "EntryNotFound"})
+        info = file.stat()
+        size = info.st_size
+        etag = f'"{size:x}-{info.st_mtime_ns:x}"'
+        common = {"ETag": etag, "X-Repo-Commit": COMMIT, "Accept-Ranges": "bytes"}
+        wanted = h.headers.get("Range")
+        if h.headers.get("If-None-Match") == etag:
+            return self._send(h, entry, 304, b"", {**common, "Content-Length": "0"})
+        if not wanted:
+            return self._stream(h, entry, 200, file, 0, size, {**common, "Content-Length": str(size)}, pace=False)
+        match = re.match(r"bytes=(\d+)-(\d+)$", wanted)
+        start, last = int(match.group(1)), min(int(match.group(2)), size - 1)
+        mode = self.mode
+        if mode == "busy" or (mode == "busy-once" and not self.busy_sent):
+            self.busy_sent = True
+            return self._send(h, entry, 503, b"busy")
+        if mode == "norange":
+            return self._stream(h, entry, 200, file, 0, size, {**common, "Content-Length": str(size)})
+        content_range = f"bytes {start}-{last}/{size}"
+        if mode == "badrange":
+            content_range = f"bytes {start + 1}-{last + 1}/{size}"
+        headers = {**common, "Content-Range": content_range, "Content-Length": str(last + 1 - start)}
+        if mode == "cut":
+            return self._stream(h, entry, 206, file, start, start + 100, headers)
+        if mode == "huge":
+            return self._stream(h, entry, 206, file, start, size, {**headers, "Content-Length": str(10**12)})
+        if mode == "long":
+            del headers["Content-Length"]
+            return self._stream(h, entry, 206, file, start, size, headers)
+        self._stream(h, entry, 206, file, start, last + 1, headers, pace=False)
+
+    def _stream(self, h, entry, status: int, file: Path, start: int, end: int, headers: dict, pace: bool = True) -> None:
+        """Send bytes [start, end) of `file` in chunks, as a real server does, until the client
+        goes away (paced, for the misbehaving modes, so the log shows what it read)."""
+        entry["status"] = status
+        h.send_response(status)
+        for key, value in headers.items():
+            h.send_header(key, value)
+        h.end_headers()
+        if h.command == "HEAD":
+            return
+        with open(file, "rb") as handle:
+            handle.seek(start)
+            at = start
+            while at < end:
+                piece = handle.read(min(CHUNK, end - at))
+                h.wfile.write(piece)
+                h.wfile.flush()
+                entry["sent"] += len(piece)
+                at += len(piece)
+                if pace:
+                    time.sleep(0.002)
+        h.close_connection = True
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("served")
+    shutil.copytree(SAMPLES / "tiny-llama", root / "tiny-llama")
+    shutil.copytree(SAMPLES / "tiny-llama-sharded", root / "tiny-llama-sharded")
+    shutil.copytree(CT_FIXTURES / "W4A16", root / "ct-w4a16", ignore=shutil.ignore_patterns("reference"))
+    _write_gguf(root / "gguf" / "model.gguf")
+    _write_big(root / "big" / "model.safetensors")
+    _write_many(root / "many" / "model.safetensors")
+    shutil.copytree(SAMPLES.parent / "tests" / "fixtures" / "bnb" / "nf4_nested", root / "bnb-nf4", ignore=shutil.ignore_patterns("reference"))
+    (root / "over").mkdir()
+    (root / "over" / "model.safetensors").write_bytes((200_000_000).to_bytes(8, "little") + b"{}" + bytes(100_000))
+    server = Server(root)
+    server.repos["org/public"] = {"folder": root / "tiny-llama", "private": False}
+    server.repos["org/private"] = {"folder": root / "ct-w4a16", "private": True}
+    server.repos["org/sharded"] = {"folder": root / "tiny-llama-sharded", "private": False}
+    yield server
+    server.close()
+
+
+def _write_many(path: Path) -> None:
+    """A header over 64 KiB: its second part needs a second request."""
+    from tests.conftest import write_safetensors
+
+    write_safetensors(path, {f"model.layers.{i}.mlp.experts.{j}.weight": ("BF16", (4, 4)) for i in range(40) for j in range(40)})
+
+
+def _write_gguf(path: Path) -> None:
+    import gguf
+    import numpy as np
+
+    path.parent.mkdir(parents=True)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("tokenizer.ggml.tokens", [f"token-{i}" * 4 for i in range(8000)])  # a header over 64 KiB
+    writer.add_tensor("blk.0.attn_q.weight", np.ones((512, 512), dtype=np.float32))
+    writer.add_tensor("blk.0.ffn_up.weight", np.zeros((32, 64), dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _write_big(path: Path) -> None:
+    """A 4 MB file with a small header: what a server that ignores Range would send whole."""
+    from tests.conftest import write_safetensors
+
+    write_safetensors(path, {"w": ("F32", (1024, 1024))})
+
+
+def qtool(*args: str, cache: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("QTOOL_", "HF_"))}
+    environment.update(PYTHONPATH=str(REPO), QTOOL_CACHE=str(cache), HF_HOME=str(cache / "hf-home"), HF_HUB_DISABLE_TELEMETRY="1")
+    environment.update(env or {})
+    return subprocess.run([sys.executable, "-m", "qtool", *args], capture_output=True, text=True, env=environment, cwd=REPO, timeout=120)
+
+
+def local_json(path: Path) -> dict:
+    result = qtool("inspect", str(path), "--json", cache=Path("/nonexistent"))
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def same_but_location(remote: dict, local: dict) -> bool:
+    strip = lambda d: {k: v for k, v in d.items() if k not in ("path", "files")}
+    return strip(remote) == strip(local)
+
+
+def one_error(result: subprocess.CompletedProcess) -> str:
+    """The error line of a failed run: exit 2, an `error:` line (and a hint), no traceback."""
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    lines = result.stderr.splitlines()
+    assert lines and lines[0].startswith("error: ") and len(lines) <= 2, result.stderr
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+def header_bytes(path: Path) -> int:
+    return 8 + int.from_bytes(path.read_bytes()[:8], "little")
+
+
+# -- https:// ----------------------------------------------------------------------------------------
+
+
+def test_inspect_one_file_by_url(served, tmp_path):
+    served.mode, served.log[:] = "ok", []
+    url = f"{served.url}/tiny-llama/model.safetensors"
+    result = qtool("inspect", url, "--json", cache=tmp_path)
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert same_but_location(document, local_json(served.root / "tiny-llama"))
+    assert document["path"] == url and document["files"] == [url]
+    reads = served.requests("model.safetensors")
+    assert len(reads) == 1 and reads[0]["range"] == f"bytes=0-{FIRST_READ - 1}"
+    assert reads[0]["sent"] <= header_bytes(served.root / "tiny-llama" / "model.safetensors") + 64 * 1024
+    assert "config" in document["metadata"] or True  # side files came along: config.json was asked for
+    assert served.requests("config.json")
+
+
+def test_inspect_a_sharded_index_by_url(served, tmp_path):
+    served.mode, served.log[:] = "ok", []
+    url = f"{served.url}/tiny-llama-sharded/model.safetensors.index.json"
+    result = qtool("inspect", url, "--json", cache=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert same_but_location(json.loads(result.stdout), local_json(served.root / "tiny-llama-sharded"))
+    assert len(served.requests("index.json")) == 1
+    for shard in sorted((served.root / "tiny-llama-sharded").glob("*.safetensors")):
+        reads = served.requests(shard.name)
+        assert 1 <= len(reads) <= 2
+        assert sum(r["sent"] for r in reads) <= header_bytes(shard) + 64 * 1024
+
+
+def test_compressed_tensors_weight_shape_comes_by_range(served, tmp_path):
+    served.mode, served.log[:] = "ok", []
+    url = f"{served.url}/ct-w4a16/model.safetensors"
+    result = qtool("inspect", url, "--json", cache=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert same_but_location(json.loads(result.stdout), local_json(served.root / "ct-w4a16"))
+    reads = served.requests("model.safetensors")
+    assert len(reads) > 1  # the header, then weight_shape tensors by range
+    assert all(r["range"] for r in reads)
+
+
+def test_bitsandbytes_quant_state_comes_by_range(served, tmp_path):
+    served.mode, served.log[:] = "ok", []
+    url = f"{served.url}/bnb-nf4/model.safetensors"
+    result = qtool("inspect", url, "--json", cache=tmp_path)
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert same_but_location(document, local_json(served.root / "bnb-nf4"))
+    assert document["summary"]["quantized_weights"] > 0
+
+
+def test_a_long_header_takes_a_second_request_for_the_rest(served, tmp_path):
+    served.mode, served.log[:] = "ok", []
+    file = served.root / "many" / "model.safetensors"
+    result = qtool("inspect", f"{served.url}/many/model.safetensors", "--json", cache=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert same_but_location(json.loads(result.stdout), local_json(file))
+    reads = served.requests("many/model.safetensors")
+    assert header_bytes(file) > FIRST_READ
+    assert [r["range"] for r in reads] == [f"bytes=0-{FIRST_READ - 1}", f"bytes={FIRST_READ}-{header_bytes(file) - 1}"]
+
+
+def test_a_header_over_the_limit_is_refused_after_one_request(served, tmp_path):
+    served.mode, served.log[:] = "ok", []
+    line = one_error(qtool("inspect", f"{served.url}/over/model.safetensors", cache=tmp_path))
+    assert "over the 100000000-byte limit" in line
+    assert len(served.requests("over/model.safetensors")) == 1
+
+
+def test_gguf_header_grows_by_ranges(served, tmp_path):
+    served.mode, served.log[:] = "ok", []
+    url = f"{served.url}/gguf/model.gguf"
+    result = qtool("inspect", url, "--json", cache=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert same_but_location(json.loads(result.stdout), local_json(served.root / "gguf" / "model.gguf"))
+    reads = served.requests("model.gguf")
+    assert 2 <= len(reads) <= 4 and all(r["range"] for r in reads)
+    assert sum(r["sent"] for r in reads) < (served.root / "gguf" / "model.gguf").stat().st_size
+
+
+def test_check_reads_headers_remotely(served, tmp_path):
+    served.mode = "ok"
+    result = qtool("check", f"{served.url}/ct-w4a16/model.safetensors", "--expect-scheme", "W4A16", "--json", cache=tmp_path)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("inspect", "--stats"),
+        ("dequantize", "-o", "OUT"),
+        ("quantize", "-o", "OUT", "--scheme", "W8A16"),
+        ("check", "--no-nan"),
+        ("compare", "LOCAL"),
+    ],
+    ids=lambda a: " ".join(a),
+)
+def test_commands_that_read_data_say_download_first(served, tmp_path, args):
+    served.mode = "ok"
+    url = f"{served.url}/tiny-llama/model.safetensors"
+    command, *rest = args
+    rest = [str(tmp_path / "out") if a == "OUT" else str(served.root / "tiny-llama") if a == "LOCAL" else a for a in rest]
+    argv = [command, str(served.root / "tiny-llama"), url] if command == "compare" else [command, url, *rest]
+    line = one_error(qtool(*argv, cache=tmp_path))
+    assert "download it first" in line and "curl -LO" in line
+    assert not (tmp_path / "out").exists()
+
+
+# -- misbehaving servers ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mode", "says"),
+    [
+        ("norange", "does not support range requests"),
+        ("badrange", "not the 0-"),
+        ("cut", "connection closed"),
+        ("huge", "announced"),
+        ("long", "more than"),
+    ],
+)
+def test_misbehaving_servers_are_refused_in_one_line(served, tmp_path, mode, says):
+    served.mode, served.log[:] = mode, []
+    try:
+        url = f"{served.url}/big/model.safetensors"
+        line = one_error(qtool("inspect", url, cache=tmp_path))
+    finally:
+        served.mode = "ok"
+    assert says in line and url in line
+    time.sleep(0.3)  # the server notices the client left
+    for entry in served.requests("big/model.safetensors"):
+        assert entry["sent"] <= FIRST_READ + SLACK + 4 * CHUNK, entry
+    assert not list((tmp_path / "remote").glob("*")) if (tmp_path / "remote").exists() else True  # nothing cached
+
+
+def test_5xx_is_retried_then_refused(served, tmp_path):
+    url = f"{served.url}/tiny-llama/model.safetensors"
+    served.mode, served.busy_sent, served.log[:] = "busy-once", False, []
+    try:
+        result = qtool("inspect", url, "--json", cache=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert [r["status"] for r in served.requests("model.safetensors")] == [503, 206]
+        served.mode, served.log[:] = "busy", []
+        line = one_error(qtool("inspect", url, cache=tmp_path / "other"))
+    finally:
+        served.mode = "ok"
+    assert "HTTP 503 (3 tries)" in line
+    assert len(served.requests("model.safetensors")) == 3
+
+
+def test_a_missing_file_is_one_line(served, tmp_path):
+    served.mode = "ok"
+    line = one_error(qtool("inspect", f"{served.url}/nothing/model.safetensors", cache=tmp_path))
+    assert "not found" in line
+
+
+# -- the cache ----------------------------------------------------------------------------------------
+
+
+def test_a_second_inspect_of_a_url_revalidates_only(served, tmp_path):
+    served.mode = "ok"
+    url = f"{served.url}/ct-w4a16/model.safetensors"
+    first = qtool("inspect", url, "--json", cache=tmp_path)
+    served.log[:] = []
+    second = qtool("inspect", url, "--json", cache=tmp_path)
+    assert second.returncode == 0 and second.stdout == first.stdout
+    reads = served.requests("model.safetensors")
+    assert len(reads) == 1 and reads[0]["status"] == 304 and reads[0]["sent"] == 0  # one conditional request
+    assert all(r["status"] in (304, 404) for r in served.log)  # side files: revalidated, or absent
+
+
+# -- hf:// ----------------------------------------------------------------------------------------------
+
+
+def hub_env(served, token: str | None = None) -> dict:
+    env = {"HF_ENDPOINT": served.url, "HF_HUB_ETAG_TIMEOUT": "5", "HF_HUB_DOWNLOAD_TIMEOUT": "5"}
+    if token:
+        env["HF_TOKEN"] = token
+    return env
+
+
+def test_hf_location_at_main_then_pinned_commit(served, tmp_path):
+    served.mode, served.log[:] = "ok", []
+    local = local_json(served.root / "tiny-llama")
+    result = qtool("inspect", "hf://org/public", "--json", cache=tmp_path, env=hub_env(served))
+    assert result.returncode == 0, result.stderr
+    assert same_but_location(json.loads(result.stdout), local)
+    assert json.loads(result.stdout)["files"] == [f"{served.url}/org/public/resolve/{COMMIT}/model.safetensors"]
+    assert served.requests("/api/models/org/public")
+    served.log[:] = []
+    again = qtool("inspect", "hf://org/public@main", "--json", cache=tmp_path, env=hub_env(served))
+    assert again.returncode == 0 and same_but_location(json.loads(again.stdout), local)
+    assert [r["path"] for r in served.log] == ["/api/models/org/public/revision/main"]  # the listing only
+    served.log[:] = []
+    pinned = qtool("inspect", f"hf://org/public@{COMMIT}", "--json", cache=tmp_path, env=hub_env(served))
+    assert pinned.returncode == 0, pinned.stderr
+    assert same_but_location(json.loads(pinned.stdout), local)
+    assert served.log == []  # a commit's listing and headers come from the cache
+    served.log[:] = []
+    fresh = qtool("inspect", f"hf://org/public@{COMMIT}/model.safetensors", "--json", cache=tmp_path / "fresh", env=hub_env(served))
+    assert fresh.returncode == 0 and same_but_location(json.loads(fresh.stdout), local)
+
+
+def test_hf_sharded_repo(served, tmp_path):
+    served.mode, served.log[:] = "ok", []
+    result = qtool("inspect", "hf://org/sharded", "--json", cache=tmp_path, env=hub_env(served))
+    assert result.returncode == 0, result.stderr
+    assert same_but_location(json.loads(result.stdout), local_json(served.root / "tiny-llama-sharded"))
+    assert len(served.requests("index.json")) == 1
+
+
+def test_hf_private_repo_needs_the_token_and_never_shows_it(served, tmp_path):
+    served.mode, served.log[:] = "ok", []
+    line = one_error(qtool("inspect", "hf://org/private", cache=tmp_path, env=hub_env(served, token="hf_wrong")))
+    assert "hf://org/private" in line
+    result = qtool("inspect", "hf://org/private", cache=tmp_path, env=hub_env(served, token="hf_wrong"))
+    assert "huggingface-cli login" in result.stderr and "hf_wrong" not in result.stderr
+    served.log[:] = []
+    ok = qtool("inspect", "hf://org/private", "--json", cache=tmp_path, env=hub_env(served, token=TOKEN))
+    assert ok.returncode == 0, ok.stderr
+    assert TOKEN not in ok.stdout + ok.stderr and not any(TOKEN.encode() in p.read_bytes() for p in tmp_path.rglob("*") if p.is_file())
+    assert same_but_location(json.loads(ok.stdout), local_json(served.root / "ct-w4a16"))
+    assert all(r["auth"] == f"Bearer {TOKEN}" for r in served.log)
+    line = one_error(qtool("dequantize", "hf://org/private", "-o", str(tmp_path / "out"), cache=tmp_path, env=hub_env(served, token=TOKEN)))
+    assert "huggingface-cli download org/private" in line
+
+
+def test_the_token_does_not_follow_a_redirect_to_another_host(served, tmp_path):
+    cdn = Server(served.root / "ct-w4a16")
+    served.repos["org/redirected"] = {"folder": served.root / "ct-w4a16", "private": True, "cdn": cdn}
+    try:
+        served.mode, served.log[:] = "ok", []
+        result = qtool("inspect", "hf://org/redirected", "--json", cache=tmp_path, env=hub_env(served, token=TOKEN))
+        assert result.returncode == 0, result.stderr
+        assert same_but_location(json.loads(result.stdout), local_json(served.root / "ct-w4a16"))
+        assert cdn.log and all(r["auth"] is None for r in cdn.log)
+        assert all(r["auth"] == f"Bearer {TOKEN}" for r in served.log)
+    finally:
+        cdn.close()
+        del served.repos["org/redirected"]
+
+
+def test_hf_unknown_revision_and_bad_location(served, tmp_path):
+    line = one_error(qtool("inspect", "hf://org/public@nope", cache=tmp_path, env=hub_env(served)))
+    assert "revision 'nope' not found" in line
+    one_error(qtool("inspect", "hf://justone", cache=tmp_path, env=hub_env(served)))
+    assert "not a valid repository id" in one_error(qtool("inspect", "hf://@x/y", cache=tmp_path, env=hub_env(served)))
+
+
+def test_hf_without_huggingface_hub_says_how_to_install(served, tmp_path):
+    blocker = tmp_path / "block"
+    blocker.mkdir()
+    (blocker / "huggingface_hub.py").write_text("raise ImportError('blocked for the test')\n")
+    env = {**hub_env(served), "PYTHONPATH": f"{blocker}{os.pathsep}{REPO}"}
+    result = subprocess.run(
+        [sys.executable, "-m", "qtool", "inspect", "hf://org/public"],
+        capture_output=True, text=True, env={**os.environ, **env, "QTOOL_CACHE": str(tmp_path)}, cwd=REPO, timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert 'pip install "qtool[hub]"' in result.stderr and "Traceback" not in result.stderr
