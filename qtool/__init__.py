@@ -8,6 +8,28 @@ torch is imported only where tensor data is touched.
 from __future__ import annotations
 
 import importlib
+import os
+import signal
+import sys
+
+
+def _exit_at_once(signum: int, frame: object) -> None:
+    """Until `qtool.cli.main` installs the real handlers nothing is written, so exit at once."""
+    os.write(2, b"error: interrupted\n" if signum == signal.SIGINT else b"error: terminated\n")
+    os._exit(130 if signum == signal.SIGINT else 143)
+
+
+def _started_as_the_command() -> bool:
+    """`qtool ...` or `python -m qtool ...`, not a program that imports qtool (pytest, a script)."""
+    argv = getattr(sys, "orig_argv", sys.argv)
+    return os.path.basename(sys.argv[0] if sys.argv else "") == "qtool" or any(a == "-m" and b == "qtool" for a, b in zip(argv, argv[1:]))
+
+
+# The earliest line of qtool's own code: from here a Ctrl-C during start-up is one line and exit
+# 130, never a traceback (before it, only the interpreter's own start-up remains).
+if _started_as_the_command() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _exit_at_once)
+    signal.signal(signal.SIGTERM, _exit_at_once)
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~2 ms before the CLI's signal handlers)
 

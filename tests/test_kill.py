@@ -82,6 +82,19 @@ def _wait_for_staging(parent: Path, process: subprocess.Popen) -> None:
         time.sleep(0.001)
 
 
+def _wait_for_the_handler(process: subprocess.Popen) -> None:
+    status = Path(f"/proc/{process.pid}/status")
+    deadline = time.monotonic() + 60
+    while process.poll() is None and time.monotonic() < deadline:
+        try:
+            caught = next(int(line.split()[1], 16) for line in status.read_text().splitlines() if line.startswith("SigCgt:"))
+        except (OSError, StopIteration):
+            return
+        if caught & (1 << (signal.SIGTERM - 1)):
+            return
+        time.sleep(0.001)
+
+
 INTERRUPTED: list[bool] = []  # per run: did the signal land before the run finished?
 
 
@@ -91,8 +104,9 @@ def test_a_killed_quantize_leaves_nothing_or_everything(tmp_path, model, sig, po
     folder, model_digest, complete_digest = model
     out = tmp_path / "out"
     process = _quantize(folder, out)
-    if point == "importing":
-        time.sleep(0.03)
+    if point == "importing":  # once qtool's first handler is in (the interpreter's own start-up before it is not ours)
+        _wait_for_the_handler(process)
+        time.sleep(0.005)
     else:
         _wait_for_staging(tmp_path, process)
         time.sleep({"staged": 0.0, "writing": 0.3, "late": 1.0}[point])

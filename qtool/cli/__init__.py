@@ -21,20 +21,7 @@ import os
 import signal
 import sys
 
-
-def _exit_at_once(signum: int, frame: object) -> None:
-    """Until `main` installs the real handlers: nothing is written yet, so a signal exits at once."""
-    os.write(2, b"error: interrupted\n" if signum == signal.SIGINT else b"error: terminated\n")
-    os._exit(130 if signum == signal.SIGINT else 143)
-
-
-# Started as the `qtool` command (or `python -m qtool`), not imported by a host program such as
-# pytest: from this line, not from main(), a Ctrl-C is one line and exit 130, never a traceback.
-if os.path.basename(sys.argv[0] if sys.argv else "") in ("qtool", "__main__.py") and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, _exit_at_once)
-    signal.signal(signal.SIGTERM, _exit_at_once)
-
-from qtool.errors import (  # noqa: E402 - after the handlers above
+from qtool.errors import (
     EXIT_INTERRUPTED,
     EXIT_SOFTWARE,
     EXIT_TERMINATED,
