@@ -103,6 +103,7 @@ class SafetensorsLayout:
 
     def plan(self, source: Checkpoint, weights: list[Weight], chosen: dict[str, QScheme | None], options: PlanOptions) -> Plan:
         out_dtype = options.out_dtype
+        decoded_dtype = out_dtype or recorded_dtype(source, weights)  # once: a loop over weights stays linear
         jobs: list[Job] = []
         for weight in weights:
             scheme = chosen.get(weight.name)
@@ -110,8 +111,7 @@ class SafetensorsLayout:
                 self.check(weight, scheme)
                 jobs.append(Job(weight, QUANTIZE, self.tensors(weight, scheme), scheme=scheme))
             elif weight.quantized:  # dequantize, or requantize's weights that stay float
-                dtype = out_dtype or recorded_dtype(source, weights)
-                jobs.append(Job(weight, DEQUANTIZE, [planned(weight.name, dtype, weight.shape)], out_dtype=dtype))
+                jobs.append(Job(weight, DEQUANTIZE, [planned(weight.name, decoded_dtype, weight.shape)], out_dtype=decoded_dtype))
             elif out_dtype and weight.dtype in ("F16", "BF16", "F32", "F64") and weight.dtype != out_dtype:
                 jobs.append(Job(weight, CAST, [planned(weight.name, out_dtype, weight.shape)], out_dtype=out_dtype))
             else:
