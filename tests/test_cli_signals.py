@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, SAMPLES
+from tests.conftest import REPO, SAMPLES, wait_for_qtool_handlers
 
 TINY = SAMPLES / "tiny-llama"
 posix_only = pytest.mark.skipif(os.name != "posix", reason="POSIX signals")
@@ -73,27 +73,9 @@ def _start(*args: str, cwd: Path = REPO) -> tuple[subprocess.Popen, float]:
     return process, started
 
 
-def _wait_for_the_handlers(process: subprocess.Popen) -> None:
-    """Until qtool's SIGTERM handler shows in /proc (Python catches SIGINT from its own start,
-    SIGTERM only once `main` runs). Before that instant the interpreter is still starting and
-    its defaults apply; under a loaded machine that can take longer than the first delays."""
-    status = Path(f"/proc/{process.pid}/status")
-    if not status.exists():
-        return
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            caught = next(int(line.split()[1], 16) for line in status.read_text().splitlines() if line.startswith("SigCgt:"))
-        except (OSError, StopIteration):
-            return
-        if caught & (1 << (signal.SIGTERM - 1)):
-            return
-        time.sleep(0.002)
-
-
 def _signal_at(delay: float, signum: int, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     process, started = _start(*args, cwd=cwd)
-    _wait_for_the_handlers(process)
+    wait_for_qtool_handlers(process)
     time.sleep(max(0.0, started + delay - time.monotonic()))
     if process.poll() is None:
         process.send_signal(signum)
@@ -129,7 +111,7 @@ def test_a_second_signal_during_cleanup_leaves_no_traceback(first, then):
     codes = {signal.SIGINT: 130, signal.SIGTERM: 143}
     for delay in (0.1, 0.3, 0.6):
         process, started = _start("inspect", str(TINY), "--stats", "-q")
-        _wait_for_the_handlers(process)
+        wait_for_qtool_handlers(process)
         time.sleep(max(0.0, started + delay - time.monotonic()))
         process.send_signal(first)
         time.sleep(0.001)

@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.conftest import wait_for_qtool_handlers
+
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS, ROWS, COLS = 12, 2048, 4096  # 12 bf16 weights of 16 MiB: ~200 MB
 
@@ -82,19 +84,6 @@ def _wait_for_staging(parent: Path, process: subprocess.Popen) -> None:
         time.sleep(0.001)
 
 
-def _wait_for_the_handler(process: subprocess.Popen) -> None:
-    status = Path(f"/proc/{process.pid}/status")
-    deadline = time.monotonic() + 60
-    while process.poll() is None and time.monotonic() < deadline:
-        try:
-            caught = next(int(line.split()[1], 16) for line in status.read_text().splitlines() if line.startswith("SigCgt:"))
-        except (OSError, StopIteration):
-            return
-        if caught & (1 << (signal.SIGTERM - 1)):
-            return
-        time.sleep(0.001)
-
-
 INTERRUPTED: list[bool] = []  # per run: did the signal land before the run finished?
 
 
@@ -105,7 +94,7 @@ def test_a_killed_quantize_leaves_nothing_or_everything(tmp_path, model, sig, po
     out = tmp_path / "out"
     process = _quantize(folder, out)
     if point == "importing":  # once qtool's first handler is in (the interpreter's own start-up before it is not ours)
-        _wait_for_the_handler(process)
+        wait_for_qtool_handlers(process)
         time.sleep(0.005)
     else:
         _wait_for_staging(tmp_path, process)
