@@ -180,7 +180,7 @@ class GgufEncoder:
     Rows are permuted into llama.cpp's rotary order first where the plan says so."""
 
     def __init__(self, job: Job, measure: bool, native_ok: bool) -> None:
-        self.job, self.measure = job, measure
+        self.job = job
         self.gtype = ggml_type_named(job.outputs[0].dtype)
         self.native = native_ok and native.available() and self.gtype.name in native.gguf_encode_types()
         self.wants = "tensor" if job.weight.quantized else "bytes"
@@ -224,10 +224,7 @@ class GgufEncoder:
         qtype = GGMLQuantizationType[self.gtype.name]
         encoded = quants.quantize(values, qtype)
         if self.errors is not None:
-            import torch
-
-            decoded = quants.dequantize(encoded, qtype)
-            self.errors.update(torch.from_numpy(values), torch.from_numpy(decoded))
+            self.errors.update_numpy(values, quants.dequantize(encoded, qtype))
         return memoryview(encoded).cast("B")
 
 
