@@ -272,3 +272,13 @@ def test_the_reference_policy_file_is_valid(tmp_path):
     policy = tmp_path / "qtool-policy.toml"
     policy.write_text(next(m.group(2) for m in FENCE.finditer(section) if m.group(1).strip() == "toml"))
     load_policy(policy).check.validate()
+
+
+def test_the_python_api_example_runs_as_written(tmp_path):
+    """The README's Python block, word for word, from a folder holding `sample_models/`."""
+    block = next(m.group(2) for m in FENCE.finditer(README.read_text()) if m.group(1).strip() == "python")
+    (tmp_path / "sample_models").symlink_to(SAMPLES)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "tiny-w4" / "model.safetensors").is_file() and (tmp_path / "tiny-back.safetensors").is_file()
