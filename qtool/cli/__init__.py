@@ -63,10 +63,27 @@ class _Signals:
     reported = False  # `error: interrupted` / `error: terminated` has been printed
 
 
+def _importing(frame: Any) -> bool:
+    """Whether the main thread is inside an import. An exception raised there can surface in a C
+    extension's initialisation (torch's pybind11 code calls back into Python), which aborts the
+    process instead of unwinding it."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _on_signal(signum: int, frame: Any) -> None:
     if _Signals.armed:
         _Signals.armed = False
         _Signals.raised = signum
+        if _importing(frame):  # clean up here and leave, rather than unwind through an import
+            _ignore_signals_from_now_on()
+            _abort_outputs()
+            interrupted = signum == signal.SIGINT
+            os.write(2, b"error: interrupted\n" if interrupted else b"error: terminated\n")
+            os._exit(EXIT_INTERRUPTED if interrupted else EXIT_TERMINATED)
         raise Interrupted if signum == signal.SIGINT else Terminated
     _Signals.later += 1
     if _Signals.later >= 2:
