@@ -238,6 +238,9 @@ class Campaign:
 
     def _count(self, case: Case, result: Result) -> None:
         self.counts[case.container][result.outcome] += 1
+        total = sum(sum(c.values()) for c in self.counts.values())
+        if self.log and total % 1000 == 0:
+            self.log(f"{total} cases, {len(self.findings)} distinct findings so far")
         self.slowest[case.container] = max(self.slowest[case.container], result.seconds)
         self.biggest[case.container] = max(self.biggest[case.container], result.peak_rss_growth)
 

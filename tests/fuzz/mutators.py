@@ -254,21 +254,22 @@ def byte_set(rng, data: bytearray, s: Structure) -> str:
 
 
 def byte_insert(rng, data: bytearray, s: Structure) -> str:
-    pos = rng.choice(sorted(s.boundaries)) if s.boundaries and rng.random() < 0.6 else _pick_offset(rng, data, s)
+    pos = rng.choice(sorted(s.boundaries | s.minor)) if s.boundaries and rng.random() < 0.6 else _pick_offset(rng, data, s)
     blob = bytes(rng.randrange(256) for _ in range(rng.choice((1, 2, 4, 8, 16)))) if rng.random() < 0.7 else bytes([rng.choice((0, 0xFF, 0x20))]) * rng.choice((64, 4096))
     data[pos:pos] = blob
     return f"insert {len(blob)} bytes at {pos}"
 
 
 def byte_delete(rng, data: bytearray, s: Structure) -> str:
-    pos = rng.choice(sorted(s.boundaries)) if s.boundaries and rng.random() < 0.6 else _pick_offset(rng, data, s)
+    pos = rng.choice(sorted(s.boundaries | s.minor)) if s.boundaries and rng.random() < 0.6 else _pick_offset(rng, data, s)
     count = rng.choice((1, 2, 4, 8, 16, 256))
     del data[pos : pos + count]
     return f"delete {count} bytes at {pos}"
 
 
 def truncate(rng, data: bytearray, s: Structure) -> str:
-    cuts = sorted(b for b in s.boundaries if b < len(data))
+    pool = s.boundaries if rng.random() < 0.7 or not s.minor else s.minor
+    cuts = sorted(b for b in pool if b < len(data))
     pos = rng.choice(cuts) if cuts else 0
     pos = max(0, pos + rng.choice((0, 0, 0, -1, 1)))
     del data[pos:]
@@ -447,7 +448,7 @@ def pickle_edit(rng, data: bytearray, s: Structure) -> str:
     if not pickles:
         return field_edit(rng, data, s)
     region = max(pickles, key=lambda r: r.end - r.start) if rng.random() < 0.8 else rng.choice(pickles)
-    inside = Structure("pickle", [f for f in s.fields if region.start <= f.offset < region.end], {b for b in s.boundaries if region.start <= b <= region.end}, [region])
+    inside = Structure("pickle", [f for f in s.fields if region.start <= f.offset < region.end], {b for b in s.boundaries if region.start <= b <= region.end}, regions=[region])
     op = rng.random()
     if op < 0.5 and inside.fields:
         what = field_edit(rng, data, inside)

@@ -3,7 +3,7 @@ cut it at every field boundary and edit its length and count fields. Tolerant: a
 previous mutation already broke yields whatever was found before the break.
 
 `Structure.fields` are fixed-width integers (offset, struct format, kind); `boundaries` are
-offsets where one field or record ends and the next begins; `regions` name spans (the JSON
+offsets where one field or record ends and the next begins (`minor`: inside JSON text); `regions` name spans (the JSON
 header, the CBOR metadata, a zip member, a pickle) and whether they are data or header.
 """
 
@@ -41,7 +41,8 @@ class Region:
 class Structure:
     kind: str
     fields: list[Field] = field(default_factory=list)
-    boundaries: set[int] = field(default_factory=set)
+    boundaries: set[int] = field(default_factory=set)  # between fields and records
+    minor: set[int] = field(default_factory=set)  # inside a JSON text: around each {}[],:"
     regions: list[Region] = field(default_factory=list)
 
     def header_regions(self) -> list[Region]:
@@ -72,6 +73,7 @@ def _guarded(parser, data: bytes) -> Structure:
     except Exception:  # noqa: BLE001 - a broken file: keep what was found
         pass
     s.boundaries = {b for b in s.boundaries if 0 <= b <= len(data)}
+    s.minor = {b for b in s.minor if 0 <= b <= len(data)} - s.boundaries
     return s
 
 
@@ -79,8 +81,8 @@ def _json_boundaries(text: bytes, base: int, s: Structure, limit: int = 4000) ->
     count = 0
     for i, byte in enumerate(text):
         if byte in b'{}[],:"':
-            s.boundaries.add(base + i)
-            s.boundaries.add(base + i + 1)
+            s.minor.add(base + i)
+            s.minor.add(base + i + 1)
             count += 1
             if count > limit:
                 break

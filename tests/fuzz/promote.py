@@ -1,0 +1,101 @@
+"""Turn saved findings into the committed regression corpus: one case per distinct signature
+(outcome + exception type + innermost qtool frame), the smallest example, with the area of the
+code that owns the fix.
+
+    python -m tests.fuzz.promote tests/fuzz/findings            # copy into tests/fuzz/regressions
+    python -m tests.fuzz.promote tests/fuzz/findings --list     # print the table only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from tests.fuzz.campaign import Case, _slug, case_folders, reproducer
+
+HERE = Path(__file__).resolve().parent
+
+# Where a fix belongs, by the innermost qtool frame (first match wins)
+AREAS = (
+    ("qtool/formats/torch_pickle.py", "torchpt"),
+    ("qtool/conventions/torch_native.py", "torchpt"),
+    ("qtool/formats/gguf.py", "readers"),
+    ("qtool/conventions/gguf.py", "readers"),
+    ("qtool/formats/safetensors.py", "readers"),
+    ("qtool/stats.py", "readers"),
+    ("qtool/audit.py", "readers"),
+    ("qtool/formats/loader.py", "untrusted-json"),
+    ("qtool/side_files.py", "untrusted-json"),
+    ("qtool/conventions/", "untrusted-json"),
+    ("qtool/formats/burnpack.py", "unowned (burnpack reader; nearest: readers)"),
+    ("qtool/native", "unowned (C extension)"),
+)
+
+
+def area_of(signature: list[str]) -> str:
+    outcome, exc, where = signature
+    if exc == "SIGBUS":
+        return "readers"
+    for prefix, area in AREAS:
+        if where.startswith(prefix):
+            return area
+    return "unassigned"
+
+
+def _size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in (folder / "in").rglob("*") if p.is_file())
+
+
+def pick(findings: Path) -> dict[tuple[str, ...], Path]:
+    """The smallest saved example of each signature."""
+    best: dict[tuple[str, ...], Path] = {}
+    for folder in case_folders([findings]):
+        document = json.loads((folder / "case.json").read_text())
+        signature = tuple(document.get("signature", ()))
+        if not signature:
+            continue
+        if signature not in best or _size(folder) < _size(best[signature]):
+            best[signature] = folder
+    return best
+
+
+def promote(findings: Path, regressions: Path) -> list[dict]:
+    rows = []
+    for signature, folder in sorted(pick(findings).items()):
+        case = Case.read(folder)
+        document = json.loads((folder / "case.json").read_text())
+        dest = regressions / case.container / _slug(signature)  # type: ignore[arg-type]
+        if dest.exists():
+            shutil.rmtree(dest)
+        case.write(dest, extra={
+            "signature": list(signature),
+            "area": area_of(list(signature)),
+            "first_seen": {k: document.get(k) for k in ("outcome", "exit_code", "signal", "seconds", "peak_rss_growth_mib")},
+            "stderr": document.get("stderr", "")[-1500:],
+            "reproducer": reproducer(dest, case),
+        })
+        rows.append({"signature": list(signature), "area": area_of(list(signature)), "case": str(dest.relative_to(HERE.parent.parent)),
+                     "argv": case.argv, "mutations": case.mutations, "stderr": document.get("stderr", "")})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.fuzz.promote", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("findings", type=Path)
+    parser.add_argument("--regressions", type=Path, default=HERE / "regressions")
+    parser.add_argument("--list", action="store_true", help="print what would be promoted")
+    args = parser.parse_args(argv)
+    if args.list:
+        for signature, folder in sorted(pick(args.findings).items()):
+            print(f"{area_of(list(signature)):<45} {' | '.join(signature)}  {folder}")
+        return 0
+    for row in promote(args.findings, args.regressions):
+        print(f"{row['area']:<45} {' | '.join(row['signature'])}  {row['case']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
