@@ -93,6 +93,7 @@ def _print_summary(summary: dict) -> None:
     for finding in summary["findings"]:
         outcome, exc, where = finding["signature"]
         print(f"- [{outcome}] {exc} at {where} (x{finding['count']}): {finding['first_line'][:200]}")
+        print(f"    {finding['case']}")
         print(f"    {finding['reproducer']}")
 
 

@@ -267,10 +267,15 @@ class Campaign:
             "slowest_seconds": dict(self.slowest),
             "max_rss_growth_mib": {c: round(v / 2**20, 1) for c, v in self.biggest.items()},
             "findings": [
-                {"signature": list(f.signature), "count": f.count, "first_line": f.first_line, "examples": [str(p) for p in f.examples], "reproducer": reproducer(f.examples[0], Case.read(f.examples[0])) if f.examples else ""}
+                {"signature": list(f.signature), "count": f.count, "first_line": f.first_line, "examples": [str(p) for p in f.examples], "reproducer": reproducer(f.examples[0], Case.read(f.examples[0])) if f.examples else "",
+                 "case": _describe(Case.read(f.examples[0])) if f.examples else ""}
                 for f in sorted(self.findings.values(), key=lambda f: f.signature)
             ],
         }
+
+
+def _describe(case: Case) -> str:
+    return f"{case.container} case {case.number} (seed file {case.seed}): qtool {' '.join(case.argv)}; " + "; ".join(case.mutations)[:400]
 
 
 def _slug(signature: tuple[str, str, str]) -> str:

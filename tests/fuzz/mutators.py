@@ -468,13 +468,52 @@ def pickle_edit(rng, data: bytearray, s: Structure) -> str:
     return what
 
 
+_DIM_SETS = (
+    (0, 64, 2**62), (2**62, 0), (2**32, 2**32), (2**63, 2), (2**64 - 1, 1), (0,), (1, 0), (3, 5), (2**31, 2**31, 4),
+)
+
+
+def gguf_tensor_edit(rng, data: bytearray, s: Structure) -> str:
+    """Rewrite one tensor's dims as a set (overflowing products, zeros, odd sizes), its type id,
+    or its data offset; the dims count keeps its place, so later entries still parse."""
+    dims_groups: list[list[Field]] = []
+    for f in s.fields:
+        if f.kind == "dim" and dims_groups and dims_groups[-1][-1].offset + 8 == f.offset:
+            dims_groups[-1].append(f)
+        elif f.kind == "dim":
+            dims_groups.append([f])
+    if not dims_groups:
+        return field_edit(rng, data, s)
+    group = rng.choice(dims_groups)
+    values = list(rng.choice(_DIM_SETS))
+    infos = [r for r in s.regions if r.kind == "tensor_info"]
+    if infos and rng.random() < 0.5:  # change the dims count too, and re-align the data section
+        info_end = infos[0].end
+        old_data = -(-info_end // 32) * 32
+        start = group[0].offset
+        struct.pack_into("<I", data, start - 4, len(values))
+        head = bytes(data[:start]) + struct.pack(f"<{len(values)}Q", *values) + bytes(data[group[-1].offset + 8 : info_end])
+        data[:] = head + bytes(-len(head) % 32) + bytes(data[old_data:])
+        return f"dims at {start} -> {values} (count changed)"
+    values = (values + [1] * len(group))[: len(group)]
+    for f, value in zip(group, values):
+        struct.pack_into("<Q", data, f.offset, value)
+    end = group[-1].offset + 8
+    what = f"dims at {group[0].offset} -> {values}"
+    if rng.random() < 0.3 and end + 12 <= len(data):
+        type_id = rng.choice((9999, 4, 5, 31, 39, 40, 41, 255, 2**31))
+        struct.pack_into("<I", data, end, type_id)
+        what += f", type {type_id}"
+    return what
+
+
 # -- choosing --------------------------------------------------------------------------------------
 
 JSON_MUTATORS = ((json_file_edit, 10), (bit_flip, 1), (truncate, 1), (byte_insert, 1), (byte_delete, 1))
 
 _STRUCTURED = {
     "safetensors": ((safetensors_json_edit, 30),),
-    "gguf": ((field_edit, 12),),
+    "gguf": ((field_edit, 12), (gguf_tensor_edit, 6)),
     "burnpack": ((burnpack_cbor_edit, 20),),
     "zip": ((pickle_edit, 16),),
     "legacy_pickle": ((pickle_edit, 16),),

@@ -96,10 +96,14 @@ def test_a_fixed_seed_campaign_finds_nothing(tmp_path):
     counts = summary["counts"]
     assert sum(sum(c.values()) for c in counts.values()) == CI_CASES_PER_CONTAINER * len(CONTAINERS), counts
     if summary["findings"]:
-        lines = [f"{len(summary['findings'])} distinct findings in {summary['seconds']} s (seed {CI_SEED}):"]
+        lines = [
+            f"{len(summary['findings'])} distinct findings in {summary['seconds']} s; the same cases again: "
+            f"python -m tests.fuzz --seed {CI_SEED} --cases-per-container {CI_CASES_PER_CONTAINER} [--container X]"
+        ]
         for finding in summary["findings"]:
             outcome, exc, where = finding["signature"]
             lines.append(f"- [{outcome}] {exc} at {where} (x{finding['count']}): {finding['first_line'][:200]}")
+            lines.append(f"    {finding['case']}")
             lines.append(f"    {finding['reproducer']}")
         pytest.fail("\n".join(lines), pytrace=False)
 
