@@ -374,7 +374,9 @@ def burnpack_cbor_edit(rng, data: bytearray, s: Structure) -> str:
         return bit_flip(rng, data, s)
     raw = _Raw()
     doc, what = mutate_json_doc(rng, doc, raw, nested_json=False)
-    doc = _resolve_raw_for_cbor(rng, doc, raw)
+    doc, placed = _resolve_raw_for_cbor(rng, doc, raw)
+    if placed:  # CBOR has no raw text: say what took the raw value's place
+        what = what.split("=raw")[0] + "=" + ", ".join(placed)
     try:
         blob = cbor2.dumps(doc)
     except Exception:  # noqa: BLE001 - e.g. lone surrogates
@@ -396,10 +398,17 @@ def burnpack_cbor_edit(rng, data: bytearray, s: Structure) -> str:
 def _resolve_raw_for_cbor(rng, doc, raw: _Raw):
     """CBOR has no raw text: a placeholder becomes a deep nest, a huge int or NaN."""
     marker = _RAW.split("{")[0]
+    placed: list[str] = []
+    choices = (
+        ("NaN", float("nan")), ("inf", float("inf")), ("10**5000", 10**5000), ("-(10**80)", -(10**80)),
+        ("list nested 300 deep", _nest(300)), ("list nested 5000 deep", _nest(5000, {})), ("8 bytes ff", b"\xff" * 8),
+    )
 
     def fix(value, depth=0):
         if isinstance(value, str) and value.startswith(marker):
-            return rng.choice((float("nan"), float("inf"), 10**5000, -(10**80), _nest(300), _nest(5000, {}), b"\xff" * 8))
+            name, new = rng.choice(choices)
+            placed.append(name)
+            return new
         if depth > 400:
             return value
         if isinstance(value, dict):
@@ -408,7 +417,7 @@ def _resolve_raw_for_cbor(rng, doc, raw: _Raw):
             return [fix(v, depth + 1) for v in value]
         return value
 
-    return fix(doc)
+    return fix(doc), placed
 
 
 def _nest(depth: int, leaf=None):

@@ -174,8 +174,12 @@ def test_the_runner_sees_every_kind_of_failure():
 # -- mutators and seeds ----------------------------------------------------------------------------
 
 
-def test_cases_are_a_function_of_the_seed(tmp_path):
-    seeds = build_seeds(tmp_path / "seeds", ("safetensors", "gguf"))
+@pytest.fixture(scope="module")
+def seeds(tmp_path_factory):
+    return build_seeds(tmp_path_factory.mktemp("fuzz") / "seeds")
+
+
+def test_cases_are_a_function_of_the_seed(seeds):
     for container in ("safetensors", "gguf"):
         first = [make_case(seeds, container, 3, n, {}) for n in range(20)]
         again = [make_case(seeds, container, 3, n, {}) for n in range(20)]
@@ -184,8 +188,7 @@ def test_cases_are_a_function_of_the_seed(tmp_path):
         assert [c.files for c in first] != [c.files for c in other]
 
 
-def test_every_container_has_seeds(tmp_path):
-    seeds = build_seeds(tmp_path / "seeds")
+def test_every_container_has_seeds(seeds):
     assert {s.container for s in seeds} == set(CONTAINERS)
     for seed in seeds:
         assert (seed.root / seed.target).exists(), seed
@@ -218,8 +221,8 @@ def test_header_edits_keep_the_length_field_true_and_reach_tensor_entries():
     assert {"dtype", "shape", "data_offsets"} <= edits
 
 
-def test_mutations_of_every_seed_file_are_bytes(tmp_path):
-    for seed in build_seeds(tmp_path / "seeds"):
+def test_mutations_of_every_seed_file_are_bytes(seeds):
+    for seed in seeds:
         for name in seed.mutable:
             data = (seed.root / name).read_bytes()
             for n in range(5):
