@@ -107,7 +107,7 @@ def _argv(case: Case, folder: Path) -> list[str]:
     return [a.replace("{in}", target_text).replace("{out}", str(folder / "out")) for a in case.argv]
 
 
-_FRAME = re.compile(r'File "([^"]+)", line (\d+)(?:, in (\S+))?|File "([^"]+)", line (\d+) in (\S+)')
+_FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')  # a traceback's ", in", faulthandler's " in"
 
 
 def _frames(text: str) -> list[tuple[str, str]]:
@@ -116,12 +116,10 @@ def _frames(text: str) -> list[tuple[str, str]]:
     found = []
     faulthandler_dump = "most recent call first" in text
     for match in _FRAME.finditer(text):
-        path = match.group(1) or match.group(4)
-        func = match.group(3) or match.group(6) or "?"
-        found.append((path, func))
+        found.append((match.group(1), match.group(3)))
     if faulthandler_dump:
         first_thread = text.split("most recent call first", 1)[1].split("\n\n", 1)[0]
-        found = [(m.group(1) or m.group(4), m.group(3) or m.group(6) or "?") for m in _FRAME.finditer(first_thread)][::-1]
+        found = [(m.group(1), m.group(3)) for m in _FRAME.finditer(first_thread)][::-1]
     return found
 
 

@@ -14,7 +14,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from tests.fuzz.campaign import Case, _slug, case_folders, reproducer
+from tests.fuzz.campaign import Case, _slug, case_folders, reproducer, signature_of
+from tests.fuzz.runner import Result
 
 HERE = Path(__file__).resolve().parent
 
@@ -25,6 +26,7 @@ AREAS = (
     ("qtool/formats/gguf.py", "readers"),
     ("qtool/conventions/gguf.py", "readers"),
     ("qtool/formats/safetensors.py", "readers"),
+    ("qtool/formats/checkpoint.py", "readers"),
     ("qtool/stats.py", "readers"),
     ("qtool/audit.py", "readers"),
     ("qtool/formats/loader.py", "untrusted-json"),
@@ -45,6 +47,16 @@ def area_of(signature: list[str]) -> str:
     return "unassigned"
 
 
+def _signature(document: dict) -> tuple[str, ...]:
+    """The signature again, from the saved output (so a better frame parser regroups old finds)."""
+    if not document.get("signature"):
+        return ()
+    outcome = document.get("outcome", "")
+    result = Result(document["argv"], document.get("exit_code"), document.get("signal"), document.get("seconds", 0.0), 0, "",
+                    document.get("stderr", ""), killed_for=outcome if outcome in ("timeout", "memory") else None, outcome=outcome)
+    return tuple(signature_of(result, document.get("debug_stderr") or None))
+
+
 def _size(folder: Path) -> int:
     return sum(p.stat().st_size for p in (folder / "in").rglob("*") if p.is_file())
 
@@ -54,7 +66,7 @@ def pick(findings: Path) -> dict[tuple[str, ...], Path]:
     best: dict[tuple[str, ...], Path] = {}
     for folder in case_folders([findings]):
         document = json.loads((folder / "case.json").read_text())
-        signature = tuple(document.get("signature", ()))
+        signature = _signature(document)
         if not signature:
             continue
         if signature not in best or _size(folder) < _size(best[signature]):
@@ -87,13 +99,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("findings", type=Path)
     parser.add_argument("--regressions", type=Path, default=HERE / "regressions")
     parser.add_argument("--list", action="store_true", help="print what would be promoted")
+    parser.add_argument("--markdown", action="store_true", help="print the promoted cases as FINDINGS.md sections")
     args = parser.parse_args(argv)
     if args.list:
         for signature, folder in sorted(pick(args.findings).items()):
             print(f"{area_of(list(signature)):<45} {' | '.join(signature)}  {folder}")
         return 0
-    for row in promote(args.findings, args.regressions):
-        print(f"{row['area']:<45} {' | '.join(row['signature'])}  {row['case']}")
+    rows = promote(args.findings, args.regressions)
+    for row in rows:
+        if args.markdown:
+            error = next((line for line in row["stderr"].splitlines() if line.startswith("error:")), row["stderr"].strip()[-200:])
+            print(f"### [{row['area']}] {row['signature'][1]} at `{row['signature'][2]}` ({row['signature'][0]})\n")
+            print(f"- case: `{row['case']}`: `qtool {' '.join(row['argv'])}` after {'; '.join(row['mutations'])[:300]}")
+            print(f"- prints: `{error[:300]}`\n")
+        else:
+            print(f"{row['area']:<45} {' | '.join(row['signature'])}  {row['case']}")
     return 0
 
 
