@@ -64,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         deadline = time.monotonic() + args.minutes * 60 if args.minutes else None
         campaign = Campaign(seeds, scratch / "cases", args.findings, args.seed, limits, args.jobs, log=log)
         fuzz_started = time.monotonic()
-        campaign.run(containers, per_container, deadline)
+        try:
+            campaign.run(containers, per_container, deadline)
+        except KeyboardInterrupt:  # a hand run stopped early still reports what it ran
+            log("interrupted: the counts below cover the cases that finished")
         elapsed = time.monotonic() - fuzz_started
         summary = campaign.summary() | {"seed": args.seed, "seconds": round(elapsed, 1), "containers": list(containers)}
         _print_summary(summary)
