@@ -153,8 +153,14 @@ def signature_of(result: Result, debug_stderr: str | None = None) -> tuple[str, 
             exc_type = m.group(1) if m else f"exit {result.exit_code}"
     frames = _frames(text)
     ours = [f for f in frames if "/qtool/" in f[0] and "/tests/fuzz/" not in f[0] and "/qtool/cli/__init__.py" not in f[0] and "/qtool/cli/root.py" not in f[0]]
-    where = ours[-1] if ours else (frames[-1] if frames else ("?", "?"))
-    return result.outcome, exc_type, f"{_short_path(where[0])}:{where[1]}"
+    if ours or frames:
+        where = ours[-1] if ours else frames[-1]
+        return result.outcome, exc_type, f"{_short_path(where[0])}:{where[1]}"
+    # no frame (an exit 2 that ran out of memory, a bare exit code): the error's words instead
+    error = next((line for line in result.stderr.splitlines() if line.startswith("error:")), "")
+    words = re.sub(r"/\S+", "PATH", error.removeprefix("error: "))
+    words = re.sub(r"\d+", "N", words)
+    return result.outcome, exc_type, f"message:{words[:70]}"
 
 
 def reproducer(folder: Path, case: Case) -> str:

@@ -29,7 +29,9 @@ AREAS = (
     ("qtool/formats/checkpoint.py", "readers"),
     ("qtool/stats.py", "readers"),
     ("qtool/audit.py", "readers"),
+    ("qtool/kernels/gguf", "readers"),
     ("qtool/formats/loader.py", "untrusted-json"),
+    ("qtool/formats/writer.py", "untrusted-json"),
     ("qtool/side_files.py", "untrusted-json"),
     ("qtool/conventions/", "untrusted-json"),
     ("qtool/formats/burnpack.py", "unowned (burnpack reader; nearest: readers)"),
@@ -37,13 +39,15 @@ AREAS = (
 )
 
 
-def area_of(signature: list[str]) -> str:
+def area_of(signature: list[str], container: str = "") -> str:
     outcome, exc, where = signature
     if exc == "SIGBUS":
         return "readers"
     for prefix, area in AREAS:
         if where.startswith(prefix):
             return area
+    if container in ("pt", "pt_legacy"):  # no qtool frame: torch.load's own failure
+        return "torchpt"
     return "unassigned"
 
 
@@ -84,12 +88,12 @@ def promote(findings: Path, regressions: Path) -> list[dict]:
             shutil.rmtree(dest)
         case.write(dest, extra={
             "signature": list(signature),
-            "area": area_of(list(signature)),
+            "area": area_of(list(signature), case.container),
             "first_seen": {k: document.get(k) for k in ("outcome", "exit_code", "signal", "seconds", "peak_rss_growth_mib")},
             "stderr": document.get("stderr", "")[-1500:],
             "reproducer": reproducer(dest, case),
         })
-        rows.append({"signature": list(signature), "area": area_of(list(signature)), "case": str(dest.relative_to(HERE.parent.parent)),
+        rows.append({"signature": list(signature), "area": area_of(list(signature), case.container), "case": str(dest.relative_to(HERE.parent.parent)),
                      "argv": case.argv, "mutations": case.mutations, "stderr": document.get("stderr", "")})
     return rows
 
@@ -103,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.list:
         for signature, folder in sorted(pick(args.findings).items()):
-            print(f"{area_of(list(signature)):<45} {' | '.join(signature)}  {folder}")
+            print(f"{area_of(list(signature), folder.parent.name):<45} {' | '.join(signature)}  {folder}")
         return 0
     rows = promote(args.findings, args.regressions)
     for row in rows:
