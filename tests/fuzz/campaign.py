@@ -285,7 +285,7 @@ def _describe(case: Case) -> str:
 def _slug(signature: tuple[str, str, str]) -> str:
     outcome, exc, where = signature
     text = f"{outcome}-{exc}-{where.rsplit('/', 1)[-1]}"
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)[:100]
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)[:72].rstrip("_")
 
 
 def replay(folders: list[Path], workdir: Path, limits: Limits = Limits(), jobs: int = 1, log=None) -> list[dict]:

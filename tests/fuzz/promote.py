@@ -31,7 +31,8 @@ AREAS = (
     ("qtool/audit.py", "readers"),
     ("qtool/kernels/gguf", "readers"),
     ("qtool/formats/loader.py", "untrusted-json"),
-    ("qtool/formats/writer.py", "untrusted-json"),
+    ("qtool/formats/writer.py:side_file", "untrusted-json"),  # a side file's text written back
+    ("qtool/formats/writer.py", "readers"),  # an output sized from a shape the reader let through
     ("qtool/side_files.py", "untrusted-json"),
     ("qtool/conventions/", "untrusted-json"),
     ("qtool/formats/burnpack.py", "unowned (burnpack reader; nearest: readers)"),
