@@ -22,7 +22,7 @@ from tests.fuzz.mutators import mutate_file
 from tests.fuzz.runner import ACCEPTED, Limits, Result, Runner
 from tests.fuzz.seeds import CONTAINERS, Seed
 
-__all__ = ["Case", "Campaign", "make_case", "replay", "signature_of", "reproducer"]
+__all__ = ["Campaign", "Case", "make_case", "replay", "reproducer", "signature_of"]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -71,7 +71,7 @@ class Case:
         return folder
 
     @classmethod
-    def read(cls, folder: Path) -> "Case":
+    def read(cls, folder: Path) -> Case:
         document = json.loads((folder / "case.json").read_text())
         files = {str(p.relative_to(folder / "in")): p.read_bytes() for p in sorted((folder / "in").rglob("*")) if p.is_file()}
         return cls(document["container"], document["seed"], document["target"], document["argv"], document["mutations"], files, document.get("number", 0))
@@ -288,10 +288,10 @@ def _slug(signature: tuple[str, str, str]) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)[:72].rstrip("_")
 
 
-def replay(folders: list[Path], workdir: Path, limits: Limits = Limits(), jobs: int = 1, log=None) -> list[dict]:
+def replay(folders: list[Path], workdir: Path, limits: Limits | None = None, jobs: int = 1, log=None) -> list[dict]:
     """Run saved cases (case.json + in/) again; one result per case, with its signature if it is
     still a finding."""
-    runner = Runner(limits, jobs)
+    runner = Runner(limits or Limits(), jobs)
     results = []
     try:
         for folder in folders:
@@ -327,4 +327,4 @@ def case_folders(roots: list[Path]) -> list[Path]:
     return found
 
 
-__all__ += ["case_folders", "CONTAINERS"]
+__all__ += ["CONTAINERS", "case_folders"]

@@ -41,7 +41,7 @@ AREAS = (
 
 
 def area_of(signature: list[str], container: str = "") -> str:
-    outcome, exc, where = signature
+    _outcome, exc, where = signature
     if exc == "SIGBUS":
         return "readers"
     for prefix, area in AREAS:

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Limits", "Result", "Runner", "preload", "classify", "ACCEPTED", "FINDING_CLASSES"]
+__all__ = ["ACCEPTED", "FINDING_CLASSES", "Limits", "Result", "Runner", "classify", "preload"]
 
 MiB = 1024 * 1024
 _OUTPUT_CAP = 4 * 1024 * 1024  # bytes of stdout/stderr read per case
@@ -132,7 +132,7 @@ def preload(extra_modules: tuple[str, ...] = ()) -> None:
     for name in names:
         try:
             importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - optional (torchao) or moved by another branch
+        except Exception:  # noqa: BLE001, S110 - optional (torchao) or moved by another branch
             pass
 
 
@@ -141,7 +141,7 @@ def _rss_bytes(pid: int | str = "self") -> int:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError, IndexError):  # the process is gone: 0
         pass
     return 0
 
@@ -199,7 +199,7 @@ def _child(argv: list[str], cwd: Path, out: Path, err: Path, env: dict[str, str]
         try:
             sys.stdout.flush()
             sys.stderr.flush()
-        except BaseException:  # noqa: BLE001
+        except BaseException:  # noqa: BLE001, S110 - the exit code matters more
             pass
         os._exit(code)
 

@@ -23,7 +23,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Seed", "CONTAINERS", "build_seeds"]
+__all__ = ["CONTAINERS", "Seed", "build_seeds"]
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"

@@ -70,7 +70,7 @@ def _guarded(parser, data: bytes) -> Structure:
     s.boundaries.update((0, len(data)))
     try:
         parser(data, s)
-    except Exception:  # noqa: BLE001 - a broken file: keep what was found
+    except Exception:  # noqa: BLE001, S110 - a broken file: keep what was found
         pass
     s.boundaries = {b for b in s.boundaries if 0 <= b <= len(data)}
     s.minor = {b for b in s.minor if 0 <= b <= len(data)} - s.boundaries
@@ -239,7 +239,7 @@ def _zip(data: bytes, s: Structure) -> None:
         local = data.find(b"PK\x03\x04", pos)
         if local < 0:
             break
-        _, _, flags, method, _, _, _crc, csize, _usize, nlen, xlen = struct.unpack_from("<IHHHHHIIIHH", data, local)
+        _, _, _flags, method, _, _, _crc, csize, _usize, nlen, xlen = struct.unpack_from("<IHHHHHIIIHH", data, local)
         s.fields += [
             Field(local + 8, "<H", "type"),
             Field(local + 14, "<I", "crc"),
@@ -257,7 +257,7 @@ def _zip(data: bytes, s: Structure) -> None:
         if is_pickle:
             try:
                 _pickle(data[: end], start, s, name)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001, S110 - a broken pickle: keep what was found
                 pass
         pos = max(end, local + 4)
     pos = 0
