@@ -18,6 +18,7 @@ from tests.fuzz.campaign import Case, _slug, case_folders, reproducer, signature
 from tests.fuzz.runner import Result
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
 
 # Where a fix belongs, by the innermost qtool frame (first match wins)
 AREAS = (
@@ -94,7 +95,7 @@ def promote(findings: Path, regressions: Path) -> list[dict]:
             "stderr": document.get("stderr", "")[-1500:],
             "reproducer": reproducer(dest, case),
         })
-        rows.append({"signature": list(signature), "area": area_of(list(signature), case.container), "case": str(dest.relative_to(HERE.parent.parent)),
+        rows.append({"signature": list(signature), "area": area_of(list(signature), case.container), "case": str(dest.relative_to(REPO) if dest.is_relative_to(REPO) else dest),
                      "argv": case.argv, "mutations": case.mutations, "stderr": document.get("stderr", "")})
     return rows
 
