@@ -71,9 +71,9 @@ def four_lanes():
     """The 4-lane build of the searches (SSE2 / NEON) instead of the AVX2 one, for one test."""
     from qtool.native import _kernels
 
-    _kernels.kquant_set_avx2(False)
+    _kernels.kquant_set_lanes(4)
     yield
-    _kernels.kquant_set_avx2(True)
+    _kernels.kquant_set_lanes(8)
 
 
 # -- the fixture: llama.cpp's bytes ---------------------------------------------------------------
@@ -258,11 +258,11 @@ def test_both_lane_widths_agree(x, type_name):
     from qtool.native import _kernels
 
     wide = bytes(encode(type_name, x[None]).data)
-    _kernels.kquant_set_avx2(False)
+    _kernels.kquant_set_lanes(4)
     try:
         narrow = bytes(encode(type_name, x[None]).data)
     finally:
-        _kernels.kquant_set_avx2(True)
+        _kernels.kquant_set_lanes(8)
     assert wide == narrow
 
 

@@ -49,7 +49,7 @@ static const int8_t iq4nl_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10
 /* -- the searches, at the machine's vector width (kquant_lanes.h) --------------------------------- */
 
 #if defined(__GNUC__) && defined(__x86_64__)
-#define QT_KQ_AVX2 1
+#define QT_KQ_X86 1
 #define NW 8
 #define KQ(name) name##_avx2
 #define KQ_TARGET __attribute__((target("avx2")))
@@ -67,23 +67,32 @@ static const int8_t iq4nl_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10
 #undef KQ
 #undef KQ_TARGET
 
-/* AVX2 where the CPU has it; the 4-lane build (SSE2 on x86, NEON elsewhere) otherwise. Both give
- * the same bytes: each lane's arithmetic is the same whatever the width. */
-#ifdef QT_KQ_AVX2
-#define QT_KQ_CALL(name, ...) (__builtin_cpu_supports("avx2") && qt_kq_avx2_allowed ? name##_avx2(__VA_ARGS__) : name##_v4(__VA_ARGS__))
-#else
-#define QT_KQ_CALL(name, ...) name##_v4(__VA_ARGS__)
-#endif
-/* tests turn the AVX2 build off to check the other one: qt_kquant_set_avx2(0) */
-static int qt_kq_avx2_allowed = 1;
-void qt_kquant_set_avx2(int allowed) { qt_kq_avx2_allowed = allowed; }
-PyObject *qt_py_kquant_set_avx2(PyObject *self, PyObject *args) {
+/* The widest build the CPU runs (AVX2 8 lanes, else 4: SSE2 on x86, NEON elsewhere), capped by
+ * qt_kquant_set_lanes. Both give the same bytes: a lane's arithmetic is the same whatever the
+ * width. (A 16-lane AVX-512 build of the same code measured slower than AVX2 here, so there is
+ * none.) */
+static int qt_kq_max_lanes = 8;
+void qt_kquant_set_lanes(int lanes) { qt_kq_max_lanes = lanes; }
+PyObject *qt_py_kquant_set_lanes(PyObject *self, PyObject *args) {
     (void)self;
-    int allowed;
-    if (!PyArg_ParseTuple(args, "p", &allowed)) return NULL;
-    qt_kquant_set_avx2(allowed);
+    int lanes;
+    if (!PyArg_ParseTuple(args, "i", &lanes)) return NULL;
+    qt_kquant_set_lanes(lanes);
     Py_RETURN_NONE;
 }
+
+static int kq_lanes(void) {
+#ifdef QT_KQ_X86
+    if (qt_kq_max_lanes >= 8 && __builtin_cpu_supports("avx2")) return 8;
+#endif
+    return 4;
+}
+#ifdef QT_KQ_X86
+#define QT_KQ_CALL(lanes, name, ...) \
+    ((lanes) == 8 ? name##_avx2(__VA_ARGS__) : name##_v4(__VA_ARGS__))
+#else
+#define QT_KQ_CALL(lanes, name, ...) name##_v4(__VA_ARGS__)
+#endif
 
 /* -- super-blocks: the scalar parts, once per 256 values ------------------------------------------ */
 
@@ -126,7 +135,7 @@ QT_INLINE float positive_max(const float *v, int n) {
 
 /* Q4_K / Q5_K after the search: d, dmin and the 12 scale bytes at y; L's codes redone from the
  * rounded scales where d * scale is not 0 */
-static void k4_finish(const float *x, const float *scales, const float *mins, int nmax, uint8_t *L, uint8_t *y) {
+QT_INLINE void k4_finish(const float *x, const float *scales, const float *mins, int nmax, uint8_t *L, uint8_t *y) {
     const float max_scale = positive_max(scales, 8), max_min = positive_max(mins, 8);
     const float inv_scale = max_scale > 0 ? 63.0f / max_scale : 0.0f;
     const float inv_min = max_min > 0 ? 63.0f / max_min : 0.0f;
@@ -154,13 +163,17 @@ static void k4_finish(const float *x, const float *scales, const float *mins, in
 }
 
 /* Q4_K: [d][dmin][12 B scales][128 B: per 64 values, 32 bytes, value j low nibble, j+32 high] */
-static void q4_k_blocks(const float *x, Py_ssize_t nb, uint8_t *out) {
-    uint8_t L[256];
-    float scales[8], mins[8];
+static QT_HOT void q4_k_blocks(const float *x, Py_ssize_t nb, uint8_t *out) {
+    uint8_t L2[512];
+    float scales2[16], mins2[16];
+    const int lanes = kq_lanes();
     for (Py_ssize_t b = 0; b < nb; b++) {
         const float *xb = x + 256 * b;
+        const int second = b & 1; /* super-blocks searched in pairs: 16 sub-blocks, whole vectors at any width */
+        if (!second) QT_KQ_CALL(lanes, k4_search, xb, nb - b > 1 ? 16 : 8, 15, -1.0f, 20, L2, scales2, mins2);
+        uint8_t *L = L2 + 256 * second;
+        const float *scales = scales2 + 8 * second, *mins = mins2 + 8 * second;
         uint8_t *y = out + 144 * b;
-        QT_KQ_CALL(k4_search, xb, 8, 15, -1.0f, 20, L, scales, mins);
         k4_finish(xb, scales, mins, 15, L, y);
         uint8_t *q = y + 16;
         for (int j = 0; j < 256; j += 64, q += 32)
@@ -170,13 +183,17 @@ static void q4_k_blocks(const float *x, Py_ssize_t nb, uint8_t *out) {
 
 /* Q5_K: [d][dmin][12 B scales][32 B fifth bits: bit 2r of qh[j] for value 64r + j, 2r+1 for
  * 64r + 32 + j][128 B low nibbles as Q4_K] */
-static void q5_k_blocks(const float *x, Py_ssize_t nb, uint8_t *out) {
-    uint8_t L[256];
-    float scales[8], mins[8];
+static QT_HOT void q5_k_blocks(const float *x, Py_ssize_t nb, uint8_t *out) {
+    uint8_t L2[512];
+    float scales2[16], mins2[16];
+    const int lanes = kq_lanes();
     for (Py_ssize_t b = 0; b < nb; b++) {
         const float *xb = x + 256 * b;
+        const int second = b & 1; /* super-blocks searched in pairs: 16 sub-blocks, whole vectors at any width */
+        if (!second) QT_KQ_CALL(lanes, k4_search, xb, nb - b > 1 ? 16 : 8, 31, -0.5f, 15, L2, scales2, mins2);
+        uint8_t *L = L2 + 256 * second;
+        const float *scales = scales2 + 8 * second, *mins = mins2 + 8 * second;
         uint8_t *y = out + 176 * b;
-        QT_KQ_CALL(k4_search, xb, 8, 31, -0.5f, 15, L, scales, mins);
         k4_finish(xb, scales, mins, 31, L, y);
         uint8_t *qh = y + 16, *ql = y + 48;
         memset(qh, 0, 32);
@@ -193,13 +210,14 @@ static void q5_k_blocks(const float *x, Py_ssize_t nb, uint8_t *out) {
 }
 
 /* Q2_K: [16 B: scale code | min code << 4][64 B 2-bit codes][d][dmin], sub-blocks of 16 */
-static void q2_k_blocks(const float *x, Py_ssize_t nb, uint8_t *out) {
+static QT_HOT void q2_k_blocks(const float *x, Py_ssize_t nb, uint8_t *out) {
     uint8_t L[256];
     float scales[16], mins[16];
+    const int lanes = kq_lanes();
     for (Py_ssize_t b = 0; b < nb; b++) {
         const float *xb = x + 256 * b;
         uint8_t *y = out + 84 * b, *sc = y;
-        QT_KQ_CALL(q2_search, xb, 16, L, scales, mins);
+        QT_KQ_CALL(lanes, q2_search, xb, 16, L, scales, mins);
         const float max_scale = positive_max(scales, 16), max_min = positive_max(mins, 16);
         if (max_scale > 0) {
             const float iscale = 15.0f / max_scale;
@@ -231,13 +249,14 @@ static void q2_k_blocks(const float *x, Py_ssize_t nb, uint8_t *out) {
 }
 
 /* Q3_K: [32 B high bits: bit j/32 of hmask[j%32]][64 B low 2 bits as Q2_K][12 B 6-bit scales][d] */
-static void q3_k_blocks(const float *x, Py_ssize_t nb, uint8_t *out) {
+static QT_HOT void q3_k_blocks(const float *x, Py_ssize_t nb, uint8_t *out) {
     uint8_t L[256];
     float scales[16];
+    const int lanes = kq_lanes();
     for (Py_ssize_t b = 0; b < nb; b++) {
         const float *xb = x + 256 * b;
         uint8_t *y = out + 110 * b, *s = y + 96;
-        QT_KQ_CALL(q3_search, xb, 16, L, scales);
+        QT_KQ_CALL(lanes, q3_search, xb, 16, L, scales);
         float max_scale = 0.0f, amax = 0.0f;
         for (int j = 0; j < 16; j++) {
             const float a = __builtin_fabsf(scales[j]);
@@ -268,23 +287,29 @@ static void q3_k_blocks(const float *x, Py_ssize_t nb, uint8_t *out) {
                 L[16 * j + i] = (uint8_t)((l < -4 ? -4 : l > 3 ? 3 : l) + 4);
             }
         }
-        uint8_t *hmask = y;
-        memset(hmask, 0, 32);
-        for (int j = 0; j < 256; j++) {
-            if (L[j] > 3) hmask[j % 32] |= (uint8_t)(1u << (j / 32)), L[j] -= 4;
+        uint8_t *hmask = y; /* bit p of hmask[j]: code 32p + j is above 3 (and loses its 4) */
+        for (int j = 0; j < 32; j++) {
+            uint8_t h = 0;
+            for (int p = 0; p < 8; p++) {
+                const uint8_t high = L[32 * p + j] > 3;
+                h |= (uint8_t)(high << p);
+                L[32 * p + j] -= (uint8_t)(4 * high);
+            }
+            hmask[j] = h;
         }
         pack2(L, y + 32);
     }
 }
 
 /* Q6_K: [128 B low nibbles][64 B high 2 bits][16 x i8 scales][d] (layout in gguf.c's dq_q6_k) */
-static void q6_k_blocks(const float *x, Py_ssize_t nb, uint8_t *out) {
+static QT_HOT void q6_k_blocks(const float *x, Py_ssize_t nb, uint8_t *out) {
     uint8_t L[256];
     float scales[16];
+    const int lanes = kq_lanes();
     for (Py_ssize_t b = 0; b < nb; b++) {
         const float *xb = x + 256 * b;
         uint8_t *y = out + 210 * b;
-        QT_KQ_CALL(q6_search, xb, 16, L, scales);
+        QT_KQ_CALL(lanes, q6_search, xb, 16, L, scales);
         float max_scale = 0.0f, max_abs_scale = 0.0f;
         for (int j = 0; j < 16; j++) {
             const float a = __builtin_fabsf(scales[j]);
@@ -346,6 +371,6 @@ void qt_q6_k_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec) {
 }
 void qt_iq4_nl_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec) {
     for (Py_ssize_t b = 0; b < blocks; b += 1024) /* int counts inside */
-        QT_KQ_CALL(iq4_nl_blocks, x + 32 * b, blocks - b < 1024 ? (int)(blocks - b) : 1024, out + 18 * b);
+        QT_KQ_CALL(kq_lanes(), iq4_nl_blocks, x + 32 * b, blocks - b < 1024 ? (int)(blocks - b) : 1024, out + 18 * b);
     qt_gguf_decode_f32("IQ4_NL", out, rec, blocks);
 }

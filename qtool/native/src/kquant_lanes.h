@@ -20,9 +20,15 @@ QT_INLINE vf KQ(sel)(vi m, vf a, vf b) { return (vf)((m & (vi)a) | (~m & (vi)b))
 QT_INLINE vi KQ(isel)(vi m, vi a, vi b) { return (m & a) | (~m & b); }
 QT_INLINE vf KQ(vabs)(vf x) { return (vf)((vi)x & 0x7FFFFFFF); }
 QT_INLINE vf KQ(tofloat)(vi l) { return __builtin_convertvector(l, vf); }
-QT_INLINE vi KQ(clamp)(vi l, int lo, int hi) {
-    l = KQ(isel)(l < lo, KQ(isplat)(lo), l);
-    return KQ(isel)(l > hi, KQ(isplat)(hi), l);
+/* l clamped to [lo, hi], vectors made once outside the loops: GCC otherwise rebuilds the splat of
+ * an int, lane by lane, in every iteration */
+QT_INLINE vi KQ(clamp)(vi l, vi lo, vi hi) {
+    l = KQ(isel)(l < lo, lo, l);
+    return KQ(isel)(l > hi, hi, l);
+}
+QT_INLINE vi KQ(clamp0)(vi l, vi top) {
+    l = l & (vi)(l >= 0);
+    return KQ(isel)(l > top, top, l);
 }
 QT_INLINE int KQ(any)(vi m) {
     int32_t r = 0;
@@ -73,11 +79,12 @@ QT_INLINE void KQ(qkx2)(int n, int nmax, const vf *x, const vf *w, vi *L, vf *sc
     min = sel(min > 0.0f, splat(0.0f), min);
     const vi flat = max == min; /* the scalar code returns here: L = 0, scale 0 */
     const vf flat_min = min;
+    const vi top = isplat(nmax);
     vf iscale = (float)nmax / (max - min);
     vf scale = 1.0f / iscale;
     vf best_error = splat(0.0f);
     for (int i = 0; i < n; i++) {
-        L[i] = clamp(vnearest(iscale * (x[i] - min)), 0, nmax);
+        L[i] = KQ(clamp0)(vnearest(iscale * (x[i] - min)), top);
         vf diff = scale * tofloat(L[i]) + min - x[i];
         diff = use_mad ? vabs(diff) : diff * diff;
         best_error += w[i] * diff;
@@ -87,7 +94,7 @@ QT_INLINE void KQ(qkx2)(int n, int nmax, const vf *x, const vf *w, vi *L, vf *sc
         iscale = (rmin + rdelta * (float)is + (float)nmax) / (max - min);
         vf sum_l = splat(0.0f), sum_l2 = splat(0.0f), sum_xl = splat(0.0f);
         for (int i = 0; i < n; i++) {
-            const vf l = tofloat(clamp(vnearest(iscale * (x[i] - min)), 0, nmax));
+            const vf l = tofloat(KQ(clamp0)(vnearest(iscale * (x[i] - min)), top));
             aux[i] = l;
             const vf wl = w[i] * l;
             sum_l += wl;
@@ -126,10 +133,11 @@ QT_INLINE vf KQ(q3)(int n, int nmax, const vf *x, vi *L) {
     KQ(first_abs_max)(x, n, &amax, &max);
     const vi zero = amax < 1e-15f;
     const vf iscale = (float)(-nmax) / max;
+    const vi lo = isplat(-nmax), hi = isplat(nmax - 1), offset = isplat(nmax);
     vf sumlx = splat(0.0f), suml2 = splat(0.0f);
     vf wx[16], w[16];
     for (int i = 0; i < n; i++) {
-        L[i] = clamp(vnearest(iscale * x[i]), -nmax, nmax - 1);
+        L[i] = clamp(vnearest(iscale * x[i]), lo, hi);
         w[i] = x[i] * x[i];
         wx[i] = w[i] * x[i];
         const vf l = tofloat(L[i]);
@@ -142,7 +150,7 @@ QT_INLINE vf KQ(q3)(int n, int nmax, const vf *x, vi *L) {
             const vf l = tofloat(L[i]);
             const vf slx = sumlx - wx[i] * l;
             const vf sl2 = suml2 - w[i] * l * l;
-            const vi new_l = clamp(vnearest(x[i] * sl2 / slx), -nmax, nmax - 1);
+            const vi new_l = clamp(vnearest(x[i] * sl2 / slx), lo, hi);
             const vf nl = tofloat(new_l);
             const vf slx2 = slx + wx[i] * nl;
             const vf sl22 = sl2 + w[i] * nl * nl;
@@ -154,7 +162,7 @@ QT_INLINE vf KQ(q3)(int n, int nmax, const vf *x, vi *L) {
         }
         if (!KQ(any)(changed)) break;
     }
-    for (int i = 0; i < n; i++) L[i] = isel(zero, isplat(0), L[i] + nmax);
+    for (int i = 0; i < n; i++) L[i] = ~zero & (L[i] + offset);
     return sel(zero | ~(suml2 > 0.0f), splat(0.0f), sumlx / suml2);
 }
 
@@ -164,11 +172,12 @@ QT_INLINE vf KQ(qx)(int n, int nmax, const vf *x, vi *L) {
     KQ(first_abs_max)(x, n, &amax, &max);
     const vi zero = amax < 1e-15f;
     vf iscale = (float)(-nmax) / max;
+    const vi lo = isplat(-nmax), hi = isplat(nmax - 1), offset = isplat(nmax);
     vf sumlx = splat(0.0f), suml2 = splat(0.0f);
     vf wx[16], w[16];
     for (int i = 0; i < n; i++) {
-        const vi l = clamp(vnearest(iscale * x[i]), -nmax, nmax - 1);
-        L[i] = l + nmax;
+        const vi l = clamp(vnearest(iscale * x[i]), lo, hi);
+        L[i] = l + offset;
         w[i] = x[i] * x[i];
         wx[i] = w[i] * x[i];
         const vf lf = tofloat(l);
@@ -183,7 +192,7 @@ QT_INLINE vf KQ(qx)(int n, int nmax, const vf *x, vi *L) {
         vi trial[16];
         sumlx = suml2 = splat(0.0f);
         for (int i = 0; i < n; i++) {
-            const vi l = clamp(vnearest(iscale * x[i]), -nmax, nmax - 1);
+            const vi l = clamp(vnearest(iscale * x[i]), lo, hi);
             trial[i] = l;
             const vf lf = tofloat(l);
             sumlx += wx[i] * lf;
@@ -191,7 +200,7 @@ QT_INLINE vf KQ(qx)(int n, int nmax, const vf *x, vi *L) {
         }
         const vi better = (suml2 > 0.0f) & (sumlx * sumlx > best * suml2);
         if (KQ(any)(better)) {
-            for (int i = 0; i < n; i++) L[i] = isel(better, trial[i] + nmax, L[i]);
+            for (int i = 0; i < n; i++) L[i] = isel(better, trial[i] + offset, L[i]);
             const vf s = sumlx / suml2;
             scale = sel(better, s, scale);
             best = sel(better, s * sumlx, best);

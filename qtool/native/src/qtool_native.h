@@ -126,9 +126,10 @@ void qt_q4_k_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec);
 void qt_q5_k_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec);
 void qt_q6_k_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec);
 void qt_iq4_nl_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec);
-/* 0: the K-quant searches use their 4-lane build even where AVX2 is there (tests compare both) */
-void qt_kquant_set_avx2(int allowed);
-PyObject *qt_py_kquant_set_avx2(PyObject *self, PyObject *args);
+/* The K-quant searches use no build wider than `lanes` (8 or 4) even where the CPU has it:
+ * tests compare the builds */
+void qt_kquant_set_lanes(int lanes);
+PyObject *qt_py_kquant_set_lanes(PyObject *self, PyObject *args);
 
 /* a * b, or -1 when either is negative or the product overflows: sizes from callers are never
  * trusted, and qt_check_size refuses -1 */
