@@ -266,19 +266,23 @@ def test_both_lane_widths_agree(x, type_name):
     assert wide == narrow
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(x=rows(), type_name=st.sampled_from(KQUANTS))
 def test_decoded_values_stay_near_the_block(x, type_name):
-    """On finite rows whose scales fit float16: each decoded value is within the block's largest
-    |x| of the value (a wrong scale or code layout breaks this at once)."""
-    top = np.abs(x).max()
-    if not np.isfinite(x).all() or top > 1e4 or top < 1e-3:
+    """On finite rows: a block whose largest |x| is in float16's comfortable range decodes within
+    MAX_ERROR of it (over thousands of examples the worst seen was about half that); a tinier one,
+    whose scales are float16 subnormals or 0, within its largest |x| (plus a float16 step)."""
+    if not np.isfinite(x).all():
         return
     got = encode(type_name, x[None])
     y = decode(type_name, got.data, x.size)
     block = SIZES[type_name][0]
-    bound = np.repeat(np.abs(x).reshape(-1, block).max(axis=1), block)
-    assert (np.abs(x - y) <= bound * 1.0001 + 1e-6).all()
+    top = np.abs(x).reshape(-1, block).max(axis=1)
+    err = np.abs(x - y).reshape(-1, block).max(axis=1)
+    comfortable = (top >= 1e-2) & (top <= 1e4)
+    assert (err[comfortable] <= MAX_ERROR[type_name] * top[comfortable]).all()
+    small = top < 1e-2
+    assert (err[small] <= top[small] + 1e-4).all()
 
 
 # -- against llama.cpp compiled here, when its sources are on the machine --------------------------
