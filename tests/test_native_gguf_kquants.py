@@ -216,7 +216,8 @@ def test_rows_with_inf_or_nan_are_encoded_without_error_measures(type_name):
     bad = [r for r, label in enumerate(labels) if not np.isfinite(x[r]).all()]
     assert len(bad) >= 4
     got = encode(type_name, x[bad])
-    assert got.errors is None
+    assert got.errors is None and got.complete
+    assert not encode("Q4_0", x[bad]).complete  # gguf-py's types leave such rows to gguf-py
     want = expected(type_name)
     assert bytes(got.data) == b"".join(want[r] for r in bad)
 

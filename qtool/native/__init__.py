@@ -159,13 +159,19 @@ def gguf_types() -> frozenset[str]:
     return _gguf_types
 
 
+# encoded by llama.cpp's reference quantizers (kquant_encode.c), rows with inf or NaN included
+_LLAMA_CPP_ENCODERS = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"})
+
+
 @dataclass
 class EncodedBlocks:
     data: memoryview  # rows x cols/block_size blocks, as gguf.quants.quantize lays out a [rows, cols] array
     # None when the rows hold inf or NaN. Then for the gguf-py types (Q8_0, Q4_0, Q4_1, Q5_0,
-    # Q5_1) data is unfinished: encode this weight with gguf-py. For the K-quants and IQ4_NL,
-    # data holds llama.cpp's bytes for those rows too; only the error measures are missing.
+    # Q5_1) data is unfinished (`complete` False): encode this weight with gguf-py. For the
+    # K-quants and IQ4_NL, which gguf-py cannot encode, data holds llama.cpp's bytes for those
+    # rows too (`complete` True); only the error measures are missing.
     errors: ErrorStats | None
+    complete: bool = True
 
 
 def encode_gguf(type_name: str, src, dtype: str, rows: int, cols: int) -> EncodedBlocks:
@@ -191,7 +197,7 @@ def encode_gguf(type_name: str, src, dtype: str, rows: int, cols: int) -> Encode
     data = allocate(rows * (cols // block_size) * type_size)
     parts = _run(_kernels.encode_gguf, _split(rows), type_name, src, DTYPE_CODES[dtype], cols, data)
     if not all(part[4] for part in parts):
-        return EncodedBlocks(data, None)
+        return EncodedBlocks(data, None, complete=type_name in _LLAMA_CPP_ENCODERS)
     xx, xe, ee = (sum(part[i] for part in parts) for i in range(3))
     # a scale past float16's range decodes to inf, and inf * 0 to NaN: NaN wins whatever the split
     max_abs = math.nan if any(math.isnan(part[3]) for part in parts) else max(part[3] for part in parts)

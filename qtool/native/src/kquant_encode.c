@@ -26,6 +26,10 @@
  */
 #include "qtool_native.h"
 
+#ifdef __FAST_MATH__
+#error "kquant_encode.c must be built without -ffast-math: its bytes depend on IEEE float32 rounding"
+#endif
+
 /* the lane vectors live in registers of always-inline functions; no ABI is crossed */
 #pragma GCC diagnostic ignored "-Wpsabi"
 
