@@ -318,6 +318,31 @@ def test_real_sized_matrix_is_llama_cpp_s_bytes(reference):
         assert bytes(encode(type_name, x).data) == reference(type_name, x), type_name
 
 
+# -- against the libggml-base llama-quantize itself links, when one is built here ------------------
+
+GGML_BASE = os.environ.get("LLAMA_GGML_BASE", "/work/llama/build/bin/libggml-base.so")
+GGML_TYPE_IDS = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20}
+
+
+def test_llama_quantize_s_own_library_gives_these_bytes():
+    """ggml_quantize_chunk without an imatrix, from a cmake build of llama.cpp (LLAMA_GGML_BASE):
+    what llama-quantize calls for each tensor."""
+    import ctypes
+
+    if not Path(GGML_BASE).is_file():
+        pytest.skip(f"no libggml-base at {GGML_BASE} (LLAMA_GGML_BASE)")
+    chunk = ctypes.CDLL(GGML_BASE).ggml_quantize_chunk
+    chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    chunk.restype = ctypes.c_size_t
+    for x in [fixture_rows(), _matrix(rows=48, cols=4096, seed=13)]:
+        rows, cols = x.shape
+        for type_name, type_id in GGML_TYPE_IDS.items():
+            block, size = SIZES[type_name]
+            out = ctypes.create_string_buffer(rows * cols // block * size)
+            written = chunk(type_id, x.ctypes.data, out, 0, rows, cols, None)
+            assert bytes(encode(type_name, x).data) == out.raw[:written], type_name
+
+
 # -- bad arguments ----------------------------------------------------------------------------------
 
 
