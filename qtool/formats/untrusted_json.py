@@ -175,7 +175,8 @@ class JsonTypeError(CheckpointError):
 
     def __init__(self, where: str, value: Any, expected: str, *, path: str | None, hint: str | None = None) -> None:
         self.where, self.value, self.expected = where, value, expected
-        super().__init__(f"{where} is {describe(value)}, expected {expected}", path=path, hint=hint or _HINT)
+        said = f"{where} is" if where else "holds"  # "" is the whole document
+        super().__init__(f"{said} {describe(value)}, expected {expected}", path=path, hint=hint or _HINT)
 
 
 class Spec:
