@@ -90,6 +90,10 @@ REFUSED: dict[str, tuple[Callable[[Path], tuple[Path, Path]], str]] = {
         lambda tmp: folder(tmp, CT_FP8, "config.json", DEEP),
         "nests deeper than 64 levels",
     ),
+    "config.json lone surrogate": (  # would reach a note, --json and a written config.json, and fail there
+        lambda tmp: folder(tmp, CT_FP8, "config.json", ct_config(format="\ud800")),
+        'holds the string "\\\\ud800", whose lone UTF-16 surrogate is not Unicode text',
+    ),
     "config.json 1e400": (
         lambda tmp: folder(tmp, CT_FP8, "config.json", '{"rope_theta": 1e400}'),
         "holds the number 1e400, which overflows a double",

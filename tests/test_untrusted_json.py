@@ -83,6 +83,13 @@ def test_size_and_encoding():
         parse_json("{", "m.safetensors", where='__metadata__["k"]')
 
 
+def test_lone_surrogates_are_refused_pairs_are_text():
+    assert parse_json(r'["\ud83d\ude00", "\\ud800"]', "x.json") == ["\U0001f600", "\\ud800"]
+    for text in (r'{"\ud800": 1}', r'[["x\udfff"]]', r'"\udc00\ud800"'):
+        with pytest.raises(CheckpointError, match="lone UTF-16 surrogate is not Unicode text"):
+            parse_json(text, "x.json")
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=8),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),

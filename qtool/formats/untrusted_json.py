@@ -11,7 +11,8 @@ consumer's TypeError/ZeroDivisionError (`"ignore": 5`, `"block_structure": [0, 0
   literal, and raises one `CheckpointError` naming the file (and the field, for embedded JSON).
   NaN, Infinity and -Infinity are read as floats, as Python's `json` (which writes them, and
   which transformers and compressed-tensors read with) does; a number literal that overflows
-  a float (1e400) is refused.
+  a float (1e400) is refused, and so is a string holding a lone UTF-16 surrogate ("\ud800"),
+  which no UTF-8 output could print or write back.
 - A consumer declares the shape it reads as a small spec (`Record`, `ListOf`, `Integer`, ...)
   and `spec.check(value, where, path)` returns the value or raises `JsonTypeError`, one line:
   `config.json: quantization_config.ignore is 5, expected a list of strings`. Keys a spec does
@@ -27,6 +28,7 @@ import json
 import math
 import os
 import posixpath
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -100,6 +102,30 @@ def _depth_over(value: Any, limit: int) -> bool:
     return False
 
 
+# `\ud800`-`\udfff` escapes: JSON can spell a lone UTF-16 surrogate, which Python keeps in a str
+# that no UTF-8 output (a table, --json, a written config.json) can encode. Only text holding
+# such an escape is walked for one (a pair, as in emoji, decodes to one character and is fine).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The first string (value or key) in `value` that is not Unicode text, or None; linear."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        texts = list(item) if isinstance(item, dict) else [item] if isinstance(item, str) else []
+        for text in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                return text
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
+
+
 def parse_json(
     raw: bytes | str,
     path: str,
@@ -135,6 +161,8 @@ def parse_json(
         raise fail(f"nests deeper than {max_depth} levels") from None
     if _depth_over(value, max_depth):
         raise fail(f"nests deeper than {max_depth} levels")
+    if _SURROGATE_ESCAPE.search(text) and (bad := _lone_surrogate(value)) is not None:
+        raise fail(f"holds the string {describe(bad)}, whose lone UTF-16 surrogate is not Unicode text")
     return value
 
 
