@@ -143,7 +143,8 @@ def parse_json(
         return CheckpointError(f"{prefix}{problem}", path=path, hint=hint)
 
     if len(raw) > max_bytes:
-        raise fail(f"is {len(raw)} bytes of JSON (at most {max_bytes})")
+        unit = "characters" if isinstance(raw, str) else "bytes"
+        raise fail(f"is {len(raw)} {unit} of JSON (at most {max_bytes})")
     if isinstance(raw, (bytes, bytearray, memoryview)):
         try:
             text = bytes(raw).decode("utf-8")
