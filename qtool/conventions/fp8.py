@@ -49,7 +49,7 @@ def _config(checkpoint: Checkpoint, methods: tuple[str, ...], spec: Record) -> d
     """quantization_config, type-checked by `spec`, when its quant_method is one of `methods`;
     else {}. A wrong type is a JsonTypeError naming config.json (exit 2)."""
     config = checkpoint.config.get("quantization_config")
-    if not isinstance(config, dict) or config.get("quant_method") not in methods:
+    if not isinstance(config, dict) or str(config.get("quant_method") or "").lower() not in methods:
         return {}
     return spec.check(config, "quantization_config", side_file(checkpoint), _HINT)
 
