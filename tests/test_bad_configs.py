@@ -259,3 +259,14 @@ def test_nan_and_infinity_read_as_python_writes_them(tmp_path):
     # json.dumps writes NaN/Infinity and transformers reads them back: so does qtool
     arg, _ = folder(tmp_path, CT_FP8, "config.json", '{"rope_scaling": {"factor": Infinity}, "x": NaN}')
     assert runner.invoke(app, ["inspect", str(arg)]).exit_code == 0
+
+
+def test_block_structure_in_its_old_text_spelling_is_read(tmp_path):
+    # compressed-tensors still accepts "100x100" for [100, 100]; so does qtool. The scale's
+    # [3, 2] grid alone fits no block along 256 rows: only the config's block reads it.
+    tensors = {"m.weight": ("F8_E4M3", [256, 200]), "m.weight_scale": ("F32", [3, 2])}
+    arg, _ = folder(tmp_path, tensors, "config.json", ct_config(weights={"type": "float", "num_bits": 8, "strategy": "block", "block_structure": "100x100"}))
+    result = runner.invoke(app, ["inspect", str(arg), "--json"])
+    assert result.exit_code == 0, result.output
+    (weight,) = json.loads(result.stdout)["weights"]
+    assert weight["scheme"]["block"] == [100, 100], weight

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from qtool.conventions.base import Pool, block_from_scale, by_module, metadata_json, plain_weights, side_file, unusable_scale, unusable_zero_point
 from qtool.dtypes import WEIGHT_FLOATS
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
-from qtool.formats.untrusted_json import AnyOf, Boolean, Integer, JsonTypeError, ListOf, MapOf, Record, String
+from qtool.formats.untrusted_json import AnyOf, Boolean, Integer, JsonTypeError, ListOf, MapOf, Record, String, field_path
 from qtool.scheme import QScheme, qtype
 from qtool.weight import DATA, Weight
 
@@ -118,7 +118,8 @@ def quantization_config(checkpoint: Checkpoint) -> dict[str, Any] | None:
     for name, group in (checked.get("config_groups") or {}).items():
         block = group.get("weights", {}).get("block_structure") if isinstance(group, dict) else None
         if isinstance(block, str):
-            group["weights"]["block_structure"] = _block_from_text(block, f"{where}.config_groups.{name}.weights.block_structure", path)
+            at = field_path(field_path(field_path(where, "config_groups"), name), "weights") + ".block_structure"
+            group["weights"]["block_structure"] = _block_from_text(block, at, path)
     return checked
 
 

@@ -54,6 +54,7 @@ __all__ = [
     "Constant",
     "side_file_path",
     "describe",
+    "field_path",
 ]
 
 MAX_JSON_BYTES = 64 << 20  # a config is KBs, a 100k-tensor index a few MB, a tokenizer.json ~10 MB
@@ -191,7 +192,7 @@ def describe(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _member(where: str, key: str) -> str:
+def field_path(where: str, key: str) -> str:
     """`where.key`, or `where["key"]` for a key that is not a plain name (strangers' keys)."""
     if key.isidentifier() and len(key) <= 64:
         return f"{where}.{key}" if where else key
@@ -327,7 +328,7 @@ class Record(Spec):
         for key, item in value.items():
             spec = self.fields.get(key, self.rest)
             if spec is not None and item is not None:
-                checked[key] = spec._check(item, _member(where, key), fail)
+                checked[key] = spec._check(item, field_path(where, key), fail)
         return checked
 
 
