@@ -72,6 +72,17 @@ class Mix:
     nominal: str
 
     @property
+    def scheme(self):
+        """The marker scheme `--scheme` stands for: the default type's math, tagged with the
+        mix; the gguf layout replaces it per tensor with the type the rules choose."""
+        from dataclasses import replace
+
+        from qtool.scheme import parse_scheme
+
+        base = parse_scheme(self.default_type.lower())
+        return replace(base, extra=(*base.extra, ("gguf_mix", self.name)))
+
+    @property
     def description(self) -> str:
         if self.pure:
             return f"llama.cpp file type, pure: every tensor llama.cpp quantizes in {self.default_type} (row fallbacks), like llama-quantize --pure"
