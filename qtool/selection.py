@@ -41,7 +41,7 @@ def quantizable(weight: Weight) -> str | None:
     """Why a weight can't be quantized at all, or None if it can."""
     if len(weight.shape) != 2:
         return f"{len(weight.shape)}-D, only 2-D weights are quantized"
-    if weight.dtype not in FLOAT_DTYPES:
+    if weight.dtype not in FLOAT_DTYPES and not weight.quantized:  # a quantized one is decoded first (requantize)
         return f"{weight.dtype} is not a float dtype"
     if 0 in weight.shape:
         return "empty: there is nothing to quantize"
