@@ -87,19 +87,44 @@ def test_lowercase_q8_0_is_one_type_on_qtools_selection_and_uppercase_is_llama_c
     assert lower["blk.0.ffn_down.weight"] == upper["blk.0.ffn_down.weight"] == "Q8_0"
 
 
+LLAMA_ARGS = {mix: ([], mix) for mix in MIXES} | {"Q3_K": (["--pure"], "Q3_K_M"), "Q4_K": (["--pure"], "Q4_K_M"), "Q5_K": (["--pure"], "Q5_K_M")}
+WIDE = dict(layers=3, hidden=320, heads=8, kv=2, ffn=544, tied=True, dtype="F32")  # fallbacks: 320 and 544 are not multiples of 256
+
+
+ODD = dict(layers=2, hidden=272, heads=4, kv=4, ffn=544, tied=False, dtype="F32")  # 272 is not a multiple of 32: F16
+
+
+@pytest.fixture(scope="module")
+def wide_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf-in") / "wide-f32.gguf"
+    REF.write_model(str(path), WIDE, seed=8)
+    return path
+
+
+@pytest.fixture(scope="module")
+def odd_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf-in") / "odd-f32.gguf"
+    REF.write_model(str(path), ODD, seed=9)
+    return path
+
+
 @pytest.mark.skipif(not os.path.exists(LLAMA_QUANTIZE), reason="llama-quantize not built (set LLAMA_QUANTIZE)")
-@pytest.mark.parametrize("mix", ["Q8_0", "Q4_0", "Q4_K_M", "Q6_K"])
-def test_bytes_equal_llama_quantize(small_gguf, tmp_path, mix):
+@pytest.mark.parametrize("model", ["small", "wide", "odd"])
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_bytes_equal_llama_quantize(small_gguf, wide_gguf, odd_gguf, tmp_path, mix, model):
     """Every tensor's type and bytes, and every key-value, as llama-quantize writes them
     (llama-quantize writes tensors in its own order and moves general.file_type to the end)."""
+    source = {"small": small_gguf, "wide": wide_gguf, "odd": odd_gguf}[model]
     ours, theirs = tmp_path / "qtool.gguf", tmp_path / "llama.gguf"
-    if not all(gguf_layout.encodable(t) for t in ("Q4_K", "Q6_K")) and mix != "Q8_0":
+    if not all(gguf_layout.encodable(t) for t in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")) and mix != "Q8_0":
         pytest.skip("needs qtool's K-quant encoders")
-    ok("quantize", small_gguf, "-o", ours, "--scheme", mix, "-q")
-    done = subprocess.run([LLAMA_QUANTIZE, str(small_gguf), str(theirs), mix, "1"], capture_output=True)
+    ok("quantize", source, "-o", ours, "--scheme", mix, "-q")
+    flags, ftype = LLAMA_ARGS[mix]
+    done = subprocess.run([LLAMA_QUANTIZE, *flags, str(source), str(theirs), ftype, "1"], capture_output=True)
     assert done.returncode == 0, done.stderr[-2000:]
     a, b = gguf.GGUFReader(str(ours)), gguf.GGUFReader(str(theirs))
     by_name = {t.name: t for t in b.tensors}
+    assert len(a.tensors) == len(b.tensors)
     for tensor in a.tensors:
         other = by_name[tensor.name]
         assert tensor.tensor_type == other.tensor_type, tensor.name
