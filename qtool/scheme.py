@@ -262,7 +262,7 @@ class QScheme:
     def label(self) -> str:
         """A short human name such as `int4 sym g128`, `fp8_e4m3 block128x128`, `mxfp4 g32`."""
         if self.gguf_mix:
-            return f"{self.gguf_mix} (llama.cpp mix)"
+            return f"{self.gguf_mix} (llama.cpp file type)"
         parts = [self.family]
         if self.qtype.kind == "int":
             parts.append("sym" if self.symmetric else "asym")
@@ -385,6 +385,9 @@ def parse_scheme(text: str) -> QScheme:
 
 def _unknown(text: str, why: str | None = None) -> SchemeError:
     import difflib
+
+    if why is None and re.fullmatch(r"Q[2-6]_K_[SML]", text.strip().upper()):
+        why = "a llama.cpp file type (a mix of GGUF types), which only quantize --scheme takes; name one type here, e.g. q4_k"
 
     names = scheme_names()
     close = difflib.get_close_matches(text, names, n=1, cutoff=0.5) or difflib.get_close_matches(

@@ -94,3 +94,38 @@ def test_override_replaces_the_rule_and_does_not_count():
     tensors = [MixTensor(f"blk.{i}.attn_v.weight", (256, 256), "F16", override="Q8_0" if i == 0 else None) for i in range(4)]
     chosen = choose_types(MIXES["Q3_K_M"], tensors, ModelFacts("llama", 4, 4, 4))
     assert [chosen[t.name].type for t in tensors] == ["Q8_0", "Q5_K", "Q5_K", "Q4_K"]
+
+
+def test_schemes_lists_gguf_types_with_true_bits_and_the_mixes():
+    from typer.testing import CliRunner
+
+    from qtool.cli import app
+
+    result = CliRunner().invoke(app, ["schemes", "--json"])
+    assert result.exit_code == 0, result.output
+    by_name = {(e["name"], e["kind"]): e for e in json.loads(result.stdout)["schemes"]}
+    assert by_name[("q4_k", "scheme")]["bits_per_weight"] == 4.5  # 144 bytes per 256 values
+    assert by_name[("q6_k", "scheme")]["bits_per_weight"] == 6.5625
+    assert by_name[("q8_0", "scheme")]["bits_per_weight"] == 8.5
+    for mix in MIXES:
+        entry = by_name[(mix, "gguf mix")]
+        assert entry["bits_per_weight"] is None and entry["layout"] == "gguf"
+    assert "pure" in by_name[("Q4_K", "gguf mix")]["description"]
+    assert "Llama-3-8B" in by_name[("Q4_K_M", "gguf mix")]["description"]
+
+
+def test_a_mix_name_where_one_type_is_wanted_says_so():
+    from qtool.scheme import SchemeError, parse_scheme
+
+    with pytest.raises(SchemeError, match="llama.cpp file type"):
+        parse_scheme("Q4_K_M")
+    assert parse_scheme("Q4_K") == parse_scheme("q4_k")  # where a scheme is one type, both spellings are that type
+
+
+def test_quantize_help_documents_the_rule_with_examples():
+    from typer.testing import CliRunner
+
+    from qtool.cli import app
+
+    text = CliRunner().invoke(app, ["quantize", "--help"], terminal_width=200).output
+    assert "Lowercase q8_0" in text and "CAPITALS" in text and "--scheme Q4_K_M" in text
