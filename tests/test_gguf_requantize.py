@@ -54,9 +54,18 @@ def small_gguf(tmp_path_factory):
     return path
 
 
+def raw_value(field):
+    """A field's value with strings as their bytes (gguf-py's contents() decodes them)."""
+    kinds = field.types
+    if kinds[0] == gguf.GGUFValueType.STRING or (len(kinds) > 1 and kinds[1] == gguf.GGUFValueType.STRING):
+        values = [bytes(field.parts[i]) for i in field.data]
+        return values if kinds[0] == gguf.GGUFValueType.ARRAY else values[0]
+    return field.contents()
+
+
 def fields_of(path) -> list[tuple[str, list[str], object]]:
     reader = gguf.GGUFReader(str(path))
-    return [(key, [t.name for t in field.types], field.contents()) for key, field in list(reader.fields.items())[3:]]
+    return [(key, [t.name for t in field.types], raw_value(field)) for key, field in list(reader.fields.items())[3:]]
 
 
 def types_of(path) -> dict[str, str]:
@@ -71,7 +80,7 @@ def test_q8_0_mix_keeps_metadata_order_and_types(small_gguf, tmp_path):
     stamped = {key: (kinds, value) for key, kinds, value in after if key in STAMPED}
     assert stamped["general.file_type"] == (["UINT32"], int(gguf.LlamaFileType.MOSTLY_Q8_0))
     assert stamped["general.quantization_version"] == (["UINT32"], gguf.GGML_QUANT_VERSION)
-    assert stamped["general.quantized_by"][1].startswith("qtool ")
+    assert stamped["general.quantized_by"][1].startswith(b"qtool ")
     reader_in, reader_out = gguf.GGUFReader(str(small_gguf)), gguf.GGUFReader(str(out))
     assert [t.name for t in reader_out.tensors] == [t.name for t in reader_in.tensors]
     types = types_of(out)
@@ -186,6 +195,7 @@ def test_every_key_of_a_real_vocab_gguf_survives(tmp_path):
         kinds = field.types
         writer.add_key_value(key, field.contents(), kinds[0], kinds[1] if len(kinds) > 1 else None)
     writer.add_key_value("qtool.test.empty", [], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT16)
+    writer.add_key_value("qtool.test.bytes", [b"ok", b"\xff\xfe not utf-8"], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING)
     writer.add_key_value("general.alignment", 64, gguf.GGUFValueType.UINT32)
     writer.data_alignment = 64
     rng = np.random.default_rng(0)
@@ -203,6 +213,24 @@ def test_every_key_of_a_real_vocab_gguf_survives(tmp_path):
     assert [f for f in after if f[0] not in STAMPED] == [f for f in before if f[0] not in STAMPED]
     reader = gguf.GGUFReader(str(out))
     assert reader.alignment == 64 and all(t.data_offset % 64 == 0 for t in reader.tensors)
+    empty = reader.fields["qtool.test.empty"]
+    assert int(empty.parts[-2][0]) == gguf.GGUFValueType.INT16 and int(empty.parts[-1][0]) == 0  # element type of an empty array
+    raw = reader.fields["qtool.test.bytes"]
+    assert [bytes(raw.parts[i]) for i in raw.data] == [b"ok", b"\xff\xfe not utf-8"]  # strings byte for byte
+
+
+def test_nested_arrays_are_refused_in_one_line(tmp_path):
+    source = tmp_path / "nested.gguf"
+    writer = gguf.GGUFWriter(str(source), "llama")
+    writer.add_key_value("x.nested", [[1, 2], [3]], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.ARRAY)
+    writer.add_tensor("blk.0.attn_q.weight", np.ones((64, 64), np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    result = run("quantize", source, "-o", tmp_path / "out.gguf", "--scheme", "Q8_0")
+    assert result.exit_code == 2 and "x.nested holds arrays of arrays" in result.output and str(source) in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "out.gguf").exists()
 
 
 def test_a_real_subprocess_quantizes_or_refuses_in_one_line(small_gguf, tmp_path):
