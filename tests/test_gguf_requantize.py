@@ -101,6 +101,14 @@ WIDE = dict(layers=3, hidden=320, heads=8, kv=2, ffn=544, tied=True, dtype="F32"
 
 
 ODD = dict(layers=2, hidden=272, heads=4, kv=4, ffn=544, tied=False, dtype="F32")  # 272 is not a multiple of 32: F16
+BF16 = dict(layers=2, hidden=256, heads=4, kv=1, ffn=768, tied=True, dtype="BF16")
+
+
+@pytest.fixture(scope="module")
+def bf16_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf-in") / "bf16.gguf"
+    REF.write_model(str(path), BF16, seed=10)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -118,12 +126,12 @@ def odd_gguf(tmp_path_factory):
 
 
 @pytest.mark.skipif(not os.path.exists(LLAMA_QUANTIZE), reason="llama-quantize not built (set LLAMA_QUANTIZE)")
-@pytest.mark.parametrize("model", ["small", "wide", "odd"])
+@pytest.mark.parametrize("model", ["small", "wide", "odd", "bf16"])
 @pytest.mark.parametrize("mix", list(MIXES))
-def test_bytes_equal_llama_quantize(small_gguf, wide_gguf, odd_gguf, tmp_path, mix, model):
+def test_bytes_equal_llama_quantize(small_gguf, wide_gguf, odd_gguf, bf16_gguf, tmp_path, mix, model):
     """Every tensor's type and bytes, and every key-value, as llama-quantize writes them
     (llama-quantize writes tensors in its own order and moves general.file_type to the end)."""
-    source = {"small": small_gguf, "wide": wide_gguf, "odd": odd_gguf}[model]
+    source = {"small": small_gguf, "wide": wide_gguf, "odd": odd_gguf, "bf16": bf16_gguf}[model]
     ours, theirs = tmp_path / "qtool.gguf", tmp_path / "llama.gguf"
     if not all(gguf_layout.encodable(t) for t in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")) and mix != "Q8_0":
         pytest.skip("needs qtool's K-quant encoders")
