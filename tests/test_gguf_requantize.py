@@ -227,17 +227,24 @@ def test_every_key_of_a_real_vocab_gguf_survives(tmp_path):
     assert [bytes(raw.parts[i]) for i in raw.data] == [b"ok", b"\xff\xfe not utf-8"]  # strings byte for byte
 
 
-def test_nested_arrays_are_refused_in_one_line(tmp_path):
-    source = tmp_path / "nested.gguf"
+@pytest.mark.parametrize(
+    "key, value, vtype, sub, message",
+    [
+        ("x.nested", [[1, 2], [3]], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.ARRAY, "x.nested holds arrays of arrays"),
+        ("general.alignment", 48, gguf.GGUFValueType.UINT32, None, "general.alignment"),  # qtool's reader or the layout
+    ],
+)
+def test_key_values_qtool_cannot_copy_are_refused_in_one_line(tmp_path, key, value, vtype, sub, message):
+    source = tmp_path / "bad.gguf"
     writer = gguf.GGUFWriter(str(source), "llama")
-    writer.add_key_value("x.nested", [[1, 2], [3]], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.ARRAY)
+    writer.add_key_value(key, value, vtype, sub)
     writer.add_tensor("blk.0.attn_q.weight", np.ones((64, 64), np.float16))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     result = run("quantize", source, "-o", tmp_path / "out.gguf", "--scheme", "Q8_0")
-    assert result.exit_code == 2 and "x.nested holds arrays of arrays" in result.output and str(source) in result.output
+    assert result.exit_code == 2 and message in result.output and str(source) in result.output
     assert "Traceback" not in result.output and not (tmp_path / "out.gguf").exists()
 
 

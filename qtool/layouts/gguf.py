@@ -532,6 +532,9 @@ def _gguf_input_metadata(source: Checkpoint, weights: list[Weight]) -> list[tupl
         reader = gguf.GGUFReader(path)
         fields = list(reader.fields.values())[3:]  # after the reader's own GGUF.version, tensor_count, kv_count
         entries = [_entry(field) for field in fields]
+        for key, value, kind in entries:
+            if key == "general.alignment" and (kind != "UINT32" or value < 1 or value & (value - 1)):
+                raise SchemeError(f"general.alignment is {value} ({kind}); GGUF needs a power of two as UINT32", hint="fix or remove the key")
     except SchemeError as exc:
         raise SchemeError(exc.message, hint=exc.hint, path=path) from None
     except Exception as exc:  # gguf-py's reader raises what it likes on a malformed file
