@@ -16,7 +16,8 @@ from tests.conftest import SAMPLES
 
 TINY = SAMPLES / "tiny-llama"
 WRITERS = [name for name in LAYOUTS if name != "safetensors"]
-CASES = [(layout, name) for layout in WRITERS for name in scheme_names() if LAYOUTS[layout].refusal(parse_scheme(name)) is None]
+# the K-quants' 256-value blocks do not fit this model's 128-value rows: tests/test_gguf_mix.py writes them
+CASES = [(layout, name) for layout in WRITERS for name in scheme_names() if LAYOUTS[layout].refusal(parse_scheme(name)) is None and not name.endswith("_k")]
 
 
 def test_every_scheme_has_a_layout_and_every_writer_stores_something():

@@ -111,6 +111,7 @@ class Plan:
                     "action": j.action,
                     "scheme": j.scheme.label if j.scheme else None,
                     "from": j.weight.scheme.label if j.weight.scheme else None,
+                    "stored_as": j.weight.data.encoding or j.weight.data.dtype.name,
                     "shape": list(j.weight.shape),
                     "bytes_before": j.bytes_in,
                     "bytes_after": j.bytes_out,
@@ -120,6 +121,7 @@ class Plan:
                 }
                 for j in jobs
             ],
+            "notes": list(self.notes),
         }
 
 
