@@ -7,7 +7,8 @@
  * Why this is exact: ggml-base compiles ggml-quants.c for baseline x86-64 (no FMA, no
  * fast-math), so every float expression there is a chain of separately rounded float32 add,
  * sub, mul, div and sqrt, in the order C evaluates it; `w*x*l` is (w*x)*(float)l. We do the same
- * operations in the same order. The searches (make_qkx2_quants, make_q3_quants,
+ * operations in the same order. (A llama.cpp built where the compiler contracts a*b+c into FMA by
+ * default, e.g. GCC on aarch64, can write other bytes: the reference is the x86-64 build.) The searches (make_qkx2_quants, make_q3_quants,
  * make_qx_quants, the IQ4_NL scale search) walk each sub-block's values in order and keep
  * running float sums, so they cannot be vectorized along a sub-block without changing the
  * rounding. Instead each vector lane runs one sub-block: lane k does exactly the scalar
