@@ -21,9 +21,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "gguf_kquants"))
-import make_reference  # noqa: E402
+import make_reference
 
-from qtool import native  # noqa: E402
+from qtool import native
+
 
 def main():
     parser = argparse.ArgumentParser()

@@ -162,7 +162,6 @@ def test_rows_are_encoded_one_by_one_and_blocks_alone(type_name):
     """llama.cpp quantizes each block on its own values only: a row's bytes are its blocks' bytes."""
     x = _matrix(rows=5, cols=1024, seed=3)
     whole = bytes(encode(type_name, x).data)
-    block, size = SIZES[type_name]
     parts = b"".join(bytes(encode(type_name, x[r : r + 1, c : c + 256]).data) for r in range(5) for c in range(0, 1024, 256))
     assert whole == parts
 
