@@ -258,3 +258,28 @@ def test_a_real_subprocess_quantizes_or_refuses_in_one_line(small_gguf, tmp_path
     else:
         assert done.returncode == 2 and not out.exists()
         assert done.stderr.startswith("error: ") and "cannot encode Q" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("scheme", ["Q4_K", "q6_k", "Q4_K_M"])
+def test_weights_holding_nan_or_inf_encode_as_llama_cpp_does(tmp_path, scheme):
+    """K-quant rows with NaN or inf: gguf-py cannot encode them; the native encoder writes
+    llama.cpp's bytes, and the run reports no SQNR rather than failing (it exited 70)."""
+    from qtool import native
+
+    if "Q4_K" not in native.gguf_encode_types():
+        pytest.skip("native K-quant encoders not built")
+    x = np.random.default_rng(0).standard_normal((256, 512)).astype(np.float32)
+    x[3, 5], x[7, 9] = np.nan, np.inf
+    source = tmp_path / "nan.gguf"
+    writer = gguf.GGUFWriter(str(source), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("blk.0.attn_q.weight", x)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    out = tmp_path / "out.gguf"
+    result = ok("quantize", source, "-o", out, "--scheme", scheme, "--json")
+    assert json.loads(result.stdout)["summary"]["sqnr_db"] is None
+    gtype = "Q6_K" if scheme == "q6_k" else "Q4_K"
+    (tensor,) = gguf.GGUFReader(str(out)).tensors
+    assert tensor.tensor_type.name == gtype
+    want = native.encode_gguf(gtype, memoryview(x).cast("B"), "F32", 256, 512)
+    assert bytes(tensor.data) == bytes(want.data)

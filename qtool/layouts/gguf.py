@@ -281,16 +281,32 @@ class GgufEncoder:
                 if self.errors is not None:
                     self.errors = self.errors.merge(encoded.errors)
                 return encoded.data
+            if encoded.complete:  # rows with inf/NaN, encoded as llama.cpp does; measured below
+                return self._measured(part, dtype, rows, cols, encoded.data)
         from gguf import GGMLQuantizationType, quants
 
+        values = self._values(part, dtype, rows, cols)
+        encoded = quants.quantize(values, GGMLQuantizationType[self.gtype.name])
+        return self._measured(part, dtype, rows, cols, memoryview(encoded).cast("B"), values)
+
+    @staticmethod
+    def _values(part, dtype: str, rows: int, cols: int):
         from qtool.numeric import to_float32
 
-        values = to_float32(part, dtype).reshape(rows, cols)
-        qtype = GGMLQuantizationType[self.gtype.name]
-        encoded = quants.quantize(values, qtype)
+        return to_float32(part, dtype).reshape(rows, cols)
+
+    def _measured(self, part, dtype: str, rows: int, cols: int, data, values=None):
+        """`data`, after adding its error to the weight's (decoded by gguf-py, which has every type)."""
         if self.errors is not None:
-            self.errors.update_numpy(values, quants.dequantize(encoded, qtype))
-        return memoryview(encoded).cast("B")
+            import numpy as np
+            from gguf import GGMLQuantizationType, quants
+
+            values = self._values(part, dtype, rows, cols) if values is None else values
+            blocks = np.frombuffer(data, dtype=np.uint8).reshape(rows, -1)
+            with np.errstate(invalid="ignore", over="ignore"):  # inf/NaN rows decode to NaN: no SQNR
+                decoded = quants.dequantize(blocks, GGMLQuantizationType[self.gtype.name])
+            self.errors.update_numpy(values, decoded)
+        return data
 
 
 def permute_rows(raw, rows: int, heads: int) -> memoryview:
