@@ -51,10 +51,17 @@ def first_zero_rule(want: bytes, values: np.ndarray, type_name: str) -> bytes:
     """gguf-py's bytes with the sign of a zero min/max (Q4_1, Q5_1) taken from the block's
     first value, as our kernel (and ggml's C reference) does; numpy's SIMD reduction order
     decides it in gguf-py, differently on different machines. Blocks whose min and max are
-    not a zero with both signs present are left alone."""
+    not a zero with both signs present are left alone.
+
+    Q4_0 and Q5_0: for an all-zero block ggml's loop keeps its starting max of +0, so d = +0 / -8
+    is -0 whatever the zeros' signs; gguf-py takes the first value, so a leading -0 gives +0."""
+    blocks = values.reshape(-1, 32)
+    if type_name in ("Q4_0", "Q5_0"):
+        out = np.frombuffer(want, dtype=np.uint8).reshape(len(blocks), -1).copy()
+        out[(blocks == 0).all(axis=1), 0:2] = np.array([-0.0], dtype=np.float16).view(np.uint8)
+        return out.tobytes()
     if type_name not in ("Q4_1", "Q5_1"):
         return want
-    blocks = values.reshape(-1, 32)
     out = np.frombuffer(want, dtype=np.uint8).reshape(len(blocks), -1).copy()
     zero = blocks == 0
     mixed = (np.signbit(blocks) & zero).any(axis=1) & (~np.signbit(blocks) & zero).any(axis=1)

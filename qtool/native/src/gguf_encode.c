@@ -83,6 +83,7 @@ QT_INLINE uint32_t abs_max_bits(const float *x) {
 /* the first value of largest |x|: abs(blocks).argmax() then take_along_axis */
 QT_INLINE float first_abs_max(const float *x) {
     const uint32_t m = abs_max_bits(x);
+    if (m == 0) return 0.0f; /* ggml starts from +0 and keeps it for an all-zero block; gguf-py keeps a -0 */
     int at = 31;
     for (int j = 0; j < 32; j++) {
         const int candidate = (qt_bits(x[j]) & 0x7FFFFFFFu) == m ? j : 31;
