@@ -285,3 +285,13 @@ def test_llama_tokenizer_json_reads_as_llama_hf_vocab_does(tmp_path, which):
     assert scores == [score for _, score, _ in reference]
     assert types == [int(kind) for _, _, kind in reference]
     assert len(tokens) == (256 if which == "sample" else 32000)
+
+
+def test_only_a_tokenizer_model_without_sentencepiece_is_one_error_line(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("sentencepiece") is not None:
+        pytest.skip("sentencepiece is installed: the tokenizer.model path runs (tests/test_llamacpp.py)")
+    folder = tiny_llama_copy(tmp_path, tokenizer=False)
+    (folder / "tokenizer.model").write_bytes(b"\x0a\x05hello")
+    one_error(run("quantize", folder, "-o", tmp_path / "t.gguf", "--scheme", "q8_0"), "has only tokenizer.model, and reading it needs the sentencepiece package", "pip install sentencepiece")

@@ -123,7 +123,7 @@ def random_llama(folder: Path, tokenizer_from: Path, vocab_size: int, bos: int, 
         "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "bos_token_id": bos, "eos_token_id": eos, "tie_word_embeddings": False,
     }  # fmt: skip
     (folder / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
         if (tokenizer_from / name).is_file():
             shutil.copy(tokenizer_from / name, folder / name)
     return folder
@@ -193,6 +193,41 @@ def test_llama2_spm_tokenizer_json_runs(tmp_path):
     assert llm.tokenize(b"<0x41>", add_bos=False, special=False) != []
     assert llm.token_bos() == 1 and llm.token_eos() == 2
     assert_runs(llm, b"The capital of France is")
+
+
+def test_sentencepiece_tokenizer_model_runs_and_tokenizes_as_sentencepiece(tmp_path):
+    """A tokenizer.model (sentencepiece BPE with byte fallback, trained here on the README):
+    its pieces and real scores, so llama.cpp's SPM tokenizer splits text as sentencepiece does."""
+    llama_cpp()
+    spm = pytest.importorskip("sentencepiece")
+    import io
+
+    from tests.conftest import REPO
+
+    lines = [line for line in (REPO / "README.md").read_text(encoding="utf-8").splitlines() if line.strip()]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=512, model_type="bpe", byte_fallback=True,
+        character_coverage=0.995, num_threads=1, minloglevel=2, split_digits=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False,  # as LLaMA's: llama.cpp does not normalize
+    )  # fmt: skip
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.model").write_bytes(model.getvalue())
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True}))
+    folder = random_llama(tmp_path / "model", tokenizer, 512, 1, 2)
+    out = tmp_path / "spm.gguf"
+    qtool.quantize(folder, out, "q4_0")
+    import gguf
+
+    fields = gguf.GGUFReader(str(out)).fields
+    assert fields["tokenizer.ggml.model"].contents() == "llama"
+    assert len(set(fields["tokenizer.ggml.scores"].contents())) > 100  # sentencepiece's own scores, not one placeholder
+    processor = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    llm = load(out)
+    for text in ("Hello world", "qtool quantize model/ -o model-q4_0.gguf --scheme q4_0", "Ünïcödé 🦙 3.14159", lines[3], lines[-1]):
+        assert llm.tokenize(text.encode(), add_bos=True) == [1] + processor.encode(text), text
+    assert_runs(llm, b"qtool inspect")
 
 
 # -- from GGUF (requantize, keeping the input's metadata: the ggufmix branch) -----------------------

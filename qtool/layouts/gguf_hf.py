@@ -16,7 +16,8 @@ llama.cpp 0c1e57098bba43ac29e6e3b677cdceebdd22334f: `TextModel.set_gguf_paramete
 and are built with gguf-py's own helpers (`get_tensor_name_map`, `SentencePieceVocab`,
 `LlamaHfVocab`, `SpecialVocab`, `GGUFWriter`'s key setters):
 
-    tokenizer.model (sentencepiece installed)     "llama" tokenizer, real scores
+    tokenizer.model (sentencepiece installed)     "llama" tokenizer, sentencepiece's scores (gguf-py's
+                                                  SentencePieceVocab); without sentencepiece, refused
     tokenizer.json, BPE with byte fallback        "llama" tokenizer (LLaMA 1/2, Mistral): LlamaHfVocab's tokens
     tokenizer.json, byte-level BPE                "gpt2" tokenizer (LLaMA 3, Qwen2), its pre-tokenizer
                                                   named by the hash of a reference text's tokens
@@ -294,7 +295,7 @@ def _tokenizer(source: Checkpoint, arch: str, config: dict[str, Any], rows: int 
         if not present & {"tokenizer.json", "tokenizer.model"}:
             _refuse_or_note(allow_incomplete, notes, f"{folder} has no tokenizer.json or tokenizer.model, and llama.cpp cannot run a GGUF without a tokenizer", "put the model's tokenizer files beside it")
             return []
-        with _gguf_warnings(notes), _as_checkpoint_error(folder):
+        with _gguf_warnings(notes), _as_checkpoint_error(folder, staged):
             return _vocab_entries(staged, present, arch, vocab_size, allow_incomplete, notes, folder)
 
 
@@ -555,14 +556,14 @@ def _staged(folder: str) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def _as_checkpoint_error(folder: str) -> Iterator[None]:
+def _as_checkpoint_error(folder: str, staged: Path) -> Iterator[None]:
     """Whatever a vocab helper raises on a malformed tokenizer becomes one CheckpointError line."""
     try:
         yield
     except (CheckpointError, UsageError):
         raise
     except Exception as exc:  # noqa: BLE001 - gguf-py and transformers raise anything on bad files
-        detail = f"no entry {exc}" if isinstance(exc, KeyError) else " ".join(str(exc).split())[:200] or type(exc).__name__
+        detail = f"no entry {exc}" if isinstance(exc, KeyError) else " ".join(str(exc).replace(str(staged), folder).split())[:200] or type(exc).__name__
         raise CheckpointError(f"cannot read its tokenizer: {detail}", path=folder, hint="fix or replace the tokenizer files") from None
 
 
