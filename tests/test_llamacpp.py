@@ -62,7 +62,7 @@ def vocab_file(name: str) -> Path:
 
 
 def load(path: Path):
-    return llama_cpp().Llama(str(path), n_ctx=128, n_threads=1, n_batch=64, verbose=False, seed=0)
+    return llama_cpp().Llama(str(path), n_ctx=128, n_threads=1, n_batch=64, logits_all=True, verbose=False, seed=0)
 
 
 def assert_runs(llm, prompt: bytes) -> list[int]:
