@@ -92,7 +92,7 @@ def tokenizer_files() -> dict[str, dict]:
         "post_processor": {
             "type": "TemplateProcessing",
             "single": [special("<s>", 0), sequence("A", 0)],
-            "pair": [special("<s>", 0), sequence("A", 0), special("<s>", 1), sequence("B", 1)],
+            "pair": [special("<s>", 0), sequence("A", 0), sequence("B", 1)],  # no <s> between: gguf-py warns of one
             "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}},
         },
         "decoder": {
