@@ -17,12 +17,12 @@ tensor data is laid out at its aligned offsets by qtool's writer, streamed like 
 Encoding: the fused C kernels (`qtool.native.encode_gguf`) on the CPU, bit for bit
 `gguf.quants.quantize`; that numpy code otherwise (and for MXFP4). Neither imports torch.
 
-Names, architecture and tokenizer (`qtool.layouts.gguf_hf`): from a Hugging Face checkpoint of
-the LLaMA family (llama, mistral, qwen2), tensor names map onto GGUF's through gguf-py's
-`TensorNameMap`, q_proj and k_proj rows of llama and mistral are permuted back to llama.cpp's
-rotary order, and the hyperparameters and the tokenizer are written as llama.cpp's converter
-writes them, so llama.cpp runs the file. Any other model is refused, unless an incomplete GGUF
-(architecture "unknown", names kept, no tokenizer) is allowed.
+Names, architecture and tokenizer (`qtool.layouts.gguf_hf`, `gguf_tokenizer`): from a Hugging
+Face checkpoint of the LLaMA family (llama, mistral, qwen2), tensor names map onto GGUF's through
+gguf-py's `TensorNameMap`, q_proj and k_proj rows of llama and mistral are permuted back to
+llama.cpp's rotary order, and the hyperparameters and the tokenizer are written as llama.cpp's
+converter writes them, so llama.cpp runs the file. Any other model is refused, unless an
+incomplete GGUF (architecture "unknown", names kept, no tokenizer) is allowed.
 """
 
 from __future__ import annotations
