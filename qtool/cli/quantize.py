@@ -28,7 +28,9 @@ HELP = """Quantize a checkpoint's linear weights and write a layout real loaders
 By default the 2-D float *.weight tensors of linear layers are quantized; embeddings,
 lm_head, norms and biases are copied. The output layout is compressed-tensors (what vLLM and
 transformers load) unless the scheme needs another (nf4: bitsandbytes; q8_0 ... q6_k and
-llama.cpp's mixes: gguf) or --layout / an -o ending in .gguf names one. Every quantized weight's
+llama.cpp's mixes: gguf) or --layout / an -o ending in .gguf names one. A GGUF is written for
+llama, mistral and qwen2 models with their tokenizer, so llama.cpp runs it; for any other
+model only with --allow-incomplete-gguf. Every quantized weight's
 error (SQNR, relative RMSE, max abs error, cosine) is measured on the way; the worst 10 are
 shown. Run `qtool schemes` for the schemes.
 
@@ -67,6 +69,9 @@ def quantize_command(
     ] = "auto",
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Cast the float tensors that stay unquantized: bf16, f16 or f32.")] = None,
     allow_requantize: Annotated[bool, typer.Option("--allow-requantize", help="Accept an already-quantized input: dequantize it first.")] = False,
+    allow_incomplete_gguf: Annotated[
+        bool, typer.Option("--allow-incomplete-gguf", help="Write a GGUF even for a model qtool cannot describe to llama.cpp (not llama/mistral/qwen2, or no tokenizer): no runtime will load it.")
+    ] = False,
     report: Annotated[
         Optional[str], typer.Option("--report", help="Also write the summary document (every quantized weight's error) to this JSON file.")
     ] = None,
@@ -94,6 +99,7 @@ def quantize_command(
         max_shard_size=max_shard_size,
         allow_requantize=allow_requantize,
         report=report,
+        allow_incomplete_gguf=allow_incomplete_gguf,
     )
     if dry_run:
         show_plan(task, sink)

@@ -72,6 +72,7 @@ class PlanOptions:
     out_dtype: str | None = None  # cast kept float tensors (and decoded ones) to this
     max_shard_size: int | None = None
     file_name: str = "model.safetensors"
+    allow_incomplete_gguf: bool = False  # GGUF: write a model llama.cpp cannot run (no architecture or tokenizer)
 
 
 @dataclass

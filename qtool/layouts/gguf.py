@@ -25,26 +25,26 @@ its order with its exact value type (arrays with their element type), the tensor
 order; `general.file_type`, `general.quantization_version` and `general.quantized_by` are set,
 and the split keys dropped, as llama-quantize does. `general.alignment` is kept and obeyed.
 
-Names and architecture: for a config.json `model_type` of llama, mistral or qwen2, tensor names
-map onto GGUF's (`model.layers.0.self_attn.q_proj.weight` -> `blk.0.attn_q.weight`) through
-gguf-py's own `TensorNameMap`, and the basic hyperparameters are written, so the file describes
-itself. For llama and mistral, q_proj and k_proj rows are permuted from the Hugging Face rotary
-layout back to llama.cpp's, exactly as llama.cpp's `convert_hf_to_gguf.py` does (so decoding
-them gives the permuted rows). Any other model keeps its names under architecture "unknown".
-No tokenizer is written: llama.cpp needs `tokenizer.ggml.*` keys to run the file.
+Names, architecture and tokenizer (`qtool.layouts.gguf_hf`, `gguf_tokenizer`): from a Hugging
+Face checkpoint of the LLaMA family (llama, mistral, qwen2), tensor names map onto GGUF's through
+gguf-py's `TensorNameMap`, q_proj and k_proj rows of llama and mistral are permuted back to
+llama.cpp's rotary order, and the hyperparameters and the tokenizer are written as llama.cpp's
+converter writes them, so llama.cpp runs the file. Any other model is refused, unless an
+incomplete GGUF (architecture "unknown", names kept, no tokenizer) is allowed.
 """
 
 from __future__ import annotations
 
 import io
 import math
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 from qtool import native
 from qtool.errors import CheckpointError
 from qtool.formats.checkpoint import Checkpoint
 from qtool.formats.gguf import GgmlType, ggml_type_named
 from qtool.layouts.base import CAST, COPY, DEQUANTIZE, QUANTIZE, Job, Piece, Plan, Planned, PlanOptions, refusal_of
+from qtool.layouts.gguf_hf import describe_model
 from qtool.metrics import ErrorStats
 from qtool.scheme import QScheme, SchemeError
 from qtool.weight import Weight
@@ -55,8 +55,6 @@ WRITABLE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4", "Q2_K", "Q3_K
 NUMPY_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")  # what gguf-py's numpy quantizer encodes
 MAX_NAME_BYTES = 63  # GGML_MAX_NAME is 64 with the terminating NUL; llama.cpp refuses longer names
 ENCODE_ROWS = 4 << 20  # values per piece when encoding (bounded memory on any weight)
-_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}  # model_type -> GGUF architecture
-_PERMUTED_ARCHS = ("llama",)
 _FLOAT_KEEP = ("F32", "F16", "BF16")
 # general.file_type (llama_ftype) per dominant quantized type
 _FILE_TYPES = {"Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "Q8_0": "MOSTLY_Q8_0", "Q5_0": "MOSTLY_Q5_0", "Q5_1": "MOSTLY_Q5_1", "MXFP4": "MOSTLY_MXFP4_MOE",
@@ -114,19 +112,18 @@ class Gguf:
     def plan(self, source: Checkpoint, weights: list[Weight], chosen: dict[str, QScheme | None], options: PlanOptions) -> Plan:
         """Every GGUF tensor and metadata entry to write. Raises for the first weight that
         cannot be written, before anything is."""
-        config = source.config
         gguf_input = source.format == "gguf"
         if gguf_input:  # the input's tensor order, which the output keeps
             order = {name: index for index, name in enumerate(source.tensors)}
             weights = sorted(weights, key=lambda w: order.get(w.data.name, len(order)))
         input_entries = _gguf_input_metadata(source, weights) if gguf_input else None
-        arch = None if gguf_input else _ARCHS.get(str(config.get("model_type", "")), "unknown")
-        rename = (lambda name: name) if gguf_input else _renamer(arch, config)
-        heads = _heads(config) if arch in _PERMUTED_ARCHS else None
+        model = describe_model(source, weights, options.allow_incomplete_gguf)
         out_names: dict[str, str] = {}
         names: dict[str, str] = {}
         for weight in weights:
-            out_name = rename(weight.name)
+            out_name = model.tensor_name(weight.name)
+            if out_name is None:  # a buffer llama.cpp does not read (rotary inv_freq)
+                continue
             if out_name in names:
                 raise SchemeError(f"weights {names[out_name]} and {weight.name} both map to the GGUF tensor {out_name}", hint="leave one of them out")
             names[out_name] = weight.name
@@ -136,13 +133,14 @@ class Gguf:
                     f"tensor name {out_name} is {len(out_name.encode('utf-8'))} bytes; GGUF readers (ggml) accept at most {MAX_NAME_BYTES}",
                     hint="leave it out, or write another layout",
                 )
+        weights = [weight for weight in weights if weight.name in out_names]
         mix = _mix_of(chosen)
-        mixed = _mix_types(mix, weights, chosen, out_names, input_entries, config) if mix is not None else {}
+        mixed = _mix_types(mix, weights, chosen, out_names, input_entries, model.arch, source.config) if mix is not None else {}
         jobs: list[Job] = []
         for weight in weights:
             scheme = chosen.get(weight.name)
             out_name = out_names[weight.name]
-            permute = _rope_heads(weight.name, heads)
+            permute = model.rope_heads(weight.name)
             if permute and (not weight.shape or weight.shape[0] % (2 * permute)):
                 raise SchemeError(f"{weight.name}: {weight.shape[0] if weight.shape else 0} rows do not split into {permute} attention heads", hint="check num_attention_heads in config.json")
             if mix is not None:
@@ -159,8 +157,8 @@ class Gguf:
         if gguf_input:
             metadata = (None, _stamped(input_entries, jobs, mix))
         else:
-            metadata = (arch, _stamped(_metadata(arch, config, jobs), jobs, mix))
-        notes = [f"{out_names[name]}: {choice.note}" for name, choice in mixed.items() if choice.note]
+            metadata = (model.arch, _stamped(model.entries, jobs, mix))
+        notes = model.notes + [f"{out_names[name]}: {choice.note}" for name, choice in mixed.items() if choice.note]
         return Plan(source, self, jobs, [options.file_name], metadata, None, notes)
 
     def side_files(self, plan: Plan) -> dict[str, Any]:
@@ -338,77 +336,6 @@ def _unquantized(weight: Weight) -> tuple[GgmlType, str]:
     )
 
 
-def _renamer(arch: str, config: dict[str, Any]) -> Callable[[str], str]:
-    if arch == "unknown":
-        return lambda name: name
-    import gguf
-
-    blocks = int(config.get("num_hidden_layers") or 0)
-    member = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
-    table = gguf.get_tensor_name_map(member, blocks)
-    return lambda name: table.get_name(name, try_suffixes=(".weight", ".bias")) or name
-
-
-def _heads(config: dict[str, Any]) -> tuple[int, int] | None:
-    heads = config.get("num_attention_heads")
-    if not isinstance(heads, int) or heads < 1:
-        return None
-    kv = config.get("num_key_value_heads")
-    return heads, kv if isinstance(kv, int) and kv > 0 else heads
-
-
-def _rope_heads(name: str, heads: tuple[int, int] | None) -> int | None:
-    """The head count whose rows llama.cpp's converter permutes: q by n_head, k by n_head_kv."""
-    if heads is None:
-        return None
-    if name.endswith(("q_proj.weight", "q_proj.bias")):
-        return heads[0]
-    if name.endswith(("k_proj.weight", "k_proj.bias")):
-        return heads[1]
-    return None
-
-
-def _metadata(arch: str, config: dict[str, Any], jobs: list[Job]) -> list[tuple[str, Any, str]]:
-    """general.architecture is added by GGUFWriter itself; this is everything after it."""
-    from gguf import GGML_QUANT_VERSION, Keys, LlamaFileType
-
-    entries: list[tuple[str, Any, str]] = []
-
-    def put(key: str, value: Any, kind: str) -> None:
-        entries.append((key.format(arch=arch), value, kind))
-
-    if arch != "unknown":
-        heads = config.get("num_attention_heads")
-        hidden = config.get("hidden_size")
-        head_dim = config.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None)
-        for key, name in (
-            (Keys.LLM.CONTEXT_LENGTH, "max_position_embeddings"),
-            (Keys.LLM.EMBEDDING_LENGTH, "hidden_size"),
-            (Keys.LLM.BLOCK_COUNT, "num_hidden_layers"),
-            (Keys.LLM.FEED_FORWARD_LENGTH, "intermediate_size"),
-            (Keys.Attention.HEAD_COUNT, "num_attention_heads"),
-        ):
-            if isinstance(config.get(name), int):
-                put(key, config[name], "UINT32")
-        if isinstance(heads, int):
-            kv = config.get("num_key_value_heads")
-            put(Keys.Attention.HEAD_COUNT_KV, kv if isinstance(kv, int) else heads, "UINT32")
-        if isinstance(config.get("rope_theta"), (int, float)):
-            put(Keys.Rope.FREQ_BASE, float(config["rope_theta"]), "FLOAT32")
-        if isinstance(config.get("rms_norm_eps"), (int, float)):
-            put(Keys.Attention.LAYERNORM_RMS_EPS, float(config["rms_norm_eps"]), "FLOAT32")
-        if isinstance(head_dim, int):
-            put(Keys.Rope.DIMENSION_COUNT, head_dim, "UINT32")
-            if isinstance(hidden, int) and isinstance(heads, int) and head_dim * heads != hidden:
-                put(Keys.Attention.KEY_LENGTH, head_dim, "UINT32")
-                put(Keys.Attention.VALUE_LENGTH, head_dim, "UINT32")
-        if isinstance(config.get("vocab_size"), int):
-            put(Keys.LLM.VOCAB_SIZE, config["vocab_size"], "UINT32")
-    put(Keys.General.FILE_TYPE, int(LlamaFileType[_file_type(jobs)]), "UINT32")
-    put(Keys.General.QUANTIZATION_VERSION, GGML_QUANT_VERSION, "UINT32")
-    return entries
-
-
 def _file_type(jobs: list[Job]) -> str:
     """llama_ftype of the type holding the most parameters (quantized types first)."""
     counts: dict[str, int] = {}
@@ -464,7 +391,7 @@ def _mix_of(chosen: dict[str, QScheme | None]):
     return MIXES[names.pop()] if names else None
 
 
-def _mix_types(mix, weights: list[Weight], chosen, out_names: dict[str, str], entries, config: dict[str, Any]):
+def _mix_types(mix, weights: list[Weight], chosen, out_names: dict[str, str], entries, arch: str, config: dict[str, Any]):
     """{weight name: Choice} under llama.cpp's rules for `mix`, on the GGUF names."""
     from qtool.layouts.gguf_mix import MixTensor, ModelFacts, choose_types
 
@@ -474,7 +401,7 @@ def _mix_types(mix, weights: list[Weight], chosen, out_names: dict[str, str], en
         heads = config.get("num_attention_heads")
         kv = config.get("num_key_value_heads")
         facts = ModelFacts(
-            _ARCHS.get(str(config.get("model_type", "")), "unknown"),
+            arch,
             _count(config.get("num_hidden_layers")), _count(heads), _count(kv) if isinstance(kv, int) else _count(heads),
             _count(config.get("num_local_experts")),
         )  # fmt: skip
