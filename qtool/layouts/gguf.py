@@ -511,6 +511,7 @@ def _shown(value: Any, kind: str) -> Any:
         return bytes(value).decode("utf-8", "replace")
     if isinstance(value, list):
         if len(value) > 16:
-            return f"[{len(value)} × {kind.partition(':')[2]}]"
+            item = kind.partition(":")[2]
+            return f"[{len(value)} × {item}]" if item else f"[{len(value)} values]"
         return [_shown(v, kind) for v in value]
     return value
