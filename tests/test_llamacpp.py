@@ -44,15 +44,6 @@ def llama_cpp():
     return module
 
 
-def scheme_or_skip(scheme: str) -> str:
-    from qtool.scheme import parse_scheme
-
-    try:
-        parse_scheme(scheme)
-    except Exception:  # noqa: BLE001
-        pytest.skip(f"qtool has no scheme {scheme} yet (K-quant mixes land with the kquant/ggufmix branches)")
-    return scheme
-
 
 def vocab_file(name: str) -> Path:
     path = VOCABS / name
@@ -89,7 +80,7 @@ def test_sample_tiny_llama_runs_in_llama_cpp(tmp_path, scheme):
 
     llama_cpp()
     out = tmp_path / "tiny.gguf"
-    qtool.quantize(TINY, out, scheme_or_skip(scheme))
+    qtool.quantize(TINY, out, scheme)
     llm = load(out)
     text = "Hello wörld, 🦙!"
     assert llm.tokenize(text.encode(), add_bos=True) == Tokenizer.from_file(str(TINY / "tokenizer.json")).encode(text).ids
@@ -284,13 +275,11 @@ def tiny_llama_gguf(path: Path, vocab: Path) -> Path:
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_requantized_gguf_runs_in_llama_cpp(tmp_path, scheme):
     llama_cpp()
-    if importlib.util.find_spec("qtool.layouts.gguf_mix") is None:
-        pytest.skip("GGUF -> GGUF keeping the input's metadata lands with the ggufmix branch")
     vocab = vocab_file("ggml-vocab-llama-spm.gguf")
     source = tiny_llama_gguf(tmp_path / "in-f16.gguf", vocab)
     assert_runs(load(source), b"Hello")  # the input itself runs
     out = tmp_path / "out.gguf"
-    qtool.quantize(source, out, scheme_or_skip(scheme))
+    qtool.quantize(source, out, scheme)
     llm = load(out)
     assert llm.tokenize(b"Hello world", add_bos=True) == load(source).tokenize(b"Hello world", add_bos=True)
     assert_runs(llm, b"Hello")
