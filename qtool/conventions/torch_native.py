@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from qtool.conventions.base import Pool
-from qtool.errors import UsageError
+from qtool.errors import CheckpointError, UsageError
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
 from qtool.scheme import TENSOR, QScheme, QType, qtype
 from qtool.weight import DATA, Weight
@@ -126,4 +126,10 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
     scheme = weight.require_scheme()
     if scheme.convention != NAME or not hasattr(checkpoint, "quantized_tensor"):
         raise UsageError(f"{weight.name} is a {scheme.convention} weight, not a PyTorch native quantized tensor")
-    return checkpoint.quantized_tensor(weight.data).dequantize().to(device)
+    tensor = checkpoint.quantized_tensor(weight.data)
+    try:
+        values = tensor.dequantize()
+    except RuntimeError as exc:  # torch checks the pickled quantizer here: the file's fault
+        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise CheckpointError(f"quantized tensor {weight.data.name!r} does not dequantize: {first[:200]}", path=weight.data.file) from None
+    return values.to(device)

@@ -87,6 +87,7 @@ _REFUSED_HINT = "if you trust the file, load it yourself and re-save only its te
 _QUANTIZED = {"qint8": "I8", "quint8": "U8", "qint32": "I32", "quint4x2": "U8", "quint2x4": "U8"}
 _QTOOL_DTYPE: dict[str, StorageDType] = {d.torch_name: d for d in DTYPES.values() if d.torch_name}
 _QTOOL_DTYPE["float4_e2m1fn_x2"] = DTYPES["U8"]
+_ZERO_POINT_RANGE = {"qint8": (-128, 127), "quint8": (0, 255), "qint32": (-(2**31), 2**31 - 1), "quint4x2": (0, 15), "quint2x4": (0, 3)}
 
 
 @dataclass(frozen=True)
@@ -217,19 +218,28 @@ class TorchCheckpoint(Checkpoint):
         info = self.quantization(tensor)
         shape = tuple(tensor.logical_shape or tensor.shape)
         qdtype = getattr(torch, info.dtype)
-        with quiet():  # torch deprecates quantized tensors, loudly
-            if info.scale is not None:
-                made = torch._empty_affine_quantized(shape, scale=info.scale, zero_point=info.zero_point, dtype=qdtype)
-            else:
-                scales = self.load(self.tensors[f"{tensor.name}.q_per_channel_scales"]).clone()
-                zeros = self.load(self.tensors[f"{tensor.name}.q_per_channel_zero_points"]).clone()
-                made = torch._empty_per_channel_affine_quantized(shape, scales=scales, zero_points=zeros, axis=info.axis, dtype=qdtype)
+        low, high = _ZERO_POINT_RANGE[info.dtype]
         raw = bytes(self.read_bytes(tensor))
-        storage = made.untyped_storage()
-        if storage.nbytes() != len(raw):
-            raise CheckpointError(f"quantized tensor {tensor.name!r} holds {len(raw)} bytes, {info.dtype} {list(shape)} needs {storage.nbytes()}", path=tensor.file)
-        if raw:
-            storage.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8).untyped_storage())
+        try:
+            with quiet():  # torch deprecates quantized tensors, loudly
+                if info.scale is not None:
+                    if not low <= info.zero_point <= high:
+                        raise CheckpointError(f"quantized tensor {tensor.name!r} has zero point {info.zero_point}, outside {info.dtype}'s [{low}, {high}]", path=tensor.file)
+                    made = torch._empty_affine_quantized(shape, scale=info.scale, zero_point=info.zero_point, dtype=qdtype)
+                else:
+                    scales = self.load(self.tensors[f"{tensor.name}.q_per_channel_scales"]).clone()
+                    zeros = self.load(self.tensors[f"{tensor.name}.q_per_channel_zero_points"]).clone()
+                    if not zeros.is_floating_point() and zeros.numel() and not (low <= int(zeros.min()) and int(zeros.max()) <= high):
+                        raise CheckpointError(f"quantized tensor {tensor.name!r} has zero points outside {info.dtype}'s [{low}, {high}]", path=tensor.file)
+                    made = torch._empty_per_channel_affine_quantized(shape, scales=scales, zero_points=zeros, axis=info.axis, dtype=qdtype)
+                storage = made.untyped_storage()
+                if storage.nbytes() != len(raw):
+                    raise CheckpointError(f"quantized tensor {tensor.name!r} holds {len(raw)} bytes, {info.dtype} {list(shape)} needs {storage.nbytes()}", path=tensor.file)
+                if raw:
+                    storage.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8).untyped_storage())
+        except RuntimeError as exc:  # torch's checks of values that came from the file
+            first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+            raise CheckpointError(f"quantized tensor {tensor.name!r} is invalid: {first[:200]}", path=tensor.file) from None
         return made
 
 
