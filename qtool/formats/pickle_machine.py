@@ -76,6 +76,18 @@ class _Mark:
 
 
 _MARK = _Mark()
+_SIZED = frozenset(b"qhXKMJrj")  # opcodes whose argument bytes the hot loop reads directly
+
+
+def _past_end(data: bytes, at: int) -> bool:
+    """Whether the opcode at `at` reaches past the end of `data` (then the pickle is cut short)."""
+    op = data[at]
+    width = {0x71: 1, 0x68: 1, 0x4B: 1, 0x4D: 2, 0x4A: 4, 0x72: 4, 0x6A: 4, 0x58: 4}[op]
+    if at + 1 + width > len(data):
+        return True
+    if op == 0x58:
+        return at + 5 + struct.unpack_from("<I", data, at + 1)[0] > len(data)
+    return False
 _UNPACK_I = struct.Struct("<i").unpack_from
 _UNPACK_H = struct.Struct("<H").unpack_from
 _UNPACK_UI = struct.Struct("<I").unpack_from
@@ -202,14 +214,132 @@ class _Machine:
 
     # -- the loop --
     def run(self) -> tuple[Any, int]:
+        """The hot opcodes inline, on local variables; the rest through `_cold`."""
         data = self.data
-        while True:
-            if self.pos >= len(data):
-                raise Truncated("the pickle ends before its STOP opcode", len(data))
-            at = self.pos
-            op = data[at]
-            self.pos = at + 1
-            push = self.stack.append
+        size = len(data)
+        pos = self.pos
+        stack = self.stack
+        memo = self.memo
+        unpack_ui, unpack_h, unpack_i = _UNPACK_UI, _UNPACK_H, _UNPACK_I
+        try:
+            while True:
+                at = pos
+                op = data[pos]
+                pos += 1
+                if op == 0x71:  # BINPUT
+                    index = data[pos]
+                    pos += 1
+                    if index not in memo:
+                        self.budget -= 1
+                    memo[index] = stack[-1]
+                elif op == 0x68:  # BINGET
+                    stack.append(memo[data[pos]])
+                    pos += 1
+                elif op == 0x28:  # MARK
+                    self.marks.append(stack)
+                    stack = []
+                elif op == 0x58:  # BINUNICODE
+                    (n,) = unpack_ui(data, pos)
+                    end = pos + 4 + n
+                    if end > size:
+                        raise IndexError
+                    stack.append(data[pos + 4 : end].decode("utf-8"))
+                    pos = end
+                    self.budget -= 1
+                elif op == 0x4B:  # BININT1
+                    stack.append(data[pos])
+                    pos += 1
+                elif op == 0x74:  # TUPLE
+                    items = stack
+                    stack = self.marks.pop()
+                    stack.append(tuple(items))
+                    self.budget -= 1
+                elif op == 0x52:  # REDUCE
+                    args = stack.pop()
+                    func = stack.pop()
+                    self.pos = pos
+                    stack.append(self._call(func, args))
+                elif op == 0x51:  # BINPERSID
+                    pid = stack.pop()
+                    self.budget -= 1
+                    stack.append(self.hooks.persistent_load(pid))
+                elif op == 0x85:  # TUPLE1
+                    stack[-1] = (stack[-1],)
+                    self.budget -= 1
+                elif op == 0x86:  # TUPLE2
+                    b = stack.pop()
+                    stack[-1] = (stack[-1], b)
+                    self.budget -= 1
+                elif op == 0x87:  # TUPLE3
+                    c = stack.pop()
+                    b = stack.pop()
+                    stack[-1] = (stack[-1], b, c)
+                    self.budget -= 1
+                elif op == 0x29:  # EMPTY_TUPLE
+                    stack.append(())
+                elif op == 0x89:  # NEWFALSE
+                    stack.append(False)
+                elif op == 0x88:  # NEWTRUE
+                    stack.append(True)
+                elif op == 0x4E:  # NONE
+                    stack.append(None)
+                elif op == 0x7D:  # EMPTY_DICT
+                    stack.append(PDict())
+                    self.budget -= 1
+                elif op == 0x5D:  # EMPTY_LIST
+                    stack.append([])
+                    self.budget -= 1
+                elif op == 0x73:  # SETITEM
+                    value = stack.pop()
+                    key = stack.pop()
+                    target = stack[-1]
+                    if type(target) is not PDict:
+                        raise PickleError(f"SETITEM on a {type(target).__name__}, not a dict", at)
+                    target.items.append((key, value))
+                elif op == 0x61:  # APPEND
+                    value = stack.pop()
+                    target = stack[-1]
+                    if type(target) is not list:
+                        raise PickleError(f"APPEND on a {type(target).__name__}, not a list", at)
+                    target.append(value)
+                elif op == 0x4D:  # BININT2
+                    stack.append(unpack_h(data, pos)[0])
+                    pos += 2
+                elif op == 0x4A:  # BININT
+                    stack.append(unpack_i(data, pos)[0])
+                    pos += 4
+                elif op == 0x72:  # LONG_BINPUT
+                    (index,) = unpack_ui(data, pos)
+                    pos += 4
+                    if index not in memo:
+                        self.budget -= 1
+                    memo[index] = stack[-1]
+                elif op == 0x6A:  # LONG_BINGET
+                    stack.append(memo[unpack_ui(data, pos)[0]])
+                    pos += 4
+                else:
+                    self.pos, self.stack = pos, stack
+                    done = self._cold(op, at)
+                    if done is not None:
+                        return done[0], self.pos
+                    pos, stack = self.pos, self.stack
+                if self.budget < 0:
+                    raise PickleError("the pickle builds more objects than qtool's limit", at)
+        except (IndexError, struct.error):
+            # a read past the end, or a pop of an empty stack or mark list
+            if pos > size or at >= size or (op in _SIZED and _past_end(data, at)):
+                raise Truncated("the pickle ends before its STOP opcode", size) from None
+            raise PickleError("stack underflow, or an opcode's argument is missing", at) from None
+        except KeyError as exc:
+            raise PickleError(f"memo entry {exc.args[0]} is read before it is written", at) from None
+        except UnicodeDecodeError:
+            raise PickleError("a string is not valid utf-8", at) from None
+
+    def _cold(self, op: int, at: int) -> Any:
+        """Every opcode, one at a time (the hot ones also run inline in `run`). Returns _STOP's
+        result wrapped in a tuple at STOP, else None."""
+        push = self.stack.append
+        if True:
             if op == 0x71:  # BINPUT
                 self._memo_put(self._take(1)[0])
             elif op == 0x68:  # BINGET
@@ -337,7 +467,7 @@ class _Machine:
             elif op == 0x2E:  # STOP
                 if len(self.stack) != 1 or self.marks:
                     raise PickleError("STOP with a stack that does not hold exactly one object", at)
-                return self.stack[0], self.pos
+                return (self.stack[0],)
             elif op == 0x30:  # POP
                 if self.stack:
                     self.stack.pop()

@@ -30,7 +30,6 @@ import contextlib
 import dataclasses
 import enum
 import importlib
-import logging
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -103,6 +102,8 @@ class NeedsPackage(Exception):
 def quiet() -> Iterator[None]:
     """torch and torchao warn at import time (deprecations, missing CUDA kernels); qtool's
     stderr carries only its own messages."""
+    import logging  # only when torch or torchao is imported: 15 ms that listing doesn't pay
+
     loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
