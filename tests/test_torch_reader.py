@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import tracemalloc
+import warnings
 import zipfile
 import zlib
 from pathlib import Path
@@ -402,3 +403,55 @@ def test_zip_directory_rejects_members_past_the_end(tmp_path):
             ZipDirectory(fd, os.path.getsize(path))
     finally:
         os.close(fd)
+
+
+def test_a_big_endian_archive_reads_the_values_torch_does(tmp_path):
+    """byteorder "big" (torch.save on a big-endian machine): every tensor is gathered and
+    byte-swapped, and matches what torch.load makes of the same file."""
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4) / 7
+    state = {"a": base, "b": torch.linspace(-2, 2, 5).to(torch.bfloat16), "c": base.t(), "d": torch.arange(6, dtype=torch.int64) * 1000003}
+    source = tmp_path / "little.pt"
+    torch.save(state, source)
+    widths = {"0": 4, "1": 2, "2": 8}  # storages in order of first use: a (and c), b, d
+
+    def swap(name: str, data: bytes) -> bytes:
+        if name.endswith("/byteorder"):
+            return b"big"
+        key = name.rpartition("/data/")[2] if "/data/" in name else None
+        if key in widths:
+            width = widths[key]
+            return b"".join(data[i : i + width][::-1] for i in range(0, len(data), width))
+        return data
+
+    with zipfile.ZipFile(source) as archive:
+        members = {info.filename: swap(info.filename, archive.read(info.filename)) for info in archive.infolist()}
+    target = tmp_path / "big.pt"
+    write_zip(target, members)
+    expected = torch.load(target, weights_only=True)
+    checkpoint = qtool.open_checkpoint(target)
+    for name, tensor in state.items():
+        assert torch.equal(expected[name], tensor)  # torch reads it as the original
+        stored = checkpoint.tensors[name]
+        assert not stored.in_file or stored.dtype.bits == 8
+        assert torch.equal(checkpoint.load(stored), tensor), name
+
+
+def test_sub_byte_quantized_tensors_decode_as_pytorch_does(tmp_path):
+    x = torch.rand(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        packed = torch.quantize_per_tensor(x, 0.1, 2, torch.quint4x2)
+    torch.save({"q4": packed}, tmp_path / "q4.pt")
+    inspection = qtool.inspect(tmp_path / "q4.pt")
+    weight = inspection.weights[0]
+    assert weight.scheme.label == "uint4 asym tensor" and weight.shape == (4, 8) and weight.data.shape == (16,)
+    assert torch.equal(decoder_for(weight).decode(inspection.checkpoint, weight, "cpu"), packed.dequantize())
+
+
+def test_truncation_of_a_legacy_file_at_every_byte_is_refused(tmp_path):
+    data = (LEGACY / "simple_legacy.pt").read_bytes()
+    path = tmp_path / "cut.pt"
+    for cut in range(1, len(data)):
+        path.write_bytes(data[:cut])
+        with pytest.raises(CheckpointError):
+            qtool.open_checkpoint(path)
