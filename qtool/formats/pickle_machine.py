@@ -11,8 +11,10 @@ Bounded, whatever the bytes:
 - Time is linear in the pickle's size: each opcode does work proportional to what it reads
   or pops, and memo references are references, never copies (a "billion laughs" pickle is as
   small in memory as on disk).
-- Memory: at most `max_objects` containers, strings and results are created, and an integer
-  takes at most `MAX_INT_BYTES` bytes.
+- Memory: at most `max_objects` containers, strings, dict entries, marks and results are
+  created (4M by default: a few hundred MB at worst; a torch state dict needs about 16 per
+  tensor), and an integer takes at most `MAX_INT_BYTES` bytes. The caller caps the pickle's
+  size, which bounds the rest (stack slots of shared objects, 8 bytes each).
 - Dicts and sets are `PDict` / `PSet`: lists of entries, never hashed, so crafted keys with one
   hash can't make insertion quadratic. A key set twice keeps both entries; readers take the last.
 
@@ -23,6 +25,7 @@ when the bytes end before `STOP`, so a caller reading a stream can fetch more an
 from __future__ import annotations
 
 import codecs
+import gc
 import struct
 from typing import Any, Protocol
 
@@ -96,8 +99,17 @@ _UNPACK_D = struct.Struct(">d").unpack_from
 
 
 def interpret(data: bytes, hooks: Hooks, *, start: int = 0, max_objects: int = 4_000_000) -> tuple[Any, int]:
-    """The object the pickle at `data[start:]` describes, and the offset just past its STOP."""
-    return _Machine(data, hooks, start, max_objects).run()
+    """The object the pickle at `data[start:]` describes, and the offset just past its STOP.
+
+    The cyclic garbage collector is paused meanwhile: millions of new containers would make it
+    walk all of them again and again (as pickle's own C unpickler avoids by not tracking)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _Machine(data, hooks, start, max_objects).run()
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class _Machine:
@@ -238,6 +250,7 @@ class _Machine:
                 elif op == 0x28:  # MARK
                     self.marks.append(stack)
                     stack = []
+                    self.budget -= 1
                 elif op == 0x58:  # BINUNICODE
                     (n,) = unpack_ui(data, pos)
                     end = pos + 4 + n
@@ -296,6 +309,7 @@ class _Machine:
                     if type(target) is not PDict:
                         raise PickleError(f"SETITEM on a {type(target).__name__}, not a dict", at)
                     target.items.append((key, value))
+                    self.budget -= 1
                 elif op == 0x61:  # APPEND
                     value = stack.pop()
                     target = stack[-1]
@@ -345,6 +359,7 @@ class _Machine:
             elif op == 0x68:  # BINGET
                 push(self._memo_get(self._take(1)[0]))
             elif op == 0x28:  # MARK
+                self._spend()
                 self.marks.append(self.stack)
                 self.stack = []
             elif op == 0x58:  # BINUNICODE
@@ -406,10 +421,12 @@ class _Machine:
                 target = self._dict_of(self._top())
                 if len(items) % 2:
                     raise PickleError("SETITEMS with an odd number of items", at)
+                self._spend(len(items) // 2)
                 target.items.extend(zip(items[::2], items[1::2]))
             elif op == 0x73:  # SETITEM
                 value = self._pop()
                 key = self._pop()
+                self._spend()
                 self._dict_of(self._top()).items.append((key, value))
             elif op == 0x65:  # APPENDS
                 items = self._pop_mark()
@@ -511,6 +528,7 @@ class _Machine:
                 items = self._pop_mark()
                 if len(items) % 2:
                     raise PickleError("DICT with an odd number of items", at)
+                self._spend(len(items) // 2)
                 made = PDict()
                 made.items = list(zip(items[::2], items[1::2]))
                 self.stack.append(made)

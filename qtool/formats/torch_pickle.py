@@ -74,7 +74,7 @@ __all__ = ["SUFFIXES", "STATE_DICT_KEYS", "PICKLE_LIMIT", "Subclass", "Quantizat
 
 SUFFIXES = (".pt", ".pth", ".bin")
 STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model", "module", "net", "params")
-PICKLE_LIMIT = 64 << 20  # bytes of pickle (data.pkl): some 400,000 tensors
+PICKLE_LIMIT = 32 << 20  # bytes of pickle (data.pkl): some 250,000 tensors (about 130 bytes and 16 objects each)
 MAX_DEPTH = 64
 _METADATA_TEXT_LIMIT = 200
 _METADATA_ENTRIES = 10_000
