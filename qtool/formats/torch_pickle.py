@@ -335,7 +335,9 @@ def _read_zip(fd: int, archive: _Archive) -> None:
     names = directory.order
     if not names:
         raise CheckpointError("is an empty zip archive", path=archive.path, hint=_HINT)
-    root = names[0].split("/", 1)[0]
+    root = names[0].split("/", 1)[0]  # torch.save's archive name: the first member's folder
+    if f"{root}/data.pkl" not in directory.members:
+        root = next((n[: -len("/data.pkl")] for n in names if n.endswith("/data.pkl") and n.count("/") == 1), root)
     if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
         raise CheckpointError(
             "a TorchScript archive: qtool reads state dicts, not scripted modules",
