@@ -455,3 +455,45 @@ def test_truncation_of_a_legacy_file_at_every_byte_is_refused(tmp_path):
         path.write_bytes(data[:cut])
         with pytest.raises(CheckpointError):
             qtool.open_checkpoint(path)
+
+
+def _many_tensors() -> dict:
+    gen = torch.Generator().manual_seed(3)
+    grid = torch.randn(6, 10, generator=gen)
+    return {
+        "f64": torch.randn(3, generator=gen, dtype=torch.float64),
+        "i16": torch.arange(-4, 4, dtype=torch.int16),
+        "u8": torch.arange(9, dtype=torch.uint8).reshape(3, 3),
+        "u16": torch.arange(5, dtype=torch.int32).to(torch.uint16),
+        "c64": torch.randn(2, 2, generator=gen, dtype=torch.complex64),
+        "e4m3": torch.randn(4, 4, generator=gen).to(torch.float8_e4m3fn),
+        "e5m2": torch.randn(4, generator=gen).to(torch.float8_e5m2),
+        "param": torch.nn.Parameter(torch.randn(2, 3, generator=gen)),
+        "expanded": torch.randn(1, 4, generator=gen).expand(3, 4),  # stride 0
+        "permuted": torch.randn(2, 3, 4, generator=gen).permute(2, 0, 1),
+        "corner": grid[1:4, 2:7],
+        "tied": grid,
+        "scalar": torch.tensor(3, dtype=torch.int64),
+        "list": [grid[0], grid[5]],
+        "nested": {"deeper": {"x": torch.ones(2, dtype=torch.bool)}},
+    }
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+@pytest.mark.parametrize("protocol", [2, 4])
+def test_many_dtypes_and_views_read_as_torch_load_reads_them(tmp_path, legacy, protocol):
+    path = tmp_path / "many.pt"
+    tensors = _many_tensors()
+    if legacy:  # torch saves these on an UntypedStorage, which its own legacy loader can't read back
+        tensors = {k: v for k, v in tensors.items() if k not in ("u16", "e4m3", "e5m2")}
+    torch.save(tensors, path, _use_new_zipfile_serialization=not legacy, pickle_protocol=protocol)
+    checkpoint = qtool.open_checkpoint(path)
+    state = torch.load(path, weights_only=protocol == 2)  # torch's weights-only unpickler has no FRAME (protocol 4); our own file
+    reference = flatten(state)
+    reference.update({f"list.{i}": t for i, t in enumerate(state["list"])})
+    assert set(checkpoint.tensors) == set(reference)
+    for name, expected in reference.items():
+        stored = checkpoint.tensors[name]
+        got = checkpoint.load(stored)
+        assert got.dtype == expected.dtype and got.shape == expected.shape, name
+        assert torch.equal(got.reshape(-1).view(torch.uint8), expected.contiguous().reshape(-1).view(torch.uint8)), name
