@@ -497,3 +497,15 @@ def test_many_dtypes_and_views_read_as_torch_load_reads_them(tmp_path, legacy, p
         got = checkpoint.load(stored)
         assert got.dtype == expected.dtype and got.shape == expected.shape, name
         assert torch.equal(got.reshape(-1).view(torch.uint8), expected.contiguous().reshape(-1).view(torch.uint8)), name
+
+
+def test_a_legacy_file_saved_from_a_gpu_reads_on_the_cpu(tmp_path):
+    """Before 1.6, CUDA tensors were pickled with torch.cuda.<Name>Storage and location "cuda:0"."""
+    data = (LEGACY / "simple_legacy.pt").read_bytes()
+    gpu = data.replace(b"ctorch\nFloatStorage\n", b"ctorch.cuda\nFloatStorage\n").replace(b"X\x03\x00\x00\x00cpu", b"X\x06\x00\x00\x00cuda:0")
+    assert gpu != data
+    (tmp_path / "gpu.pt").write_bytes(gpu)
+    expected = torch.load(LEGACY / "simple_legacy.pt", weights_only=True)
+    checkpoint = qtool.open_checkpoint(tmp_path / "gpu.pt")
+    for name, tensor in expected.items():
+        assert torch.equal(checkpoint.load(checkpoint.tensors[name]), tensor), name

@@ -9,7 +9,8 @@ turned into a plain record (CONVENTIONS §9).
     torch._tensor._rebuild_from_type_v2 with
       torch._utils._rebuild_wrapper_subclass     -> SubclassRecord (a torchao tensor's type,
                                                     dtype, shape and attribute dict)
-    torch.<Name>Storage, torch.storage.UntypedStorage  -> the storage type of a persistent id
+    torch.<Name>Storage, torch.cuda.<Name>Storage (legacy files saved from a GPU),
+    torch.storage.UntypedStorage                 -> the storage type of a persistent id
     torch.float32 ..., torch.qint8 ..., torch.per_tensor_affine ...  -> DType / QScheme names
     collections.OrderedDict -> PDict; torch.Size -> tuple; torch.device, _get_layout -> text
     _codecs.encode (protocol 2's bytes), builtins.set / frozenset / bytearray
@@ -256,6 +257,8 @@ class TorchHooks:
         qualified = f"{module}.{name}"
         if kind is not None:
             return _Global(kind, qualified)
+        if module == "torch.cuda" and name in _STORAGES:  # legacy files saved from a GPU: the same bytes
+            return _Global("storage_type", qualified, _STORAGES[name])
         if module in ("torch", "torch.storage"):
             if name in _STORAGES and module == "torch":
                 return _Global("storage_type", qualified, _STORAGES[name])
