@@ -461,9 +461,7 @@ class _Machine:
                 push(self._sized(_UNPACK_UI(self._take(4))[0]))
             elif op == 0x43:  # SHORT_BINBYTES
                 push(self._sized(self._take(1)[0]))
-            elif op == 0x8E:  # BINBYTES8
-                push(self._sized(_UNPACK_Q(self._take(8))[0]))
-            elif op == 0x96:  # BYTEARRAY8
+            elif op in (0x8E, 0x96):  # BINBYTES8, BYTEARRAY8
                 push(self._sized(_UNPACK_Q(self._take(8))[0]))
             elif op == 0x55:  # SHORT_BINSTRING (protocol 1 str: bytes decoded as latin-1, as Python 3 does by default)
                 push(self._decode(self._sized(self._take(1)[0]), "latin-1"))

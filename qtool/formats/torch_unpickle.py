@@ -65,7 +65,7 @@ ITEMSIZE = {
     "float4_e2m1fn_x2": 1,
     "qint8": 1, "quint8": 1, "qint32": 4, "quint4x2": 1, "quint2x4": 1,
     **{f"{sign}int{bits}": 1 for sign in ("", "u") for bits in range(1, 8)},  # torch.int4 ...: names, one a byte
-    "bits8": 1, "bits16": 2, "float8_e4m3fnuz": 1,
+    "bits8": 1, "bits16": 2,
 }  # fmt: skip
 _DTYPE_ALIASES = {
     "float": "float32", "double": "float64", "half": "float16", "short": "int16", "int": "int32",
