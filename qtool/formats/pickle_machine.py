@@ -350,235 +350,166 @@ class _Machine:
             raise PickleError("a string is not valid utf-8", at) from None
 
     def _cold(self, op: int, at: int) -> Any:
-        """Every opcode, one at a time (the hot ones also run inline in `run`). Returns _STOP's
-        result wrapped in a tuple at STOP, else None."""
+        """The opcodes `run` doesn't inline. Returns the result wrapped in a tuple at STOP,
+        else None."""
         push = self.stack.append
-        if True:
-            if op == 0x71:  # BINPUT
-                self._memo_put(self._take(1)[0])
-            elif op == 0x68:  # BINGET
-                push(self._memo_get(self._take(1)[0]))
-            elif op == 0x28:  # MARK
-                self._spend()
-                self.marks.append(self.stack)
-                self.stack = []
-            elif op == 0x58:  # BINUNICODE
-                push(self._decode(self._sized(_UNPACK_UI(self._take(4))[0])))
-            elif op == 0x4B:  # BININT1
-                push(self._take(1)[0])
-            elif op == 0x74:  # TUPLE
-                self._spend()
-                items = self._pop_mark()
-                self.stack.append(tuple(items))
-            elif op == 0x52:  # REDUCE
-                args = self._pop()
-                func = self._pop()
-                push(self._call(func, args))
-            elif op == 0x51:  # BINPERSID
-                pid = self._pop()
-                self._spend()
-                push(self.hooks.persistent_load(pid))
-            elif op == 0x85:  # TUPLE1
-                self._spend()
-                push((self._pop(),))
-            elif op == 0x86:  # TUPLE2
-                self._spend()
-                b = self._pop()
-                a = self._pop()
-                push((a, b))
-            elif op == 0x87:  # TUPLE3
-                self._spend()
-                c = self._pop()
-                b = self._pop()
-                a = self._pop()
-                push((a, b, c))
-            elif op == 0x29:  # EMPTY_TUPLE
-                push(())
-            elif op == 0x89:  # NEWFALSE
-                push(False)
-            elif op == 0x88:  # NEWTRUE
-                push(True)
-            elif op == 0x4E:  # NONE
-                push(None)
-            elif op == 0x63:  # GLOBAL
-                module = self._decode(self._line(), "utf-8")
-                name = self._decode(self._line(), "utf-8")
-                push(self._global(module, name))
-            elif op == 0x93:  # STACK_GLOBAL
-                name = self._pop()
-                module = self._pop()
-                if not isinstance(module, str) or not isinstance(name, str):
-                    raise PickleError("STACK_GLOBAL needs two strings", at)
-                push(self._global(module, name))
-            elif op == 0x7D:  # EMPTY_DICT
-                self._spend()
-                push(PDict())
-            elif op == 0x5D:  # EMPTY_LIST
-                self._spend()
-                push([])
-            elif op == 0x75:  # SETITEMS
-                items = self._pop_mark()
-                target = self._dict_of(self._top())
-                if len(items) % 2:
-                    raise PickleError("SETITEMS with an odd number of items", at)
-                self._spend(len(items) // 2)
-                target.items.extend(zip(items[::2], items[1::2]))
-            elif op == 0x73:  # SETITEM
-                value = self._pop()
-                key = self._pop()
-                self._spend()
-                self._dict_of(self._top()).items.append((key, value))
-            elif op == 0x65:  # APPENDS
-                items = self._pop_mark()
-                self._list_of(self._top()).extend(items)
-            elif op == 0x61:  # APPEND
-                value = self._pop()
-                self._list_of(self._top()).append(value)
-            elif op == 0x62:  # BUILD
-                state = self._pop()
-                obj = self._pop()
-                push(self.hooks.build(obj, state))
-            elif op == 0x4D:  # BININT2
-                push(_UNPACK_H(self._take(2))[0])
-            elif op == 0x4A:  # BININT
-                push(_UNPACK_I(self._take(4))[0])
-            elif op == 0x8A:  # LONG1
-                push(self._long(self._take(self._take(1)[0])))
-            elif op == 0x8B:  # LONG4
-                n = _UNPACK_I(self._take(4))[0]
-                if n < 0:
-                    raise PickleError("LONG4 with a negative length", at)
-                if n > MAX_INT_BYTES:
-                    raise PickleError(f"an integer of {n} bytes is over qtool's limit of {MAX_INT_BYTES}", at)
-                push(self._long(self._take(n)))
-            elif op == 0x47:  # BINFLOAT
-                push(_UNPACK_D(self._take(8))[0])
-            elif op == 0x8C:  # SHORT_BINUNICODE
-                push(self._decode(self._sized(self._take(1)[0])))
-            elif op == 0x8D:  # BINUNICODE8
-                push(self._decode(self._sized(_UNPACK_Q(self._take(8))[0])))
-            elif op == 0x42:  # BINBYTES
-                push(self._sized(_UNPACK_UI(self._take(4))[0]))
-            elif op == 0x43:  # SHORT_BINBYTES
-                push(self._sized(self._take(1)[0]))
-            elif op in (0x8E, 0x96):  # BINBYTES8, BYTEARRAY8
-                push(self._sized(_UNPACK_Q(self._take(8))[0]))
-            elif op == 0x55:  # SHORT_BINSTRING (protocol 1 str: bytes decoded as latin-1, as Python 3 does by default)
-                push(self._decode(self._sized(self._take(1)[0]), "latin-1"))
-            elif op == 0x54:  # BINSTRING
-                n = _UNPACK_I(self._take(4))[0]
-                push(self._decode(self._sized(n), "latin-1"))
-            elif op == 0x6A:  # LONG_BINGET
-                push(self._memo_get(_UNPACK_UI(self._take(4))[0]))
-            elif op == 0x72:  # LONG_BINPUT
-                self._memo_put(_UNPACK_UI(self._take(4))[0])
-            elif op == 0x94:  # MEMOIZE
-                self._memo_put(len(self.memo))
-            elif op == 0x95:  # FRAME: a length hint; the bytes follow inline
-                self._take(8)
-            elif op == 0x80:  # PROTO
-                if self._take(1)[0] > 5:
-                    raise PickleError("unsupported pickle protocol", at)
-            elif op == 0x2E:  # STOP
-                if len(self.stack) != 1 or self.marks:
-                    raise PickleError("STOP with a stack that does not hold exactly one object", at)
-                return (self.stack[0],)
-            elif op == 0x30:  # POP
-                if self.stack:
-                    self.stack.pop()
-                else:
-                    self._pop_mark()
-            elif op == 0x31:  # POP_MARK
-                self._pop_mark()
-            elif op == 0x32:  # DUP
-                push(self._top())
-            elif op == 0x81:  # NEWOBJ
-                args = self._pop()
-                cls = self._pop()
-                push(self._call(cls, args))
-            elif op == 0x92:  # NEWOBJ_EX
-                kwargs = self._pop()
-                args = self._pop()
-                cls = self._pop()
-                if not isinstance(kwargs, PDict) or kwargs.items:
-                    raise PickleError("NEWOBJ_EX with keyword arguments", at)
-                push(self._call(cls, args))
-            elif op == 0x8F:  # EMPTY_SET
-                self._spend()
-                push(PSet())
-            elif op == 0x90:  # ADDITEMS
-                items = self._pop_mark()
-                target = self._top()
-                if not isinstance(target, PSet) or target.frozen:
-                    raise PickleError("ADDITEMS on something that is not a set", at)
-                target.items.extend(items)
-            elif op == 0x91:  # FROZENSET
-                self._spend()
-                frozen = PSet(frozen=True)
-                frozen.items = self._pop_mark()
-                self.stack.append(frozen)
-            elif op == 0x6C:  # LIST
-                self._spend()
-                items = self._pop_mark()
-                self.stack.append(items)
-            elif op == 0x64:  # DICT
-                self._spend()
-                items = self._pop_mark()
-                if len(items) % 2:
-                    raise PickleError("DICT with an odd number of items", at)
-                self._spend(len(items) // 2)
-                made = PDict()
-                made.items = list(zip(items[::2], items[1::2]))
-                self.stack.append(made)
-            elif op == 0x49:  # INT (protocol 0; "00"/"01" are False/True)
-                line = self._line()
-                push({b"00": False, b"01": True}.get(line) if line in (b"00", b"01") else self._text_int(line))
-            elif op == 0x4C:  # LONG (protocol 0)
-                push(self._text_int(self._line()))
-            elif op == 0x46:  # FLOAT (protocol 0)
-                text = self._line()
-                try:
-                    push(float(text[:64]) if len(text) <= 64 else float("x"))
-                except ValueError:
-                    raise PickleError(f"bad text float {text[:40]!r}", at) from None
-            elif op == 0x53:  # STRING (protocol 0): a quoted, escaped byte string, read as latin-1
-                text = self._line()
-                if len(text) < 2 or text[:1] != text[-1:] or text[:1] not in (b"'", b'"'):
-                    raise PickleError("STRING opcode without quotes", at)
-                self._spend()
-                try:
-                    push(codecs.escape_decode(text[1:-1])[0].decode("latin-1"))
-                except (ValueError, UnicodeDecodeError):
-                    raise PickleError("STRING opcode with a bad escape", at) from None
-            elif op == 0x56:  # UNICODE (protocol 0)
-                text = self._line()
-                self._spend()
-                try:
-                    push(text.decode("raw-unicode-escape"))
-                except UnicodeDecodeError:
-                    raise PickleError("UNICODE opcode with a bad escape", at) from None
-            elif op == 0x67:  # GET
-                push(self._memo_get(self._text_int(self._line())))
-            elif op == 0x70:  # PUT
-                self._memo_put(self._text_int(self._line()))
-            elif op == 0x69:  # INST
-                module = self._decode(self._line(), "utf-8")
-                name = self._decode(self._line(), "utf-8")
-                cls = self._global(module, name)
-                args = tuple(self._pop_mark())
-                self.stack.append(self._call(cls, args))
-            elif op == 0x6F:  # OBJ
-                items = self._pop_mark()
-                if not items:
-                    raise PickleError("OBJ without a class", at)
-                self.stack.append(self._call(items[0], tuple(items[1:])))
-            elif op == 0x50:  # PERSID (protocol 0): a text persistent id
-                pid = self._decode(self._line(), "ascii")
-                self._spend()
-                push(self.hooks.persistent_load(pid))
-            elif op in (0x82, 0x83, 0x84):
-                raise PickleError("the pickle uses the extension registry (EXT1/2/4), which names code", at)
-            elif op in (0x97, 0x98):
-                raise PickleError("the pickle uses out-of-band buffers (protocol 5), which a file can't carry", at)
+        if op == 0x63:  # GLOBAL
+            module = self._decode(self._line(), "utf-8")
+            name = self._decode(self._line(), "utf-8")
+            push(self._global(module, name))
+        elif op == 0x93:  # STACK_GLOBAL
+            name = self._pop()
+            module = self._pop()
+            if not isinstance(module, str) or not isinstance(name, str):
+                raise PickleError("STACK_GLOBAL needs two strings", at)
+            push(self._global(module, name))
+        elif op == 0x75:  # SETITEMS
+            items = self._pop_mark()
+            target = self._dict_of(self._top())
+            if len(items) % 2:
+                raise PickleError("SETITEMS with an odd number of items", at)
+            self._spend(len(items) // 2)
+            target.items.extend(zip(items[::2], items[1::2]))
+        elif op == 0x65:  # APPENDS
+            items = self._pop_mark()
+            self._list_of(self._top()).extend(items)
+        elif op == 0x62:  # BUILD
+            state = self._pop()
+            obj = self._pop()
+            push(self.hooks.build(obj, state))
+        elif op == 0x8A:  # LONG1
+            push(self._long(self._take(self._take(1)[0])))
+        elif op == 0x8B:  # LONG4
+            n = _UNPACK_I(self._take(4))[0]
+            if n < 0:
+                raise PickleError("LONG4 with a negative length", at)
+            if n > MAX_INT_BYTES:
+                raise PickleError(f"an integer of {n} bytes is over qtool's limit of {MAX_INT_BYTES}", at)
+            push(self._long(self._take(n)))
+        elif op == 0x47:  # BINFLOAT
+            push(_UNPACK_D(self._take(8))[0])
+        elif op == 0x8C:  # SHORT_BINUNICODE
+            push(self._decode(self._sized(self._take(1)[0])))
+        elif op == 0x8D:  # BINUNICODE8
+            push(self._decode(self._sized(_UNPACK_Q(self._take(8))[0])))
+        elif op == 0x42:  # BINBYTES
+            push(self._sized(_UNPACK_UI(self._take(4))[0]))
+        elif op == 0x43:  # SHORT_BINBYTES
+            push(self._sized(self._take(1)[0]))
+        elif op in (0x8E, 0x96):  # BINBYTES8, BYTEARRAY8
+            push(self._sized(_UNPACK_Q(self._take(8))[0]))
+        elif op == 0x55:  # SHORT_BINSTRING (protocol 1 str: bytes decoded as latin-1, as Python 3 does by default)
+            push(self._decode(self._sized(self._take(1)[0]), "latin-1"))
+        elif op == 0x54:  # BINSTRING
+            n = _UNPACK_I(self._take(4))[0]
+            push(self._decode(self._sized(n), "latin-1"))
+        elif op == 0x94:  # MEMOIZE
+            self._memo_put(len(self.memo))
+        elif op == 0x95:  # FRAME: a length hint; the bytes follow inline
+            self._take(8)
+        elif op == 0x80:  # PROTO
+            if self._take(1)[0] > 5:
+                raise PickleError("unsupported pickle protocol", at)
+        elif op == 0x2E:  # STOP
+            if len(self.stack) != 1 or self.marks:
+                raise PickleError("STOP with a stack that does not hold exactly one object", at)
+            return (self.stack[0],)
+        elif op == 0x30:  # POP
+            if self.stack:
+                self.stack.pop()
             else:
-                raise PickleError(f"unknown opcode 0x{op:02x}", at)
+                self._pop_mark()
+        elif op == 0x31:  # POP_MARK
+            self._pop_mark()
+        elif op == 0x32:  # DUP
+            push(self._top())
+        elif op == 0x81:  # NEWOBJ
+            args = self._pop()
+            cls = self._pop()
+            push(self._call(cls, args))
+        elif op == 0x92:  # NEWOBJ_EX
+            kwargs = self._pop()
+            args = self._pop()
+            cls = self._pop()
+            if not isinstance(kwargs, PDict) or kwargs.items:
+                raise PickleError("NEWOBJ_EX with keyword arguments", at)
+            push(self._call(cls, args))
+        elif op == 0x8F:  # EMPTY_SET
+            self._spend()
+            push(PSet())
+        elif op == 0x90:  # ADDITEMS
+            items = self._pop_mark()
+            target = self._top()
+            if not isinstance(target, PSet) or target.frozen:
+                raise PickleError("ADDITEMS on something that is not a set", at)
+            target.items.extend(items)
+        elif op == 0x91:  # FROZENSET
+            self._spend()
+            frozen = PSet(frozen=True)
+            frozen.items = self._pop_mark()
+            self.stack.append(frozen)
+        elif op == 0x6C:  # LIST
+            self._spend()
+            items = self._pop_mark()
+            self.stack.append(items)
+        elif op == 0x64:  # DICT
+            self._spend()
+            items = self._pop_mark()
+            if len(items) % 2:
+                raise PickleError("DICT with an odd number of items", at)
+            self._spend(len(items) // 2)
+            made = PDict()
+            made.items = list(zip(items[::2], items[1::2]))
+            self.stack.append(made)
+        elif op == 0x49:  # INT (protocol 0; "00"/"01" are False/True)
+            line = self._line()
+            push({b"00": False, b"01": True}.get(line) if line in (b"00", b"01") else self._text_int(line))
+        elif op == 0x4C:  # LONG (protocol 0)
+            push(self._text_int(self._line()))
+        elif op == 0x46:  # FLOAT (protocol 0)
+            text = self._line()
+            try:
+                push(float(text[:64]) if len(text) <= 64 else float("x"))
+            except ValueError:
+                raise PickleError(f"bad text float {text[:40]!r}", at) from None
+        elif op == 0x53:  # STRING (protocol 0): a quoted, escaped byte string, read as latin-1
+            text = self._line()
+            if len(text) < 2 or text[:1] != text[-1:] or text[:1] not in (b"'", b'"'):
+                raise PickleError("STRING opcode without quotes", at)
+            self._spend()
+            try:
+                push(codecs.escape_decode(text[1:-1])[0].decode("latin-1"))
+            except (ValueError, UnicodeDecodeError):
+                raise PickleError("STRING opcode with a bad escape", at) from None
+        elif op == 0x56:  # UNICODE (protocol 0)
+            text = self._line()
+            self._spend()
+            try:
+                push(text.decode("raw-unicode-escape"))
+            except UnicodeDecodeError:
+                raise PickleError("UNICODE opcode with a bad escape", at) from None
+        elif op == 0x67:  # GET
+            push(self._memo_get(self._text_int(self._line())))
+        elif op == 0x70:  # PUT
+            self._memo_put(self._text_int(self._line()))
+        elif op == 0x69:  # INST
+            module = self._decode(self._line(), "utf-8")
+            name = self._decode(self._line(), "utf-8")
+            cls = self._global(module, name)
+            args = tuple(self._pop_mark())
+            self.stack.append(self._call(cls, args))
+        elif op == 0x6F:  # OBJ
+            items = self._pop_mark()
+            if not items:
+                raise PickleError("OBJ without a class", at)
+            self.stack.append(self._call(items[0], tuple(items[1:])))
+        elif op == 0x50:  # PERSID (protocol 0): a text persistent id
+            pid = self._decode(self._line(), "ascii")
+            self._spend()
+            push(self.hooks.persistent_load(pid))
+        elif op in (0x82, 0x83, 0x84):
+            raise PickleError("the pickle uses the extension registry (EXT1/2/4), which names code", at)
+        elif op in (0x97, 0x98):
+            raise PickleError("the pickle uses out-of-band buffers (protocol 5), which a file can't carry", at)
+        else:
+            raise PickleError(f"unknown opcode 0x{op:02x}", at)
