@@ -94,22 +94,25 @@ def prepare_quantize(
     max_shard_size: str | None = None,
     allow_requantize: bool = False,
     report: str | os.PathLike[str] | None = None,
+    allow_incomplete_gguf: bool = False,
 ) -> Task:
     """Plan a quantization: which weights, which scheme and layout, every output tensor.
-    Writes nothing; refuses an impossible job (and every unsafe output path) here."""
+    Writes nothing; refuses an impossible job (and every unsafe output path) here.
+    A GGUF from a Hugging Face checkpoint must be a model llama.cpp runs (llama, mistral, qwen2,
+    with its tokenizer) unless `allow_incomplete_gguf`."""
     from qtool.selection import Selection
 
     selection = Selection.from_options(scheme, list(include), list(ignore), list(tensor_schemes))
     checkpoint = _open_checkpoint(path)
     try:
         checkpoint.require_local()
-        return _plan_quantize(checkpoint, path, os.fspath(output), selection, layout, dtype, max_shard_size, allow_requantize, report)
+        return _plan_quantize(checkpoint, path, os.fspath(output), selection, layout, dtype, max_shard_size, allow_requantize, report, allow_incomplete_gguf)
     except BaseException:
         checkpoint.close()  # `run` closes it after a plan; nothing does after a refusal
         raise
 
 
-def _plan_quantize(checkpoint: Checkpoint, path, output: str, selection, layout, dtype, max_shard_size, allow_requantize, report) -> Task:
+def _plan_quantize(checkpoint: Checkpoint, path, output: str, selection, layout, dtype, max_shard_size, allow_requantize, report, allow_incomplete_gguf=False) -> Task:
     from qtool.layouts import PlanOptions, choose_layout
     from qtool.pipeline import parse_dtype, parse_size
 
@@ -144,9 +147,10 @@ def _plan_quantize(checkpoint: Checkpoint, path, output: str, selection, layout,
         out_dtype=parse_dtype(dtype),
         max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
         file_name=os.path.basename(output) if single_file else "model.safetensors",
+        allow_incomplete_gguf=allow_incomplete_gguf,
     )
     plan = chosen_layout.plan(checkpoint, weights, chosen, options)
-    return Task(plan, output, single_file, tuple(warnings + _side_file_warnings(checkpoint, single_file)), report)
+    return Task(plan, output, single_file, tuple(warnings + plan.notes + _side_file_warnings(checkpoint, single_file)), report)
 
 
 def prepare_dequantize(

@@ -387,20 +387,21 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, case):
 # -- the writer ---------------------------------------------------------------------------------------
 
 
-def plan_gguf(checkpoint, weights, chosen, output):
+def plan_gguf(checkpoint, weights, chosen, output, allow_incomplete=False):
     from qtool.layouts import LAYOUTS, PlanOptions
 
-    return LAYOUTS["gguf"].plan(checkpoint, weights, chosen, PlanOptions(single_file=True, file_name=os.path.basename(output)))
+    options = PlanOptions(single_file=True, file_name=os.path.basename(output), allow_incomplete_gguf=allow_incomplete)
+    return LAYOUTS["gguf"].plan(checkpoint, weights, chosen, options)
 
 
-def write_gguf(checkpoint, weights, chosen, output, *, overwrite, device):
+def write_gguf(checkpoint, weights, chosen, output, *, overwrite, device, allow_incomplete=False):
     """The GGUF layout's plan for exactly these choices, run by the one executor."""
     from qtool.api import check_paths
     from qtool.formats.writer import Output
     from qtool.pipeline import ExecOptions, execute
 
     check_paths(checkpoint, output, None, container="gguf")
-    plan = plan_gguf(checkpoint, weights, chosen, output)
+    plan = plan_gguf(checkpoint, weights, chosen, output, allow_incomplete)
     return execute(plan, Output(output, single_file=True, overwrite=overwrite), ExecOptions(device=device))
 
 
@@ -469,7 +470,7 @@ def test_error_on_random_normal_weights(tmp_path, make_safetensors):
     floors = {"q8_0": 35.0, "q4_0": 15.0, "q5_0": 20.0, "mxfp4": 12.0}
     for scheme_text, floor in floors.items():
         out = tmp_path / f"{scheme_text}.gguf"
-        result = write_gguf(inspection.checkpoint, inspection.weights, chosen_for_all(inspection, scheme_text), str(out), overwrite=False, device="cpu")
+        result = write_gguf(inspection.checkpoint, inspection.weights, chosen_for_all(inspection, scheme_text), str(out), overwrite=False, device="cpu", allow_incomplete=True)
         assert min(s.sqnr_db for s in result.errors.values()) > floor, scheme_text
         names = {t.name for t in gguf.GGUFReader(str(out)).tensors}
         assert names == {"a.weight", "b.weight"}  # no config.json: names kept, architecture unknown
@@ -515,7 +516,7 @@ def test_rows_not_a_multiple_of_32_are_refused_before_writing(tmp_path, make_saf
     path = make_safetensors({"ok.weight": ("F32", [8, 64]), "odd.weight": ("F32", [8, 48])})
     inspection = qtool.inspect(path)
     with pytest.raises(UsageError, match=r"odd\.weight: rows of 48 values are not a multiple of the Q4_0 block size 32"):
-        write_gguf(inspection.checkpoint, inspection.weights, chosen_for_all(inspection, "q4_0"), str(tmp_path / "o.gguf"), overwrite=False, device="cpu")
+        write_gguf(inspection.checkpoint, inspection.weights, chosen_for_all(inspection, "q4_0"), str(tmp_path / "o.gguf"), overwrite=False, device="cpu", allow_incomplete=True)
     assert not (tmp_path / "o.gguf").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
 

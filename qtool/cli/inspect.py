@@ -15,6 +15,10 @@ HELP = """Show every weight of a checkpoint: shape, dtype, quantization scheme, 
 A quantized weight's packed data, scales and zero points are one row. Plain tensors show
 '—' as their scheme. Only the headers are read, unless --stats is given.
 
+A quantization config field of the wrong JSON type ("ignore": 5) is an error naming the file
+and the field (exit 2). Tensors that half-fit a convention (a scale stored as F6, a torchao
+record of the wrong type) stay plain, with a note saying why.
+
 \b
 Examples:
   qtool inspect model/                           # a folder, file, or *.index.json

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Protocol
+from typing import Any, Protocol
 
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
+from qtool.formats.untrusted_json import describe, parse_json, side_file_path
 from qtool.scheme import CHANNEL, TENSOR, Block
 from qtool.weight import DATA, Weight
 
@@ -19,6 +20,10 @@ __all__ = [
     "plain_weights",
     "block_from_scale",
     "infer_block_size",
+    "side_file",
+    "metadata_json",
+    "unusable_scale",
+    "unusable_zero_point",
 ]
 
 Pool = dict[str, StoredTensor]  # tensors no convention has claimed yet
@@ -30,6 +35,39 @@ class Convention(Protocol):
     def detect(self, checkpoint: Checkpoint, pool: Pool) -> list[Weight]:
         """Return the weights this convention claims. Members must come from `pool`."""
         ...
+
+
+def side_file(checkpoint: Checkpoint, name: str = "config.json") -> str:
+    """The path of the side file `name` that `checkpoint.side_files[name]` was read from: what
+    a message about one of its fields names."""
+    return side_file_path(checkpoint.path, name)
+
+
+def metadata_json(checkpoint: Checkpoint, key: str) -> Any:
+    """The JSON a container's metadata string `key` holds (safetensors `__metadata__`), parsed
+    with qtool.formats.untrusted_json's limits; None when the key is absent or not a string."""
+    raw = checkpoint.metadata.get(key)
+    if not isinstance(raw, str):
+        return None
+    return parse_json(raw, checkpoint.path, where=f"__metadata__[{describe(key, 80)}]", hint="the file's metadata is damaged; re-save the checkpoint")
+
+
+def unusable_scale(tensor: StoredTensor, label: str) -> str | None:
+    """Why `tensor` cannot be a scale, or None: the kernels take float scales with a torch dtype
+    and U8/F8_E8M0 (E8M0) ones; a sub-byte float (F4, F6_*) is only raw bytes to torch, and an
+    integer scale is no toolchain's. `label` names it in the reason ("weight_scale")."""
+    dtype = tensor.dtype
+    if dtype.name in ("U8", "F8_E8M0") or (dtype.kind == "float" and dtype.torch_name is not None):
+        return None
+    return f"{label} is {dtype.name}, which no toolchain stores scales as (a float, or U8/F8_E8M0 for E8M0)"
+
+
+def unusable_zero_point(tensor: StoredTensor, label: str) -> str | None:
+    """Why `tensor` cannot be a zero point, or None: an integer or a float with a torch dtype."""
+    dtype = tensor.dtype
+    if dtype.kind in ("int", "uint", "float") and dtype.torch_name is not None:
+        return None
+    return f"{label} is {dtype.name}, which no toolchain stores zero points as (an integer or a float)"
 
 
 def by_module(pool: Pool) -> dict[str, dict[str, StoredTensor]]:

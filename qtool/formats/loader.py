@@ -5,15 +5,15 @@ Containers: safetensors, GGUF, PyTorch pickles (.pt/.pth/.bin) and burnpack (.bp
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 from qtool.errors import CheckpointError
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
 from qtool.formats.safetensors import read_safetensors_file
+from qtool.formats.untrusted_json import MAX_JSON_BYTES, parse_json
 
-__all__ = ["open_checkpoint", "input_paths", "SIDE_FILES"]
+__all__ = ["open_checkpoint", "input_paths", "SIDE_FILES", "parse_json"]
 
 # Side files read from the checkpoint's directory when present. Conventions read their
 # settings from these (quantization_config, GPTQ's quantize_config, quanto's map).
@@ -263,20 +263,10 @@ def _read_side_files(base_dir: str) -> dict[str, Any]:
 
 
 def _read_json(path: str) -> Any:
+    """A side file's or an index's JSON, read with qtool.formats.untrusted_json's limits."""
     try:
         with open(path, "rb") as handle:
-            raw = handle.read()
+            raw = handle.read(MAX_JSON_BYTES + 1)  # one byte over: parse_json says it is too large
     except OSError as exc:
         raise CheckpointError(f"cannot read: {exc.strerror}", path=path) from None
     return parse_json(raw, path)
-
-
-def parse_json(raw: bytes, path: str) -> Any:
-    """A side file's or an index's JSON, or a one-line CheckpointError naming `path`."""
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise CheckpointError(f"is not UTF-8 (byte {exc.start})", path=path, hint="fix or remove the file") from None
-    except (json.JSONDecodeError, RecursionError) as exc:
-        where = f" at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
-        raise CheckpointError(f"is not valid JSON{where}", path=path, hint="fix or remove the file") from None
