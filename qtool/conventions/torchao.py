@@ -7,8 +7,9 @@ Safetensors (pytorch/ao `torchao/prototype/safetensors/safetensors_support.py`, 
     __metadata__[name]               JSON {"_type": "Int8Tensor", "_data": {block_size, dtype, ...},
                                            "_tensor_data_names": ["qdata", "scale", ...]}
 
-Pickles: `qtool.formats.torch_pickle` flattens each subclass into `{name}.{data_name}` stored
-tensors plus a `Subclass` record holding the same `_data` (the `__tensor_flatten__` context).
+Pickles: `qtool.formats.torch_pickle` reads each subclass's pickled state, without torch, into
+`{name}.{data_name}` stored tensors plus a `Subclass` record holding its other attributes
+(`block_size`, `target_dtype`, ...: what `__tensor_flatten__`'s context holds).
 
     type                       qdata                     scale / zero_point               x =
     Int8Tensor                 int8 [*shape]             grid of block_size; zp int8 0s   (q - zp) * scale

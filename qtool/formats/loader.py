@@ -225,7 +225,7 @@ def _open_gguf(display: str, file: str) -> Checkpoint:
 
 
 def _open_torch(display: str, files: list[str], base_dir: str) -> Checkpoint:
-    """PyTorch pickles, loaded only with torch.load(weights_only=True, mmap=True)."""
+    """PyTorch pickles, read by qtool's own restricted unpickler: no torch, no code run."""
     from qtool.formats.torch_pickle import read_torch_files
 
     return read_torch_files(display, files, _read_side_files(base_dir))
