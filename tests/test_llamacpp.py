@@ -17,7 +17,6 @@ llama-cpp-python sdist); LLAMA_CPP_VOCABS names their folder. Tests that need on
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
