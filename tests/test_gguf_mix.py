@@ -4,6 +4,7 @@ made (tests/fixtures/gguf_mix/make_reference.py), tensor by tensor, for every mi
 from __future__ import annotations
 
 import json
+import re
 import os
 
 import pytest
@@ -107,9 +108,16 @@ def test_schemes_lists_gguf_types_with_true_bits_and_the_mixes():
     assert by_name[("q4_k", "scheme")]["bits_per_weight"] == 4.5  # 144 bytes per 256 values
     assert by_name[("q6_k", "scheme")]["bits_per_weight"] == 6.5625
     assert by_name[("q8_0", "scheme")]["bits_per_weight"] == 8.5
+    llama3_8b_parameters = 8_030_261_248
     for mix in MIXES:
         entry = by_name[(mix, "gguf mix")]
-        assert entry["bits_per_weight"] is None and entry["layout"] == "gguf"
+        assert entry["layout"] == "gguf"
+        published = re.search(r"\((\d+\.\d+)G,", entry["description"])
+        if published:  # llama-quantize's own file size for the mix on Llama-3-8B, in GiB
+            size = entry["bits_per_weight"] * llama3_8b_parameters / 8 / 2**30
+            assert abs(size - float(published.group(1))) < 0.02, (mix, size, published.group(1))
+        else:  # pure: the type's own bits, a little more where rows fall back
+            assert entry["bits_per_weight"] >= by_name[(mix.lower(), "scheme")]["bits_per_weight"]
     assert "pure" in by_name[("Q4_K", "gguf mix")]["description"]
     assert "Llama-3-8B" in by_name[("Q4_K_M", "gguf mix")]["description"]
 

@@ -14,8 +14,9 @@ GGUF names: lowercase q8_0, q4_0, q4_1, q5_0, q5_1, q2_k ... q6_k are one block 
 weights qtool selects (linear layers by default, like every other scheme). CAPITALS are
 llama.cpp's file types as llama-quantize names them: Q4_K_M, Q5_K_S, Q2_K, Q8_0, Q4_0 ... are
 mixes (llama.cpp's own choice of tensors and of a type per tensor), whose bits per weight depend
-on the model (llama.cpp's figure for Llama-3-8B is shown); Q3_K, Q4_K and Q5_K are "pure" (every
-tensor llama.cpp quantizes in that type, like llama-quantize --pure).
+on the model: the figure shown is what the mix writes for Llama-3-8B's tensor shapes, worked out
+by the same rules a run follows; Q3_K, Q4_K and Q5_K are "pure" (every tensor llama.cpp
+quantizes in that type, like llama-quantize --pure).
 
 \b
 Examples:
@@ -28,7 +29,7 @@ Examples:
 def schemes_command(fmt: FormatOpt = OutputFormat.auto, json_: JsonOpt = False) -> None:
     from qtool.formats.gguf import ggml_type_named
     from qtool.layouts import choose_layout
-    from qtool.layouts.gguf_mix import MIXES
+    from qtool.layouts.gguf_mix import MIXES, bits_per_weight_on_llama3_8b
     from qtool.scheme import PRESETS, nominal_bits_per_weight, parse_scheme, scheme_names
 
     entries = []
@@ -58,7 +59,7 @@ def schemes_command(fmt: FormatOpt = OutputFormat.auto, json_: JsonOpt = False) 
                 "name": mix.name,
                 "kind": "gguf mix",
                 "label": mix.scheme.label,
-                "bits_per_weight": None,  # depends on the model: which tensors, their row lengths
+                "bits_per_weight": round(bits_per_weight_on_llama3_8b(mix), 4),  # per model: Llama-3-8B's shapes
                 "layout": "gguf",
                 "preset": False,
                 "description": mix.description,
@@ -68,7 +69,7 @@ def schemes_command(fmt: FormatOpt = OutputFormat.auto, json_: JsonOpt = False) 
         [
             Column("name"),
             Column("scheme"),
-            Column("bits/weight", human=lambda v: "per model" if v is None else f"{v:.3f}", justify="right"),
+            Column("bits/weight", human=lambda v: f"{v:.3f}", justify="right"),
             Column("writes"),
             Column("what it is"),
         ],

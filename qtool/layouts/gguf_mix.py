@@ -31,6 +31,7 @@ as aliases of the _M mixes.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
@@ -417,3 +418,27 @@ def choose_types(mix: Mix, tensors: list[MixTensor], facts: ModelFacts) -> dict[
             note = f"rows of {cols} values are not a multiple of the {new} block ({block_size(new)}): {final} instead"
         chosen[name] = Choice(final, note)
     return {t.name: chosen[t.name] for t in tensors}
+
+
+def bits_per_weight_on_llama3_8b(mix: Mix) -> float:
+    """The mix's storage bits per weight on Llama-3-8B's tensor shapes (BF16 input, 32 layers,
+    GQA 4, vocabulary 128256, untied output): the figure `qtool schemes` shows, worked out from
+    the same rules the writer follows, so it cannot drift from what a run writes."""
+    from qtool.formats.gguf import ggml_type_named
+
+    hidden, kv, ffn, vocab, layers = 4096, 1024, 14336, 128256, 32
+    shapes = {"token_embd.weight": (vocab, hidden), "output.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
+    for i in range(layers):
+        for name, shape in (
+            ("attn_q", (hidden, hidden)), ("attn_k", (kv, hidden)), ("attn_v", (kv, hidden)), ("attn_output", (hidden, hidden)),
+            ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)), ("ffn_down", (hidden, ffn)), ("attn_norm", (hidden,)), ("ffn_norm", (hidden,)),
+        ):  # fmt: skip
+            shapes[f"blk.{i}.{name}.weight"] = shape
+    tensors = [MixTensor(name, shape, "BF16" if len(shape) == 2 else "F32") for name, shape in shapes.items()]
+    chosen = choose_types(mix, tensors, ModelFacts("llama", layers, 32, 8))
+    values = bits = 0
+    for tensor in tensors:
+        count = math.prod(tensor.shape)
+        values += count
+        bits += ggml_type_named(chosen[tensor.name].type).nbytes(count) * 8
+    return bits / values
