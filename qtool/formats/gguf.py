@@ -20,6 +20,8 @@ This module imports neither numpy nor torch, so `qtool inspect x.gguf` costs the
 
 from __future__ import annotations
 
+import bisect
+import functools
 import json
 import math
 import mmap
@@ -31,7 +33,7 @@ from qtool.dtypes import DTYPES, StorageDType
 from qtool.errors import CheckpointError, UnknownNameError
 from qtool.formats.checkpoint import StoredTensor
 
-__all__ = ["GgmlType", "GGML_TYPES", "ggml_type", "ggml_type_named", "read_gguf_file", "parse_gguf_prefix", "NeedMore", "GGUF_MAGIC", "MAX_DIMS"]
+__all__ = ["GgmlType", "GGML_TYPES", "ggml_type", "shape_fits", "ggml_type_named", "read_gguf_file", "parse_gguf_prefix", "NeedMore", "GGUF_MAGIC", "MAX_DIMS"]
 
 GGUF_MAGIC = b"GGUF"
 MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -99,6 +101,7 @@ _BY_NAME = {t.name: t for t in GGML_TYPES.values()}
 _PLAIN: dict[int, StorageDType] = {d.gguf_id: d for d in DTYPES.values() if d.gguf_id is not None}
 
 
+@functools.lru_cache(maxsize=64)  # a file of 32k tensors of one unknown id asks 32k times
 def ggml_type(type_id: int) -> GgmlType | None:
     """The type with this id, or None. An id qtool's table lacks is looked up in the installed
     `gguf` package, so a newer package extends what qtool can size (this imports numpy)."""
@@ -336,6 +339,8 @@ def _parse(cur: _Cursor) -> tuple[list[StoredTensor], dict[str, str]]:
         dims = struct.unpack_from(f"<{n_dims}Q", cur.buf, start)
         if any(d >= 2**63 for d in dims):
             raise cur.fail(f"tensor {name!r} has a negative dimension")
+        if not shape_fits(dims):
+            raise cur.fail(f"tensor {name!r} has dims {list(dims)} whose product overflows 64 bits")
         type_id = cur.unpack("<I", f"the type of {name!r}")
         offset = cur.unpack("<Q", f"the offset of {name!r}")
         infos.append(_Info(name, tuple(dims), type_id, offset))
@@ -344,8 +349,19 @@ def _parse(cur: _Cursor) -> tuple[list[StoredTensor], dict[str, str]]:
     return _tensors(cur, infos, data_offset, alignment), metadata
 
 
+def shape_fits(dims) -> bool:
+    """Whether the product of the non-zero dims fits in int64. A 0 makes the tensor empty, yet
+    torch and numpy still multiply the others ([0, 64, 2^62] overflows their stride arithmetic),
+    so such a shape is refused here rather than deep inside a `--stats` or a decode."""
+    product = 1
+    for dim in dims:
+        if dim:
+            product *= dim
+    return product < 2**63
+
+
 def _tensors(cur: _Cursor, infos: list[_Info], data_offset: int, alignment: int) -> list[StoredTensor]:
-    begins = sorted({data_offset + info.offset for info in infos})
+    begins: list[int] | None = None  # sorted starts, built once if a tensor of an unknown type needs them
     tensors = []
     for info in infos:
         name, begin = info.name, data_offset + info.offset
@@ -357,8 +373,10 @@ def _tensors(cur: _Cursor, infos: list[_Info], data_offset: int, alignment: int)
         if gtype is None:
             # A type newer than qtool and the gguf package: size it by where the next tensor
             # starts (padding included), so the file still lists and other tensors still decode.
-            later = [b for b in begins if b > begin]
-            end = later[0] if later else cur.size
+            if begins is None:
+                begins = sorted({data_offset + i.offset for i in infos})
+            after = bisect.bisect_right(begins, begin)
+            end = begins[after] if after < len(begins) else cur.size
             if begin > cur.size:
                 raise _truncated(cur, name, begin)
             tensors.append(StoredTensor(name, DTYPES["U8"], (end - begin,), begin, end, cur.path, f"unknown({info.type_id})", shape))
