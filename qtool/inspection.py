@@ -7,13 +7,14 @@ by adding fields, or by bumping `SCHEMA_VERSION`.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
 from qtool.conventions import resolve
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
+from qtool.gcpause import paused_gc
 from qtool.patterns import compile_pattern
 from qtool.scheme import QScheme
 from qtool.weight import Weight
@@ -86,7 +87,11 @@ class Inspection:
             "by_scheme": dict(sorted(by_scheme.items(), key=lambda kv: -kv[1]["parameters"])),
         }
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, lazy: bool = False) -> dict[str, Any]:
+        """The JSON document (schema v1). `lazy`: "weights" is an iterator of the entries, made
+        one at a time as they are written (`Output` streams it), so 1.6M weights never exist
+        as dicts all at once."""
+        weights = self.weights_json()
         result = {
             "schema_version": SCHEMA_VERSION,
             "path": self.checkpoint.path,
@@ -95,15 +100,21 @@ class Inspection:
             "metadata": dict(self.checkpoint.metadata),
             "conventions": self.conventions,
             "summary": self.summary(),
-            "weights": [weight_json(w) for w in self.weights],
+            "weights": weights if lazy else list(weights),
         }
         if self.filter is not None:
             result["filter"] = self.filter
-        if self.stats:
-            for entry in result["weights"]:
-                stats = self.stats.get(entry["name"])
-                entry["stats"] = None if stats is None else dict(stats)
         return result
+
+    def weights_json(self) -> Iterator[dict[str, Any]]:
+        """The document's "weights" entries, in order, each with its stats when there are any."""
+        stats = self.stats
+        for weight in self.weights:
+            entry = weight_json(weight)
+            if stats:
+                found = stats.get(weight.name)
+                entry["stats"] = None if found is None else dict(found)
+            yield entry
 
 
 def _frozen(entry: WeightStats | None) -> WeightStats | None:
@@ -129,19 +140,19 @@ def scheme_json(scheme: QScheme, shape: tuple[int, ...]) -> dict[str, Any]:
 
 
 def weight_json(weight: Weight) -> dict[str, Any]:
+    members = weight.members
+    nbytes = sum([t.nbytes for t in members.values()])  # once: 1.6M weights make this hot
+    parameters = weight.parameters
     return {
         "name": weight.name,
         "shape": list(weight.shape),
         "dtype": weight.dtype,
-        "parameters": weight.parameters,
-        "bytes": weight.nbytes,
-        "bits_per_weight": round(weight.bits_per_weight, 4),
-        "quantized": weight.quantized,
+        "parameters": parameters,
+        "bytes": nbytes,
+        "bits_per_weight": round(nbytes * 8 / parameters, 4) if parameters else 0.0,
+        "quantized": weight.scheme is not None,
         "scheme": scheme_json(weight.scheme, weight.shape) if weight.scheme else None,
-        "tensors": [
-            {"name": t.name, "role": role, "dtype": t.dtype.name, "shape": list(t.shape)}
-            for role, t in weight.members.items()
-        ],
+        "tensors": [{"name": t.name, "role": role, "dtype": t.dtype.name, "shape": list(t.shape)} for role, t in members.items()],
         "notes": list(weight.notes),
     }
 
@@ -153,7 +164,8 @@ def inspect_checkpoint(checkpoint: Checkpoint, filter: str | None = None) -> Ins
 
     Conventions still resolve the whole checkpoint first: which tensors make up a weight does
     not depend on which weights are reported."""
-    weights: Iterable[Weight] = resolve(checkpoint)
+    with paused_gc():  # one Weight per tensor and no cycles (qtool.gcpause)
+        weights: Iterable[Weight] = resolve(checkpoint)
     if filter is not None:
         keep = compile_pattern(filter)
         weights = [w for w in weights if keep(w.name)]

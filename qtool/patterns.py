@@ -34,7 +34,12 @@ def matches_any(name: str, patterns: Iterable[Callable[[str], bool]]) -> bool:
 
 
 def natural_key(name: str) -> tuple[str | int, ...]:
-    """Sort `layers.2` before `layers.10`. re.split with a group alternates text and digits,
-    so equal positions always hold the same type."""
-    parts = re.split(r"(\d+)", name)
-    return tuple(int(part) if i % 2 else part for i, part in enumerate(parts))
+    """Sort `layers.2` before `layers.10`. Splitting on a group alternates text and digits,
+    so equal positions always hold the same type. Runs of digits are cut every 18 digits: a
+    name from a file may hold thousands, which int() refuses (and which sort well enough)."""
+    parts = _DIGITS.split(name)
+    parts[1::2] = map(int, parts[1::2])
+    return tuple(parts)
+
+
+_DIGITS = re.compile(r"([0-9]{1,18})")

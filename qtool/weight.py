@@ -34,6 +34,18 @@ class Weight:
         if DATA not in self.members:
             raise ValueError(f"weight {self.name!r} has no {DATA!r} member")
 
+    @classmethod
+    def plain(cls, tensor: StoredTensor, notes: list[str]) -> "Weight":
+        """A plain weight of one stored tensor, the same as `Weight(tensor.name, tensor.shape,
+        tensor.dtype.name, {DATA: tensor}, notes=notes)`, built without the dataclass __init__:
+        a header of 1.6M tensors makes 1.6M of them."""
+        weight = object.__new__(cls)
+        weight.__dict__.update(
+            name=tensor.name, shape=tensor.shape, dtype=tensor.dtype.name, members={DATA: tensor},
+            scheme=None, convention="plain", notes=notes,
+        )  # fmt: skip
+        return weight
+
     @property
     def data(self) -> StoredTensor:
         return self.members[DATA]

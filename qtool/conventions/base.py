@@ -42,13 +42,7 @@ def by_module(pool: Pool) -> dict[str, dict[str, StoredTensor]]:
 
 
 def plain_weight(tensor: StoredTensor, note: str | None = None) -> Weight:
-    return Weight(
-        name=tensor.name,
-        shape=tensor.shape,
-        dtype=tensor.dtype.name,
-        members={DATA: tensor},
-        notes=[note] if note else [],
-    )
+    return Weight.plain(tensor, [note] if note else [])
 
 
 def plain_weights(tensors: dict[str, StoredTensor], note: str) -> list[Weight]:

@@ -54,7 +54,7 @@ def _how_changed(before: _Identity, after: _Identity | None) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a header may list 1.6M of them
 class StoredTensor:
     name: str
     dtype: StorageDType

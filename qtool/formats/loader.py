@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 from qtool.errors import CheckpointError
+from qtool.gcpause import paused_gc
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
 from qtool.formats.safetensors import read_safetensors_file
 
@@ -31,7 +32,11 @@ _TYPES_HINT = "pass a .safetensors, .gguf, .pt/.pth/.bin or .bpk file, a *.index
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Read the headers of a checkpoint. No tensor data is read. `hf://`, `http://` and
     `https://` locations are read by range requests (qtool.formats.remote_loader)."""
-    path = os.fspath(path)
+    with paused_gc():  # headers become many small objects and no cycles (qtool.gcpause)
+        return _open(os.fspath(path))
+
+
+def _open(path: str) -> Checkpoint:
     if path.startswith(_REMOTE_SCHEMES):
         from qtool.formats.remote_loader import open_remote
 
