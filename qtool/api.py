@@ -55,7 +55,7 @@ def inspect(path: str | os.PathLike[str], filter: str | None = None) -> Inspecti
 
 def collect_stats(inspection: Inspection, on_bytes: Callable[[int], None] | None = None) -> Inspection:
     """A new Inspection with the value stats of every plain weight it reports, streamed from
-    the data; the checkpoint is closed afterwards. Imports torch."""
+    the data; the checkpoint is closed afterwards. Reads with numpy; never imports torch."""
     from qtool.stats import collect_stats as _collect_stats
 
     inspection.checkpoint.require_local()
