@@ -232,8 +232,8 @@ def _side_file_warnings(checkpoint: Checkpoint, single_file: bool) -> list[str]:
     from qtool.side_files import skipped_links
 
     if single_file:
-        return []
-    return [f"{name} is not copied: it links out of the model folder, is not a regular file, or is too large" for name in skipped_links(checkpoint)]
+        return list(checkpoint.notes)
+    return [*checkpoint.notes] + [f"{name} is not copied: it links out of the model folder, is not a regular file, or is too large" for name in skipped_links(checkpoint)]
 
 
 def run(
@@ -370,6 +370,8 @@ def check(
 
             checkpoint.require_local()
             resolved = resolve_device(device)
-        return audit(checkpoint, inspect_checkpoint(checkpoint).weights, rules, device=resolved, on_progress=on_progress)
+        result = audit(checkpoint, inspect_checkpoint(checkpoint).weights, rules, device=resolved, on_progress=on_progress)
+        result.notes.extend(checkpoint.notes)
+        return result
     finally:
         checkpoint.close()

@@ -96,6 +96,7 @@ class Audit:
     weights: int
     rules: list[str]  # the rules that were applied
     findings: list[Finding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # how the checkpoint was found (Checkpoint.notes)
 
     @property
     def ok(self) -> bool:

@@ -104,6 +104,8 @@ class Inspection:
         }
         if self.filter is not None:
             result["filter"] = self.filter
+        if self.checkpoint.notes:  # how a folder was resolved, when it held other weights files
+            result["notes"] = list(self.checkpoint.notes)
         return result
 
     def weights_json(self) -> Iterator[dict[str, Any]]:

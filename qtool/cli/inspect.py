@@ -7,7 +7,7 @@ from typing import Annotated, Any
 import typer
 
 from qtool.cli.options import CheckpointArg, FilterOpt, FormatOpt, JsonOpt, OutputFormat, QuietOpt
-from qtool.cli.output import Column, Output, Rows, Section, progress
+from qtool.cli.output import Column, Output, Rows, Section, print_warning, progress
 from qtool.cli.text import human_bytes, human_count
 from qtool.gcpause import paused_gc
 
@@ -46,6 +46,8 @@ def inspect_command(
     output = Output("json" if json_ else fmt.value, collapse=collapse)
     with paused_gc():  # a header of 1.6M tensors makes millions of objects and no cycles
         report = api.inspect(path, filter=filter_)
+        for note in report.checkpoint.notes:
+            print_warning(note)
         if stats:
             total = sum(w.nbytes for w in report.weights if not w.quantized)
             with progress("reading", total, quiet) as advance:

@@ -89,6 +89,9 @@ class Checkpoint:
     tensors: dict[str, StoredTensor]
     metadata: dict[str, str] = field(default_factory=dict)
     side_files: dict[str, Any] = field(default_factory=dict)  # "config.json" -> parsed JSON
+    # What a reader wants the user to know about how the checkpoint was found (a folder holding
+    # other weights files than the model's); the CLI shows them as warnings, inspect's JSON too.
+    notes: list[str] = field(default_factory=list)
     _fds: dict[str, int] = field(default_factory=dict, repr=False, compare=False)  # file -> open descriptor
     _identity: dict[str, _Identity] = field(default_factory=dict, repr=False, compare=False)
 
