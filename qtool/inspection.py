@@ -10,14 +10,16 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qtool.conventions import resolve
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
 from qtool.gcpause import paused_gc
 from qtool.patterns import compile_pattern
-from qtool.scheme import QScheme
 from qtool.weight import Weight
+
+if TYPE_CHECKING:
+    from qtool.scheme import QScheme
 
 __all__ = ["SCHEMA_VERSION", "PLAIN_LABEL", "Inspection", "WeightStats", "inspect_checkpoint", "scheme_json", "weight_json"]
 

@@ -7,7 +7,6 @@ same thing in a config and on qtool's command line. Globs must match the whole n
 
 from __future__ import annotations
 
-import fnmatch
 import re
 from typing import Callable, Iterable
 
@@ -25,6 +24,8 @@ def compile_pattern(pattern: str) -> Callable[[str], bool]:
         except re.error as exc:
             raise UsageError(f"invalid regex {pattern!r}: {exc}", hint="write re:<python regex>, e.g. 're:.*\\.mlp\\..*'") from None
         return lambda name: regex.match(name) is not None
+    import fnmatch  # here: `inspect` without a pattern needs none
+
     glob = re.compile(fnmatch.translate(pattern))
     return lambda name: glob.match(name) is not None
 

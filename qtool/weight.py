@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from qtool.errors import NotQuantizedError
 from qtool.formats.checkpoint import StoredTensor
-from qtool.scheme import QScheme
+if TYPE_CHECKING:  # qtool.scheme is needed only where a weight is quantized
+    from qtool.scheme import QScheme
 
 __all__ = ["Weight", "DATA"]
 

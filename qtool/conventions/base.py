@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
-from qtool.scheme import CHANNEL, TENSOR, Block
 from qtool.weight import DATA, Weight
+
+if TYPE_CHECKING:
+    from qtool.scheme import Block
 
 __all__ = [
     "Convention",
@@ -77,6 +79,8 @@ def block_from_scale(
 
     ()/(1,)/(1, 1) is per-tensor; (O,)/(O, 1) per-channel; (O, G) per-group; else 2-D blocks.
     """
+    from qtool.scheme import CHANNEL, TENSOR  # here: a plain checkpoint never needs qtool.scheme
+
     if len(shape) != 2:
         return None
     rows, cols = shape

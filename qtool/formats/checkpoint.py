@@ -20,7 +20,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from qtool.buffers import allocate
 from qtool.dtypes import StorageDType
 from qtool.errors import CheckpointError
 
@@ -183,6 +182,8 @@ class Checkpoint:
         with pread: no mmap pages stay resident. The one way to read a tensor's raw bytes that
         every container supports; containers whose tensors are not byte ranges of a file (see
         `StoredTensor.in_file`) override it."""
+        from qtool.buffers import allocate  # here: listing a header reads no data
+
         size = tensor.nbytes - start if size is None else size
         if start < 0 or size < 0 or start + size > tensor.nbytes:
             raise ValueError(f"bytes [{start}, {start + size}) are outside tensor {tensor.name!r} of {tensor.nbytes} bytes")
