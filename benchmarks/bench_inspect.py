@@ -18,6 +18,10 @@ Targets:
   2. qtool on 70B <= 1.5x qtool on 7B (inspect costs the header, not the file);
   3. `python -X importtime -m qtool inspect 7B --json` imports no `torch` (numpy reported too).
 
+Then, for issue 10, headers of 100k and 1.6M zero-size tensors (a fuzzer's resource bomb: the
+1.6M one is 95 MB, under the 100 MB limit): `qtool inspect x.safetensors --json` against
+safe_open(numpy) listing the same names, with wall, CPU and peak RSS. Target: 100k under 2 s.
+
 The parent process uses the standard library only: it imports neither torch, numpy nor
 safetensors. Exit status is 0 whatever the result, unless --strict is given.
 """
@@ -258,6 +262,80 @@ def imported_modules(model_dir: Path) -> tuple[set[str], str | None]:
     return names, bad
 
 
+# --------------------------------------------------------------------- large headers (issue 10)
+
+HEADER_TARGET_S = 2.0  # a 100k-tensor header lists in under 2 s
+HEADER_BASELINE_CODE = """\
+import sys
+from safetensors import safe_open
+with safe_open(sys.argv[1], framework="numpy") as fh:
+    for k in fh.keys():
+        s = fh.get_slice(k)
+        print(k, s.get_dtype(), s.get_shape())
+"""
+
+
+def write_empty_header(path: Path, count: int) -> None:
+    """A fuzzer's resource bomb: `count` zero-size F32 tensors and no data. 1.6M of them with
+    names like `t1234567` make a 95 MB header, under the 100 MB limit."""
+    header = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(count)}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+
+
+def run_measured(cmd: list[str]) -> tuple[float, float, int]:
+    """(wall s, CPU s, peak RSS bytes) of one whole process, output discarded."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+    if status != 0:
+        raise RuntimeError(f"status {status}: {tail(err, 10)}")
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024
+
+
+def run_large_headers(sizes: list[int], repeats: int, root: Path) -> list[bool]:
+    """`qtool inspect x.safetensors --json` on headers of `sizes` zero-size tensors, against
+    safe_open(numpy) listing the same names, dtypes and shapes; interleaved, median of
+    `repeats`. Returns the verdicts (100k under HEADER_TARGET_S)."""
+    if not sizes:
+        return []
+    print(f"\nlarge headers: {', '.join(f'{n:,}' for n in sizes)} zero-size tensors, {repeats} runs each, interleaved")
+    files = {}
+    for count in sizes:
+        files[count] = root / f"header-{count}.safetensors"
+        write_empty_header(files[count], count)
+    commands = {
+        "qtool": lambda f: [sys.executable, "-m", "qtool", "inspect", str(f), "--json"],
+        "safe_open(numpy)": lambda f: [sys.executable, "-c", HEADER_BASELINE_CODE, str(f)],
+    }
+    runs: dict[tuple[int, str], list[tuple[float, float, int]]] = {(n, v): [] for n in sizes for v in commands}
+    for _ in range(repeats):
+        for count in sizes:
+            for variant, build in commands.items():
+                runs[count, variant].append(run_measured(build(files[count])))
+    print(f"{'tensors':>10} {'header':>8} {'variant':<17} {'wall s':>8} {'cpu s':>8} {'peak RSS':>9}  wall runs (s)")
+    verdicts = []
+    for count in sizes:
+        size_mb = files[count].stat().st_size / 1e6
+        for variant in commands:
+            got = runs[count, variant]
+            wall = statistics.median(r[0] for r in got)
+            cpu = statistics.median(r[1] for r in got)
+            rss = max(r[2] for r in got)
+            walls = " ".join(f"{r[0]:.2f}" for r in got)
+            print(f"{count:>10,} {size_mb:>6.1f}MB {variant:<17} {wall:>8.2f} {cpu:>8.2f} {rss / 2**20:>7.0f}MB  {walls}")
+        if count == 100_000:
+            wall = statistics.median(r[0] for r in runs[count, "qtool"])
+            ok = wall < HEADER_TARGET_S
+            verdicts.append(ok)
+            print(f"  {'PASS' if ok else 'FAIL'}  100k tensors listed in {wall:.2f} s < {HEADER_TARGET_S} s (wall; cpu {statistics.median(r[1] for r in runs[count, 'qtool']):.2f} s)")
+    return verdicts
+
+
 # --------------------------------------------------------------------------------------- main
 
 
@@ -271,8 +349,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the synthesized checkpoints")
     p.add_argument("--models", default="7b,70b", help="comma list of: " + ",".join(MODELS))
     p.add_argument("--strict", action="store_true", help="exit 1 if a target fails or qtool fails")
+    p.add_argument("--headers", default="100000,1600000", help="comma list of zero-size-tensor header sizes to list ('' skips them)")
+    p.add_argument("--header-repeats", type=int, default=3, help="timed runs per header size (default 3)")
     args = p.parse_args(argv)
     args.models = [m.strip().lower() for m in args.models.split(",") if m.strip()]
+    args.headers = [int(n) for n in args.headers.split(",") if n.strip()]
     unknown = [m for m in args.models if m not in MODELS]
     if unknown or not args.models:
         p.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
@@ -373,6 +454,8 @@ def run(args: argparse.Namespace, root: Path) -> int:
     else:
         verdict("torch" not in names, f"`qtool inspect --json` imports torch: {'yes' if 'torch' in names else 'no'}")
         print(f"  info  `qtool inspect --json` imports numpy: {'yes' if 'numpy' in names else 'no'}")
+
+    results += run_large_headers(args.headers, args.header_repeats, root)
 
     assert not {"torch", "numpy", "safetensors"} & set(sys.modules), "the parent must stay stdlib-only"
     failed_any = bool(failed and any(v == "qtool" for _, v in failed)) or not all(results)
