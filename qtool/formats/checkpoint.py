@@ -23,7 +23,7 @@ from typing import Any, Iterator
 from qtool.dtypes import StorageDType
 from qtool.errors import CheckpointError
 
-__all__ = ["StoredTensor", "Checkpoint", "SMALL_TENSOR_LIMIT"]
+__all__ = ["StoredTensor", "Checkpoint", "SMALL_TENSOR_LIMIT", "dims_fit_int64"]
 
 # Tensors this small may be read while inspecting: they hold metadata (compressed-tensors'
 # `weight_shape`, bitsandbytes' quant-state JSON), not weights.
@@ -31,6 +31,17 @@ SMALL_TENSOR_LIMIT = 64 * 1024
 
 _OPEN_LOCK = threading.Lock()  # one open per file, though the reader thread and the main thread both read
 _Identity = tuple[int, int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns
+
+
+def dims_fit_int64(dims) -> bool:
+    """Whether the product of the non-zero dims fits in int64. A 0 makes a tensor empty, yet
+    torch and numpy still multiply the other dims ([0, 64, 2^62] overflows their stride
+    arithmetic), so the readers refuse such a shape rather than let a decoder meet it."""
+    product = 1
+    for dim in dims:
+        if dim:
+            product *= dim
+    return product < 2**63
 
 
 def _identity_of(st: os.stat_result) -> _Identity:

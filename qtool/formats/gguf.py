@@ -15,6 +15,9 @@ Why not `gguf.GGUFReader`: it builds one numpy view per metadata array element, 
 well under a second); it raises on a type id it doesn't know, where a newer file must stay
 readable; and a truncated file surfaces as a numpy reshape error. The checks below follow
 llama.cpp's `gguf_init_from_file_impl` (ggml/src/gguf.cpp); a file it refuses, we refuse.
+One more: dims whose non-zero product overflows int64 ([0, 64, 2^62], which llama.cpp accepts as
+empty) are refused, since torch and numpy cannot build them. Every count is checked against the
+bytes left before a loop runs, and a tensor of an unknown type is sized by a bisect of the starts.
 This module imports neither numpy nor torch, so `qtool inspect x.gguf` costs the header only.
 """
 
@@ -31,9 +34,9 @@ from dataclasses import dataclass
 
 from qtool.dtypes import DTYPES, StorageDType
 from qtool.errors import CheckpointError, UnknownNameError
-from qtool.formats.checkpoint import StoredTensor
+from qtool.formats.checkpoint import StoredTensor, dims_fit_int64
 
-__all__ = ["GgmlType", "GGML_TYPES", "ggml_type", "shape_fits", "ggml_type_named", "read_gguf_file", "parse_gguf_prefix", "NeedMore", "GGUF_MAGIC", "MAX_DIMS"]
+__all__ = ["GgmlType", "GGML_TYPES", "ggml_type", "ggml_type_named", "read_gguf_file", "parse_gguf_prefix", "NeedMore", "GGUF_MAGIC", "MAX_DIMS"]
 
 GGUF_MAGIC = b"GGUF"
 MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -339,7 +342,7 @@ def _parse(cur: _Cursor) -> tuple[list[StoredTensor], dict[str, str]]:
         dims = struct.unpack_from(f"<{n_dims}Q", cur.buf, start)
         if any(d >= 2**63 for d in dims):
             raise cur.fail(f"tensor {name!r} has a negative dimension")
-        if not shape_fits(dims):
+        if not dims_fit_int64(dims):
             raise cur.fail(f"tensor {name!r} has dims {list(dims)} whose product overflows 64 bits")
         type_id = cur.unpack("<I", f"the type of {name!r}")
         offset = cur.unpack("<Q", f"the offset of {name!r}")
@@ -347,17 +350,6 @@ def _parse(cur: _Cursor) -> tuple[list[StoredTensor], dict[str, str]]:
 
     data_offset = cur.pos + (-cur.pos % alignment)
     return _tensors(cur, infos, data_offset, alignment), metadata
-
-
-def shape_fits(dims) -> bool:
-    """Whether the product of the non-zero dims fits in int64. A 0 makes the tensor empty, yet
-    torch and numpy still multiply the others ([0, 64, 2^62] overflows their stride arithmetic),
-    so such a shape is refused here rather than deep inside a `--stats` or a decode."""
-    product = 1
-    for dim in dims:
-        if dim:
-            product *= dim
-    return product < 2**63
 
 
 def _tensors(cur: _Cursor, infos: list[_Info], data_offset: int, alignment: int) -> list[StoredTensor]:

@@ -18,7 +18,7 @@ from typing import Any
 
 from qtool.dtypes import DTYPES, StorageDType, nbytes_for
 from qtool.errors import CheckpointError
-from qtool.formats.checkpoint import StoredTensor
+from qtool.formats.checkpoint import StoredTensor, dims_fit_int64
 
 __all__ = ["MAX_HEADER_SIZE", "header_length", "read_header", "parse_header", "read_safetensors_file"]
 
@@ -208,7 +208,7 @@ def _tensor_entry(path: str, name: str, info: Any, sized: bool = True):
         numel *= dim
         if numel > _USIZE_MAX:
             raise _fail(path, f"tensor {name!r} shape {shape} overflows 64 bits")
-    if not _fits_int64(shape):
+    if not dims_fit_int64(shape):  # the reference passes [0, 2^62, 64]; torch and numpy cannot build it
         raise _fail(path, f"tensor {name!r} shape {shape} overflows 64 bits")
     if not sized:
         return name, dtype, tuple(shape), 0, 0
@@ -229,17 +229,6 @@ def _tensor_entry(path: str, name: str, info: Any, sized: bool = True):
             f"tensor {name!r} is {end - begin} bytes but shape {shape} of {dtype.name} needs {nbytes}",
         )
     return name, dtype, tuple(shape), begin, end
-
-
-def _fits_int64(shape: list[int]) -> bool:
-    """The product of the non-zero dims fits in int64: an empty [0, 2^62, 64] passes the
-    reference's check, but torch's and numpy's stride arithmetic overflows on it, so `--stats`
-    and decoders could not even build the empty array."""
-    product = 1
-    for dim in shape:
-        if dim:
-            product *= dim
-    return product < 2**63
 
 
 def _is_count(value: Any) -> bool:
