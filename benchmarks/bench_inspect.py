@@ -210,12 +210,20 @@ def command(variant: str, model_dir: Path) -> list[str]:
 VARIANTS = ("qtool", "safe_open(pt)", "safe_open(numpy)")
 
 
+CPU_TIMES: dict[tuple[str, ...], list[float]] = {}  # user + sys seconds of each timed command
+
+
 def run_once(cmd: list[str]) -> float:
+    """Wall seconds of one run; its CPU seconds (user + sys, from wait4) go to CPU_TIMES, which
+    a loaded machine disturbs far less than the wall clock."""
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    err = proc.stderr.read() if proc.stderr else b""
+    _, status, usage = os.wait4(proc.pid, 0)
     elapsed = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"exit {proc.returncode}: {proc.stderr.decode(errors='replace')}")
+    if status != 0:
+        raise RuntimeError(f"wait status {status}: {err.decode(errors='replace')}")
+    CPU_TIMES.setdefault(tuple(cmd), []).append(usage.ru_utime + usage.ru_stime)
     return elapsed
 
 
@@ -275,14 +283,21 @@ with safe_open(sys.argv[1], framework="numpy") as fh:
 """
 
 
+WRITE_HEADER_CODE = """\
+import json, struct, sys
+header = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(int(sys.argv[2]))}
+blob = json.dumps(header, separators=(",", ":")).encode()
+with open(sys.argv[1], "wb") as f:
+    f.write(struct.pack("<Q", len(blob)))
+    f.write(blob)
+"""
+
+
 def write_empty_header(path: Path, count: int) -> None:
     """A fuzzer's resource bomb: `count` zero-size F32 tensors and no data. 1.6M of them with
-    names like `t1234567` make a 95 MB header, under the 100 MB limit."""
-    header = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(count)}
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
+    names like `t1234567` make a 95 MB header, under the 100 MB limit. Written by a child: a
+    child's peak RSS (wait4) starts at the parent's peak, which the 1.6M dict would inflate."""
+    subprocess.run([sys.executable, "-c", WRITE_HEADER_CODE, str(path), str(count)], check=True)
 
 
 def run_measured(cmd: list[str]) -> tuple[float, float, int]:
@@ -421,6 +436,10 @@ def run(args: argparse.Namespace, root: Path) -> int:
             print(f"{MODELS[key].title:<12} {variant:<17} {med[job]:>9.3f} {pt:>7} {npy:>7}  {runs}")
     if ("7b", "qtool") in med and ("70b", "qtool") in med:
         print(f"qtool 70B/7B: {ratio(('70b', 'qtool'), ('7b', 'qtool'))}")
+    cpu = {job: statistics.median(CPU_TIMES[tuple(command(job[1], dirs[job[0]]))]) for job in med}
+    print("CPU seconds (user + sys), median: " + "; ".join(
+        f"{MODELS[k].title} " + ", ".join(f"{v} {cpu[k, v]:.3f}" for v in VARIANTS if (k, v) in cpu) for k in args.models
+    ))
 
     # Targets.
     print("\ntargets")
@@ -441,6 +460,8 @@ def run(args: argparse.Namespace, root: Path) -> int:
             )
         else:
             verdict(False if q in failed else None, f"{MODELS[key].title}: qtool vs {BASELINE}: not measured")
+        if q in cpu and b in cpu:
+            print(f"  info  {MODELS[key].title}: CPU qtool {cpu[q]:.3f}s / {BASELINE} {cpu[b]:.3f}s = {cpu[q] / cpu[b]:.2f}x")
     if ("7b", "qtool") in med and ("70b", "qtool") in med:
         r = med["70b", "qtool"] / med["7b", "qtool"]
         verdict(r <= TARGET_70B_OVER_7B, f"qtool 70B/7B = {r:.2f}x <= {TARGET_70B_OVER_7B}x")

@@ -44,7 +44,7 @@ def inspect_command(
     from qtool import api
 
     output = Output("json" if json_ else fmt.value, collapse=collapse)
-    with paused_gc():  # a header of 1.6M tensors makes millions of objects and no cycles
+    with paused_gc(freeze=True):  # a header of 1.6M tensors makes millions of objects and no cycles
         report = api.inspect(path, filter=filter_)
         for note in report.checkpoint.notes:
             print_warning(note)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 import stat
 import struct
@@ -117,7 +118,7 @@ def parse_header(path: str, header: bytes, file_size: int) -> tuple[list[StoredT
     data_start = 8 + len(header)
     buffer_size = file_size - data_start
     entries = _entries(path, parsed)
-    entries.sort(key=_by_offsets)
+    entries.sort(key=_BY_OFFSETS)
 
     tensors = []
     append = tensors.append
@@ -136,10 +137,7 @@ def parse_header(path: str, header: bytes, file_size: int) -> tuple[list[StoredT
     return tensors, metadata
 
 
-def _by_offsets(entry: tuple) -> tuple[int, int]:
-    return entry[3], entry[4]
-
-
+_BY_OFFSETS = operator.itemgetter(3, 4)  # (begin, end) of an entry tuple, in C
 _INT_TYPES = {int}
 
 
