@@ -407,7 +407,7 @@ def test_many_tensors_of_an_unknown_type_list_in_linear_time(tmp_path):
     path.write_bytes(gguf_bytes([(f"t{i}", [32], 99, bytes(4)) for i in range(30_000)]))
     started = time.perf_counter()
     tensors, _ = read_gguf_file(str(path))
-    assert time.perf_counter() - started < 3.0
+    assert time.perf_counter() - started < 6.0  # ~0.3 s linear; the scan per tensor took ~26 s
     assert len(tensors) == 30_000 and {t.nbytes for t in tensors[:-1]} == {32}
 
 
