@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from qtool.errors import NotQuantizedError
 from qtool.formats.checkpoint import StoredTensor
+
 if TYPE_CHECKING:  # qtool.scheme is needed only where a weight is quantized
     from qtool.scheme import QScheme
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import qtool
-from qtool.conventions import REGISTRY, _ENTRIES, resolve
+from qtool.conventions import _ENTRIES, REGISTRY, resolve
 from qtool.errors import CheckpointError
 from tests.conftest import REPO
 from tests.test_fixture_walk import FIXTURES, PLAIN_MODELS, _checkpoints

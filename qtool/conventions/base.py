@@ -8,7 +8,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Protocol
 
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
-from qtool.weight import DATA, Weight
+from qtool.weight import Weight
 
 if TYPE_CHECKING:
     from qtool.scheme import Block
@@ -79,7 +79,8 @@ def block_from_scale(
 
     ()/(1,)/(1, 1) is per-tensor; (O,)/(O, 1) per-channel; (O, G) per-group; else 2-D blocks.
     """
-    from qtool.scheme import CHANNEL, TENSOR  # here: a plain checkpoint never needs qtool.scheme
+    # here, not at the top: a plain checkpoint never needs qtool.scheme
+    from qtool.scheme import CHANNEL, TENSOR
 
     if len(shape) != 2:
         return None

@@ -11,9 +11,9 @@ import re
 from typing import Any
 
 from qtool.errors import CheckpointError
-from qtool.gcpause import paused_gc
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
 from qtool.formats.safetensors import read_safetensors_file
+from qtool.gcpause import paused_gc
 
 __all__ = ["open_checkpoint", "input_paths", "SIDE_FILES"]
 

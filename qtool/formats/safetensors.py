@@ -147,7 +147,6 @@ def _entries(path: str, parsed: dict[str, Any]) -> list[tuple]:
     goes through `_tensor_entry`, which finds the fault and names it."""
     entries = []
     append = entries.append
-    dtypes = DTYPES
     int_types = _INT_TYPES
     seen: dict[tuple[str, tuple[int, ...]], tuple[StorageDType, int]] = {}  # (dtype, shape) -> (dtype, nbytes)
     for name, info in parsed.items():
