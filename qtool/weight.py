@@ -17,7 +17,7 @@ __all__ = ["Weight", "DATA"]
 DATA = "data"  # the role of the tensor holding the values; every weight has one
 
 
-@dataclass
+@dataclass(slots=True)  # slots: a header may list 1.6M weights
 class Weight:
     """`members` maps a role ("data", "scale", "zero_point", "g_idx", ...) to a stored tensor.
 
@@ -43,10 +43,8 @@ class Weight:
         tensor.dtype.name, {DATA: tensor}, notes=notes)`, built without the dataclass __init__:
         a header of 1.6M tensors makes 1.6M of them."""
         weight = object.__new__(cls)
-        weight.__dict__.update(
-            name=tensor.name, shape=tensor.shape, dtype=tensor.dtype.name, members={DATA: tensor},
-            scheme=None, convention="plain", notes=notes,
-        )  # fmt: skip
+        weight.name, weight.shape, weight.dtype = tensor.name, tensor.shape, tensor.dtype.name
+        weight.members, weight.scheme, weight.convention, weight.notes = {DATA: tensor}, None, "plain", notes
         return weight
 
     @property

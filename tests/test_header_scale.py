@@ -67,4 +67,4 @@ def test_fast_constructors_build_the_same_objects():
     tensor = StoredTensor("w", DTYPES["F32"], (2, 3), 8, 32, "f.safetensors")
     built = Weight.plain(tensor, ["a note"])
     assert built == Weight("w", (2, 3), "F32", {DATA: tensor}, notes=["a note"])
-    assert set(vars(built)) == {f.name for f in dataclasses.fields(Weight)}
+    assert all(hasattr(built, f.name) for f in dataclasses.fields(Weight))
