@@ -29,6 +29,10 @@ PyTorch checkpoint, `pytorch_model.bin`, as torch.save lays it out (data.pkl, th
   5. torch.load(mmap) >= 10x qtool(pt);
   6. `python -X importtime -m qtool inspect pytorch_model.bin --json` imports no `torch`.
 
+Then, for issue 10, headers of 100k and 1.6M zero-size tensors (a fuzzer's resource bomb: the
+1.6M one is 95 MB, under the 100 MB limit): `qtool inspect x.safetensors --json` against
+safe_open(numpy) listing the same names, with wall, CPU and peak RSS. Target: 100k under 2 s.
+
 The parent process uses the standard library only: it imports neither torch, numpy nor
 safetensors. Exit status is 0 whatever the result, unless --strict is given.
 """
@@ -372,12 +376,20 @@ VARIANTS = ("qtool", "safe_open(pt)", "safe_open(numpy)")
 PT_VARIANTS = ("qtool(pt)", "torch.load(mmap)")
 
 
+CPU_TIMES: dict[tuple[str, ...], list[float]] = {}  # user + sys seconds of each timed command
+
+
 def run_once(cmd: list[str]) -> float:
+    """Wall seconds of one run; its CPU seconds (user + sys, from wait4) go to CPU_TIMES, which
+    a loaded machine disturbs far less than the wall clock."""
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    err = proc.stderr.read() if proc.stderr else b""
+    _, status, usage = os.wait4(proc.pid, 0)
     elapsed = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"exit {proc.returncode}: {proc.stderr.decode(errors='replace')}")
+    if status != 0:
+        raise RuntimeError(f"wait status {status}: {err.decode(errors='replace')}")
+    CPU_TIMES.setdefault(tuple(cmd), []).append(usage.ru_utime + usage.ru_stime)
     return elapsed
 
 
@@ -427,6 +439,87 @@ def imported_modules(model_dir: Path) -> tuple[set[str], str | None]:
     return names, bad
 
 
+# --------------------------------------------------------------------- large headers (issue 10)
+
+HEADER_TARGET_S = 2.0  # a 100k-tensor header lists in under 2 s
+HEADER_BASELINE_CODE = """\
+import sys
+from safetensors import safe_open
+with safe_open(sys.argv[1], framework="numpy") as fh:
+    for k in fh.keys():
+        s = fh.get_slice(k)
+        print(k, s.get_dtype(), s.get_shape())
+"""
+
+
+WRITE_HEADER_CODE = """\
+import json, struct, sys
+header = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(int(sys.argv[2]))}
+blob = json.dumps(header, separators=(",", ":")).encode()
+with open(sys.argv[1], "wb") as f:
+    f.write(struct.pack("<Q", len(blob)))
+    f.write(blob)
+"""
+
+
+def write_empty_header(path: Path, count: int) -> None:
+    """A fuzzer's resource bomb: `count` zero-size F32 tensors and no data. 1.6M of them with
+    names like `t1234567` make a 95 MB header, under the 100 MB limit. Written by a child: a
+    child's peak RSS (wait4) starts at the parent's peak, which the 1.6M dict would inflate."""
+    subprocess.run([sys.executable, "-c", WRITE_HEADER_CODE, str(path), str(count)], check=True)
+
+
+def run_measured(cmd: list[str]) -> tuple[float, float, int]:
+    """(wall s, CPU s, peak RSS bytes) of one whole process, output discarded."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+    if status != 0:
+        raise RuntimeError(f"status {status}: {tail(err, 10)}")
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024
+
+
+def run_large_headers(sizes: list[int], repeats: int, root: Path) -> list[bool]:
+    """`qtool inspect x.safetensors --json` on headers of `sizes` zero-size tensors, against
+    safe_open(numpy) listing the same names, dtypes and shapes; interleaved, median of
+    `repeats`. Returns the verdicts (100k under HEADER_TARGET_S)."""
+    if not sizes:
+        return []
+    print(f"\nlarge headers: {', '.join(f'{n:,}' for n in sizes)} zero-size tensors, {repeats} runs each, interleaved")
+    files = {}
+    for count in sizes:
+        files[count] = root / f"header-{count}.safetensors"
+        write_empty_header(files[count], count)
+    commands = {
+        "qtool": lambda f: [sys.executable, "-m", "qtool", "inspect", str(f), "--json"],
+        "safe_open(numpy)": lambda f: [sys.executable, "-c", HEADER_BASELINE_CODE, str(f)],
+    }
+    runs: dict[tuple[int, str], list[tuple[float, float, int]]] = {(n, v): [] for n in sizes for v in commands}
+    for _ in range(repeats):
+        for count in sizes:
+            for variant, build in commands.items():
+                runs[count, variant].append(run_measured(build(files[count])))
+    print(f"{'tensors':>10} {'header':>8} {'variant':<17} {'wall s':>8} {'cpu s':>8} {'peak RSS':>9}  wall runs (s)")
+    verdicts = []
+    for count in sizes:
+        size_mb = files[count].stat().st_size / 1e6
+        for variant in commands:
+            got = runs[count, variant]
+            wall = statistics.median(r[0] for r in got)
+            cpu = statistics.median(r[1] for r in got)
+            rss = max(r[2] for r in got)
+            walls = " ".join(f"{r[0]:.2f}" for r in got)
+            print(f"{count:>10,} {size_mb:>6.1f}MB {variant:<17} {wall:>8.2f} {cpu:>8.2f} {rss / 2**20:>7.0f}MB  {walls}")
+        if count == 100_000:
+            wall = statistics.median(r[0] for r in runs[count, "qtool"])
+            ok = wall < HEADER_TARGET_S
+            verdicts.append(ok)
+            print(f"  {'PASS' if ok else 'FAIL'}  100k tensors listed in {wall:.2f} s < {HEADER_TARGET_S} s (wall; cpu {statistics.median(r[1] for r in runs[count, 'qtool']):.2f} s)")
+    return verdicts
+
+
 # --------------------------------------------------------------------------------------- main
 
 
@@ -441,8 +534,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--models", default="7b,70b", help="comma list of: " + ",".join(MODELS))
     p.add_argument("--strict", action="store_true", help="exit 1 if a target fails or qtool fails")
     p.add_argument("--no-pt", dest="pt", action="store_false", help="skip the .pt case (the 7B model as one pytorch_model.bin)")
+    p.add_argument("--headers", default="100000,1600000", help="comma list of zero-size-tensor header sizes to list ('' skips them)")
+    p.add_argument("--header-repeats", type=int, default=3, help="timed runs per header size (default 3)")
     args = p.parse_args(argv)
     args.models = [m.strip().lower() for m in args.models.split(",") if m.strip()]
+    args.headers = [int(n) for n in args.headers.split(",") if n.strip()]
     unknown = [m for m in args.models if m not in MODELS]
     if unknown or not args.models:
         p.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
@@ -514,6 +610,10 @@ def run(args: argparse.Namespace, root: Path) -> int:
             print(f"{MODELS[key].title:<12} {variant:<17} {med[job]:>9.3f} {pt:>7} {npy:>7}  {runs}")
     if ("7b", "qtool") in med and ("70b", "qtool") in med:
         print(f"qtool 70B/7B: {ratio(('70b', 'qtool'), ('7b', 'qtool'))}")
+    cpu = {job: statistics.median(CPU_TIMES[tuple(command(job[1], dirs[job[0]]))]) for job in med}
+    print("CPU seconds (user + sys), median: " + "; ".join(
+        f"{MODELS[k].title} " + ", ".join(f"{v} {cpu[k, v]:.3f}" for v in VARIANTS if (k, v) in cpu) for k in args.models
+    ))
 
     # Targets.
     print("\ntargets")
@@ -534,6 +634,8 @@ def run(args: argparse.Namespace, root: Path) -> int:
             )
         else:
             verdict(False if q in failed else None, f"{MODELS[key].title}: qtool vs {BASELINE}: not measured")
+        if q in cpu and b in cpu:
+            print(f"  info  {MODELS[key].title}: CPU qtool {cpu[q]:.3f}s / {BASELINE} {cpu[b]:.3f}s = {cpu[q] / cpu[b]:.2f}x")
     if ("7b", "qtool") in med and ("70b", "qtool") in med:
         r = med["70b", "qtool"] / med["7b", "qtool"]
         verdict(r <= TARGET_70B_OVER_7B, f"qtool 70B/7B = {r:.2f}x <= {TARGET_70B_OVER_7B}x")
@@ -566,6 +668,7 @@ def run(args: argparse.Namespace, root: Path) -> int:
             verdict(False, f"no torch import on `qtool inspect pytorch_model.bin --json`: qtool failed, {msg}")
         else:
             verdict("torch" not in names, f"`qtool inspect pytorch_model.bin --json` imports torch: {'yes' if 'torch' in names else 'no'}")
+    results += run_large_headers(args.headers, args.header_repeats, root)
 
     assert not {"torch", "numpy", "safetensors"} & set(sys.modules), "the parent must stay stdlib-only"
     failed_any = bool(failed and any(v == "qtool" for _, v in failed)) or not all(results)

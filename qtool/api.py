@@ -55,7 +55,7 @@ def inspect(path: str | os.PathLike[str], filter: str | None = None) -> Inspecti
 
 def collect_stats(inspection: Inspection, on_bytes: Callable[[int], None] | None = None) -> Inspection:
     """A new Inspection with the value stats of every plain weight it reports, streamed from
-    the data; the checkpoint is closed afterwards. Imports torch."""
+    the data; the checkpoint is closed afterwards. Reads with numpy; never imports torch."""
     from qtool.stats import collect_stats as _collect_stats
 
     inspection.checkpoint.require_local()
@@ -236,8 +236,8 @@ def _side_file_warnings(checkpoint: Checkpoint, single_file: bool) -> list[str]:
     from qtool.side_files import skipped_links
 
     if single_file:
-        return []
-    return [f"{name} is not copied: it links out of the model folder, is not a regular file, or is too large" for name in skipped_links(checkpoint)]
+        return list(checkpoint.notes)
+    return [*checkpoint.notes] + [f"{name} is not copied: it links out of the model folder, is not a regular file, or is too large" for name in skipped_links(checkpoint)]
 
 
 def run(
@@ -374,6 +374,8 @@ def check(
 
             checkpoint.require_local()
             resolved = resolve_device(device)
-        return audit(checkpoint, inspect_checkpoint(checkpoint).weights, rules, device=resolved, on_progress=on_progress)
+        result = audit(checkpoint, inspect_checkpoint(checkpoint).weights, rules, device=resolved, on_progress=on_progress)
+        result.notes.extend(checkpoint.notes)
+        return result
     finally:
         checkpoint.close()

@@ -363,6 +363,7 @@ BAD = {
     "absurd tensor count": (lambda tmp: b"GGUF" + struct.pack("<IQQ", 3, 2**60, 0) + bytes(40), "1152921504606846976 entries of the tensor infos need at least"),
     "absurd array length": (lambda tmp: gguf_bytes([], kv=struct.pack("<Q", 1) + b"k" + struct.pack("<IIQ", 9, 8, 2**50), kv_count=1), "1125899906842624 entries of the array 'k' need at least"),
     "arrays nested too deep": (lambda tmp: gguf_bytes([], kv=struct.pack("<Q", 1) + b"k" + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 20 + struct.pack("<IQ", 4, 0), kv_count=1), "array 'k' nests deeper than 8 levels"),
+    "dims overflow 64 bits": (lambda tmp: gguf_bytes([("w", [0, 64, 2**62], 0, b"")]), "tensor 'w' has dims [0, 64, 4611686018427387904] whose product overflows 64 bits"),
     "string past the end": (lambda tmp: gguf_bytes([], kv=struct.pack("<Q", 1) + b"k" + struct.pack("<IQ", 8, 10**12), kv_count=1), "file is cut short: the value of 'k'"),
 }
 
@@ -382,6 +383,32 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, case):
     assert message in first, first
     assert all(line.startswith("hint: ") for line in rest) and len(rest) <= 1
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("command", [["inspect", "--stats"], ["check", "--no-nan"]])
+def test_dims_that_overflow_are_exit_2_in_the_data_readers_too(tmp_path, command):
+    """[0, 64, 2^62] is an empty tensor whose dims still overflow torch's and numpy's stride
+    arithmetic: `--stats` and `check --no-nan` died in torch with exit 70."""
+    path = tmp_path / "overflow.gguf"
+    path.write_bytes(gguf_bytes([("w", [0, 64, 2**62], 0, b""), ("n", [4], 0, bytes(16))]))
+    result = runner.invoke(app, [command[0], str(path), command[1]])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines()[0] == f"error: {path}: tensor 'w' has dims [0, 64, 4611686018427387904] whose product overflows 64 bits"
+
+
+def test_many_tensors_of_an_unknown_type_list_in_linear_time(tmp_path):
+    """Each tensor of an unknown type is sized by where the next one starts; that lookup
+    scanned every start (32k tensors took 30 s)."""
+    import time
+
+    from qtool.formats.gguf import read_gguf_file
+
+    path = tmp_path / "unknown.gguf"
+    path.write_bytes(gguf_bytes([(f"t{i}", [32], 99, bytes(4)) for i in range(30_000)]))
+    started = time.perf_counter()
+    tensors, _ = read_gguf_file(str(path))
+    assert time.perf_counter() - started < 6.0  # ~0.3 s linear; the scan per tensor took ~26 s
+    assert len(tensors) == 30_000 and {t.nbytes for t in tensors[:-1]} == {32}
 
 
 # -- the writer ---------------------------------------------------------------------------------------

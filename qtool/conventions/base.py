@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
 from qtool.formats.untrusted_json import describe, parse_json, side_file_path
-from qtool.scheme import CHANNEL, TENSOR, Block
 from qtool.weight import DATA, Weight
+
+if TYPE_CHECKING:
+    from qtool.scheme import Block
 
 __all__ = [
     "Convention",
@@ -80,13 +82,7 @@ def by_module(pool: Pool) -> dict[str, dict[str, StoredTensor]]:
 
 
 def plain_weight(tensor: StoredTensor, note: str | None = None) -> Weight:
-    return Weight(
-        name=tensor.name,
-        shape=tensor.shape,
-        dtype=tensor.dtype.name,
-        members={DATA: tensor},
-        notes=[note] if note else [],
-    )
+    return Weight.plain(tensor, [note] if note else [])
 
 
 def plain_weights(tensors: dict[str, StoredTensor], note: str) -> list[Weight]:
@@ -121,6 +117,9 @@ def block_from_scale(
 
     ()/(1,)/(1, 1) is per-tensor; (O,)/(O, 1) per-channel; (O, G) per-group; else 2-D blocks.
     """
+    # here, not at the top: a plain checkpoint never needs qtool.scheme
+    from qtool.scheme import CHANNEL, TENSOR
+
     if len(shape) != 2:
         return None
     rows, cols = shape

@@ -15,11 +15,16 @@ Why not `gguf.GGUFReader`: it builds one numpy view per metadata array element, 
 well under a second); it raises on a type id it doesn't know, where a newer file must stay
 readable; and a truncated file surfaces as a numpy reshape error. The checks below follow
 llama.cpp's `gguf_init_from_file_impl` (ggml/src/gguf.cpp); a file it refuses, we refuse.
+One more: dims whose non-zero product overflows int64 ([0, 64, 2^62], which llama.cpp accepts as
+empty) are refused, since torch and numpy cannot build them. Every count is checked against the
+bytes left before a loop runs, and a tensor of an unknown type is sized by a bisect of the starts.
 This module imports neither numpy nor torch, so `qtool inspect x.gguf` costs the header only.
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
 import json
 import math
 import mmap
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 
 from qtool.dtypes import DTYPES, StorageDType
 from qtool.errors import CheckpointError, UnknownNameError
-from qtool.formats.checkpoint import StoredTensor
+from qtool.formats.checkpoint import StoredTensor, dims_fit_int64
 
 __all__ = ["GgmlType", "GGML_TYPES", "ggml_type", "ggml_type_named", "read_gguf_file", "parse_gguf_prefix", "NeedMore", "GGUF_MAGIC", "MAX_DIMS"]
 
@@ -99,6 +104,7 @@ _BY_NAME = {t.name: t for t in GGML_TYPES.values()}
 _PLAIN: dict[int, StorageDType] = {d.gguf_id: d for d in DTYPES.values() if d.gguf_id is not None}
 
 
+@functools.lru_cache(maxsize=64)  # a file of 32k tensors of one unknown id asks 32k times
 def ggml_type(type_id: int) -> GgmlType | None:
     """The type with this id, or None. An id qtool's table lacks is looked up in the installed
     `gguf` package, so a newer package extends what qtool can size (this imports numpy)."""
@@ -336,6 +342,8 @@ def _parse(cur: _Cursor) -> tuple[list[StoredTensor], dict[str, str]]:
         dims = struct.unpack_from(f"<{n_dims}Q", cur.buf, start)
         if any(d >= 2**63 for d in dims):
             raise cur.fail(f"tensor {name!r} has a negative dimension")
+        if not dims_fit_int64(dims):
+            raise cur.fail(f"tensor {name!r} has dims {list(dims)} whose product overflows 64 bits")
         type_id = cur.unpack("<I", f"the type of {name!r}")
         offset = cur.unpack("<Q", f"the offset of {name!r}")
         infos.append(_Info(name, tuple(dims), type_id, offset))
@@ -345,7 +353,7 @@ def _parse(cur: _Cursor) -> tuple[list[StoredTensor], dict[str, str]]:
 
 
 def _tensors(cur: _Cursor, infos: list[_Info], data_offset: int, alignment: int) -> list[StoredTensor]:
-    begins = sorted({data_offset + info.offset for info in infos})
+    begins: list[int] | None = None  # sorted starts, built once if a tensor of an unknown type needs them
     tensors = []
     for info in infos:
         name, begin = info.name, data_offset + info.offset
@@ -357,8 +365,10 @@ def _tensors(cur: _Cursor, infos: list[_Info], data_offset: int, alignment: int)
         if gtype is None:
             # A type newer than qtool and the gguf package: size it by where the next tensor
             # starts (padding included), so the file still lists and other tensors still decode.
-            later = [b for b in begins if b > begin]
-            end = later[0] if later else cur.size
+            if begins is None:
+                begins = sorted({data_offset + i.offset for i in infos})
+            after = bisect.bisect_right(begins, begin)
+            end = begins[after] if after < len(begins) else cur.size
             if begin > cur.size:
                 raise _truncated(cur, name, begin)
             tensors.append(StoredTensor(name, DTYPES["U8"], (end - begin,), begin, end, cur.path, f"unknown({info.type_id})", shape))
