@@ -52,9 +52,11 @@ def ct_config(weights: Any = None, **fields: Any) -> dict[str, Any]:
 
 
 def folder(tmp: Path, tensors: dict, side: str, content: Any) -> tuple[Path, Path]:
-    """A model folder with one weights file and one side file; (what to pass, the side file)."""
+    """A model folder with one weights file and one side file; (what to pass, the side file).
+    With an index as the side file the weights are a shard, so the folder is read through it."""
     model = tmp / "model"
-    write_safetensors(model / "model.safetensors", tensors)
+    weights = "model-00001-of-00001.safetensors" if side.endswith(".index.json") else "model.safetensors"
+    write_safetensors(model / weights, tensors)
     path = model / side
     path.write_text(content if isinstance(content, str) else json.dumps(content))
     return model, path
