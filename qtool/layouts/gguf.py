@@ -40,7 +40,6 @@ import math
 from typing import Any, Iterator
 
 from qtool import native
-from qtool.errors import CheckpointError
 from qtool.formats.checkpoint import Checkpoint
 from qtool.formats.gguf import GgmlType, ggml_type_named
 from qtool.layouts.base import CAST, COPY, DEQUANTIZE, QUANTIZE, Job, Piece, Plan, Planned, PlanOptions, refusal_of
@@ -464,45 +463,17 @@ def _stamped(entries: list[tuple[str, Any, str]], jobs: list[Job], mix) -> list[
 
 def _gguf_input_metadata(source: Checkpoint, weights: list[Weight]) -> list[tuple[str, Any, str]]:
     """Every key-value of a GGUF input, in order, as (key, value, type) with strings as their
-    bytes and arrays as lists whose type reads "ARRAY:<element type>", read by gguf-py's
-    GGUFReader so each value keeps its exact type."""
+    bytes and arrays as lists whose type reads "ARRAY:<element type>" (`read_gguf_key_values`)."""
     import os
 
+    from qtool.formats.gguf import read_gguf_key_values
+
     path = source.path if os.path.isfile(source.path) else (weights[0].data.file if weights else source.path)
-    try:
-        import gguf
-
-        reader = gguf.GGUFReader(path)
-        fields = list(reader.fields.values())[3:]  # after the reader's own GGUF.version, tensor_count, kv_count
-        entries = [_entry(field) for field in fields]
-        for key, value, kind in entries:
-            if key == "general.alignment" and (kind != "UINT32" or value < 1 or value & (value - 1)):
-                raise SchemeError(f"general.alignment is {value} ({kind}); GGUF needs a power of two as UINT32", hint="fix or remove the key")
-    except SchemeError as exc:
-        raise SchemeError(exc.message, hint=exc.hint, path=path) from None
-    except Exception as exc:  # gguf-py's reader raises what it likes on a malformed file
-        raise CheckpointError(f"gguf-py cannot read its key-values: {type(exc).__name__}: {exc}", path=path) from None
+    entries = read_gguf_key_values(path)
+    for key, value, kind in entries:
+        if key == "general.alignment" and (kind != "UINT32" or value < 1 or value & (value - 1)):
+            raise SchemeError(f"general.alignment is {value} ({kind}); GGUF needs a power of two as UINT32", hint="fix or remove the key", path=path)
     return entries
-
-
-def _entry(field) -> tuple[str, Any, str]:
-    from gguf import GGUFValueType as V
-
-    kinds = field.types
-    if not kinds:
-        raise SchemeError(f"key {field.name} has no value type")
-    if kinds[0] == V.STRING:
-        return field.name, bytes(field.parts[field.data[0]]), "STRING"
-    if kinds[0] != V.ARRAY:
-        return field.name, field.parts[field.data[0]][0].item(), kinds[0].name
-    item = kinds[1] if len(kinds) > 1 else None
-    if item is None:  # an empty array: its element type is the part before the (zero) length
-        item = V(int(field.parts[-2][0]))
-    if item == V.ARRAY:
-        raise SchemeError(f"key {field.name} holds arrays of arrays, which qtool does not copy (llama.cpp does not read them either)", hint="remove the key, or quantize with llama-quantize")
-    if item == V.STRING:
-        return field.name, [bytes(field.parts[i]) for i in field.data], f"ARRAY:{item.name}"
-    return field.name, [field.parts[i][0].item() for i in field.data], f"ARRAY:{item.name}"
 
 
 def _shown(value: Any, kind: str) -> Any:
