@@ -283,3 +283,22 @@ def test_weights_holding_nan_or_inf_encode_as_llama_cpp_does(tmp_path, scheme):
     assert tensor.tensor_type.name == gtype
     want = native.encode_gguf(gtype, memoryview(x).cast("B"), "F32", 256, 512)
     assert bytes(tensor.data) == bytes(want.data)
+
+
+def test_key_values_read_as_gguf_py_reads_them_and_a_cut_file_is_one_error(small_gguf, tmp_path):
+    """qtool's own key-value reader (what a requantize writes back) against gguf-py's, and every
+    truncation of the header is a CheckpointError, nothing else."""
+    from qtool.errors import CheckpointError
+    from qtool.formats.gguf import read_gguf_key_values
+
+    entries = read_gguf_key_values(str(small_gguf))
+    assert [(key, kind.split(":")[-1] if kind.startswith("ARRAY") else kind, value) for key, value, kind in entries] == [
+        (key, types[-1], value) for key, types, value in fields_of(small_gguf)
+    ]
+    raw = small_gguf.read_bytes()
+    header_end = 24 + sum(8 + len(key.encode()) + 4 for key, _, _ in entries) + 64  # roughly past the key-values
+    cut = tmp_path / "cut.gguf"
+    for end in range(0, min(len(raw), header_end), 7):
+        cut.write_bytes(raw[:end])
+        with pytest.raises(CheckpointError):
+            read_gguf_key_values(str(cut))
