@@ -27,7 +27,8 @@ It then runs, each as a whole child process with this interpreter:
   E  python -m qtool dequantize A -o E.safetensors --dtype bf16 -q
   F  the baseline reverse of B: per shard, `load_file` B's output, `w = q.float() * scale` to
      bf16, `save_file`
-  G  python -m qtool quantize MODEL -o G.gguf --scheme q4_0 -q  (the GGUF layout; no torch)
+  G  python -m qtool quantize MODEL -o G.gguf --scheme q4_0 --allow-incomplete-gguf -q  (the GGUF
+     layout; no torch; the synthesized model has no tokenizer, hence the flag)
   H  the baseline a gguf-py user would write: per shard, `load_file`, `gguf.quants.quantize` of
      each 2-D `*_proj.weight` to Q4_0 (float32 numpy, the package's reference quantizer), the
      rest as they are (1-D as F32), every tensor added to one `gguf.GGUFWriter`, written at the end
@@ -539,7 +540,7 @@ def command(run: Run, src: Path, dst: Path) -> list[str]:
         "D": [py, "-c", D_CODE, str(src), str(dst)],
         "E": [py, "-m", "qtool", "dequantize", str(src), "-o", str(dst), "--dtype", "bf16", "-q"],
         "F": [py, "-c", F_CODE, str(src), str(dst)],
-        "G": [py, "-m", "qtool", "quantize", str(src), "-o", str(dst), "--scheme", "q4_0", "-q"],
+        "G": [py, "-m", "qtool", "quantize", str(src), "-o", str(dst), "--scheme", "q4_0", "--allow-incomplete-gguf", "-q"],
         "H": [py, "-c", H_CODE, str(src), str(dst)],
     }[run.key]
 
@@ -747,7 +748,7 @@ def run(args: argparse.Namespace, root: Path) -> int:
             if key == "G" and rec.torch_free is None:
                 probe = outs / "G-torch-probe.gguf"
                 remove(probe)
-                m = measure([sys.executable, "-c", TORCH_FREE_CODE, "quantize", str(model_dir), "-o", str(probe), "--scheme", "q4_0", "-q"],
+                m = measure([sys.executable, "-c", TORCH_FREE_CODE, "quantize", str(model_dir), "-o", str(probe), "--scheme", "q4_0", "--allow-incomplete-gguf", "-q"],
                             log_stem=logs / "G-torch-probe", cwd=REPO, timeout_s=args.timeout)
                 rec.torch_free = m.ok and m.stdout_path.read_text().strip().endswith("True")
                 remove(probe)

@@ -55,7 +55,7 @@ def inspect(path: str | os.PathLike[str], filter: str | None = None) -> Inspecti
 
 def collect_stats(inspection: Inspection, on_bytes: Callable[[int], None] | None = None) -> Inspection:
     """A new Inspection with the value stats of every plain weight it reports, streamed from
-    the data; the checkpoint is closed afterwards. Imports torch."""
+    the data; the checkpoint is closed afterwards. Reads with numpy; never imports torch."""
     from qtool.stats import collect_stats as _collect_stats
 
     inspection.checkpoint.require_local()
@@ -94,22 +94,25 @@ def prepare_quantize(
     max_shard_size: str | None = None,
     allow_requantize: bool = False,
     report: str | os.PathLike[str] | None = None,
+    allow_incomplete_gguf: bool = False,
 ) -> Task:
     """Plan a quantization: which weights, which scheme and layout, every output tensor.
-    Writes nothing; refuses an impossible job (and every unsafe output path) here."""
+    Writes nothing; refuses an impossible job (and every unsafe output path) here.
+    A GGUF from a Hugging Face checkpoint must be a model llama.cpp runs (llama, mistral, qwen2,
+    with its tokenizer) unless `allow_incomplete_gguf`."""
     from qtool.selection import Selection
 
     selection = Selection.from_options(scheme, list(include), list(ignore), list(tensor_schemes))
     checkpoint = _open_checkpoint(path)
     try:
         checkpoint.require_local()
-        return _plan_quantize(checkpoint, path, os.fspath(output), selection, layout, dtype, max_shard_size, allow_requantize, report)
+        return _plan_quantize(checkpoint, path, os.fspath(output), selection, layout, dtype, max_shard_size, allow_requantize, report, allow_incomplete_gguf)
     except BaseException:
         checkpoint.close()  # `run` closes it after a plan; nothing does after a refusal
         raise
 
 
-def _plan_quantize(checkpoint: Checkpoint, path, output: str, selection, layout, dtype, max_shard_size, allow_requantize, report) -> Task:
+def _plan_quantize(checkpoint: Checkpoint, path, output: str, selection, layout, dtype, max_shard_size, allow_requantize, report, allow_incomplete_gguf=False) -> Task:
     from qtool.layouts import PlanOptions, choose_layout
     from qtool.pipeline import parse_dtype, parse_size
 
@@ -144,9 +147,10 @@ def _plan_quantize(checkpoint: Checkpoint, path, output: str, selection, layout,
         out_dtype=parse_dtype(dtype),
         max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
         file_name=os.path.basename(output) if single_file else "model.safetensors",
+        allow_incomplete_gguf=allow_incomplete_gguf,
     )
     plan = chosen_layout.plan(checkpoint, weights, chosen, options)
-    return Task(plan, output, single_file, tuple(warnings + _side_file_warnings(checkpoint, single_file)), report)
+    return Task(plan, output, single_file, tuple(warnings + plan.notes + _side_file_warnings(checkpoint, single_file)), report)
 
 
 def prepare_dequantize(
@@ -232,8 +236,8 @@ def _side_file_warnings(checkpoint: Checkpoint, single_file: bool) -> list[str]:
     from qtool.side_files import skipped_links
 
     if single_file:
-        return []
-    return [f"{name} is not copied: it links out of the model folder, is not a regular file, or is too large" for name in skipped_links(checkpoint)]
+        return list(checkpoint.notes)
+    return [*checkpoint.notes] + [f"{name} is not copied: it links out of the model folder, is not a regular file, or is too large" for name in skipped_links(checkpoint)]
 
 
 def run(
@@ -370,6 +374,8 @@ def check(
 
             checkpoint.require_local()
             resolved = resolve_device(device)
-        return audit(checkpoint, inspect_checkpoint(checkpoint).weights, rules, device=resolved, on_progress=on_progress)
+        result = audit(checkpoint, inspect_checkpoint(checkpoint).weights, rules, device=resolved, on_progress=on_progress)
+        result.notes.extend(checkpoint.notes)
+        return result
     finally:
         checkpoint.close()

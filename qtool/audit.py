@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from qtool.errors import QtoolError, ViolationError
+from qtool.errors import CheckpointError, QtoolError, ViolationError
 from qtool.formats.checkpoint import Checkpoint
 from qtool.naming import gguf_to_hf
 from qtool.patterns import compile_pattern, matches_any
@@ -96,6 +96,7 @@ class Audit:
     weights: int
     rules: list[str]  # the rules that were applied
     findings: list[Finding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # how the checkpoint was found (Checkpoint.notes)
 
     @property
     def ok(self) -> bool:
@@ -148,8 +149,11 @@ def count_non_finite(tensor) -> tuple[int, int]:
     if not flat.is_floating_point():
         return 0, 0
     nan = inf = 0
+    widen = flat.element_size() == 1  # torch has no isinf for its 8-bit floats (Float8_e4m3fn...)
     for start in range(0, flat.numel(), CHUNK_ELEMENTS):
         chunk = flat[start : start + CHUNK_ELEMENTS]
+        if widen:
+            chunk = chunk.float()
         nan += int(torch.isnan(chunk).sum())
         inf += int(torch.isinf(chunk).sum())
     return nan, inf
@@ -286,22 +290,30 @@ def _missing_members(args, weight: Weight) -> list[str]:
 
 
 def _no_nan(checkpoint: Checkpoint, weights: list[Weight], device: str, on_progress) -> list[Finding]:
+    """Plain weights are read with numpy (`qtool.stats`), no torch; quantized ones are decoded
+    by their convention first, in torch where that decoder is torch's."""
+    from qtool.stats import count_stored_non_finite
+
     findings = []
     for weight in weights:
         values = None
         try:
+            counts = None
             if weight.quantized:
                 from qtool.conventions import decoder_for
 
                 values = decoder_for(weight).decode(checkpoint, weight, device)
-            elif weight.data.dtype.torch_name is not None:
-                values = checkpoint.load(weight.data)
-            if values is not None:
-                nan, inf = count_non_finite(values)
+                counts = count_non_finite(values)
+            else:
+                counts = count_stored_non_finite(checkpoint, weight)
+            if counts is not None:
+                nan, inf = counts
                 if nan or inf:
                     where = "after dequantizing" if weight.quantized else "stored"
                     findings.append(Finding("no-nan", weight.name, f"{nan} NaN and {inf} Inf values ({where})"))
-        except QtoolError as exc:  # fail closed: a weight that can't be read can't be cleared
+        except CheckpointError:  # the file itself can't be read (truncated meanwhile): exit 2
+            raise
+        except QtoolError as exc:  # fail closed: a weight that can't be decoded can't be cleared
             findings.append(Finding("no-nan", weight.name, f"cannot be decoded to check it: {exc}"))
         finally:
             del values

@@ -6,17 +6,21 @@ by adding fields, or by bumping `SCHEMA_VERSION`.
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping
+import math
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qtool.conventions import resolve
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
+from qtool.gcpause import paused_gc
 from qtool.patterns import compile_pattern
-from qtool.scheme import QScheme
 from qtool.weight import Weight
+
+if TYPE_CHECKING:
+    from qtool.scheme import QScheme
 
 __all__ = ["SCHEMA_VERSION", "PLAIN_LABEL", "Inspection", "WeightStats", "inspect_checkpoint", "scheme_json", "weight_json"]
 
@@ -62,23 +66,38 @@ class Inspection:
         return (*ordered, *members.values())  # a member the container does not list: last
 
     def summary(self) -> dict[str, Any]:
-        """Counts and sizes over the weights reported and their member tensors only."""
+        """Counts and sizes over the weights reported and their member tensors only. One pass
+        over each, with plain locals: a header may list 1.6M tensors."""
         tensors = self.tensors
-        total_bytes = sum(t.nbytes for t in tensors)
-        parameters = sum(w.parameters for w in self.weights)
-        by_dtype: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "bytes": 0})
+        total_bytes = 0
+        by_dtype: dict[str, dict[str, int]] = {}
         for tensor in tensors:
-            by_dtype[tensor.dtype.name]["tensors"] += 1
-            by_dtype[tensor.dtype.name]["bytes"] += tensor.nbytes
-        by_scheme: dict[str, dict[str, int]] = defaultdict(lambda: {"weights": 0, "parameters": 0})
+            nbytes = tensor.end - tensor.begin
+            total_bytes += nbytes
+            counts = by_dtype.get(tensor.dtype.name)
+            if counts is None:
+                counts = by_dtype[tensor.dtype.name] = {"tensors": 0, "bytes": 0}
+            counts["tensors"] += 1
+            counts["bytes"] += nbytes
+        parameters = quantized = 0
+        by_scheme: dict[str, dict[str, int]] = {}
+        prod = math.prod
         for weight in self.weights:
-            label = weight.scheme.label if weight.scheme else PLAIN_LABEL
-            by_scheme[label]["weights"] += 1
-            by_scheme[label]["parameters"] += weight.parameters
+            count = prod(weight.shape)
+            parameters += count
+            scheme = weight.scheme
+            if scheme is not None:
+                quantized += 1
+            label = scheme.label if scheme is not None else PLAIN_LABEL
+            entry = by_scheme.get(label)
+            if entry is None:
+                entry = by_scheme[label] = {"weights": 0, "parameters": 0}
+            entry["weights"] += 1
+            entry["parameters"] += count
         return {
             "tensors": len(tensors),
             "weights": len(self.weights),
-            "quantized_weights": sum(1 for w in self.weights if w.quantized),
+            "quantized_weights": quantized,
             "parameters": parameters,
             "bytes": total_bytes,
             "bits_per_weight": round(total_bytes * 8 / parameters, 4) if parameters else 0.0,
@@ -86,7 +105,11 @@ class Inspection:
             "by_scheme": dict(sorted(by_scheme.items(), key=lambda kv: -kv[1]["parameters"])),
         }
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, lazy: bool = False) -> dict[str, Any]:
+        """The JSON document (schema v1). `lazy`: "weights" is an iterator of the entries, made
+        one at a time as they are written (`Output` streams it), so 1.6M weights never exist
+        as dicts all at once."""
+        weights = self.weights_json()
         result = {
             "schema_version": SCHEMA_VERSION,
             "path": self.checkpoint.path,
@@ -95,15 +118,23 @@ class Inspection:
             "metadata": dict(self.checkpoint.metadata),
             "conventions": self.conventions,
             "summary": self.summary(),
-            "weights": [weight_json(w) for w in self.weights],
+            "weights": weights if lazy else list(weights),
         }
         if self.filter is not None:
             result["filter"] = self.filter
-        if self.stats:
-            for entry in result["weights"]:
-                stats = self.stats.get(entry["name"])
-                entry["stats"] = None if stats is None else dict(stats)
+        if self.checkpoint.notes:  # how a folder was resolved, when it held other weights files
+            result["notes"] = list(self.checkpoint.notes)
         return result
+
+    def weights_json(self) -> Iterator[dict[str, Any]]:
+        """The document's "weights" entries, in order, each with its stats when there are any."""
+        stats = self.stats
+        for weight in self.weights:
+            entry = weight_json(weight)
+            if stats:
+                found = stats.get(weight.name)
+                entry["stats"] = None if found is None else dict(found)
+            yield entry
 
 
 def _frozen(entry: WeightStats | None) -> WeightStats | None:
@@ -129,19 +160,25 @@ def scheme_json(scheme: QScheme, shape: tuple[int, ...]) -> dict[str, Any]:
 
 
 def weight_json(weight: Weight) -> dict[str, Any]:
+    """One entry of the document's "weights"; plain locals, as 1.6M weights make this hot."""
+    shape = weight.shape
+    parameters = math.prod(shape)
+    nbytes = 0
+    tensors = []
+    for role, tensor in weight.members.items():
+        nbytes += tensor.end - tensor.begin
+        tensors.append({"name": tensor.name, "role": role, "dtype": tensor.dtype.name, "shape": list(tensor.shape)})
+    scheme = weight.scheme
     return {
         "name": weight.name,
-        "shape": list(weight.shape),
+        "shape": list(shape),
         "dtype": weight.dtype,
-        "parameters": weight.parameters,
-        "bytes": weight.nbytes,
-        "bits_per_weight": round(weight.bits_per_weight, 4),
-        "quantized": weight.quantized,
-        "scheme": scheme_json(weight.scheme, weight.shape) if weight.scheme else None,
-        "tensors": [
-            {"name": t.name, "role": role, "dtype": t.dtype.name, "shape": list(t.shape)}
-            for role, t in weight.members.items()
-        ],
+        "parameters": parameters,
+        "bytes": nbytes,
+        "bits_per_weight": round(nbytes * 8 / parameters, 4) if parameters else 0.0,
+        "quantized": scheme is not None,
+        "scheme": scheme_json(scheme, shape) if scheme is not None else None,
+        "tensors": tensors,
         "notes": list(weight.notes),
     }
 
@@ -153,7 +190,8 @@ def inspect_checkpoint(checkpoint: Checkpoint, filter: str | None = None) -> Ins
 
     Conventions still resolve the whole checkpoint first: which tensors make up a weight does
     not depend on which weights are reported."""
-    weights: Iterable[Weight] = resolve(checkpoint)
+    with paused_gc():  # one Weight per tensor and no cycles (qtool.gcpause)
+        weights: Iterable[Weight] = resolve(checkpoint)
     if filter is not None:
         keep = compile_pattern(filter)
         weights = [w for w in weights if keep(w.name)]

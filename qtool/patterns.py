@@ -7,7 +7,6 @@ same thing in a config and on qtool's command line. Globs must match the whole n
 
 from __future__ import annotations
 
-import fnmatch
 import re
 from typing import Callable, Iterable
 
@@ -25,6 +24,8 @@ def compile_pattern(pattern: str) -> Callable[[str], bool]:
         except re.error as exc:
             raise UsageError(f"invalid regex {pattern!r}: {exc}", hint="write re:<python regex>, e.g. 're:.*\\.mlp\\..*'") from None
         return lambda name: regex.match(name) is not None
+    import fnmatch  # here: `inspect` without a pattern needs none
+
     glob = re.compile(fnmatch.translate(pattern))
     return lambda name: glob.match(name) is not None
 
@@ -34,7 +35,12 @@ def matches_any(name: str, patterns: Iterable[Callable[[str], bool]]) -> bool:
 
 
 def natural_key(name: str) -> tuple[str | int, ...]:
-    """Sort `layers.2` before `layers.10`. re.split with a group alternates text and digits,
-    so equal positions always hold the same type."""
-    parts = re.split(r"(\d+)", name)
-    return tuple(int(part) if i % 2 else part for i, part in enumerate(parts))
+    """Sort `layers.2` before `layers.10`. Splitting on a group alternates text and digits,
+    so equal positions always hold the same type. Runs of digits are cut every 18 digits: a
+    name from a file may hold thousands, which int() refuses (and which sort well enough)."""
+    parts = _DIGITS.split(name)
+    parts[1::2] = map(int, parts[1::2])
+    return tuple(parts)
+
+
+_DIGITS = re.compile(r"([0-9]{1,18})")

@@ -193,6 +193,12 @@ class QScheme:
         return dict(self.extra).get("gguf_type")
 
     @property
+    def gguf_mix(self) -> str | None:
+        """The llama.cpp file type (Q4_K_M, ...) this stands for: a mix of GGUF types that the
+        gguf layout resolves per tensor (`qtool.layouts.gguf_mix`), not one scheme."""
+        return dict(self.extra).get("gguf_mix")
+
+    @property
     def scale_kind(self) -> str:
         """The scale's family, whatever its spelling: "auto", "float", "e8m0", "e4m3" or "int"."""
         return scale_kind(self.scale_dtype) or "float"
@@ -255,6 +261,8 @@ class QScheme:
     @property
     def label(self) -> str:
         """A short human name such as `int4 sym g128`, `fp8_e4m3 block128x128`, `mxfp4 g32`."""
+        if self.gguf_mix:
+            return f"{self.gguf_mix} (llama.cpp file type)"
         parts = [self.family]
         if self.qtype.kind == "int":
             parts.append("sym" if self.symmetric else "asym")
@@ -286,6 +294,14 @@ def _gguf(value: str, gguf_type: str, symmetric: bool, scale: str = "F16") -> QS
     return QScheme(qtype(value), group(32), symmetric, scale, zero_point=not symmetric, convention=GGUF, extra=(("gguf_type", gguf_type),))
 
 
+def _gguf_k(value: str, gguf_type: str, symmetric: bool, sub_blocks: str) -> QScheme:
+    """A K-quant: 256-value super-blocks of sub-blocks with their own quantized scales."""
+    return QScheme(
+        qtype(value), group(256), symmetric, "F16", zero_point=not symmetric, convention=GGUF,
+        extra=(("gguf_type", gguf_type), ("super_block", f"256 = {sub_blocks}")),
+    )  # fmt: skip
+
+
 # name -> (scheme, what it is). Presets are matched case-insensitively.
 PRESETS: dict[str, tuple[QScheme, str]] = {
     "W8A16": (_ct("int8", group(128)), "int8 weights, symmetric, group 128 (compressed-tensors preset)"),
@@ -307,6 +323,11 @@ _FIXED = {
     "q4_1": _gguf("uint4", "Q4_1", False),
     "q5_0": _gguf("int5", "Q5_0", True),
     "q5_1": _gguf("uint5", "Q5_1", False),
+    "q2_k": _gguf_k("uint2", "Q2_K", False, "16 × 16, 4-bit scales and mins"),
+    "q3_k": _gguf_k("int3", "Q3_K", True, "16 × 16, 6-bit scales"),
+    "q4_k": _gguf_k("uint4", "Q4_K", False, "8 × 32, 6-bit scales and mins"),
+    "q5_k": _gguf_k("uint5", "Q5_K", False, "8 × 32, 6-bit scales and mins"),
+    "q6_k": _gguf_k("int6", "Q6_K", True, "16 × 16, int8 scales"),
 }
 _DEFAULT_BLOCK = {"int8": CHANNEL, "int4": group(128), "int3": group(128), "int2": group(64), "fp8_e4m3": TENSOR, "fp8_e5m2": TENSOR, "nf4": group(64)}
 _ALIASES = {"fp8": "fp8_e4m3", "int8": "int8", "int4": "int4", "int3": "int3", "int2": "int2", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "nf4": "nf4"}
@@ -314,7 +335,7 @@ _ALIASES = {"fp8": "fp8_e4m3", "int8": "int8", "int4": "int4", "int3": "int3", "
 # the examples `qtool schemes` lists besides the presets; every one must parse
 SHORT_FORMS = (
     "int8", "int4:g128", "int4:g64:asym", "int2:g64", "fp8_e4m3:channel", "fp8:block128x128",
-    "nf4:g64", "mxfp4", "nvfp4", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
+    "nf4:g64", "mxfp4", "nvfp4", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
 )
 
 
@@ -364,6 +385,9 @@ def parse_scheme(text: str) -> QScheme:
 
 def _unknown(text: str, why: str | None = None) -> SchemeError:
     import difflib
+
+    if why is None and re.fullmatch(r"Q[2-6]_K_[SML]", text.strip().upper()):
+        why = "a llama.cpp file type (a mix of GGUF types), which only quantize --scheme takes; name one type here, e.g. q4_k"
 
     names = scheme_names()
     close = difflib.get_close_matches(text, names, n=1, cutoff=0.5) or difflib.get_close_matches(

@@ -5,6 +5,11 @@ biases and anything non-floating are skipped: quantizing those hurts quality for
 and no loader expects them quantized. `--include` replaces the default rule with patterns,
 `--ignore` removes matches, `--tensor-scheme PATTERN=SCHEME` picks a scheme per pattern (and
 selects what it matches). The first matching override wins.
+
+A llama.cpp file type in capitals (`Q4_K_M`, `Q8_0`, ...: `qtool.layouts.gguf_mix`) is not one
+scheme but a mix the gguf layout resolves per tensor with llama.cpp's own rules, including which
+tensors are quantized at all; so under a mix every weight is a candidate (less `--ignore`, within
+`--include`), and a `--tensor-scheme` names the one GGUF type a matching tensor gets instead.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ def quantizable(weight: Weight) -> str | None:
     """Why a weight can't be quantized at all, or None if it can."""
     if len(weight.shape) != 2:
         return f"{len(weight.shape)}-D, only 2-D weights are quantized"
-    if weight.dtype not in FLOAT_DTYPES:
+    if weight.dtype not in FLOAT_DTYPES and not weight.quantized:  # a quantized one is decoded first (requantize)
         return f"{weight.dtype} is not a float dtype"
     if 0 in weight.shape:
         return "empty: there is nothing to quantize"
@@ -58,16 +63,28 @@ class Selection:
 
     @classmethod
     def from_options(cls, scheme: str, include: list[str], ignore: list[str], tensor_schemes: list[str]) -> "Selection":
+        from qtool.layouts.gguf_mix import mix_named
+
         overrides = []
         for item in tensor_schemes:
             pattern, sep, value = item.rpartition("=")
             if not sep or not pattern or not value:
                 raise UsageError(f"tensor scheme {item!r} is not PATTERN=SCHEME", hint="e.g. 're:.*down_proj.*=int8'", option="tensor_schemes")
             compile_pattern(pattern)  # a bad regex fails here, with its own message
-            overrides.append((pattern, parse_scheme_option(value, "tensor scheme")))
+            try:
+                overrides.append((pattern, parse_scheme_option(value, "tensor scheme")))
+            except SchemeError:
+                if mix_named(value.strip().upper()) is None:
+                    raise
+                raise UsageError(
+                    f"tensor scheme {item!r}: {value} is a llama.cpp mix of types, not one type",
+                    hint="name one GGUF type for the matching tensors, e.g. 're:.*ffn_down.*=Q6_K'",
+                    option="tensor_schemes",
+                ) from None
         for pattern in (*include, *ignore):
             compile_pattern(pattern)
-        return cls(parse_scheme_option(scheme), include, ignore, overrides)
+        mix = mix_named(scheme)
+        return cls(mix.scheme if mix is not None else parse_scheme_option(scheme), include, ignore, overrides)
 
     def _matchers(self) -> tuple[list[Callable[[str], bool]], list[Callable[[str], bool]], list[tuple[Callable[[str], bool], QScheme]]]:
         return (
@@ -80,8 +97,13 @@ class Selection:
         """weight name -> scheme, or None to copy it through."""
         include, ignore, overrides = self._matchers()
         chosen: dict[str, QScheme | None] = {}
+        mix = self.scheme.gguf_mix is not None
         for weight in weights:
             override = next((s for match, s in overrides if match(weight.name)), None)
+            if mix:  # llama.cpp's rules decide in the gguf layout; here only what the user left out
+                wanted = (not include or any(match(weight.name) for match in include)) and not any(match(weight.name) for match in ignore)
+                chosen[weight.name] = (override or self.scheme) if wanted else None
+                continue
             if include:
                 wanted = any(match(weight.name) for match in include)
             else:

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from qtool.errors import NotQuantizedError
 from qtool.formats.checkpoint import StoredTensor
-from qtool.scheme import QScheme
+
+if TYPE_CHECKING:  # qtool.scheme is needed only where a weight is quantized
+    from qtool.scheme import QScheme
 
 __all__ = ["Weight", "DATA"]
 
 DATA = "data"  # the role of the tensor holding the values; every weight has one
 
 
-@dataclass
+@dataclass(slots=True)  # slots: a header may list 1.6M weights
 class Weight:
     """`members` maps a role ("data", "scale", "zero_point", "g_idx", ...) to a stored tensor.
 
@@ -33,6 +36,16 @@ class Weight:
     def __post_init__(self) -> None:
         if DATA not in self.members:
             raise ValueError(f"weight {self.name!r} has no {DATA!r} member")
+
+    @classmethod
+    def plain(cls, tensor: StoredTensor, notes: list[str]) -> "Weight":
+        """A plain weight of one stored tensor, the same as `Weight(tensor.name, tensor.shape,
+        tensor.dtype.name, {DATA: tensor}, notes=notes)`, built without the dataclass __init__:
+        a header of 1.6M tensors makes 1.6M of them."""
+        weight = object.__new__(cls)
+        weight.name, weight.shape, weight.dtype = tensor.name, tensor.shape, tensor.dtype.name
+        weight.members, weight.scheme, weight.convention, weight.notes = {DATA: tensor}, None, "plain", notes
+        return weight
 
     @property
     def data(self) -> StoredTensor:

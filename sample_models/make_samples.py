@@ -3,7 +3,8 @@
 Run from anywhere: ``python sample_models/make_samples.py``. The outputs are written next to this
 script and are byte-identical from run to run (fixed seed, fixed tensor order).
 
-- ``tiny-llama/``          a LLaMA-shaped bf16 checkpoint in one ``model.safetensors``
+- ``tiny-llama/``          a LLaMA-shaped bf16 checkpoint in one ``model.safetensors``, with a
+                           tokenizer, so its GGUF runs in llama.cpp
 - ``tiny-llama-sharded/``  the same tensors in two shards plus ``model.safetensors.index.json``
 - ``traps/``               tensors that look quantized at a glance but are plain (see DESIGN.md)
 """
@@ -58,6 +59,75 @@ LLAMA_CONFIG = {
 }
 
 
+def tokenizer_files() -> dict[str, dict]:
+    """A real LLaMA tokenizer cut to the model's 256 tokens: the first 256 entries of LLaMA's
+    sentencepiece vocabulary (llama.cpp's models/ggml-vocab-llama-spm.gguf, MIT), which are
+    <unk>, <s>, </s> and the byte tokens <0x00>..<0xFC>. Without merges every text is spelled
+    in bytes (valid UTF-8 never holds 0xFD..0xFF), so llama.cpp and transformers tokenize any
+    text. Written as a Hugging Face fast tokenizer (BPE with byte fallback, as LLaMA 2's)."""
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {token: index for index, token in enumerate(specials)}
+    vocab.update({f"<0x{byte:02X}>": len(specials) + byte for byte in range(VOCAB - len(specials))})
+    added = [
+        {"id": index, "content": token, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+        for index, token in enumerate(specials)
+    ]
+
+    def special(token: str, type_id: int) -> dict:
+        return {"SpecialToken": {"id": token, "type_id": type_id}}
+
+    def sequence(name: str, type_id: int) -> dict:
+        return {"Sequence": {"id": name, "type_id": type_id}}
+
+    tokenizer = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": {
+            "type": "Sequence",
+            "normalizers": [{"type": "Prepend", "prepend": "\u2581"}, {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}],
+        },
+        "pre_tokenizer": None,
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [special("<s>", 0), sequence("A", 0)],
+            "pair": [special("<s>", 0), sequence("A", 0), sequence("B", 1)],  # no <s> between: gguf-py warns of one
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}},
+        },
+        "decoder": {
+            "type": "Sequence",
+            "decoders": [
+                {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+                {"type": "ByteFallback"},
+                {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+            ],
+        },
+        "model": {
+            "type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None, "end_of_word_suffix": None,
+            "fuse_unk": True, "byte_fallback": True, "ignore_merges": False, "vocab": vocab, "merges": [],
+        },
+    }  # fmt: skip
+    config = {
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "pad_token": None,
+        "clean_up_tokenization_spaces": False,
+        "legacy": False,
+        "model_max_length": 2048,
+        "tokenizer_class": "LlamaTokenizerFast",
+        "chat_template": (
+            "{{ bos_token }}{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant: {% endif %}"
+        ),
+    }
+    return {"tokenizer.json": tokenizer, "tokenizer_config.json": config}
+
+
 def llama_shapes() -> list[tuple[str, tuple[int, ...]]]:
     """Tensor names and shapes in HF ``LlamaForCausalLM.state_dict()`` order."""
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (VOCAB, HIDDEN))]
@@ -105,15 +175,17 @@ def clean(directory: Path) -> None:
             f.unlink()
 
 
-def write_single(directory: Path, tensors: dict[str, torch.Tensor], config: dict) -> list[Path]:
+def write_single(directory: Path, tensors: dict[str, torch.Tensor], config: dict, side: dict[str, dict] | None = None) -> list[Path]:
     clean(directory)
     save_file(tensors, str(directory / "model.safetensors"), metadata=METADATA)
     write_json(directory / "config.json", config)
-    return [directory / "model.safetensors", directory / "config.json"]
+    for name, content in (side or {}).items():
+        write_json(directory / name, content)
+    return [directory / "model.safetensors", directory / "config.json", *(directory / name for name in side or {})]
 
 
 def write_sharded(directory: Path, tensors: dict[str, torch.Tensor], config: dict,
-                  num_shards: int) -> list[Path]:
+                  num_shards: int, side: dict[str, dict] | None = None) -> list[Path]:
     """Split in state-dict order, filling each shard to about total/num_shards bytes, as HF does."""
     clean(directory)
     total = sum(nbytes(t) for t in tensors.values())
@@ -139,7 +211,9 @@ def write_sharded(directory: Path, tensors: dict[str, torch.Tensor], config: dic
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     write_json(directory / "model.safetensors.index.json", index)
     write_json(directory / "config.json", config)
-    return written + [directory / "model.safetensors.index.json", directory / "config.json"]
+    for name, content in (side or {}).items():
+        write_json(directory / name, content)
+    return written + [directory / "model.safetensors.index.json", directory / "config.json", *(directory / name for name in side or {})]
 
 
 def trap_tensors(gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -178,8 +252,8 @@ def main() -> None:
     traps = trap_tensors(gen)
 
     written = []
-    written += write_single(HERE / "tiny-llama", llama, LLAMA_CONFIG)
-    written += write_sharded(HERE / "tiny-llama-sharded", llama, LLAMA_CONFIG, num_shards=2)
+    written += write_single(HERE / "tiny-llama", llama, LLAMA_CONFIG, tokenizer_files())
+    written += write_sharded(HERE / "tiny-llama-sharded", llama, LLAMA_CONFIG, num_shards=2, side=tokenizer_files())
     written += write_single(HERE / "traps", traps, {"model_type": "traps"})
     written += quantized_copies(HERE / "tiny-llama")
 

@@ -232,14 +232,15 @@ def test_bad_input(tmp_path, case: Case):
 
 def test_duplicate_name_across_files_of_a_folder(tmp_path):
     folder = tmp_path / "model"
-    tiny_safetensors(folder / "a.safetensors", {"w": ("U8", [2])})
-    tiny_safetensors(folder / "b.safetensors", {"w": ("U8", [2])})
+    a, b = folder / "model-00001-of-00002.safetensors", folder / "model-00002-of-00002.safetensors"
+    tiny_safetensors(a, {"w": ("U8", [2])})
+    tiny_safetensors(b, {"w": ("U8", [2])})
     with pytest.raises(CheckpointError, match="is stored in both") as info:
         qtool.open_checkpoint(folder)
-    assert str(info.value).startswith(f"{folder / 'b.safetensors'}: ")
+    assert str(info.value).startswith(f"{b}: ")
     result = runner.invoke(app, ["inspect", str(folder)])
     assert result.exit_code == 2 and result.stdout == ""
-    assert result.stderr.startswith(f"error: {folder / 'b.safetensors'}: tensor 'w' is stored in both")
+    assert result.stderr.startswith(f"error: {b}: tensor 'w' is stored in both")
 
 
 def test_folder_named_like_a_weights_file(tmp_path):

@@ -205,8 +205,8 @@ STATE = "model.layers.0.mlp.up_proj.weight.quant_state.bitsandbytes__fp4"
 @pytest.mark.parametrize(
     "blob, why",
     [
-        (b'{"quant_type": "fp4", "blocksize": 64,', "not JSON (Expecting property name enclosed in double quotes at byte 38)"),
-        (b"\xff\xfe{}", "byte 0 is not UTF-8"),
+        (b'{"quant_type": "fp4", "blocksize": 64,', "the blob is not valid JSON at line 1 column 39"),
+        (b"\xff\xfe{}", "the blob is not UTF-8 (byte 0)"),
         (b"[1, 2]", "it holds a JSON list, not an object"),
         (b'{"quant_type": "fp4", "blocksize": 64, "dtype": "float16"}', "'shape' is missing"),
         (b'{"quant_type": "fp4", "blocksize": "64", "dtype": "float16", "shape": [20, 130]}', "'blocksize' is \"64\", not an integer"),

@@ -363,6 +363,7 @@ BAD = {
     "absurd tensor count": (lambda tmp: b"GGUF" + struct.pack("<IQQ", 3, 2**60, 0) + bytes(40), "1152921504606846976 entries of the tensor infos need at least"),
     "absurd array length": (lambda tmp: gguf_bytes([], kv=struct.pack("<Q", 1) + b"k" + struct.pack("<IIQ", 9, 8, 2**50), kv_count=1), "1125899906842624 entries of the array 'k' need at least"),
     "arrays nested too deep": (lambda tmp: gguf_bytes([], kv=struct.pack("<Q", 1) + b"k" + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 20 + struct.pack("<IQ", 4, 0), kv_count=1), "array 'k' nests deeper than 8 levels"),
+    "dims overflow 64 bits": (lambda tmp: gguf_bytes([("w", [0, 64, 2**62], 0, b"")]), "tensor 'w' has dims [0, 64, 4611686018427387904] whose product overflows 64 bits"),
     "string past the end": (lambda tmp: gguf_bytes([], kv=struct.pack("<Q", 1) + b"k" + struct.pack("<IQ", 8, 10**12), kv_count=1), "file is cut short: the value of 'k'"),
 }
 
@@ -384,23 +385,50 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, case):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("command", [["inspect", "--stats"], ["check", "--no-nan"]])
+def test_dims_that_overflow_are_exit_2_in_the_data_readers_too(tmp_path, command):
+    """[0, 64, 2^62] is an empty tensor whose dims still overflow torch's and numpy's stride
+    arithmetic: `--stats` and `check --no-nan` died in torch with exit 70."""
+    path = tmp_path / "overflow.gguf"
+    path.write_bytes(gguf_bytes([("w", [0, 64, 2**62], 0, b""), ("n", [4], 0, bytes(16))]))
+    result = runner.invoke(app, [command[0], str(path), command[1]])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines()[0] == f"error: {path}: tensor 'w' has dims [0, 64, 4611686018427387904] whose product overflows 64 bits"
+
+
+def test_many_tensors_of_an_unknown_type_list_in_linear_time(tmp_path):
+    """Each tensor of an unknown type is sized by where the next one starts; that lookup
+    scanned every start (32k tensors took 30 s)."""
+    import time
+
+    from qtool.formats.gguf import read_gguf_file
+
+    path = tmp_path / "unknown.gguf"
+    path.write_bytes(gguf_bytes([(f"t{i}", [32], 99, bytes(4)) for i in range(30_000)]))
+    started = time.perf_counter()
+    tensors, _ = read_gguf_file(str(path))
+    assert time.perf_counter() - started < 6.0  # ~0.3 s linear; the scan per tensor took ~26 s
+    assert len(tensors) == 30_000 and {t.nbytes for t in tensors[:-1]} == {32}
+
+
 # -- the writer ---------------------------------------------------------------------------------------
 
 
-def plan_gguf(checkpoint, weights, chosen, output):
+def plan_gguf(checkpoint, weights, chosen, output, allow_incomplete=False):
     from qtool.layouts import LAYOUTS, PlanOptions
 
-    return LAYOUTS["gguf"].plan(checkpoint, weights, chosen, PlanOptions(single_file=True, file_name=os.path.basename(output)))
+    options = PlanOptions(single_file=True, file_name=os.path.basename(output), allow_incomplete_gguf=allow_incomplete)
+    return LAYOUTS["gguf"].plan(checkpoint, weights, chosen, options)
 
 
-def write_gguf(checkpoint, weights, chosen, output, *, overwrite, device):
+def write_gguf(checkpoint, weights, chosen, output, *, overwrite, device, allow_incomplete=False):
     """The GGUF layout's plan for exactly these choices, run by the one executor."""
     from qtool.api import check_paths
     from qtool.formats.writer import Output
     from qtool.pipeline import ExecOptions, execute
 
     check_paths(checkpoint, output, None, container="gguf")
-    plan = plan_gguf(checkpoint, weights, chosen, output)
+    plan = plan_gguf(checkpoint, weights, chosen, output, allow_incomplete)
     return execute(plan, Output(output, single_file=True, overwrite=overwrite), ExecOptions(device=device))
 
 
@@ -469,7 +497,7 @@ def test_error_on_random_normal_weights(tmp_path, make_safetensors):
     floors = {"q8_0": 35.0, "q4_0": 15.0, "q5_0": 20.0, "mxfp4": 12.0}
     for scheme_text, floor in floors.items():
         out = tmp_path / f"{scheme_text}.gguf"
-        result = write_gguf(inspection.checkpoint, inspection.weights, chosen_for_all(inspection, scheme_text), str(out), overwrite=False, device="cpu")
+        result = write_gguf(inspection.checkpoint, inspection.weights, chosen_for_all(inspection, scheme_text), str(out), overwrite=False, device="cpu", allow_incomplete=True)
         assert min(s.sqnr_db for s in result.errors.values()) > floor, scheme_text
         names = {t.name for t in gguf.GGUFReader(str(out)).tensors}
         assert names == {"a.weight", "b.weight"}  # no config.json: names kept, architecture unknown
@@ -515,7 +543,7 @@ def test_rows_not_a_multiple_of_32_are_refused_before_writing(tmp_path, make_saf
     path = make_safetensors({"ok.weight": ("F32", [8, 64]), "odd.weight": ("F32", [8, 48])})
     inspection = qtool.inspect(path)
     with pytest.raises(UsageError, match=r"odd\.weight: rows of 48 values are not a multiple of the Q4_0 block size 32"):
-        write_gguf(inspection.checkpoint, inspection.weights, chosen_for_all(inspection, "q4_0"), str(tmp_path / "o.gguf"), overwrite=False, device="cpu")
+        write_gguf(inspection.checkpoint, inspection.weights, chosen_for_all(inspection, "q4_0"), str(tmp_path / "o.gguf"), overwrite=False, device="cpu", allow_incomplete=True)
     assert not (tmp_path / "o.gguf").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
 

@@ -16,7 +16,8 @@ from tests.conftest import SAMPLES
 
 TINY = SAMPLES / "tiny-llama"
 WRITERS = [name for name in LAYOUTS if name != "safetensors"]
-CASES = [(layout, name) for layout in WRITERS for name in scheme_names() if LAYOUTS[layout].refusal(parse_scheme(name)) is None]
+# the K-quants' 256-value blocks do not fit this model's 128-value rows: tests/test_gguf_mix.py writes them
+CASES = [(layout, name) for layout in WRITERS for name in scheme_names() if LAYOUTS[layout].refusal(parse_scheme(name)) is None and not name.endswith("_k")]
 
 
 def test_every_scheme_has_a_layout_and_every_writer_stores_something():
@@ -91,7 +92,7 @@ def test_gguf_native_kernels_write_gguf_pys_bytes(tmp_path, monkeypatch, make_sa
         make_safetensors({k: ("BF16", list(v.shape)) for k, v in bf16.items()}, data={k: v.tobytes() for k, v in bf16.items()})
     else:
         save_file({k: v.astype(np.float16 if dtype == "F16" else np.float32) for k, v in values.items()}, str(source))
-    qtool.quantize(source, tmp_path / "native.gguf", scheme)
+    qtool.quantize(source, tmp_path / "native.gguf", scheme, allow_incomplete_gguf=True)
     monkeypatch.setenv("QTOOL_NATIVE", "0")
-    qtool.quantize(source, tmp_path / "numpy.gguf", scheme)
+    qtool.quantize(source, tmp_path / "numpy.gguf", scheme, allow_incomplete_gguf=True)
     assert (tmp_path / "native.gguf").read_bytes() == (tmp_path / "numpy.gguf").read_bytes()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -294,3 +295,33 @@ def test_set_threads_never_shuts_the_pool_under_a_running_job():
         worker.join()
         native.set_threads(None)
     assert failures == []
+
+
+def test_the_issue_10_calls_raise_in_a_child_not_segfault():
+    """issue 10's reproductions, verbatim, in a child process, so a segfault fails this test
+    instead of killing the run: every entry point checks its sizes with checked multiplies."""
+    code = textwrap.dedent(
+        """
+        from qtool.native import _kernels as k
+        H = 1 << 62
+        calls = [
+            lambda: k.pack_zero_points(b'', 1 << 33, 1 << 31, 8, bytearray(0)),
+            lambda: k.pack_zero_points(b'', 1 << 31, 1 << 33, 4, bytearray(0)),
+            lambda: k.encode_int(bytes(256), 2, 64, 64, bytearray(256), bytearray(8), None, 8, 0, H),
+            lambda: k.encode_int(bytes(256), 2, 64, 64, bytearray(256), bytearray(8), bytearray(8), 8, H, H + 4),
+            lambda: k.decode_int(bytes(64), bytes(64), 2, None, 2, bytearray(64), 2, 64, 64, 8, 4, 0, H),
+            lambda: k.decode_gguf("Q8_0", b"", bytearray(0), 0, 0, H),
+            lambda: k.decode_gguf("Q8_0", bytes(34), bytearray(0), 0, H, H + 1),
+            lambda: k.encode_gguf("Q8_0", b"", 0, H, bytearray(0), 0, H),
+        ]
+        for call in calls:
+            try:
+                call()
+            except ValueError:
+                continue
+            raise SystemExit("no ValueError")
+        print("all refused")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0 and result.stdout.strip() == "all refused", (result.returncode, result.stdout, result.stderr[-2000:])

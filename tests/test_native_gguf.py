@@ -26,6 +26,7 @@ TYPES = {
     "Q4_K": (256, 144, [0, 2]),
     "Q5_K": (256, 176, [0, 2]),
     "Q6_K": (256, 210, [208]),
+    "IQ4_NL": (32, 18, [0]),
 }
 DTYPES = {0: (torch.float32, np.float32, np.uint32), 1: (torch.float16, np.float16, np.uint16), 2: (torch.bfloat16, None, np.uint16)}
 # halves worth meeting: zeros, subnormals, the largest, ones, values whose products round

@@ -51,10 +51,17 @@ def first_zero_rule(want: bytes, values: np.ndarray, type_name: str) -> bytes:
     """gguf-py's bytes with the sign of a zero min/max (Q4_1, Q5_1) taken from the block's
     first value, as our kernel (and ggml's C reference) does; numpy's SIMD reduction order
     decides it in gguf-py, differently on different machines. Blocks whose min and max are
-    not a zero with both signs present are left alone."""
+    not a zero with both signs present are left alone.
+
+    Q4_0 and Q5_0: for an all-zero block ggml's loop keeps its starting max of +0, so d = +0 / -8
+    is -0 whatever the zeros' signs; gguf-py takes the first value, so a leading -0 gives +0."""
+    blocks = values.reshape(-1, 32)
+    if type_name in ("Q4_0", "Q5_0"):
+        out = np.frombuffer(want, dtype=np.uint8).reshape(len(blocks), -1).copy()
+        out[(blocks == 0).all(axis=1), 0:2] = np.array([-0.0], dtype=np.float16).view(np.uint8)
+        return out.tobytes()
     if type_name not in ("Q4_1", "Q5_1"):
         return want
-    blocks = values.reshape(-1, 32)
     out = np.frombuffer(want, dtype=np.uint8).reshape(len(blocks), -1).copy()
     zero = blocks == 0
     mixed = (np.signbit(blocks) & zero).any(axis=1) & (~np.signbit(blocks) & zero).any(axis=1)
@@ -292,15 +299,15 @@ def test_empty_weights():
 
 
 def test_the_kernel_table_is_gguf_py_s():
-    assert native.gguf_encode_types() == frozenset(TYPES)
-    for name, size in native._gguf_encoders().items():
-        assert GGML_QUANT_SIZES[GGMLQuantizationType[name]] == (32, size)
+    assert native.gguf_encode_types() >= frozenset(TYPES)  # and the K-quants: test_native_gguf_kquants.py
+    for name, sizes in native._gguf_encoders().items():
+        assert GGML_QUANT_SIZES[GGMLQuantizationType[name]] == sizes
 
 
 def test_bad_arguments_are_value_errors():
     src = bytes(4 * 64 * 2)
-    with pytest.raises(ValueError, match="no native GGUF encoder for 'Q4_K'"):
-        native.encode_gguf("Q4_K", src, "BF16", 4, 64)
+    with pytest.raises(ValueError, match="no native GGUF encoder for 'IQ2_XS'"):
+        native.encode_gguf("IQ2_XS", src, "BF16", 4, 64)
     with pytest.raises(ValueError, match="dtype 'F64'"):
         native.encode_gguf("Q8_0", src, "F64", 4, 64)
     with pytest.raises(ValueError, match="cols must be a multiple of 32"):
@@ -322,7 +329,7 @@ def test_the_kernel_checks_every_size_itself():
     src, out = bytes(4 * 64 * 2), bytearray(4 * 2 * 34)
     _kernels.encode_gguf("Q8_0", src, 2, 64, out, 0, 4)  # the sizes that fit
     calls = {
-        "no native encoder for GGUF Q2_K": ("Q2_K", src, 2, 64, out, 0, 4),
+        "no native encoder for GGUF IQ2_XS": ("IQ2_XS", src, 2, 64, out, 0, 4),
         "unknown dtype code 3": ("Q8_0", src, 3, 64, out, 0, 4),
         "a multiple of 32": ("Q8_0", src, 2, 48, out, 0, 4),
         "bad layout: cols -64": ("Q8_0", src, 2, -64, out, 0, 4),

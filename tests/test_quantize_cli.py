@@ -160,7 +160,7 @@ def test_dtype_casts_the_unquantized_float_tensors(tmp_path):
 def test_output_follows_input_sharding_or_max_shard_size(tmp_path):
     ok("quantize", SHARDED, "-o", tmp_path / "a", "-q")
     names = sorted(os.listdir(tmp_path / "a"))
-    assert names == ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    assert names == ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"]
     index = json.loads((tmp_path / "a" / "model.safetensors.index.json").read_text())
     checkpoint = qtool.open_checkpoint(tmp_path / "a")
     assert set(index["weight_map"]) == set(checkpoint.tensors)

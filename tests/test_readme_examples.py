@@ -106,6 +106,18 @@ def _copy(source: Path, target: Path) -> None:
     (shutil.copytree if source.is_dir() else shutil.copy2)(source, target)
 
 
+def _f16_gguf(target: Path) -> None:
+    """A small LLaMA-shaped F16 GGUF with random weights, made with gguf-py as llama.cpp's
+    converter would lay it out (tests/fixtures/gguf_mix/make_reference.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_reference", Path(__file__).parent / "fixtures" / "gguf_mix" / "make_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    module.write_model(str(target), dict(layers=2, hidden=256, heads=4, kv=4, ffn=512, tied=False, dtype="F16"), seed=0)
+
+
 def _renamed(source: Path, target: Path, old: str, new: str) -> None:
     """A copy of a one-file safetensors folder with `old` replaced by `new` in tensor names: the
     header is rewritten, the data bytes are the same."""
@@ -161,6 +173,7 @@ class Placeholders:
             "model-fp8": lambda: self._qtool("quantize model/ -o model-fp8/ --scheme FP8 -q", "model"),
             "model.gguf": lambda: self._qtool("quantize model/ -o model.gguf --scheme q4_0 -q", "model"),
             "model-q4_0.gguf": lambda: self._qtool("quantize model/ -o model-q4_0.gguf --scheme q4_0 -q", "model"),
+            "model-f16.gguf": lambda: _f16_gguf(store / "model-f16.gguf"),
             # `compare a/ b/ --map 're:^transformer\.h\.=model.layers.'`: GPT-2 style names in A
             "a": lambda: _renamed(TINY, store / "a", "model.layers.", "transformer.h."),
             "b": lambda: self._qtool("quantize model/ -o b/ --scheme W8A16 -q", "model"),

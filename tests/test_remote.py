@@ -516,3 +516,13 @@ def test_hf_without_huggingface_hub_says_how_to_install(served, tmp_path):
     )
     assert result.returncode == 2, result.stderr
     assert 'pip install "qtool[hub]"' in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_repository_is_resolved_in_transformers_order_like_a_local_folder():
+    """model.safetensors before an index (as loader._open_directory does), then the index."""
+    from qtool.formats.remote_loader import _choose
+
+    both = ["model.safetensors", "model.safetensors.index.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert _choose("hf://o/r", both, "") == "model.safetensors"
+    assert _choose("hf://o/r", both[1:], "") == "model.safetensors.index.json"
+    assert _choose("hf://o/r", ["adapter_model.safetensors"], "") == "adapter_model.safetensors"

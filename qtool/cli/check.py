@@ -8,7 +8,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from qtool.cli.options import CheckpointArg, DeviceOpt, FormatOpt, JsonOpt, OutputFormat, QuietOpt
-from qtool.cli.output import Column, Output, Rows, Section, progress
+from qtool.cli.output import Column, Output, Rows, Section, print_warning, progress
 
 __all__ = ["HELP", "PolicyOpt", "check_command"]
 
@@ -77,6 +77,8 @@ def check_command(
             result = api.check(path, rules, device=device, on_progress=advance)
     else:
         result = api.check(path, rules, device=device)
+    for note in result.notes:
+        print_warning(note)
     document = result.to_json()
     rows = Rows(
         [Column("rule"), Column("weight", human=lambda v: v or "—"), Column("detail")],

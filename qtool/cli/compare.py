@@ -9,7 +9,7 @@ import typer
 
 from qtool.cli.check import PolicyOpt
 from qtool.cli.options import DeviceOpt, FormatOpt, JsonOpt, OutputFormat, QuietOpt
-from qtool.cli.output import Column, Output, Rows, Section, print_error, progress
+from qtool.cli.output import Column, Output, Rows, Section, print_error, print_warning, progress
 from qtool.errors import ViolationError
 
 __all__ = ["HELP", "compare_command"]
@@ -63,6 +63,8 @@ def compare_command(
         min_sqnr=min_sqnr, max_rel_rmse=max_rel_rmse, max_missing=max_missing, maps=tuple(maps or ())
     )
     comparison = api.prepare_compare(a, b, maps=chosen.maps)
+    for note in (*comparison.a.notes, *comparison.b.notes):
+        print_warning(note)
     with progress("comparing", comparison.total_bytes, quiet) as advance:
         api.run_compare(comparison, device=device, on_progress=advance)
     document = comparison.to_json(chosen.gates)

@@ -7,13 +7,18 @@ from typing import Annotated, Any
 import typer
 
 from qtool.cli.options import CheckpointArg, FilterOpt, FormatOpt, JsonOpt, OutputFormat, QuietOpt
-from qtool.cli.output import Column, Output, Rows, Section, progress
+from qtool.cli.output import Column, Output, Rows, Section, print_warning, progress
 from qtool.cli.text import human_bytes, human_count
+from qtool.gcpause import paused_gc
 
 HELP = """Show every weight of a checkpoint: shape, dtype, quantization scheme, size.
 
 A quantized weight's packed data, scales and zero points are one row. Plain tensors show
 '—' as their scheme. Only the headers are read, unless --stats is given.
+
+A quantization config field of the wrong JSON type ("ignore": 5) is an error naming the file
+and the field (exit 2). Tensors that half-fit a convention (a scale stored as F6, a torchao
+record of the wrong type) stay plain, with a note saying why.
 
 \b
 Examples:
@@ -43,21 +48,25 @@ def inspect_command(
     from qtool import api
 
     output = Output("json" if json_ else fmt.value, collapse=collapse)
-    report = api.inspect(path, filter=filter_)
-    if stats:
-        total = sum(w.nbytes for w in report.weights if not w.quantized)
-        with progress("reading", total, quiet) as advance:
-            report = api.collect_stats(report, advance)
-    document = report.to_json()
-    if raw:  # the stored tensors of the weights reported, so they add up to the summary
-        tensors = report.tensors
-        document["tensors"] = [
-            {"name": t.name, "dtype": t.dtype.name, "shape": list(t.shape), "bytes": t.nbytes, "file": t.file, "offset": t.begin}
-            for t in tensors
-        ]
-        output.emit(document, _tensor_rows(tensors))
-    else:
-        output.emit(document, _weight_rows(document["weights"], stats), _summary_sections(document))
+    with paused_gc(freeze=True):  # a header of 1.6M tensors makes millions of objects and no cycles
+        report = api.inspect(path, filter=filter_)
+        for note in report.checkpoint.notes:
+            print_warning(note)
+        if stats:
+            total = sum(w.nbytes for w in report.weights if not w.quantized)
+            with progress("reading", total, quiet) as advance:
+                report = api.collect_stats(report, advance)
+        as_json = output.format == "json"  # the document is all JSON prints: no rows to build
+        document = report.to_json(lazy=as_json and not raw)
+        if raw:  # the stored tensors of the weights reported, so they add up to the summary
+            tensors = report.tensors
+            document["tensors"] = [
+                {"name": t.name, "dtype": t.dtype.name, "shape": list(t.shape), "bytes": t.nbytes, "file": t.file, "offset": t.begin}
+                for t in tensors
+            ]
+            output.emit(document, None if as_json else _tensor_rows(tensors))
+        else:
+            output.emit(document, None if as_json else _weight_rows(document["weights"], stats), () if as_json else _summary_sections(document))
 
 
 def _weight_rows(weights: list[dict[str, Any]], stats: bool) -> Rows:

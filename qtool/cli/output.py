@@ -7,6 +7,7 @@ Only this module writes to the terminal.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import sys
 from dataclasses import dataclass, field
@@ -63,13 +64,20 @@ class Output:
         self.format = ("table" if _stdout_is_tty() else "tsv") if fmt == "auto" else fmt
         self.collapse = collapse
 
-    def emit(self, document: dict[str, Any], rows: Rows, sections: Sequence[Section] = ()) -> None:
+    def emit(self, document: dict[str, Any], rows: Rows | None, sections: Sequence[Section] = ()) -> None:
+        """`rows` may be None when the format is json, which prints the document only."""
         if self.format == "json":
             # For a person: indented, and ASCII-only so no name from a file reaches the terminal
             # raw (C1 controls, bidi overrides). For a pipe: compact, where json's C encoder is
             # ~10x faster, and UTF-8.
             tty = _stdout_is_tty()
-            sys.stdout.write(json.dumps(document, indent=2 if tty else None, ensure_ascii=tty) + "\n")
+            if tty:
+                document = {key: _materialized(value) for key, value in document.items()}
+                sys.stdout.write(json.dumps(document, indent=2, ensure_ascii=True) + "\n")
+            else:
+                _write_compact(document)
+        elif rows is None:
+            raise TypeError("rows are needed for every format but json")
         elif self.format == "tsv":
             lines = ["\t".join(c.header for c in rows.columns)]
             lines += ["\t".join(escape(_raw(v)) for v in row) for row in rows.rows]
@@ -94,6 +102,32 @@ class Output:
             if section.rows:
                 console.print()
                 console.print(_rich_table(section.title, section.columns, section.rows, section.show_header))
+
+
+def _materialized(value: Any) -> Any:
+    return value if isinstance(value, (dict, list, str, int, float, bool, type(None))) else list(value)
+
+
+_BATCH = 4096  # entries of a streamed list encoded per json.dumps call (C speed, bounded memory)
+
+
+def _write_compact(document: dict[str, Any]) -> None:
+    """`json.dumps(document)` written piece by piece: a value that is an iterator (a listing of
+    1.6M weights) is encoded a batch at a time as it is produced, never held whole."""
+    write = sys.stdout.write
+    write("{")
+    for index, (key, value) in enumerate(document.items()):
+        write((", " if index else "") + json.dumps(str(key), ensure_ascii=False) + ": ")
+        if isinstance(value, (dict, list, str, int, float, bool, type(None))):
+            write(json.dumps(value, ensure_ascii=False))
+            continue
+        write("[")
+        iterator, first = iter(value), True
+        while batch := list(itertools.islice(iterator, _BATCH)):
+            write(("" if first else ", ") + json.dumps(batch, ensure_ascii=False)[1:-1])
+            first = False
+        write("]")
+    write("}\n")
 
 
 def _raw(value: Any) -> str:

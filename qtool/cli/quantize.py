@@ -27,10 +27,19 @@ HELP = """Quantize a checkpoint's linear weights and write a layout real loaders
 
 By default the 2-D float *.weight tensors of linear layers are quantized; embeddings,
 lm_head, norms and biases are copied. The output layout is compressed-tensors (what vLLM and
-transformers load) unless the scheme needs another (nf4: bitsandbytes; q8_0, q4_0, q4_1,
-q5_0, q5_1: gguf) or --layout / an -o ending in .gguf names one. Every quantized weight's
+transformers load) unless the scheme needs another (nf4: bitsandbytes; q8_0 ... q6_k and
+llama.cpp's mixes: gguf) or --layout / an -o ending in .gguf names one. A GGUF is written for
+llama, mistral and qwen2 models with their tokenizer, so llama.cpp runs it; for any other
+model only with --allow-incomplete-gguf. Every quantized weight's
 error (SQNR, relative RMSE, max abs error, cosine) is measured on the way; the worst 10 are
 shown. Run `qtool schemes` for the schemes.
+
+GGUF: a .gguf input keeps all its key-values, tensor order and alignment. Lowercase q8_0,
+q4_0, q4_k ... is one block type on the weights qtool selects; CAPITALS are llama.cpp's file
+types, with llama.cpp's own choice of tensors and types: Q4_K_M, Q5_K_M, Q3_K_M, Q2_K, Q6_K,
+Q8_0, Q4_0 ... (mixes) and Q3_K, Q4_K, Q5_K (pure, like llama-quantize --pure). Under a mix,
+--tensor-scheme PATTERN=TYPE sets one type for matching tensors (llama-quantize --tensor-type)
+and --dry-run prints each tensor's type and size.
 
 \b
 Examples:
@@ -40,13 +49,16 @@ Examples:
   qtool quantize model/ -o out/ --scheme W4A16 --tensor-scheme 're:.*down_proj.*=W8A16'
   qtool quantize model/ -o model-q4_0.gguf --scheme q4_0
   qtool quantize model/ -o model-mxfp4.gguf --layout gguf --scheme mxfp4
+  qtool quantize model-f16.gguf -o model-q4_k_m.gguf --scheme Q4_K_M --dry-run
+  qtool quantize model-f16.gguf -o model-q4_k_m.gguf --scheme Q4_K_M --tensor-scheme 're:.*ffn_down.*=q6_k'
+  qtool quantize model-q8_0.gguf -o model-q4_0.gguf --scheme Q4_0 --allow-requantize
 """
 
 
 def quantize_command(
     path: CheckpointArg,
     output_path: OutputPathOpt,
-    scheme: Annotated[str, typer.Option("--scheme", "-s", help="A preset (W4A16, FP8_BLOCK, ...) or a short form (int4:g64:asym).")] = "W4A16",
+    scheme: Annotated[str, typer.Option("--scheme", "-s", help="A preset (W4A16, FP8_BLOCK, ...), a short form (int4:g64:asym, q4_k) or a llama.cpp file type (Q4_K_M).")] = "W4A16",
     include: Annotated[Optional[List[str]], typer.Option("--include", help="Quantize only names matching (glob, or re:regex). Repeatable.")] = None,
     ignore: Annotated[Optional[List[str]], typer.Option("--ignore", help="Never quantize names matching (glob, or re:regex). Repeatable.")] = None,
     tensor_scheme: Annotated[
@@ -57,6 +69,9 @@ def quantize_command(
     ] = "auto",
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Cast the float tensors that stay unquantized: bf16, f16 or f32.")] = None,
     allow_requantize: Annotated[bool, typer.Option("--allow-requantize", help="Accept an already-quantized input: dequantize it first.")] = False,
+    allow_incomplete_gguf: Annotated[
+        bool, typer.Option("--allow-incomplete-gguf", help="Write a GGUF even for a model qtool cannot describe to llama.cpp (not llama/mistral/qwen2, or no tokenizer): no runtime will load it.")
+    ] = False,
     report: Annotated[
         Optional[str], typer.Option("--report", help="Also write the summary document (every quantized weight's error) to this JSON file.")
     ] = None,
@@ -84,6 +99,7 @@ def quantize_command(
         max_shard_size=max_shard_size,
         allow_requantize=allow_requantize,
         report=report,
+        allow_incomplete_gguf=allow_incomplete_gguf,
     )
     if dry_run:
         show_plan(task, sink)

@@ -14,6 +14,8 @@ from qtool.cli.text import human_bytes
 
 def show_plan(task, output: Output) -> None:
     document = task.to_json()
+    if document["layout"] == "gguf":
+        return _show_gguf_plan(task, document, output)
     rows = Rows(
         [
             Column("name"),
@@ -48,6 +50,49 @@ def show_plan(task, output: Output) -> None:
         show_header=False,
     )
     output.emit(document, rows, [facts])
+
+
+def _show_gguf_plan(task, document: dict, output: Output) -> None:
+    """A GGUF plan as llama-quantize prints one: each tensor in file order, its type before and
+    after, its size before and after; then the totals and each row-length fallback."""
+    rows = Rows(
+        [
+            Column("tensor"),
+            Column("shape"),
+            Column("type", human=lambda v: v),
+            Column("before", human=human_bytes, justify="right"),
+            Column("after", human=human_bytes, justify="right"),
+            Column("bits/weight", human=lambda v: f"{v:.3f}", justify="right"),
+        ],
+        [
+            [
+                w["tensors"][0]["name"],
+                w["shape"],
+                w["stored_as"] if w["stored_as"] == w["tensors"][0]["dtype"] else f"{w['stored_as']} -> {w['tensors'][0]['dtype']}",
+                w["bytes_before"],
+                w["bytes_after"],
+                w["bits_per_weight"],
+            ]
+            for w in document["weights"]
+        ],
+        title=f"Plan: {task.output}",
+    )
+    summary = document["summary"]
+    by_type: dict[str, int] = {}
+    for w in document["weights"]:
+        by_type[w["tensors"][0]["dtype"]] = by_type.get(w["tensors"][0]["dtype"], 0) + 1
+    facts = [
+        ["tensors", f"{summary['weights']} ({summary['quantized_weights']} quantized)"],
+        ["types", ", ".join(f"{name} {count}" for name, count in sorted(by_type.items(), key=lambda kv: -kv[1]))],
+        ["before", human_bytes(summary["bytes_before"])],
+        ["after", human_bytes(summary["bytes_after"])],
+        ["bits per weight", f"{summary['bits_per_weight']:.3f}"],
+        ["file", ", ".join(document["files"])],
+    ]
+    sections = [Section("Total", [Column("fact"), Column("value", justify="right")], facts, show_header=False)]
+    if document["notes"]:
+        sections.append(Section("Fallbacks", [Column("note")], [[note] for note in document["notes"]], show_header=False))
+    output.emit(document, rows, sections)
 
 
 def _keep_freed_memory() -> None:

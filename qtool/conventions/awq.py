@@ -34,8 +34,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from qtool.conventions.base import Pool, by_module, plain_weights
+from qtool.conventions.base import Pool, by_module, plain_weights, side_file
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
+from qtool.formats.untrusted_json import Boolean, Integer, Record, String
 from qtool.scheme import CHANNEL, QScheme, group, qtype
 from qtool.weight import DATA, Weight
 
@@ -53,10 +54,20 @@ _FLOATS = ("F16", "BF16", "F32")
 _ROLES = {"qweight": DATA, "scales": "scale", "qzeros": "zero_point"}
 
 
+# What qtool reads of transformers' AwqConfig (AutoAWQ's quant_config names: q_group_size, w_bit).
+# A wrong JSON type is refused (exit 2); a value of the right type that fits no layout is a note.
+_CONFIG = Record({
+    "version": String(max_chars=64), "group_size": Integer(), "q_group_size": Integer(),
+    "bits": Integer(), "w_bit": Integer(), "zero_point": Boolean(),
+})  # fmt: skip
+
+
 def awq_config(checkpoint: Checkpoint) -> dict[str, Any] | None:
+    """config.json's quantization_config when its quant_method is awq, the fields qtool reads
+    type-checked (a JsonTypeError names config.json, exit 2); else None."""
     config = checkpoint.config.get("quantization_config")
     if isinstance(config, dict) and str(config.get("quant_method") or "").lower() == "awq":
-        return config
+        return _CONFIG.check(config, "quantization_config", side_file(checkpoint), "transformers would refuse this config too; fix the field")
     return None
 
 
@@ -197,12 +208,12 @@ class _Settings:
         group_size = config.get("group_size", config.get("q_group_size"))
         bits = config.get("bits", config.get("w_bit"))
         zero_point = config.get("zero_point")
-        return cls(
+        return cls(  # every field as awq_config() checked it
             present=True,
-            version=str(version).lower() if version is not None else None,
-            group_size=group_size if isinstance(group_size, int) and (group_size == -1 or group_size > 0) else None,
-            bits=bits if isinstance(bits, int) else None,
-            zero_point=zero_point if isinstance(zero_point, bool) else None,
+            version=version.lower() if version is not None else None,
+            group_size=group_size if group_size is not None and (group_size == -1 or group_size > 0) else None,
+            bits=bits,
+            zero_point=zero_point,
         )
 
 

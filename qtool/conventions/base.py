@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
-from qtool.scheme import CHANNEL, TENSOR, Block
+from qtool.formats.untrusted_json import describe, parse_json, side_file_path
 from qtool.weight import DATA, Weight
+
+if TYPE_CHECKING:
+    from qtool.scheme import Block
 
 __all__ = [
     "Convention",
@@ -19,6 +22,10 @@ __all__ = [
     "plain_weights",
     "block_from_scale",
     "infer_block_size",
+    "side_file",
+    "metadata_json",
+    "unusable_scale",
+    "unusable_zero_point",
 ]
 
 Pool = dict[str, StoredTensor]  # tensors no convention has claimed yet
@@ -32,6 +39,39 @@ class Convention(Protocol):
         ...
 
 
+def side_file(checkpoint: Checkpoint, name: str = "config.json") -> str:
+    """The path of the side file `name` that `checkpoint.side_files[name]` was read from: what
+    a message about one of its fields names."""
+    return side_file_path(checkpoint.path, name)
+
+
+def metadata_json(checkpoint: Checkpoint, key: str) -> Any:
+    """The JSON a container's metadata string `key` holds (safetensors `__metadata__`), parsed
+    with qtool.formats.untrusted_json's limits; None when the key is absent or not a string."""
+    raw = checkpoint.metadata.get(key)
+    if not isinstance(raw, str):
+        return None
+    return parse_json(raw, checkpoint.path, where=f"__metadata__[{describe(key, 80)}]", hint="the file's metadata is damaged; re-save the checkpoint")
+
+
+def unusable_scale(tensor: StoredTensor, label: str) -> str | None:
+    """Why `tensor` cannot be a scale, or None: the kernels take float scales with a torch dtype
+    and U8/F8_E8M0 (E8M0) ones; a sub-byte float (F4, F6_*) is only raw bytes to torch, and an
+    integer scale is no toolchain's. `label` names it in the reason ("weight_scale")."""
+    dtype = tensor.dtype
+    if dtype.name in ("U8", "F8_E8M0") or (dtype.kind == "float" and dtype.torch_name is not None):
+        return None
+    return f"{label} is {dtype.name}, which no toolchain stores scales as (a float, or U8/F8_E8M0 for E8M0)"
+
+
+def unusable_zero_point(tensor: StoredTensor, label: str) -> str | None:
+    """Why `tensor` cannot be a zero point, or None: an integer or a float with a torch dtype."""
+    dtype = tensor.dtype
+    if dtype.kind in ("int", "uint", "float") and dtype.torch_name is not None:
+        return None
+    return f"{label} is {dtype.name}, which no toolchain stores zero points as (an integer or a float)"
+
+
 def by_module(pool: Pool) -> dict[str, dict[str, StoredTensor]]:
     """`model.layers.0.q_proj.weight_scale` -> {"model.layers.0.q_proj": {"weight_scale": ...}}."""
     modules: dict[str, dict[str, StoredTensor]] = defaultdict(dict)
@@ -42,13 +82,7 @@ def by_module(pool: Pool) -> dict[str, dict[str, StoredTensor]]:
 
 
 def plain_weight(tensor: StoredTensor, note: str | None = None) -> Weight:
-    return Weight(
-        name=tensor.name,
-        shape=tensor.shape,
-        dtype=tensor.dtype.name,
-        members={DATA: tensor},
-        notes=[note] if note else [],
-    )
+    return Weight.plain(tensor, [note] if note else [])
 
 
 def plain_weights(tensors: dict[str, StoredTensor], note: str) -> list[Weight]:
@@ -83,6 +117,9 @@ def block_from_scale(
 
     ()/(1,)/(1, 1) is per-tensor; (O,)/(O, 1) per-channel; (O, G) per-group; else 2-D blocks.
     """
+    # here, not at the top: a plain checkpoint never needs qtool.scheme
+    from qtool.scheme import CHANNEL, TENSOR
+
     if len(shape) != 2:
         return None
     rows, cols = shape

@@ -50,6 +50,7 @@ from qtool.conventions.base import Pool, by_module, plain_weights
 from qtool.dtypes import decoded_dtype
 from qtool.errors import CheckpointError
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
+from qtool.formats.untrusted_json import parse_json
 from qtool.scheme import CHANNEL, FP4_BNB_CODEBOOK, NF4_CODEBOOK, QScheme, qtype  # torch-free tables
 from qtool.weight import DATA, Weight
 
@@ -66,6 +67,7 @@ _DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 _PACKING = "uint8, two per byte, high nibble first, over the flattened weight"
 _STATE_KEYS = {"quant_type": (str, "a string"), "blocksize": (int, "an integer"), "dtype": (str, "a string"),
                "shape": (list, "a list")}  # what QuantState.from_dict reads; fmt: skip
+_MAX_DIMS = 8  # a weight's shape; bounds the element count's size arithmetic
 _INV_127 = 7.874015718698502e-3  # bitsandbytes multiplies by this (float32 1/127), not / 127
 _WEIGHT_FORMATS = {0: "row", 1: "col32", 2: "col_turing", 3: "col_ampere"}  # bitsandbytes.utils
 
@@ -127,13 +129,9 @@ def _read_state(checkpoint: Checkpoint, tensor: StoredTensor) -> dict[str, Any]:
         raise _Unfit(f"{tensor.name} is {tensor.dtype.name} {list(tensor.shape)}, expected U8 JSON bytes")
     raw = checkpoint.read_small(tensor)
     try:
-        state = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise _malformed(tensor, f"byte {exc.start} is not UTF-8") from None
-    except json.JSONDecodeError as exc:
-        raise _malformed(tensor, f"not JSON ({exc.msg} at byte {exc.pos})") from None
-    except RecursionError:
-        raise _malformed(tensor, "JSON nested too deeply") from None
+        state = parse_json(raw, tensor.file)
+    except CheckpointError as exc:  # its reason, in this message's words
+        raise _malformed(tensor, f"the blob {exc.message}") from None
     if not isinstance(state, dict):
         raise _malformed(tensor, f"it holds a JSON {type(state).__name__}, not an object")
     for key, (kind, word) in _STATE_KEYS.items():
@@ -183,7 +181,7 @@ def _resolve(checkpoint: Checkpoint, base: str, quant_type: str, members: dict[s
     shape, blocksize, dtype = state.get("shape"), state.get("blocksize"), state.get("dtype")
     if state.get("quant_type") != quant_type:
         raise _Unfit(f"the quant state says {state.get('quant_type')!r}, its name says {quant_type!r}")
-    if not (shape and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+    if not (shape and len(shape) <= _MAX_DIMS and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63 for d in shape)):
         raise _malformed(members["quant_state"], f"'shape' is {json.dumps(shape)[:40]}, not a list of sizes")
     if blocksize not in BLOCKSIZES:
         raise _Unfit(f"blocksize {blocksize!r} is not one of {list(BLOCKSIZES)}")

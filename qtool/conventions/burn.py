@@ -45,6 +45,7 @@ from qtool.conventions.base import Pool, plain_weight
 from qtool.errors import UsageError
 from qtool.formats.burnpack import qfloat_scheme
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
+from qtool.formats.untrusted_json import describe
 from qtool.scheme import QScheme, qtype
 from qtool.weight import DATA, Weight
 
@@ -125,23 +126,28 @@ class BurnScheme:
         return self.value_bytes(shape) + scales + (4 if self.global_scale else 0)
 
 
+def _shown(value: Any) -> str:
+    """A scheme value as a note shows it: a short string as repr, anything else cut short."""
+    return repr(value) if isinstance(value, str) and len(value) <= 60 else describe(value)
+
+
 def parse_scheme(scheme: dict[str, Any], rank: int) -> BurnScheme:
     """A QuantScheme map, in burn 0.22's or burn 0.19-0.21's form."""
     value = scheme.get("value")
-    if value not in VALUES:
-        raise SchemeError(f"unknown burn quant value {value!r} (known: {' '.join(VALUES)})")
+    if not isinstance(value, str) or value not in VALUES:  # a JSON object or list is no key (unhashable)
+        raise SchemeError(f"unknown burn quant value {_shown(value)} (known: {' '.join(VALUES)})")
     store_raw = scheme.get("store")
     if store_raw == "Native":
         store, dim = "Native", 0
     elif isinstance(store_raw, dict) and len(store_raw) == 1 and next(iter(store_raw)) in ("PackedU32", "PackedNative"):
         store, dim = next(iter(store_raw.items()))
         if type(dim) is not int or not 0 <= dim < max(rank, 1):
-            raise SchemeError(f"store {store}({dim!r}) packs a dim the rank-{rank} tensor does not have")
+            raise SchemeError(f"store {store}({_shown(dim)}) packs a dim the rank-{rank} tensor does not have")
     else:
-        raise SchemeError(f"unknown burn quant store {store_raw!r}")
+        raise SchemeError(f"unknown burn quant store {_shown(store_raw)}")
     mode = scheme.get("mode", "Symmetric")
     if mode not in ("Symmetric", "Lookup"):
-        raise SchemeError(f"unknown burn quant mode {mode!r}")
+        raise SchemeError(f"unknown burn quant mode {_shown(mode)}")
     if "level" in scheme or "param" in scheme:  # burn <= 0.21
         param = scheme.get("param", "F32")
         level = scheme.get("level", "Tensor")
@@ -153,12 +159,12 @@ def parse_scheme(scheme: dict[str, Any], rank: int) -> BurnScheme:
         block = _block_size(block_level.get("size")) if isinstance(block_level, dict) else None
         block_dtype = block_level.get("dtype") if isinstance(block_level, dict) else None
         if block_level is not None and block is None:
-            raise SchemeError(f"block level {block_level!r} has no readable size")
+            raise SchemeError(f"block level {_shown(block_level)} has no readable size")
         if block is None and tensor_dtype is None:
             tensor_dtype = "F32"  # burn: a scheme with no level is one f32 scale per tensor
     scale_dtype = block_dtype if block is not None else tensor_dtype
-    if scale_dtype not in SCALES:
-        raise SchemeError(f"unknown burn scale dtype {scale_dtype!r} (known: {' '.join(SCALES)})")
+    if not isinstance(scale_dtype, str) or scale_dtype not in SCALES:
+        raise SchemeError(f"unknown burn scale dtype {_shown(scale_dtype)} (known: {' '.join(SCALES)})")
     global_scale = block is not None and tensor_dtype is not None
     if global_scale and tensor_dtype != "F32":
         raise SchemeError(f"a two-level scheme stores its per-tensor scale as F32, this one says {tensor_dtype}")

@@ -34,15 +34,15 @@ raises "tensor column shape must be divisble by the given group_size" on them.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from qtool.conventions.base import Pool, block_from_scale, by_module, plain_weights
+from qtool.conventions.base import Pool, block_from_scale, by_module, metadata_json, plain_weights, side_file, unusable_scale, unusable_zero_point
 from qtool.dtypes import WEIGHT_FLOATS
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
+from qtool.formats.untrusted_json import AnyOf, Boolean, Integer, JsonTypeError, ListOf, MapOf, Record, String, field_path
 from qtool.scheme import QScheme, qtype
 from qtool.weight import DATA, Weight
 
@@ -83,17 +83,52 @@ def config_rules(checkpoint: Checkpoint) -> "_Config":
     return _Config(quantization_config(checkpoint))
 
 
+# The fields of a quantization_config qtool reads, typed as compressed-tensors' pydantic models
+# declare them (QuantizationConfig, QuantizationScheme, QuantizationArgs); a config that breaks
+# them is one the package refuses to load too, so qtool refuses it (exit 2) naming the field.
+_WEIGHT_ARGS = Record({
+    "num_bits": Integer(min=1, max=64),
+    "type": String(),
+    "symmetric": Boolean(),
+    "strategy": String(),
+    "group_size": Integer(),
+    "block_structure": AnyOf(ListOf(Integer(min=1), length=2), String()),  # [rows, cols], or old "RxC"
+})
+_SCHEME = Record({"targets": ListOf(String()), "weights": _WEIGHT_ARGS, "format": String()})
+_CONFIG = Record({
+    "quant_method": String(),
+    "format": String(),
+    "ignore": ListOf(String()),
+    "config_groups": MapOf(AnyOf(_SCHEME, ListOf(String()))),  # a scheme, or a preset's targets
+})
+_CONFIG_HINT = "compressed-tensors would refuse this config too; fix the field, or re-save the model"
+
+
 def quantization_config(checkpoint: Checkpoint) -> dict[str, Any] | None:
-    """The checkpoint's compressed-tensors config, or None if it has none."""
+    """The checkpoint's compressed-tensors config, its fields qtool reads type-checked, or None
+    if it has none. A field of the wrong type is a JsonTypeError naming the file (exit 2)."""
     config = checkpoint.config.get("quantization_config")
+    where, path = "quantization_config", side_file(checkpoint)
     if config is None and METADATA_KEY in checkpoint.metadata:
-        try:
-            config = json.loads(checkpoint.metadata[METADATA_KEY])
-        except json.JSONDecodeError:
-            return None
-    if isinstance(config, dict) and config.get("quant_method") in _QUANT_METHODS:
-        return config
-    return None
+        config = metadata_json(checkpoint, METADATA_KEY)
+        where, path = f'__metadata__["{METADATA_KEY}"]', checkpoint.path
+    if not (isinstance(config, dict) and config.get("quant_method") in _QUANT_METHODS):
+        return None
+    checked = _CONFIG.check(config, where, path, _CONFIG_HINT)
+    for name, group in (checked.get("config_groups") or {}).items():
+        block = group.get("weights", {}).get("block_structure") if isinstance(group, dict) else None
+        if isinstance(block, str):
+            at = field_path(field_path(field_path(where, "config_groups"), name), "weights") + ".block_structure"
+            group["weights"]["block_structure"] = _block_from_text(block, at, path)
+    return checked
+
+
+def _block_from_text(text: str, where: str, path: str) -> list[int]:
+    """compressed-tensors' old block_structure spelling, "128x128"."""
+    rows, _, cols = text.partition("x")
+    if not (rows.isdecimal() and cols.isdecimal() and len(rows) < 10 and len(cols) < 10 and int(rows) > 0 and int(cols) > 0):
+        raise JsonTypeError(where, text, 'a list of 2 integers ≥ 1, or "<rows>x<cols>"', path=path, hint=_CONFIG_HINT)
+    return [int(rows), int(cols)]
 
 
 @dataclass(frozen=True)
@@ -124,10 +159,9 @@ def _matches(target: str, module: str) -> bool:
 
 class _Config:
     def __init__(self, config: dict[str, Any] | None) -> None:
-        self.config = config or {}
-        self.ignore = [str(i) for i in self.config.get("ignore") or []]
-        groups = self.config.get("config_groups") or {}
-        self.groups = [g for g in groups.values() if isinstance(g, dict)] if isinstance(groups, dict) else []
+        self.config = config or {}  # as quantization_config() checked it
+        self.ignore = list(self.config.get("ignore") or [])
+        self.groups = [g for g in (self.config.get("config_groups") or {}).values() if isinstance(g, dict)]
 
     def ignored(self, module: str) -> bool:
         return self.ignored_by(module) is not None
@@ -144,8 +178,8 @@ class _Config:
             return None
         for group in self.groups:
             for target in group.get("targets") or []:
-                if _matches(str(target), module):
-                    return str(target), group
+                if _matches(target, module):
+                    return target, group
         return None
 
     def args_for(self, module: str) -> _Args | None:
@@ -154,7 +188,7 @@ class _Config:
             return None
         group = found[1]
         weights = group.get("weights") or {}
-        block = weights.get("block_structure")
+        block = weights.get("block_structure")  # [rows, cols], each ≥ 1
         return _Args(
             num_bits=weights.get("num_bits"),
             type=weights.get("type"),
@@ -213,6 +247,15 @@ class _Unfit(ValueError):
 def _resolve(checkpoint: Checkpoint, name: str, members: dict[str, StoredTensor], args: _Args | None) -> Weight:
     data, scale = members[DATA], members["scale"]
     notes: list[str] = []
+    for role, leaf in (("scale", "weight_scale"), ("global_scale", "weight_global_scale")):
+        problem = unusable_scale(members[role], leaf) if role in members else None
+        if problem:
+            raise _Unfit(problem)
+    problem = unusable_zero_point(members["zero_point"], "weight_zero_point") if "zero_point" in members else None
+    if problem:
+        raise _Unfit(problem)
+    if "g_idx" in members and not members["g_idx"].dtype.is_integer:
+        raise _Unfit(f"weight_g_idx is {members['g_idx'].dtype.name}, expected integers")
     if data.name.endswith("weight_packed"):
         if data.dtype.name == "I32":
             shape, value_type, packing, fmt = _int_packed(checkpoint, members, args, notes)

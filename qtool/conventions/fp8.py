@@ -21,9 +21,10 @@ from __future__ import annotations
 import fnmatch
 from typing import TYPE_CHECKING
 
-from qtool.conventions.base import Pool, block_from_scale, by_module, plain_weights
+from qtool.conventions.base import Pool, block_from_scale, by_module, plain_weights, side_file, unusable_scale
 from qtool.dtypes import decoded_dtype
 from qtool.formats.checkpoint import Checkpoint
+from qtool.formats.untrusted_json import Integer, ListOf, Record, String
 from qtool.scheme import QScheme, qtype
 from qtool.weight import DATA, Weight
 
@@ -35,6 +36,23 @@ __all__ = ["Fp8", "decode", "GptOssMxfp4", "GPT_OSS", "decode_mxfp4"]
 NAME = "fp8"
 _VALUE_TYPES = {"F8_E4M3": "fp8_e4m3", "F8_E5M2": "fp8_e5m2", "F8_E4M3FNUZ": "fp8_e4m3fnuz", "F8_E5M2FNUZ": "fp8_e5m2fnuz"}
 
+# What qtool reads of an fp8 or mxfp4 quantization_config (transformers' FineGrainedFP8Config,
+# Mxfp4Config). Checked only where quant_method names that toolchain: another toolchain's
+# config is not held to these types, and its fields are not read.
+_FP8_METHODS = ("fp8", "fbgemm_fp8")
+_FP8_CONFIG = Record({"weight_block_size": ListOf(Integer(min=1), length=2), "torch_dtype": String(), "modules_to_not_convert": ListOf(String())})
+_MXFP4_CONFIG = Record({"modules_to_not_convert": ListOf(String())})
+_HINT = "transformers would refuse this config too; fix the field"
+
+
+def _config(checkpoint: Checkpoint, methods: tuple[str, ...], spec: Record) -> dict:
+    """quantization_config, type-checked by `spec`, when its quant_method is one of `methods`;
+    else {}. A wrong type is a JsonTypeError naming config.json (exit 2)."""
+    config = checkpoint.config.get("quantization_config")
+    if not isinstance(config, dict) or str(config.get("quant_method") or "").lower() not in methods:
+        return {}
+    return spec.check(config, "quantization_config", side_file(checkpoint), _HINT)
+
 
 class Fp8:
     name = NAME
@@ -43,10 +61,9 @@ class Fp8:
         return decode(checkpoint, weight, device)
 
     def detect(self, checkpoint: Checkpoint, pool: Pool) -> list[Weight]:
-        config = checkpoint.config.get("quantization_config")
-        config = config if isinstance(config, dict) else {}
-        block_hint = config.get("weight_block_size")
-        hint = tuple(block_hint) if isinstance(block_hint, list) and len(block_hint) == 2 else None
+        config = _config(checkpoint, _FP8_METHODS, _FP8_CONFIG)
+        block_hint = config.get("weight_block_size")  # [rows, cols], each ≥ 1
+        hint = (block_hint[0], block_hint[1]) if block_hint else None
         weights: list[Weight] = []
         for module, leaves in by_module(pool).items():
             data = leaves.get("weight")
@@ -60,7 +77,7 @@ class Fp8:
             if "input_scale" in leaves:
                 members["input_scale"] = leaves["input_scale"]
             block = block_from_scale(data.shape, scale.shape, hint if scale_leaf == "weight_scale_inv" else None)
-            if block is None or not scale.dtype.is_float:
+            if block is None or not scale.dtype.is_float or unusable_scale(scale, scale_leaf):
                 why = f"{scale_leaf} {scale.dtype.name} {list(scale.shape)} does not fit a {list(data.shape)} weight"
                 weights.extend(plain_weights(members, f"looks like an fp8 weight, but {why}; left plain"))
                 continue
@@ -117,9 +134,7 @@ class GptOssMxfp4:
     name = GPT_OSS
 
     def detect(self, checkpoint: Checkpoint, pool: Pool) -> list[Weight]:
-        config = checkpoint.config.get("quantization_config")
-        config = config if isinstance(config, dict) else {}
-        ignored = set(config.get("modules_to_not_convert") or ()) if isinstance(config.get("modules_to_not_convert"), list) else set()
+        ignored = set(_config(checkpoint, ("mxfp4",), _MXFP4_CONFIG).get("modules_to_not_convert") or ())
         logical = str(checkpoint.config.get("torch_dtype") or checkpoint.config.get("dtype") or "bfloat16")
         dtype = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(logical, "BF16")
         weights: list[Weight] = []

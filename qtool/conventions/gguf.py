@@ -47,16 +47,11 @@ def _other(name: str, value: QType, block: int, scale: str = "F16", **facts: str
     return QScheme(value, group(block), True, scale, convention=NAME, extra=extra)
 
 
-# GGML type name -> scheme. The 32-blocks qtool also writes come from scheme.py's short forms,
+# GGML type name -> scheme. The types qtool also writes (32-blocks, K-quants) come from scheme.py's short forms,
 # so a file qtool wrote and a scheme the user typed compare equal.
 _SCHEMES: dict[str, QScheme] = {
-    **{name: parse_scheme(name.lower()) for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")},
+    **{name: parse_scheme(name.lower()) for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")},
     "Q8_1": _other("Q8_1", qtype("int8"), 32, sum="f16 d·Σq per block, for dot products"),
-    "Q2_K": _k("Q2_K", "uint2", False, "16 × 16, 4-bit scales and mins"),
-    "Q3_K": _k("Q3_K", "int3", True, "16 × 16, 6-bit scales"),
-    "Q4_K": _k("Q4_K", "uint4", False, "8 × 32, 6-bit scales and mins"),
-    "Q5_K": _k("Q5_K", "uint5", False, "8 × 32, 6-bit scales and mins"),
-    "Q6_K": _k("Q6_K", "int6", True, "16 × 16, int8 scales"),
     "Q8_K": _k("Q8_K", "int8", True, "one f32 scale, 16 int16 block sums", scale="F32"),
     "IQ1_S": _other("IQ1_S", _codebook("iq1_s", 1), 256, super_block="256 = 8 × 32, 3-bit scales, ±1/8 shift", codebook="2048 × 8 values in {-1, 0, 1}"),
     "IQ1_M": _other("IQ1_M", _codebook("iq1_m", 1), 256, super_block="256 = 16 × 16, 3-bit scales, ±1/8 shift", codebook="2048 × 8 values in {-1, 0, 1}"),

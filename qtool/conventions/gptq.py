@@ -45,8 +45,9 @@ import struct
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from qtool.conventions.base import Pool, by_module, infer_block_size, plain_weights
+from qtool.conventions.base import Pool, by_module, infer_block_size, plain_weights, side_file
 from qtool.formats.checkpoint import SMALL_TENSOR_LIMIT, Checkpoint, StoredTensor
+from qtool.formats.untrusted_json import Boolean, Integer, Record, String
 from qtool.scheme import CHANNEL, QScheme, group, qtype
 from qtool.weight import DATA, Weight
 
@@ -72,15 +73,26 @@ def _method(config: dict[str, Any]) -> str:
     return str(config.get("quant_method") or config.get("method") or "").lower()
 
 
+# What qtool reads of a GPTQ config (AutoGPTQ's BaseQuantizeConfig, GPTQModel's QuantizeConfig,
+# transformers' GPTQConfig). A wrong JSON type is refused (exit 2), as those loaders refuse it;
+# a value of the right type that fits no GPTQ layout (bits 5) is a note, and the shapes decide.
+_CONFIG = Record({
+    "bits": Integer(), "group_size": Integer(), "checkpoint_format": String(max_chars=64), "format": String(max_chars=64),
+    "is_marlin_format": Boolean(), "desc_act": Boolean(), "sym": Boolean(),
+})  # fmt: skip
+_HINT = "AutoGPTQ and transformers would refuse this config too; fix the field"
+
+
 def gptq_config(checkpoint: Checkpoint) -> tuple[dict[str, Any] | None, str | None]:
     """The GPTQ settings and the file they came from: quantize_config.json (AutoGPTQ's own,
-    which older files write without a quant_method), else config.json's quantization_config."""
+    which older files write without a quant_method), else config.json's quantization_config.
+    The fields qtool reads are type-checked: a JsonTypeError names the file (exit 2)."""
     side = checkpoint.side_files.get("quantize_config.json")
     if isinstance(side, dict) and _method(side) in ("", "gptq"):
-        return side, "quantize_config.json"
+        return _CONFIG.check(side, "", side_file(checkpoint, "quantize_config.json"), _HINT), "quantize_config.json"
     config = checkpoint.config.get("quantization_config")
     if isinstance(config, dict) and _method(config) == "gptq":
-        return config, "config.json"
+        return _CONFIG.check(config, "quantization_config", side_file(checkpoint), _HINT), "config.json"
     return None, None
 
 
@@ -101,25 +113,24 @@ class _Settings:
         if config is None:
             return cls()
         notes = []
-        bits = config.get("bits")
+        bits = config.get("bits")  # every field as gptq_config() checked it
         if bits is not None and bits not in BITS:
             notes.append(f"{source} says bits {bits!r}, not a GPTQ width ({', '.join(map(str, BITS))}); shapes decide")
             bits = None
         group_size = config.get("group_size")
-        if group_size is not None and not (isinstance(group_size, int) and (group_size == -1 or group_size > 0)):
+        if group_size is not None and not (group_size == -1 or group_size > 0):
             notes.append(f"{source} says group_size {group_size!r}; shapes decide")
             group_size = None
         fmt = config.get("checkpoint_format") or config.get("format")
-        fmt = str(fmt).lower() if fmt is not None else None
+        fmt = fmt.lower() if fmt is not None else None
         if config.get("is_marlin_format") is True:  # AutoGPTQ's marlin repack: another layout
             fmt = "marlin"
-        desc_act, sym = config.get("desc_act"), config.get("sym")
         return cls(
             source=source,
             bits=bits,
             group_size=group_size,
-            desc_act=desc_act if isinstance(desc_act, bool) else None,
-            sym=sym if isinstance(sym, bool) else None,
+            desc_act=config.get("desc_act"),
+            sym=config.get("sym"),
             format=fmt,
             notes=tuple(notes),
         )

@@ -41,9 +41,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from qtool.conventions.base import Pool, by_module, plain_weights
+from qtool.conventions.base import Pool, by_module, plain_weights, side_file
 from qtool.dtypes import decoded_dtype
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
+from qtool.formats.untrusted_json import AnyOf, Anything, Integer, Record, String
 from qtool.scheme import QScheme, qtype
 from qtool.weight import DATA, Weight
 
@@ -78,14 +79,21 @@ class _Unfit(ValueError):
     pass
 
 
+# What qtool reads of mlx-lm's `quantization`: the top level's settings, and the same three in
+# each per-module dict entry (another per-module value, `false`, is read as it is).
+_SETTINGS = {"mode": String(max_chars=64), "group_size": Integer(min=1), "bits": Integer(min=1, max=32)}
+_CONFIG = Record(_SETTINGS, rest=AnyOf(Record(_SETTINGS), Anything()))
+
+
 def _config(checkpoint: Checkpoint) -> dict[str, Any] | None:
     """mlx-lm's `quantization` dict, or its mirror in `quantization_config` (which other
-    toolchains also use, so only when it carries no `quant_method`)."""
+    toolchains also use, so only when it carries no `quant_method`), its settings type-checked:
+    `"mode": {}` is a JsonTypeError naming config.json (exit 2), as mlx-lm cannot load it either."""
     config = checkpoint.config
     for key in ("quantization", "quantization_config"):
         value = config.get(key)
         if isinstance(value, dict) and "quant_method" not in value and ("bits" in value or "group_size" in value):
-            return value
+            return _CONFIG.check(value, key, side_file(checkpoint), "mlx-lm would refuse this config too; fix the field")
     return None
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qtool.conventions.base import Pool, plain_weight
+from qtool.conventions.base import Pool
 from qtool.formats.checkpoint import Checkpoint
 from qtool.weight import Weight
 
@@ -13,4 +13,5 @@ class Plain:
     name = "plain"
 
     def detect(self, checkpoint: Checkpoint, pool: Pool) -> list[Weight]:
-        return [plain_weight(tensor) for tensor in pool.values()]
+        plain = Weight.plain
+        return [plain(tensor, []) for tensor in pool.values()]

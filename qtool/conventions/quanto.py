@@ -40,8 +40,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from qtool.conventions.base import Pool, plain_weights
+from qtool.conventions.base import Pool, plain_weights, side_file
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
+from qtool.formats.untrusted_json import MapOf, Record, String
 from qtool.scheme import CHANNEL, TENSOR, QScheme, group, qtype
 from qtool.weight import DATA, Weight
 
@@ -84,11 +85,16 @@ def logical_shapes(rows: int, columns: int) -> list[tuple[int, int]]:
     return shapes
 
 
+# quanto's map: module name -> {"weights": "qint4", "activations": "none"}. A wrong JSON type
+# is refused (exit 2) naming the file; quanto's requantize() could not load it either.
+_MAP = MapOf(Record({"weights": String(max_chars=64), "activations": String(max_chars=64)}))
+
+
 def _quantization_map(checkpoint: Checkpoint) -> tuple[dict[str, Any], str | None]:
     for name in MAP_FILES:
         value = checkpoint.side_files.get(name)
-        if isinstance(value, dict):
-            return value, name
+        if value is not None:
+            return _MAP.check(value, "", side_file(checkpoint, name), "quanto could not load this map either; fix or remove it"), name
     return {}, None
 
 

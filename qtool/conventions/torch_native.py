@@ -8,14 +8,16 @@
 
     x = (q - zero_point) * scale, per tensor or per slice along `axis`
 
-`qtool.formats.torch_pickle` marks each with `encoding = "torch.<qscheme>"`, having asked
-`qscheme()` only of tensors that are `is_quantized`. A dynamic-quantized `nn.Linear` state dict
+`qtool.formats.torch_pickle` marks each with `encoding = "torch.<qscheme>"` and keeps its
+quantizer as pickled (`TorchCheckpoint.quantization`): detecting needs no torch, and reads only
+the zero points of per-channel qint8/qint32 tensors. A dynamic-quantized `nn.Linear` state dict
 holds `{m}._packed_params._packed_params` = (qint8 weight, bias): that tuple is one weight,
 reported as `{m}.weight`, and its bias as the plain weight `{m}.bias`. (`{m}.scale` and
 `{m}.zero_point`, a static Linear's output qparams, are plain tensors.)
 
-Decoding is PyTorch's own `t.dequantize()` on the loaded tensor, so it matches PyTorch bit for
-bit by construction; it gives float32, cast once to the requested dtype.
+Decoding rebuilds the torch quantized tensor from its stored bytes and quantizer
+(`TorchCheckpoint.quantized_tensor`) and calls PyTorch's own `t.dequantize()`, so it matches
+PyTorch bit for bit by construction; it gives float32, cast once to the requested dtype.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from qtool.conventions.base import Pool
-from qtool.errors import UsageError
+from qtool.errors import CheckpointError, UsageError
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
 from qtool.scheme import TENSOR, QScheme, QType, qtype
 from qtool.weight import DATA, Weight
@@ -46,7 +48,7 @@ class TorchNative:
     name = NAME
 
     def detect(self, checkpoint: Checkpoint, pool: Pool) -> list[Weight]:
-        if checkpoint.format != "torch" or not hasattr(checkpoint, "original"):
+        if checkpoint.format != "torch" or not hasattr(checkpoint, "quantization"):
             return []
         weights: list[Weight] = []
         for tensor in list(pool.values()):
@@ -60,9 +62,9 @@ class TorchNative:
 
 
 def _weights(checkpoint, pool: Pool, tensor: StoredTensor) -> list[Weight]:
-    original = checkpoint.original(tensor)
-    qscheme = (tensor.encoding or "")[len(_PREFIX) :]
-    torch_dtype = str(original.dtype).removeprefix("torch.")
+    info = checkpoint.quantization(tensor)
+    qscheme = info.qscheme
+    torch_dtype = info.dtype
     shape = tuple(tensor.logical_shape or tensor.shape)
     members = {DATA: tensor}
     for role, suffix in (("scale", ".q_per_channel_scales"), ("zero_point", ".q_per_channel_zero_points")):
@@ -71,17 +73,18 @@ def _weights(checkpoint, pool: Pool, tensor: StoredTensor) -> list[Weight]:
             members[role] = member
     extra: list[tuple[str, str]] = [("qscheme", qscheme), ("torch_dtype", torch_dtype)]
     notes: list[str] = []
-    if qscheme == "per_tensor_affine":
+    if qscheme == "per_tensor_affine" and info.scale is not None and info.zero_point is not None:
         block = TENSOR if len(shape) >= 2 else (None,)
         scale_dtype = "F64"  # a Python float: the quantizer keeps it as a double
-        zero_points = [int(original.q_zero_point())]
-        extra += [("scale", repr(float(original.q_scale()))), ("zero_point", str(zero_points[0]))]
-        notes.append(f"scale {float(original.q_scale())!r} and zero point {zero_points[0]} are pickled inline")
-    elif qscheme in ("per_channel_affine", "per_channel_affine_float_qparams"):
-        axis = int(original.q_per_channel_axis())
+        zero_points = [info.zero_point]
+        extra += [("scale", repr(info.scale)), ("zero_point", str(info.zero_point))]
+        notes.append(f"scale {info.scale!r} and zero point {info.zero_point} are pickled inline")
+    elif qscheme in ("per_channel_affine", "per_channel_affine_float_qparams") and info.axis is not None and "zero_point" in members:
+        axis = info.axis
         block = tuple(1 if dim == axis else None for dim in range(len(shape)))
         scale_dtype = members["scale"].dtype.name if "scale" in members else "F64"
-        zero_points = original.q_per_channel_zero_points().tolist() if qscheme == "per_channel_affine" else [None]
+        needed = qscheme == "per_channel_affine" and torch_dtype in _MIDPOINT
+        zero_points = _integers(checkpoint, members["zero_point"]) if needed else [None]
         extra.append(("axis", str(axis)))
     else:
         note = f"PyTorch qscheme {qscheme} ({torch_dtype}): qtool does not read this layout"
@@ -108,9 +111,25 @@ def _weights(checkpoint, pool: Pool, tensor: StoredTensor) -> list[Weight]:
     return [Weight(tensor.name, shape, "F32", members, scheme, NAME, notes)]
 
 
+def _integers(checkpoint, tensor: StoredTensor) -> list[int | None]:
+    """A per-channel zero-point tensor's values (I64 or I32), read without torch."""
+    import numpy as np
+
+    kind = {"I64": "<i8", "I32": "<i4", "I8": "i1", "U8": "u1"}.get(tensor.dtype.name)
+    if kind is None:
+        return [None]
+    return np.frombuffer(bytes(checkpoint.read_bytes(tensor)), dtype=kind).tolist()
+
+
 def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu") -> torch.Tensor:
-    """PyTorch's own `dequantize()` of the loaded tensor: float32, on `device`."""
+    """PyTorch's own `dequantize()` of the tensor rebuilt from its bytes: float32, on `device`."""
     scheme = weight.require_scheme()
-    if scheme.convention != NAME or not hasattr(checkpoint, "original"):
+    if scheme.convention != NAME or not hasattr(checkpoint, "quantized_tensor"):
         raise UsageError(f"{weight.name} is a {scheme.convention} weight, not a PyTorch native quantized tensor")
-    return checkpoint.original(weight.data).dequantize().to(device)
+    tensor = checkpoint.quantized_tensor(weight.data)
+    try:
+        values = tensor.dequantize()
+    except RuntimeError as exc:  # torch checks the pickled quantizer here: the file's fault
+        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise CheckpointError(f"quantized tensor {weight.data.name!r} does not dequantize: {first[:200]}", path=weight.data.file) from None
+    return values.to(device)

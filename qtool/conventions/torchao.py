@@ -7,8 +7,9 @@ Safetensors (pytorch/ao `torchao/prototype/safetensors/safetensors_support.py`, 
     __metadata__[name]               JSON {"_type": "Int8Tensor", "_data": {block_size, dtype, ...},
                                            "_tensor_data_names": ["qdata", "scale", ...]}
 
-Pickles: `qtool.formats.torch_pickle` flattens each subclass into `{name}.{data_name}` stored
-tensors plus a `Subclass` record holding the same `_data` (the `__tensor_flatten__` context).
+Pickles: `qtool.formats.torch_pickle` reads each subclass's pickled state, without torch, into
+`{name}.{data_name}` stored tensors plus a `Subclass` record holding its other attributes
+(`block_size`, `target_dtype`, ...: what `__tensor_flatten__`'s context holds).
 
     type                       qdata                     scale / zero_point               x =
     Int8Tensor                 int8 [*shape]             grid of block_size; zp int8 0s   (q - zp) * scale
@@ -25,20 +26,25 @@ against torchao). Int4Tensor has no CPU dequantize in torchao; its formula is ms
 `int4_row_quantize_zp` read backwards: q in [-8, 7], `zeros = min + 8 * scale`.
 
 A torchao type qtool doesn't decode (MXTensor, NVFP4Tensor, the CUDA-packed int4 layouts)
-stays plain, with a note naming it.
+stays plain, with a note naming it. So does a record whose fields have the wrong JSON type
+(`"_tensor_data_names": 5`), or whose scale or zero point is stored in a dtype no kernel reads
+(F6, F4). "tensor_names" and a tensor's name are ordinary words another exporter may use for
+plain text: a value that is not JSON, or breaks qtool.formats.untrusted_json's limits, is not
+torchao's and is ignored.
 """
 
 from __future__ import annotations
 
-import json
 import math
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from qtool.conventions.base import Pool, plain_weights
+from qtool.conventions.base import Pool, metadata_json, plain_weights, unusable_scale, unusable_zero_point
 from qtool.dtypes import WEIGHT_FLOATS, decoded_dtype
-from qtool.errors import UsageError
+from qtool.errors import CheckpointError, UsageError
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
+from qtool.formats.untrusted_json import Anything, Integer, JsonTypeError, ListOf, Record, String
 from qtool.scheme import QScheme, qtype
 from qtool.weight import DATA, Weight
 
@@ -52,6 +58,11 @@ SUPPORTED = ("Int8Tensor", "Float8Tensor", "IntxUnpackedToInt8Tensor", "Int4Tens
 _ROLES = {"qdata": DATA, "scale": "scale", "zero_point": "zero_point"}
 _FLOAT8 = {"F8_E4M3": "fp8_e4m3", "F8_E5M2": "fp8_e5m2", "F8_E4M3FNUZ": "fp8_e4m3fnuz", "F8_E5M2FNUZ": "fp8_e5m2fnuz"}
 _DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "half": "F16", "float": "F32"}
+_TARGET = re.compile(r"(u?)int([1-8])")  # IntxUnpackedToInt8Tensor's target_dtype, "torch." removed
+
+# One tensor's record, and the `_data` attributes qtool reads (after `_unwrap`).
+_RECORD = Record({"_type": String(), "_tensor_data_names": ListOf(String()), "_data": Anything()})
+_ATTRIBUTES = Record({"shape": ListOf(Integer(min=0)), "block_size": ListOf(Integer(min=1)), "dtype": String(), "target_dtype": String()})
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,7 @@ class _Entry:
     dtype: str | None
     attributes: dict[str, Any]
     members: dict[str, StoredTensor]
+    problem: str | None = None  # a record qtool can't read (a field of the wrong type): left plain
 
 
 class Torchao:
@@ -87,47 +99,52 @@ def _pickle_entries(checkpoint: Checkpoint, pool: Pool) -> list[_Entry]:
         if sub.type_name.split(".")[0] != "torchao":
             continue
         members = {inner: pool[stored] for inner, stored in sub.members.items() if stored in pool}
-        entries.append(_Entry(name, sub.short_name, sub.shape, sub.dtype, dict(sub.attributes), members))
+        try:
+            attributes = _ATTRIBUTES.check(dict(sub.attributes), f"{name} attributes", checkpoint.path)
+        except JsonTypeError as exc:
+            entries.append(_Entry(name, sub.short_name, None, None, {}, members, problem=exc.message))
+            continue
+        entries.append(_Entry(name, sub.short_name, sub.shape, sub.dtype, attributes, members))
     return entries
 
 
-def _safetensors_entries(checkpoint: Checkpoint, pool: Pool) -> list[_Entry]:
-    metadata = checkpoint.metadata
+def _torchao_json(checkpoint: Checkpoint, key: str) -> Any:
+    """The JSON of metadata `key`, or None where it is not JSON within qtool's limits: not torchao's."""
     try:
-        names = json.loads(metadata.get("tensor_names", ""))
-    except (TypeError, ValueError):
-        return []
+        return metadata_json(checkpoint, key)
+    except CheckpointError:
+        return None
+
+
+def _safetensors_entries(checkpoint: Checkpoint, pool: Pool) -> list[_Entry]:
+    names = _torchao_json(checkpoint, "tensor_names")
     if not isinstance(names, list):
         return []
     entries = []
     for name in names:
         if not isinstance(name, str) or "." not in name:
             continue
-        try:
-            info = json.loads(metadata.get(name, ""))
-        except (TypeError, ValueError):
-            continue
+        info = _torchao_json(checkpoint, name)
         if not isinstance(info, dict) or info.get("_type") in (None, "Tensor", "torch.Tensor"):
             continue
         module, _, param = name.rpartition(".")
         prefix = f"{module}._{param}_"
-        data_names = info.get("_tensor_data_names") or [k[len(prefix) :] for k in pool if k.startswith(prefix)]
-        members = {str(d): pool[prefix + str(d)] for d in data_names if prefix + str(d) in pool}
+        found = {k[len(prefix) :]: tensor for k, tensor in pool.items() if k.startswith(prefix)}
+        where = f'__metadata__["{name}"]'
+        try:
+            record = _RECORD.check(info, where, checkpoint.path)
+            attributes = _unwrap(record.get("_data") or {})
+            attributes = _ATTRIBUTES.check(attributes, f"{where}._data", checkpoint.path) if isinstance(attributes, dict) else {}
+        except JsonTypeError as exc:
+            if found:
+                entries.append(_Entry(name, str(info.get("_type")), None, None, {}, found, problem=exc.message))
+            continue
+        data_names = record.get("_tensor_data_names") or list(found)
+        members = {d: pool[prefix + d] for d in data_names if prefix + d in pool}
         if not members:
             continue
-        attributes = _unwrap(info.get("_data") or {})
-        attributes = attributes if isinstance(attributes, dict) else {}
         shape = attributes.get("shape")
-        entries.append(
-            _Entry(
-                name,
-                str(info["_type"]),
-                tuple(shape) if isinstance(shape, list) else None,
-                attributes.get("dtype") if isinstance(attributes.get("dtype"), str) else None,
-                attributes,
-                members,
-            )
-        )
+        entries.append(_Entry(name, record["_type"], tuple(shape) if shape is not None else None, attributes.get("dtype"), attributes, members))
     return entries
 
 
@@ -148,10 +165,15 @@ def _unwrap(value: Any) -> Any:
 
 def _weights(entry: _Entry) -> list[Weight]:
     members = {_ROLES.get(k, k): v for k, v in entry.members.items()}
+    if entry.problem:
+        return plain_weights(entry.members, f"torchao record {entry.name}: {entry.problem}; left plain")
     if entry.type_name not in SUPPORTED:
         return plain_weights(entry.members, f"torchao {entry.type_name} ({entry.name}): qtool does not decode this layout yet; left plain")
     if DATA not in members or "scale" not in members:
         return plain_weights(entry.members, f"torchao {entry.type_name} {entry.name} lacks its qdata or scale; left plain")
+    problem = unusable_scale(members["scale"], "scale") or (unusable_zero_point(members["zero_point"], "zero_point") if "zero_point" in members else None)
+    if problem:
+        return plain_weights(entry.members, f"looks like a torchao {entry.type_name}, but {problem}; left plain")
     try:
         scheme, shape, notes = _scheme(entry, members)
     except _Misfit as misfit:
@@ -203,8 +225,10 @@ def _scheme(entry: _Entry, members: dict[str, StoredTensor]) -> tuple[QScheme, t
         # torchao's Int8Tensor is symmetric; it stores an all-zero int8 zero point anyway
         return _make(qtype("int8"), block, True, scale, zero is not None, None, kind), shape, notes
     target = str(entry.attributes.get("target_dtype") or "int8").removeprefix("torch.")
-    bits = int(target.removeprefix("int").removeprefix("uint") or 8) if target.startswith(("int", "uint")) else 8
-    value = qtype(f"{'u' if target.startswith('uint') else ''}int{bits}")
+    parts = _TARGET.fullmatch(target)
+    if parts is None:
+        raise _Misfit(f"target_dtype {target[:40]!r} is not int1..int8 or uint1..uint8")
+    value = qtype(f"{parts[1]}int{parts[2]}")
     return _make(value, block, zero is None, scale, zero is not None, f"{target} values unpacked, one an int8", kind), shape, notes
 
 

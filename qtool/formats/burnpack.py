@@ -39,6 +39,7 @@ from typing import Any
 from qtool.dtypes import DTYPES, StorageDType
 from qtool.errors import CheckpointError
 from qtool.formats.checkpoint import StoredTensor
+from qtool.formats.untrusted_json import describe, parse_json
 
 __all__ = [
     "MAGIC",
@@ -78,7 +79,10 @@ def qfloat_scheme(tensor: StoredTensor) -> dict[str, Any] | None:
     encoding = tensor.encoding or ""
     if not encoding.startswith(QFLOAT):
         return None
-    return json.loads(encoding[len(QFLOAT) :])
+    scheme = parse_json(encoding[len(QFLOAT) :], tensor.file, where=f"tensor {tensor.name!r}'s QFloat scheme", hint=_HINT)
+    if not isinstance(scheme, dict):
+        raise _fail(tensor.file, f"tensor {tensor.name!r}'s QFloat scheme is {describe(scheme)}, not a map")
+    return scheme
 
 
 def _fail(path: str, message: str) -> CheckpointError:

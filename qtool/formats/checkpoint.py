@@ -15,17 +15,15 @@ output is never built from a file that changed while it was read.
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from qtool.buffers import allocate
 from qtool.dtypes import StorageDType
 from qtool.errors import CheckpointError
 
-__all__ = ["StoredTensor", "Checkpoint", "SMALL_TENSOR_LIMIT"]
+__all__ = ["StoredTensor", "Checkpoint", "SMALL_TENSOR_LIMIT", "dims_fit_int64"]
 
 # Tensors this small may be read while inspecting: they hold metadata (compressed-tensors'
 # `weight_shape`, bitsandbytes' quant-state JSON), not weights.
@@ -33,6 +31,17 @@ SMALL_TENSOR_LIMIT = 64 * 1024
 
 _OPEN_LOCK = threading.Lock()  # one open per file, though the reader thread and the main thread both read
 _Identity = tuple[int, int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns
+
+
+def dims_fit_int64(dims) -> bool:
+    """Whether the product of the non-zero dims fits in int64. A 0 makes a tensor empty, yet
+    torch and numpy still multiply the other dims ([0, 64, 2^62] overflows their stride
+    arithmetic), so the readers refuse such a shape rather than let a decoder meet it."""
+    product = 1
+    for dim in dims:
+        if dim:
+            product *= dim
+    return product < 2**63
 
 
 def _identity_of(st: os.stat_result) -> _Identity:
@@ -54,7 +63,7 @@ def _how_changed(before: _Identity, after: _Identity | None) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a header may list 1.6M of them
 class StoredTensor:
     name: str
     dtype: StorageDType
@@ -90,7 +99,9 @@ class Checkpoint:
     tensors: dict[str, StoredTensor]
     metadata: dict[str, str] = field(default_factory=dict)
     side_files: dict[str, Any] = field(default_factory=dict)  # "config.json" -> parsed JSON
-    _maps: dict[str, mmap.mmap] = field(default_factory=dict, repr=False)
+    # What a reader wants the user to know about how the checkpoint was found (a folder holding
+    # other weights files than the model's); the CLI shows them as warnings, inspect's JSON too.
+    notes: list[str] = field(default_factory=list)
     _fds: dict[str, int] = field(default_factory=dict, repr=False, compare=False)  # file -> open descriptor
     _identity: dict[str, _Identity] = field(default_factory=dict, repr=False, compare=False)
 
@@ -182,6 +193,8 @@ class Checkpoint:
         with pread: no mmap pages stay resident. The one way to read a tensor's raw bytes that
         every container supports; containers whose tensors are not byte ranges of a file (see
         `StoredTensor.in_file`) override it."""
+        from qtool.buffers import allocate  # here: listing a header reads no data
+
         size = tensor.nbytes - start if size is None else size
         if start < 0 or size < 0 or start + size > tensor.nbytes:
             raise ValueError(f"bytes [{start}, {start + size}) are outside tensor {tensor.name!r} of {tensor.nbytes} bytes")
@@ -198,53 +211,26 @@ class Checkpoint:
             view, offset = view[got:], offset + got
         return buffer
 
-    def _map(self, file: str) -> mmap.mmap:
-        mapped = self._maps.get(file)
-        if mapped is None:
-            try:
-                # The descriptor already open, not the path: the file whose header was parsed.
-                # ACCESS_COPY: writable for torch.frombuffer, yet the file is never modified.
-                mapped = mmap.mmap(self._fd(file), 0, access=mmap.ACCESS_COPY)
-            except (OSError, ValueError) as exc:  # ValueError: an empty file
-                raise CheckpointError(f"cannot map: {getattr(exc, 'strerror', None) or exc}", path=file) from None
-            self._maps[file] = mapped
-        return mapped
-
     def load(self, tensor: StoredTensor):  # -> torch.Tensor
-        """A torch view of the tensor's bytes through mmap; sub-byte dtypes come back as raw uint8."""
+        """The tensor's bytes as a torch tensor of its dtype and shape; sub-byte dtypes come back
+        as raw uint8. Read with pread into a buffer of its own, not viewed through mmap: a page
+        of a mapped file that shrank meanwhile is SIGBUS, which kills the process with no
+        message, where a short read is a CheckpointError naming the file (`read_bytes`)."""
         import torch
 
         if tensor.nbytes == 0:
             dtype = torch.uint8 if tensor.dtype.torch_name is None else tensor.dtype.torch_dtype()
             return torch.empty(tensor.shape if tensor.dtype.torch_name else (0,), dtype=dtype)
-        mapped = self._map(tensor.file)
-        # A page past the end of a truncated file is SIGBUS, not an exception: check the size
-        # now. (A truncation after this check can still crash; pread, in read_bytes, cannot.)
-        if tensor.end > min(len(mapped), os.fstat(self._fd(tensor.file)).st_size):
-            raise self._cut_short(tensor)
-        raw = torch.frombuffer(mapped, dtype=torch.uint8, count=tensor.nbytes, offset=tensor.begin)
+        raw = torch.frombuffer(self.read_bytes(tensor), dtype=torch.uint8)
         if tensor.dtype.torch_name is None:
             return raw
         return raw.view(tensor.dtype.torch_dtype()).reshape(tensor.shape)
 
     def release(self, tensor: StoredTensor) -> None:
-        """Tell the kernel we are done with a tensor's pages, so streaming keeps RSS bounded."""
-        mapped = self._maps.get(tensor.file)
-        if mapped is None or tensor.nbytes == 0:
-            return
-        page = mmap.PAGESIZE
-        start = tensor.begin - tensor.begin % page
-        length = min(tensor.end, len(mapped)) - start
-        if hasattr(mapped, "madvise") and length > 0:
-            mapped.madvise(mmap.MADV_DONTNEED, start, length)
+        """Done with a tensor's data. Reads are pread into buffers that go with their last
+        reference, so there is nothing to give back here; containers that map may override."""
 
     def close(self) -> None:
-        for mapped in self._maps.values():
-            try:
-                mapped.close()
-            except BufferError:  # a torch view still holds it; the GC will unmap
-                pass
-        self._maps.clear()
         self._close_fds()
 
     def _close_fds(self) -> None:

@@ -15,11 +15,16 @@ Why not `gguf.GGUFReader`: it builds one numpy view per metadata array element, 
 well under a second); it raises on a type id it doesn't know, where a newer file must stay
 readable; and a truncated file surfaces as a numpy reshape error. The checks below follow
 llama.cpp's `gguf_init_from_file_impl` (ggml/src/gguf.cpp); a file it refuses, we refuse.
+One more: dims whose non-zero product overflows int64 ([0, 64, 2^62], which llama.cpp accepts as
+empty) are refused, since torch and numpy cannot build them. Every count is checked against the
+bytes left before a loop runs, and a tensor of an unknown type is sized by a bisect of the starts.
 This module imports neither numpy nor torch, so `qtool inspect x.gguf` costs the header only.
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
 import json
 import math
 import mmap
@@ -29,9 +34,9 @@ from dataclasses import dataclass
 
 from qtool.dtypes import DTYPES, StorageDType
 from qtool.errors import CheckpointError, UnknownNameError
-from qtool.formats.checkpoint import StoredTensor
+from qtool.formats.checkpoint import StoredTensor, dims_fit_int64
 
-__all__ = ["GgmlType", "GGML_TYPES", "ggml_type", "ggml_type_named", "read_gguf_file", "parse_gguf_prefix", "NeedMore", "GGUF_MAGIC", "MAX_DIMS"]
+__all__ = ["GgmlType", "GGML_TYPES", "ggml_type", "ggml_type_named", "read_gguf_file", "read_gguf_key_values", "parse_gguf_prefix", "NeedMore", "GGUF_MAGIC", "MAX_DIMS"]
 
 GGUF_MAGIC = b"GGUF"
 MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -99,6 +104,7 @@ _BY_NAME = {t.name: t for t in GGML_TYPES.values()}
 _PLAIN: dict[int, StorageDType] = {d.gguf_id: d for d in DTYPES.values() if d.gguf_id is not None}
 
 
+@functools.lru_cache(maxsize=64)  # a file of 32k tensors of one unknown id asks 32k times
 def ggml_type(type_id: int) -> GgmlType | None:
     """The type with this id, or None. An id qtool's table lacks is looked up in the installed
     `gguf` package, so a newer package extends what qtool can size (this imports numpy)."""
@@ -280,6 +286,73 @@ def read_gguf_file(path: str) -> tuple[list[StoredTensor], dict[str, str]]:
         mapped.close()
 
 
+# GGUF value type id -> gguf-py's GGUFValueType name, which the GGUF layout writes back
+_VALUE_TYPE_NAMES = {0: "UINT8", 1: "INT8", 2: "UINT16", 3: "INT16", 4: "UINT32", 5: "INT32", 6: "FLOAT32", 7: "BOOL", 8: "STRING", 9: "ARRAY", 10: "UINT64", 11: "INT64", 12: "FLOAT64"}  # fmt: skip
+
+
+def read_gguf_key_values(path: str) -> list[tuple[str, object, str]]:
+    """Every key-value of a GGUF file, in order, with its exact type, for writing them back:
+    (key, value, type name) with strings as their bytes, and arrays as lists whose type reads
+    "ARRAY:<element type>". The same bounds-checked cursor as the listing (a 32k vocabulary in
+    tens of ms, where gguf-py's reader takes seconds). Nested arrays, which llama.cpp refuses,
+    raise a CheckpointError saying so."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as handle:
+            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    except OSError as exc:
+        raise CheckpointError(f"cannot read: {exc.strerror or exc}", path=path) from None
+    cur = _Cursor(mapped, size, path)
+    try:
+        if size < 4 or mapped[:4] != GGUF_MAGIC:
+            raise cur.fail("not a GGUF file (bad magic)")
+        cur.pos = 4
+        if cur.unpack("<I", "the version") not in SUPPORTED_VERSIONS:
+            raise cur.fail("GGUF version not supported (qtool reads versions 2 and 3)")
+        cur.unpack("<Q", "the tensor count")
+        kv_count = cur.unpack("<Q", "the key-value count")
+        cur.room_for(kv_count, 13, "the metadata")
+        entries: list[tuple[str, object, str]] = []
+        for _ in range(kv_count):
+            raw_key = cur.string("a metadata key")
+            try:
+                key = raw_key.decode("utf-8")
+            except UnicodeDecodeError:
+                raise cur.fail(f"metadata key {raw_key[:40]!r} is not UTF-8") from None
+            kind = cur.unpack("<I", f"the type of {key!r}")
+            entries.append((key, *_typed_value(cur, kind, key)))
+        return entries
+    finally:
+        if isinstance(mapped, mmap.mmap):
+            mapped.close()
+
+
+def _typed_value(cur: _Cursor, kind: int, key: str) -> tuple[object, str]:
+    if kind in _SCALARS:
+        return cur.unpack(_SCALARS[kind][1], f"the value of {key!r}"), _VALUE_TYPE_NAMES[kind]
+    if kind == _STRING:
+        return cur.string(f"the value of {key!r}"), "STRING"
+    if kind != _ARRAY:
+        raise cur.fail(f"key {key!r} has invalid GGUF value type {kind}")
+    item = cur.unpack("<I", f"the array type of {key!r}")
+    count = cur.unpack("<Q", f"the array length of {key!r}")
+    what = f"the array {key!r}"
+    if item in _SCALARS:
+        fmt = _SCALARS[item][1]
+        start = cur.need(struct.calcsize(fmt) * count, what)
+        return list(struct.unpack_from(f"<{count}{fmt[1]}", cur.buf, start)), f"ARRAY:{_VALUE_TYPE_NAMES[item]}"
+    if item == _STRING:
+        cur.room_for(count, 8, what)
+        return [cur.string(what) for _ in range(count)], "ARRAY:STRING"
+    if item == _ARRAY:
+        raise CheckpointError(
+            f"key {key} holds arrays of arrays, which qtool does not copy (llama.cpp does not read them either)",
+            path=cur.path,
+            hint="remove the key, or quantize with llama-quantize",
+        )
+    raise cur.fail(f"array {key!r} has invalid GGUF value type {item}")
+
+
 def parse_gguf_prefix(path: str, prefix: bytes, file_size: int) -> tuple[list[StoredTensor], dict[str, str]]:
     """The same as read_gguf_file, from the first bytes of a file of `file_size` bytes (a remote
     file read by ranges). Raises NeedMore when the header runs past `prefix`."""
@@ -336,6 +409,8 @@ def _parse(cur: _Cursor) -> tuple[list[StoredTensor], dict[str, str]]:
         dims = struct.unpack_from(f"<{n_dims}Q", cur.buf, start)
         if any(d >= 2**63 for d in dims):
             raise cur.fail(f"tensor {name!r} has a negative dimension")
+        if not dims_fit_int64(dims):
+            raise cur.fail(f"tensor {name!r} has dims {list(dims)} whose product overflows 64 bits")
         type_id = cur.unpack("<I", f"the type of {name!r}")
         offset = cur.unpack("<Q", f"the offset of {name!r}")
         infos.append(_Info(name, tuple(dims), type_id, offset))
@@ -345,7 +420,7 @@ def _parse(cur: _Cursor) -> tuple[list[StoredTensor], dict[str, str]]:
 
 
 def _tensors(cur: _Cursor, infos: list[_Info], data_offset: int, alignment: int) -> list[StoredTensor]:
-    begins = sorted({data_offset + info.offset for info in infos})
+    begins: list[int] | None = None  # sorted starts, built once if a tensor of an unknown type needs them
     tensors = []
     for info in infos:
         name, begin = info.name, data_offset + info.offset
@@ -357,8 +432,10 @@ def _tensors(cur: _Cursor, infos: list[_Info], data_offset: int, alignment: int)
         if gtype is None:
             # A type newer than qtool and the gguf package: size it by where the next tensor
             # starts (padding included), so the file still lists and other tensors still decode.
-            later = [b for b in begins if b > begin]
-            end = later[0] if later else cur.size
+            if begins is None:
+                begins = sorted({data_offset + i.offset for i in infos})
+            after = bisect.bisect_right(begins, begin)
+            end = begins[after] if after < len(begins) else cur.size
             if begin > cur.size:
                 raise _truncated(cur, name, begin)
             tensors.append(StoredTensor(name, DTYPES["U8"], (end - begin,), begin, end, cur.path, f"unknown({info.type_id})", shape))

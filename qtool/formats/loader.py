@@ -5,15 +5,17 @@ Containers: safetensors, GGUF, PyTorch pickles (.pt/.pth/.bin) and burnpack (.bp
 
 from __future__ import annotations
 
-import json
 import os
+import re
 from typing import Any
 
 from qtool.errors import CheckpointError
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
 from qtool.formats.safetensors import read_safetensors_file
+from qtool.formats.untrusted_json import MAX_JSON_BYTES, parse_json
+from qtool.gcpause import paused_gc
 
-__all__ = ["open_checkpoint", "input_paths", "SIDE_FILES"]
+__all__ = ["open_checkpoint", "input_paths", "SIDE_FILES", "parse_json"]
 
 # Side files read from the checkpoint's directory when present. Conventions read their
 # settings from these (quantization_config, GPTQ's quantize_config, quanto's map).
@@ -31,7 +33,11 @@ _TYPES_HINT = "pass a .safetensors, .gguf, .pt/.pth/.bin or .bpk file, a *.index
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Read the headers of a checkpoint. No tensor data is read. `hf://`, `http://` and
     `https://` locations are read by range requests (qtool.formats.remote_loader)."""
-    path = os.fspath(path)
+    with paused_gc():  # headers become many small objects and no cycles (qtool.gcpause)
+        return _open(os.fspath(path))
+
+
+def _open(path: str) -> Checkpoint:
     if path.startswith(_REMOTE_SCHEMES):
         from qtool.formats.remote_loader import open_remote
 
@@ -57,42 +63,99 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     )
 
 
+# A folder is resolved as transformers' `from_pretrained` resolves it (modeling_utils,
+# `_get_resolved_checkpoint_files`): model.safetensors, then its index, then pytorch_model.bin,
+# then its index. Anything else beside the chosen weights (a consolidated.safetensors of the
+# Mistral format, a PEFT adapter, a reference copy) is not part of the model, and is named in a
+# note. A folder with none of those names falls back to the one index or weights file it holds.
+_TRANSFORMERS_ORDER = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+_ADAPTERS = ("adapter_model.safetensors", "adapter_model.bin")  # PEFT: loaded on top of a model, never merged into it
+_MISTRAL = "consolidated.safetensors"  # mistral-inference's own layout: the model only when nothing else is
+_SHARD = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.safetensors")
+
+
 def _open_directory(path: str) -> Checkpoint:
     names = sorted(os.listdir(path))
+    weights = [n for n in names if _is_weights_name(n) and os.path.isfile(os.path.join(path, n))]
+    chosen = next((n for n in _TRANSFORMERS_ORDER if n in weights), None)
+    if chosen is not None:
+        checkpoint = _open_chosen(path, chosen)
+    else:
+        checkpoint = _open_fallback(path, names, weights)
+        chosen = None
+    used = {os.path.basename(f) for f in checkpoint.files}
+    if chosen is not None and chosen.endswith(".index.json"):
+        used.add(chosen)
+    others = [n for n in weights if n not in used]
+    if others:
+        what = ", ".join(sorted(used)) if len(used) <= 3 else f"{len(used)} files ({chosen or 'numbered shards'})"
+        why = " (transformers' order: model.safetensors, its index, pytorch_model.bin, its index)" if chosen else ""
+        checkpoint.notes.append(f"read {what} as the model{why}; also in the folder, not read: {', '.join(others)}")
+    return checkpoint
+
+
+_TRAINER_STATE = ("optimizer", "scheduler", "rng_state", "training_args", "scaler", "trainer_state")
+
+
+def _is_weights_name(name: str) -> bool:
+    """A file that may hold a model's weights (a trainer's optimizer or RNG state does not)."""
+    if name.endswith(_PICKLE_SUFFIXES):
+        return not name.startswith(_TRAINER_STATE)
+    return name.endswith((".safetensors", ".gguf", ".bpk", ".index.json"))
+
+
+def _open_chosen(path: str, name: str) -> Checkpoint:
+    full = os.path.join(path, name)
+    if name.endswith(".index.json"):
+        return _open_index(full, display=path)
+    if name.endswith(".safetensors"):
+        return _open_files(path, [full], base_dir=path)
+    return _open_torch(path, [full], base_dir=path)
+
+
+def _open_fallback(path: str, names: list[str], weights: list[str]) -> Checkpoint:
+    """A folder without transformers' file names: the one safetensors index, else the one
+    model file (adapters and a Mistral consolidated file only when they are all there is), else
+    one set of numbered shards; GGUF, burnpack and pickles after that."""
     indexes = [n for n in names if n.endswith(_INDEX_SUFFIX)]
     if len(indexes) > 1:
-        preferred = [n for n in indexes if n == "model.safetensors.index.json"]
-        if not preferred:
-            raise CheckpointError(
-                f"holds {len(indexes)} safetensors indexes ({', '.join(indexes)})",
-                path=path,
-                hint="pass the index you mean",
-            )
-        indexes = preferred
+        raise CheckpointError(
+            f"holds {len(indexes)} safetensors indexes ({', '.join(indexes)})",
+            path=path,
+            hint="pass the index you mean",
+        )
     if indexes:
         return _open_index(os.path.join(path, indexes[0]), display=path)
-    files = [os.path.join(path, n) for n in names if n.endswith(".safetensors") and os.path.isfile(os.path.join(path, n))]
+    files = [n for n in weights if n.endswith(".safetensors")]
+    main = [n for n in files if n not in _ADAPTERS and n != _MISTRAL] or [n for n in files if n == _MISTRAL] or files
+    if len(main) == 1:
+        return _open_files(path, [os.path.join(path, main[0])], base_dir=path)
+    if main:
+        shards = [_SHARD.fullmatch(n) for n in main]
+        if all(shards) and len({(m[1], m[3]) for m in shards}) == 1 and int(shards[0][3]) == len(main):
+            return _open_files(path, [os.path.join(path, n) for n in main], base_dir=path)
+        raise CheckpointError(
+            f"holds {len(main)} .safetensors files ({', '.join(main)}) and no model.safetensors or index saying which make up the model",
+            path=path,
+            hint="pass the file you mean, or add a model.safetensors.index.json",
+        )
     ggufs = [os.path.join(path, n) for n in names if n.endswith(".gguf") and os.path.isfile(os.path.join(path, n))]
-    if not files and len(ggufs) == 1:
+    if len(ggufs) == 1:
         return _open_gguf(path, ggufs[0])
-    if not files and ggufs:
+    if ggufs:
         raise CheckpointError(
             f"holds {len(ggufs)} GGUF files ({', '.join(os.path.basename(g) for g in ggufs)})",
             path=path,
             hint="pass the .gguf file you mean",
         )
-    if not files:
-        found = _open_other_directory(path, names)
-        if found is not None:
-            return found
-    if not files:
-        raise CheckpointError(
-            "directory holds no checkpoint (no *.safetensors, *.gguf, *.bpk, PyTorch pickle or *.index.json)",
-            path=path,
-            hint="pass a folder with model weights, or the weights file itself",
-        )
-    # Several files without an index (diffusers-style folders) read as one checkpoint.
-    return _open_files(path, files, base_dir=path)
+    found = _open_other_directory(path, names)
+    if found is not None:
+        return found
+    raise CheckpointError(
+        "directory holds no checkpoint (no *.safetensors, *.gguf, *.bpk, PyTorch pickle or *.index.json)",
+        path=path,
+        hint="pass a folder with model weights, or the weights file itself",
+    )
 
 
 def _open_other_directory(path: str, names: list[str]) -> Checkpoint | None:
@@ -225,7 +288,7 @@ def _open_gguf(display: str, file: str) -> Checkpoint:
 
 
 def _open_torch(display: str, files: list[str], base_dir: str) -> Checkpoint:
-    """PyTorch pickles, loaded only with torch.load(weights_only=True, mmap=True)."""
+    """PyTorch pickles, read by qtool's own restricted unpickler: no torch, no code run."""
     from qtool.formats.torch_pickle import read_torch_files
 
     return read_torch_files(display, files, _read_side_files(base_dir))
@@ -263,20 +326,10 @@ def _read_side_files(base_dir: str) -> dict[str, Any]:
 
 
 def _read_json(path: str) -> Any:
+    """A side file's or an index's JSON, read with qtool.formats.untrusted_json's limits."""
     try:
         with open(path, "rb") as handle:
-            raw = handle.read()
+            raw = handle.read(MAX_JSON_BYTES + 1)  # one byte over: parse_json says it is too large
     except OSError as exc:
         raise CheckpointError(f"cannot read: {exc.strerror}", path=path) from None
     return parse_json(raw, path)
-
-
-def parse_json(raw: bytes, path: str) -> Any:
-    """A side file's or an index's JSON, or a one-line CheckpointError naming `path`."""
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise CheckpointError(f"is not UTF-8 (byte {exc.start})", path=path, hint="fix or remove the file") from None
-    except (json.JSONDecodeError, RecursionError) as exc:
-        where = f" at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
-        raise CheckpointError(f"is not valid JSON{where}", path=path, hint="fix or remove the file") from None

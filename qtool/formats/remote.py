@@ -246,7 +246,7 @@ class RemoteCache:
                 raw = handle.read()
             line, _, data = raw.partition(b"\n")
             meta = json.loads(line)
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # a damaged cache entry is a miss
             return None
         if not isinstance(meta, dict) or meta.get("url") != url or meta.get("kind") != kind or meta.get("length") != len(data):
             return None

@@ -332,7 +332,7 @@ def _hub_listing(hub, location: str, repo_id: str, revision: str | None, token: 
 
 
 def _choose(location: str, files: list[str], path: str) -> str:
-    """The file to read, chosen as in a local folder: the index, else model.safetensors, else the
+    """The file to read, chosen as in a local folder: model.safetensors, else the index, else the
     one .safetensors file, else the one .gguf. (Several .safetensors files without an index,
     which a local folder reads together, are refused: name one.)"""
     if path in files:
@@ -348,10 +348,12 @@ def _choose(location: str, files: list[str], path: str) -> str:
             raise CheckpointError(f"holds {len(indexes)} safetensors indexes ({', '.join(indexes)})", path=location, hint="name the index you mean in the location")
     safetensors = [n for n in names if n.endswith(".safetensors")]
     ggufs = [n for n in names if n.endswith(".gguf")]
-    if indexes:
+    if "model.safetensors" in safetensors:  # transformers' order, as a local folder is read
+        chosen = "model.safetensors"
+    elif indexes:
         chosen = indexes[0]
-    elif "model.safetensors" in safetensors or len(safetensors) == 1:
-        chosen = "model.safetensors" if "model.safetensors" in safetensors else safetensors[0]
+    elif len(safetensors) == 1:
+        chosen = safetensors[0]
     elif safetensors:
         raise CheckpointError(f"holds {len(safetensors)} .safetensors files and no index", path=location, hint="name the file you mean in the location")
     elif len(ggufs) == 1:

@@ -10,14 +10,16 @@ serde's map silently drops.
 from __future__ import annotations
 
 import json
+import math
+import operator
 import os
 import stat
 import struct
 from typing import Any
 
-from qtool.dtypes import DTYPES, nbytes_for
+from qtool.dtypes import DTYPES, StorageDType, nbytes_for
 from qtool.errors import CheckpointError
-from qtool.formats.checkpoint import StoredTensor
+from qtool.formats.checkpoint import StoredTensor, dims_fit_int64
 
 __all__ = ["MAX_HEADER_SIZE", "header_length", "read_header", "parse_header", "read_safetensors_file"]
 
@@ -115,12 +117,12 @@ def parse_header(path: str, header: bytes, file_size: int) -> tuple[list[StoredT
 
     data_start = 8 + len(header)
     buffer_size = file_size - data_start
-    entries = []
-    for name, info in parsed.items():
-        entries.append(_tensor_entry(path, name, info))
-    entries.sort(key=lambda e: (e[3], e[4]))
+    entries = _entries(path, parsed)
+    del parsed, text  # a 95 MB header parses to ~1 GB of dicts: gone before the tensors are built
+    entries.sort(key=_BY_OFFSETS)
 
     tensors = []
+    append = tensors.append
     expected_begin = 0
     for name, dtype, shape, begin, end in entries:
         if begin != expected_begin:
@@ -128,14 +130,64 @@ def parse_header(path: str, header: bytes, file_size: int) -> tuple[list[StoredT
             raise _fail(path, f"tensor {name!r} data_offsets [{begin}, {end}) {what} (expected begin {expected_begin})")
         if end > buffer_size:
             raise _fail(path, f"tensor {name!r} data_offsets end {end} is past the end of the {buffer_size}-byte data")
-        tensors.append(StoredTensor(name, dtype, shape, data_start + begin, data_start + end, path))
+        tensor = StoredTensor(name, dtype, shape, data_start + begin, data_start + end, path)
+        append(tensor)
         expected_begin = end
     if expected_begin != buffer_size:
         raise _fail(path, f"{buffer_size - expected_begin} trailing bytes after the last tensor")
     return tensors, metadata
 
 
-def _tensor_entry(path: str, name: str, info: Any):
+_BY_OFFSETS = operator.itemgetter(3, 4)  # (begin, end) of an entry tuple, in C
+_INT_TYPES = {int}
+
+
+def _entries(path: str, parsed: dict[str, Any]) -> list[tuple]:
+    """(name, dtype, shape, begin, end) per entry. A header holds up to ~1.6M entries, so the
+    common, valid one is checked inline, with the shapes already seen cached; anything unusual
+    goes through `_tensor_entry`, which finds the fault and names it."""
+    entries = []
+    append = entries.append
+    int_types = _INT_TYPES
+    seen: dict[tuple[str, tuple[int, ...]], tuple[StorageDType, int]] = {}  # (dtype, shape) -> (dtype, nbytes)
+    for name, info in parsed.items():
+        try:
+            dtype_name = info["dtype"]
+            shape_list = info["shape"]
+            begin, end = info["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            append(_tensor_entry(path, name, info))
+            continue
+        if (
+            type(shape_list) is not list
+            or type(dtype_name) is not str
+            or type(begin) is not int
+            or type(end) is not int
+            or not 0 <= begin <= end <= _USIZE_MAX
+            or (shape_list and (not set(map(type, shape_list)) <= int_types or min(shape_list) < 0))
+        ):
+            append(_tensor_entry(path, name, info))
+            continue
+        shape = tuple(shape_list)
+        known = seen.get((dtype_name, shape))
+        if known is None:
+            _, dtype, shape, _, _ = _tensor_entry(path, name, {"dtype": dtype_name, "shape": shape_list, "data_offsets": [0, 0]}, sized=False)
+            nbytes = nbytes_for(dtype, math.prod(shape))
+            if nbytes is None:
+                append(_tensor_entry(path, name, info))  # raises, naming the fault
+                continue
+            known = seen[dtype_name, shape] = (dtype, nbytes)
+        dtype, nbytes = known
+        if end - begin != nbytes:
+            append(_tensor_entry(path, name, info))  # raises, naming the fault
+            continue
+        append((name, dtype, shape, begin, end))
+    return entries
+
+
+def _tensor_entry(path: str, name: str, info: Any, sized: bool = True):
+    """Check one entry field by field, raising on the first fault; `sized=False` checks the
+    dtype and shape only."""
     if not isinstance(info, dict):
         raise _fail(path, f"tensor {name!r} entry is not an object")
     dtype_name = info.get("dtype")
@@ -149,17 +201,21 @@ def _tensor_entry(path: str, name: str, info: Any):
     shape = info.get("shape")
     if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
         raise _fail(path, f"tensor {name!r} shape {shape!r} is not a list of non-negative integers")
+    numel = 1
+    for dim in shape:  # the reference multiplies in usize and refuses overflow, even before a 0
+        numel *= dim
+        if numel > _USIZE_MAX:
+            raise _fail(path, f"tensor {name!r} shape {shape} overflows 64 bits")
+    if not dims_fit_int64(shape):  # the reference passes [0, 2^62, 64]; torch and numpy cannot build it
+        raise _fail(path, f"tensor {name!r} shape {shape} overflows 64 bits")
+    if not sized:
+        return name, dtype, tuple(shape), 0, 0
     offsets = info.get("data_offsets")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
         raise _fail(path, f"tensor {name!r} data_offsets {offsets!r} is not a pair of non-negative integers")
     begin, end = offsets
     if end < begin:
         raise _fail(path, f"tensor {name!r} data_offsets [{begin}, {end}) end before they begin")
-    numel = 1
-    for dim in shape:  # the reference multiplies in usize and refuses overflow, even before a 0
-        numel *= dim
-        if numel > _USIZE_MAX:
-            raise _fail(path, f"tensor {name!r} shape {shape} overflows 64 bits")
     if end > _USIZE_MAX:
         raise _fail(path, f"tensor {name!r} data_offsets overflow 64 bits")
     nbytes = nbytes_for(dtype, numel)

@@ -72,6 +72,7 @@ class PlanOptions:
     out_dtype: str | None = None  # cast kept float tensors (and decoded ones) to this
     max_shard_size: int | None = None
     file_name: str = "model.safetensors"
+    allow_incomplete_gguf: bool = False  # GGUF: write a model llama.cpp cannot run (no architecture or tokenizer)
 
 
 @dataclass
@@ -111,6 +112,7 @@ class Plan:
                     "action": j.action,
                     "scheme": j.scheme.label if j.scheme else None,
                     "from": j.weight.scheme.label if j.weight.scheme else None,
+                    "stored_as": j.weight.data.encoding or j.weight.data.dtype.name,
                     "shape": list(j.weight.shape),
                     "bytes_before": j.bytes_in,
                     "bytes_after": j.bytes_out,
@@ -120,6 +122,7 @@ class Plan:
                 }
                 for j in jobs
             ],
+            "notes": list(self.notes),
         }
 
 

@@ -20,7 +20,9 @@ callers use torch. QTOOL_NATIVE=0 turns it off, to compare the two paths or to d
     decode_int      the reverse, to bf16 / f16 / f32
     decode_gguf     GGUF blocks (the types in `gguf_types()`) to bf16 / f16 / f32
     encode_gguf     bf16 / f16 / f32 rows to GGUF blocks (the types in `gguf_encode_types()`),
-                    byte for byte gguf.quants.quantize, with the error sums of ErrorStats
+                    byte for byte gguf.quants.quantize (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, which
+                    are llama.cpp's bytes too) or llama.cpp's reference quantizers (Q2_K..Q6_K,
+                    IQ4_NL, which gguf-py cannot encode), with the error sums of ErrorStats
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 
 from qtool.buffers import allocate
 from qtool.dtypes import storage_dtype
+from qtool.errors import KernelError
 from qtool.metrics import ErrorStats
 
 __all__ = ["available", "encode_int", "decode_int", "decode_gguf", "gguf_types", "encode_gguf", "gguf_encode_types", "EncodedBlocks", "set_threads", "threads"]
@@ -137,7 +140,7 @@ def decode_gguf(type_name: str, src, blocks: int, block_size: int, out_dtype: st
     return out
 
 
-_GGML_NAMES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "MXFP4")
+_GGML_NAMES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "MXFP4", "IQ4_NL")
 _gguf_types: frozenset[str] | None = None
 
 
@@ -156,33 +159,45 @@ def gguf_types() -> frozenset[str]:
     return _gguf_types
 
 
+# encoded by llama.cpp's reference quantizers (kquant_encode.c), rows with inf or NaN included
+_LLAMA_CPP_ENCODERS = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"})
+
+
 @dataclass
 class EncodedBlocks:
-    data: memoryview  # rows x cols/32 blocks, as gguf.quants.quantize lays out a [rows, cols] array
-    errors: ErrorStats | None  # None when the rows hold inf or NaN: use gguf-py for this weight
+    data: memoryview  # rows x cols/block_size blocks, as gguf.quants.quantize lays out a [rows, cols] array
+    # None when the rows hold inf or NaN. Then for the gguf-py types (Q8_0, Q4_0, Q4_1, Q5_0,
+    # Q5_1) data is unfinished (`complete` False): encode this weight with gguf-py. For the
+    # K-quants and IQ4_NL, which gguf-py cannot encode, data holds llama.cpp's bytes for those
+    # rows too (`complete` True); only the error measures are missing.
+    errors: ErrorStats | None
+    complete: bool = True
 
 
 def encode_gguf(type_name: str, src, dtype: str, rows: int, cols: int) -> EncodedBlocks:
     """`rows` rows of `cols` values (row-major `dtype` bytes in `src`) as GGUF `type_name`
-    blocks, byte for byte what gguf.quants.quantize makes of them widened to float32.
+    blocks: byte for byte what gguf.quants.quantize makes of them widened to float32 for the
+    32-value types, and what llama.cpp's quantize_row_*_ref (quantize_iq4_nl for IQ4_NL) make
+    of them, without an importance matrix, for the K-quants and IQ4_NL.
 
     Checked here before anything is allocated (the kernel checks again), so a bad size is a
-    ValueError and never a huge allocation."""
-    type_size = _gguf_encoders().get(type_name)
-    if type_size is None:
-        raise ValueError(f"no native GGUF encoder for {type_name!r} (known: {' '.join(sorted(_gguf_encoders()))})")
+    KernelError (a ValueError) and never a huge allocation."""
+    sizes = _gguf_encoders().get(type_name)
+    if sizes is None:
+        raise KernelError(f"no native GGUF encoder for {type_name!r} (known: {' '.join(sorted(_gguf_encoders()))})")
+    block_size, type_size = sizes
     if dtype not in DTYPE_CODES:
-        raise ValueError(f"encode_gguf: dtype {dtype!r} is not one of {' '.join(DTYPE_CODES)}")
-    if rows < 0 or cols < 0 or cols % 32:
-        raise ValueError(f"encode_gguf: {rows} rows of {cols} values; cols must be a multiple of 32")
+        raise KernelError(f"encode_gguf: dtype {dtype!r} is not one of {' '.join(DTYPE_CODES)}")
+    if rows < 0 or cols < 0 or cols % block_size:
+        raise KernelError(f"encode_gguf: {rows} rows of {cols} values; cols must be a multiple of {block_size} for {type_name}")
     need = rows * cols * (storage_dtype(dtype).bits // 8)
     have = memoryview(src).nbytes
     if have < need:
-        raise ValueError(f"encode_gguf src holds {have} bytes, needs {need}")
-    data = allocate(rows * (cols // 32) * type_size)
+        raise KernelError(f"encode_gguf src holds {have} bytes, needs {need}")
+    data = allocate(rows * (cols // block_size) * type_size)
     parts = _run(_kernels.encode_gguf, _split(rows), type_name, src, DTYPE_CODES[dtype], cols, data)
     if not all(part[4] for part in parts):
-        return EncodedBlocks(data, None)
+        return EncodedBlocks(data, None, complete=type_name in _LLAMA_CPP_ENCODERS)
     xx, xe, ee = (sum(part[i] for part in parts) for i in range(3))
     # a scale past float16's range decodes to inf, and inf * 0 to NaN: NaN wins whatever the split
     max_abs = math.nan if any(math.isnan(part[3]) for part in parts) else max(part[3] for part in parts)
@@ -190,11 +205,11 @@ def encode_gguf(type_name: str, src, dtype: str, rows: int, cols: int) -> Encode
     return EncodedBlocks(data, errors)
 
 
-_gguf_encoder_sizes: dict[str, int] | None = None
+_gguf_encoder_sizes: dict[str, tuple[int, int]] | None = None
 
 
-def _gguf_encoders() -> dict[str, int]:
-    """{type name: bytes per block of 32 values}, from the kernel's own table."""
+def _gguf_encoders() -> dict[str, tuple[int, int]]:
+    """{type name: (values, bytes) per block}, from the kernel's own table."""
     global _gguf_encoder_sizes
     if _gguf_encoder_sizes is None:
         _gguf_encoder_sizes = _kernels.gguf_encoders() if _kernels is not None else {}

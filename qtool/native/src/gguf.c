@@ -198,6 +198,18 @@ QT_INLINE void dq_q6_k(const uint8_t *restrict x, float *restrict y) {
     }
 }
 
+/* IQ4_NL: [d f16][16 B: value j low nibble, j + 16 high], each code an index into
+ * kvalues_iq4nl; d * value is exact (11 by 7 significant bits) */
+static const int8_t iq4nl_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+QT_INLINE void dq_iq4_nl(const uint8_t *restrict x, float *restrict y) {
+    const float d = f16_at(x);
+    const uint8_t *q = x + 2;
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)iq4nl_values[q[j] & 0x0F];
+        y[j + 16] = d * (float)iq4nl_values[q[j] >> 4];
+    }
+}
+
 /* -- block loops ------------------------------------------------------------------------------ */
 
 /* Decodes blocks [b0, b1): float32 straight into out, else 256 values at a time through a
@@ -233,6 +245,7 @@ QT_GGUF_LOOP(q3_k, 256, 110)
 QT_GGUF_LOOP(q4_k, 256, 144)
 QT_GGUF_LOOP(q5_k, 256, 176)
 QT_GGUF_LOOP(q6_k, 256, 210)
+QT_GGUF_LOOP(iq4_nl, 32, 18)
 
 typedef void (*qt_gguf_run)(const uint8_t *, void *, int, Py_ssize_t, Py_ssize_t);
 
@@ -251,7 +264,19 @@ static const struct {
     {"Q4_K", 256, 144, q4_k_run},
     {"Q5_K", 256, 176, q5_k_run},
     {"Q6_K", 256, 210, q6_k_run},
+    {"IQ4_NL", 32, 18, iq4_nl_run},
 };
+#define QT_GGUF_TYPES ((int)(sizeof qt_gguf_types / sizeof qt_gguf_types[0]))
+
+int qt_gguf_decode_f32(const char *type_name, const uint8_t *src, float *out, Py_ssize_t blocks) {
+    for (int i = 0; i < QT_GGUF_TYPES; i++) {
+        if (strcmp(type_name, qt_gguf_types[i].name) == 0) {
+            qt_gguf_types[i].run(src, out, QT_F32, 0, blocks);
+            return 1;
+        }
+    }
+    return 0;
+}
 
 PyObject *qt_py_decode_gguf(PyObject *self, PyObject *args) {
     (void)self;
@@ -263,7 +288,7 @@ PyObject *qt_py_decode_gguf(PyObject *self, PyObject *args) {
 
     PyObject *result = NULL;
     int found = -1;
-    for (int i = 0; i < (int)(sizeof qt_gguf_types / sizeof qt_gguf_types[0]); i++) {
+    for (int i = 0; i < QT_GGUF_TYPES; i++) {
         if (strcmp(type_name, qt_gguf_types[i].name) == 0) {
             found = i;
             break;

@@ -83,6 +83,7 @@ QT_INLINE uint32_t abs_max_bits(const float *x) {
 /* the first value of largest |x|: abs(blocks).argmax() then take_along_axis */
 QT_INLINE float first_abs_max(const float *x) {
     const uint32_t m = abs_max_bits(x);
+    if (m == 0) return 0.0f; /* ggml starts from +0 and keeps it for an all-zero block; gguf-py keeps a -0 */
     int at = 31;
     for (int j = 0; j < 32; j++) {
         const int candidate = (qt_bits(x[j]) & 0x7FFFFFFFu) == m ? j : 31;
@@ -261,14 +262,18 @@ QT_SYMMETRIC_ROW(q5_0, 22, first_abs_max, -16.0f)
 QT_AFFINE_ROW(q4_1, 20, 15.0f)
 QT_AFFINE_ROW(q5_1, 24, 31.0f)
 
-typedef void (*qt_encode_row)(const float *, Py_ssize_t, uint8_t *, float *);
-
+/* `exact_nonfinite`: the row encoder gives the reference's bytes for rows holding inf or NaN too
+ * (the K-quants, which gguf-py cannot encode at all), so such rows are encoded, not refused */
 static const struct {
     const char *name;
-    Py_ssize_t type_size; /* bytes per block of 32 values */
+    Py_ssize_t block_size, type_size; /* values and bytes per block */
     qt_encode_row row;
+    int exact_nonfinite;
 } qt_encoders[] = {
-    {"Q8_0", 34, q8_0_row}, {"Q4_0", 18, q4_0_row}, {"Q4_1", 20, q4_1_row}, {"Q5_0", 22, q5_0_row}, {"Q5_1", 24, q5_1_row},
+    {"Q8_0", 32, 34, q8_0_row, 0},   {"Q4_0", 32, 18, q4_0_row, 0},     {"Q4_1", 32, 20, q4_1_row, 0},
+    {"Q5_0", 32, 22, q5_0_row, 0},   {"Q5_1", 32, 24, q5_1_row, 0},     {"Q2_K", 256, 84, qt_q2_k_row, 1},
+    {"Q3_K", 256, 110, qt_q3_k_row, 1}, {"Q4_K", 256, 144, qt_q4_k_row, 1}, {"Q5_K", 256, 176, qt_q5_k_row, 1},
+    {"Q6_K", 256, 210, qt_q6_k_row, 1}, {"IQ4_NL", 32, 18, qt_iq4_nl_row, 1},
 };
 #define QT_ENCODERS ((int)(sizeof qt_encoders / sizeof qt_encoders[0]))
 
@@ -326,11 +331,12 @@ PyObject *qt_py_encode_gguf(PyObject *self, PyObject *args) {
         goto done;
     }
     if (!qt_check_dtype(dt, "encode_gguf")) goto done;
-    if (cols < 0 || cols % 32 || row0 < 0 || row1 < row0) {
-        PyErr_Format(PyExc_ValueError, "encode_gguf: bad layout: cols %zd (a multiple of 32), rows [%zd, %zd)", cols, row0, row1);
+    const Py_ssize_t bs = qt_encoders[found].block_size;
+    if (cols < 0 || cols % bs || row0 < 0 || row1 < row0) {
+        PyErr_Format(PyExc_ValueError, "encode_gguf: bad layout: cols %zd (a multiple of %zd), rows [%zd, %zd)", cols, bs, row0, row1);
         goto done;
     }
-    const Py_ssize_t ts = qt_encoders[found].type_size, item = qt_itemsize(dt), blocks = cols / 32;
+    const Py_ssize_t ts = qt_encoders[found].type_size, item = qt_itemsize(dt), blocks = cols / bs;
     if (!qt_check_size(&src, qt_mul(qt_mul(row1, cols), item), "encode_gguf src") ||
         !qt_check_size(&out, qt_mul(qt_mul(row1, blocks), ts), "encode_gguf out"))
         goto done;
@@ -345,17 +351,18 @@ PyObject *qt_py_encode_gguf(PyObject *self, PyObject *args) {
             goto done;
         }
         const qt_encode_row row = qt_encoders[found].row;
+        const int exact_nonfinite = qt_encoders[found].exact_nonfinite;
         const char *in = (const char *)src.buf;
         uint8_t *o = (uint8_t *)out.buf;
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t r = row0; r < row1; r++) {
             qt_widen(in + r * cols * item, dt, x, cols);
-            if (!row_is_finite(x, cols)) { /* the caller encodes this weight with gguf-py */
-                finite = 0;
-                break;
+            if (!row_is_finite(x, cols)) { /* no error sums: the caller encodes this weight with gguf-py, or */
+                finite = 0;               /* keeps the exact bytes of the rest of the rows, encoded anyway */
+                if (!exact_nonfinite) break;
             }
             row(x, blocks, o + r * blocks * ts, rec);
-            add_errors(x, rec, cols, &sums);
+            if (finite) add_errors(x, rec, cols, &sums);
         }
         Py_END_ALLOW_THREADS
         free(x);
@@ -370,12 +377,12 @@ done:
     return result;
 }
 
-/* gguf_encoders() -> {type name: bytes per block of 32 values}, the table above */
+/* gguf_encoders() -> {type name: (values, bytes) per block}, the table above */
 PyObject *qt_py_gguf_encoders(PyObject *self, PyObject *args) {
     (void)self, (void)args;
     PyObject *table = PyDict_New();
     for (int i = 0; table && i < QT_ENCODERS; i++) {
-        PyObject *size = PyLong_FromSsize_t(qt_encoders[i].type_size);
+        PyObject *size = Py_BuildValue("nn", qt_encoders[i].block_size, qt_encoders[i].type_size);
         if (!size || PyDict_SetItemString(table, qt_encoders[i].name, size) < 0) Py_CLEAR(table);
         Py_XDECREF(size);
     }

@@ -44,7 +44,8 @@ static PyMethodDef methods[] = {
      "decode_gguf(type_name, src, out, out_dtype, block0, block1)"},
     {"encode_gguf", qt_py_encode_gguf, METH_VARARGS,
      "encode_gguf(type_name, src, dtype, cols, out, row0, row1) -> (xx, xe, ee, max_abs_err, finite)"},
-    {"gguf_encoders", qt_py_gguf_encoders, METH_NOARGS, "gguf_encoders() -> {type name: bytes per block of 32 values}"},
+    {"kquant_set_lanes", qt_py_kquant_set_lanes, METH_VARARGS, "kquant_set_lanes(lanes): tests only, the K-quant searches no wider than 8 or 4 lanes"},
+    {"gguf_encoders", qt_py_gguf_encoders, METH_NOARGS, "gguf_encoders() -> {type name: (values, bytes) per block}"},
     {NULL, NULL, 0, NULL},
 };
 

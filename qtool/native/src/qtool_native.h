@@ -105,13 +105,31 @@ static inline __attribute__((always_inline)) void qt_narrow(const float *src, vo
     }
 }
 
-/* Python entry points, one file each: affine.c, gguf.c, gguf_encode.c */
+/* Python entry points, one file each: affine.c, gguf.c, gguf_encode.c (kquant_encode.c adds rows) */
 PyObject *qt_py_encode_int(PyObject *self, PyObject *args);
 PyObject *qt_py_pack_zero_points(PyObject *self, PyObject *args);
 PyObject *qt_py_decode_int(PyObject *self, PyObject *args);
 PyObject *qt_py_decode_gguf(PyObject *self, PyObject *args);
 PyObject *qt_py_encode_gguf(PyObject *self, PyObject *args);
 PyObject *qt_py_gguf_encoders(PyObject *self, PyObject *args);
+
+/* Blocks [0, blocks) of GGUF `type_name` into float32 `out` (gguf.c's decoders); 0 if the type
+ * has no decoder. No GIL needed. */
+int qt_gguf_decode_f32(const char *type_name, const uint8_t *src, float *out, Py_ssize_t blocks);
+
+/* One row's encoder: `blocks` blocks from the float32 values at x into out, and the values those
+ * blocks decode to into rec. The K-quants and IQ4_NL are in kquant_encode.c. */
+typedef void (*qt_encode_row)(const float *, Py_ssize_t, uint8_t *, float *);
+void qt_q2_k_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec);
+void qt_q3_k_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec);
+void qt_q4_k_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec);
+void qt_q5_k_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec);
+void qt_q6_k_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec);
+void qt_iq4_nl_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec);
+/* The K-quant searches use no build wider than `lanes` (8 or 4) even where the CPU has it:
+ * tests compare the builds */
+void qt_kquant_set_lanes(int lanes);
+PyObject *qt_py_kquant_set_lanes(PyObject *self, PyObject *args);
 
 /* a * b, or -1 when either is negative or the product overflows: sizes from callers are never
  * trusted, and qt_check_size refuses -1 */
