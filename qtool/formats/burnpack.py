@@ -38,7 +38,7 @@ from typing import Any
 
 from qtool.dtypes import DTYPES, StorageDType
 from qtool.errors import CheckpointError
-from qtool.formats.checkpoint import StoredTensor
+from qtool.formats.checkpoint import StoredTensor, dims_fit_int64
 from qtool.formats.untrusted_json import describe, parse_json
 
 __all__ = [
@@ -131,19 +131,25 @@ def _decode_cbor(path: str, raw: bytes) -> Any:
         raise _fail(path, "metadata CBOR nests too deeply") from None
     except Exception as exc:  # cbor2 raises CBORDecodeError and, on odd input, ValueError/TypeError
         raise _fail(path, f"metadata is not valid CBOR ({exc})") from None
-    if _depth(document) > MAX_CBOR_DEPTH:
-        raise _fail(path, f"metadata CBOR nests deeper than {MAX_CBOR_DEPTH} levels")
+    _check_tree(path, document)
     return document
 
 
-def _depth(value: Any, level: int = 0) -> int:
+def _check_tree(path: str, value: Any, level: int = 0) -> None:
+    """Depth at most MAX_CBOR_DEPTH, and every integer within 64 bits (CBOR's own range; a
+    bignum tag holds any size, and Python refuses to print one of 4,300 digits)."""
     if level > MAX_CBOR_DEPTH:
-        return level
-    if isinstance(value, dict):
-        return max((_depth(v, level + 1) for v in value.values()), default=level + 1)
-    if isinstance(value, (list, tuple)):
-        return max((_depth(v, level + 1) for v in value), default=level + 1)
-    return level
+        raise _fail(path, f"metadata CBOR nests deeper than {MAX_CBOR_DEPTH} levels")
+    if isinstance(value, int) and not isinstance(value, bool):
+        if not -(2**64) <= value < 2**64:
+            raise _fail(path, f"metadata holds an integer of {value.bit_length()} bits; CBOR's integers have at most 64")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_tree(path, key, level + 1)
+            _check_tree(path, item, level + 1)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _check_tree(path, item, level + 1)
 
 
 def _describe(path: str, document: Any, version: int, metadata_size: int, size: int) -> tuple[list[StoredTensor], dict[str, str]]:
@@ -177,6 +183,8 @@ def _tensor(path: str, name: Any, info: Any, data_start: int, size: int) -> Stor
     shape = info.get("shape")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise _fail(path, f"tensor {name!r} shape {shape!r} is not a list of non-negative integers")
+    if not dims_fit_int64(shape):
+        raise _fail(path, f"tensor {name!r} shape {shape!r} has more elements than a 64-bit size can count")
     offsets = info.get("data_offsets")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets):
         raise _fail(path, f"tensor {name!r} data_offsets {offsets!r} is not a pair of non-negative integers")

@@ -89,7 +89,10 @@ def _reserve(fd: int, size: int) -> None:
     cannot hold the output fails here, before any data is written, and write-back goes to
     extents allocated in one piece. Elsewhere (or where the filesystem has no fallocate, which
     glibc's posix_fallocate would emulate by writing every block) a sparse ftruncate. Either
-    way the gaps between ranges (alignment padding) read as zeros."""
+    way the gaps between ranges (alignment padding) read as zeros. A size past off_t (a plan
+    made from a stranger's shape) is the file system's "file too large", not an overflow."""
+    if size >= 2**63:
+        raise OSError(errno.EFBIG, f"{os.strerror(errno.EFBIG)} ({size} bytes)")
     if _fallocate is not None and size > 0:
         if _fallocate(fd, 0, 0, size) == 0:
             return
