@@ -163,7 +163,7 @@ def mutate_json_doc(rng: random.Random, doc, raw: Raw, nested_json: bool = True)
         else:
             container.pop(key)  # type: ignore[union-attr]
         return doc, f"deleted {key!s:.40}"
-    if op < 0.70 and isinstance(container, dict):
+    if op < 0.70 and isinstance(container, dict) and _dumpable(container):  # not CBOR's byte strings
         items = [f"{json.dumps(k)}: {json.dumps(v, allow_nan=True)}" for k, v in container.items() if not _has_raw(v)]
         dup = f"{json.dumps(key)}: {json.dumps(rng.choice(_WRONG_TYPES))}"
         items.insert(rng.randrange(len(items) + 1), dup)
@@ -193,6 +193,14 @@ def mutate_json_doc(rng: random.Random, doc, raw: Raw, nested_json: bool = True)
         return doc, f"{key!s:.40}={new}"
     container[key] = [value] if rng.random() < 0.5 else {"value": value}  # type: ignore[index]
     return doc, f"{key!s:.40} wrapped"
+
+
+def _dumpable(value) -> bool:
+    try:
+        json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _has_raw(value) -> bool:
