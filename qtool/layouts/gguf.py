@@ -16,11 +16,13 @@ tensor data is laid out at its aligned offsets by qtool's writer, streamed like 
     not chosen, other float (fp8)  F32, exactly
     already quantized (requantize) decoded on `device`, then as above; F32 when not chosen
 
-Encoding: the fused C kernels (`qtool.native.encode_gguf`) on the CPU, bit for bit
-`gguf.quants.quantize`; that numpy code otherwise (and for MXFP4). Neither imports torch.
-The K-quants have only the C kernels: without them the plan refuses, before anything is written.
+Encoding: the fused C kernels (`qtool.native.encode_gguf`) on the CPU, byte for byte
+llama.cpp's reference quantizers (and `gguf.quants.quantize`, except that an all-zero Q4_0/Q5_0
+block stores ggml's d = -0); gguf-py's numpy code otherwise (and for MXFP4). Neither imports
+torch. The K-quants and IQ4_NL have only the C kernels: without them the plan refuses, before
+anything is written.
 
-GGUF in, GGUF out (`_gguf_input_metadata`): every key-value of the input is written again in
+GGUF in, GGUF out (`_gguf_input_metadata`, read by `formats.gguf.read_gguf_key_values`): every key-value of the input is written again in
 its order with its exact value type (arrays with their element type), the tensors in their
 order; `general.file_type`, `general.quantization_version` and `general.quantized_by` are set,
 and the split keys dropped, as llama-quantize does. `general.alignment` is kept and obeyed.
