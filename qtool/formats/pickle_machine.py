@@ -25,9 +25,10 @@ when the bytes end before `STOP`, so a caller reading a stream can fetch more an
 from __future__ import annotations
 
 import codecs
-import gc
 import struct
 from typing import Any, Protocol
+
+from qtool.gcpause import paused_gc
 
 __all__ = ["PickleError", "Truncated", "PDict", "PSet", "Hooks", "interpret", "MAX_INT_BYTES"]
 
@@ -103,13 +104,8 @@ def interpret(data: bytes, hooks: Hooks, *, start: int = 0, max_objects: int = 4
 
     The cyclic garbage collector is paused meanwhile: millions of new containers would make it
     walk all of them again and again (as pickle's own C unpickler avoids by not tracking)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with paused_gc():
         return _Machine(data, hooks, start, max_objects).run()
-    finally:
-        if enabled:
-            gc.enable()
 
 
 class _Machine:
