@@ -354,26 +354,17 @@ static QT_HOT void q6_k_blocks(const float *x, Py_ssize_t nb, uint8_t *out) {
 
 /* -- rows: qt_encode_row's contract (qtool_native.h): blocks' bytes into out, decoded into rec -- */
 
-void qt_q2_k_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec) {
-    q2_k_blocks(x, blocks, out);
-    qt_gguf_decode_f32("Q2_K", out, rec, blocks);
-}
-void qt_q3_k_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec) {
-    q3_k_blocks(x, blocks, out);
-    qt_gguf_decode_f32("Q3_K", out, rec, blocks);
-}
-void qt_q4_k_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec) {
-    q4_k_blocks(x, blocks, out);
-    qt_gguf_decode_f32("Q4_K", out, rec, blocks);
-}
-void qt_q5_k_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec) {
-    q5_k_blocks(x, blocks, out);
-    qt_gguf_decode_f32("Q5_K", out, rec, blocks);
-}
-void qt_q6_k_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec) {
-    q6_k_blocks(x, blocks, out);
-    qt_gguf_decode_f32("Q6_K", out, rec, blocks);
-}
+#define QT_KQUANT_ROW(NAME, TYPE)                                                     \
+    void qt_##NAME##_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec) { \
+        NAME##_blocks(x, blocks, out);                                                  \
+        qt_gguf_decode_f32(TYPE, out, rec, blocks);                                     \
+    }
+QT_KQUANT_ROW(q2_k, "Q2_K")
+QT_KQUANT_ROW(q3_k, "Q3_K")
+QT_KQUANT_ROW(q4_k, "Q4_K")
+QT_KQUANT_ROW(q5_k, "Q5_K")
+QT_KQUANT_ROW(q6_k, "Q6_K")
+
 void qt_iq4_nl_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec) {
     for (Py_ssize_t b = 0; b < blocks; b += 1024) /* int counts inside */
         QT_KQ_CALL(kq_lanes(), iq4_nl_blocks, x + 32 * b, blocks - b < 1024 ? (int)(blocks - b) : 1024, out + 18 * b);
