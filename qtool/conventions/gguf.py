@@ -146,8 +146,6 @@ def decode_blocks(raw, encoding: str, shape: tuple[int, ...], device: str = "cpu
         )
     gtype = _type_of(encoding)
     numel = math.prod(shape)
-    if not shape or shape[-1] % gtype.block_size:  # llama.cpp refuses such a tensor too
-        raise QtoolError(f"weight {name!r}: rows of {shape[-1] if shape else 'a scalar'} values are not whole {gtype.name} blocks of {gtype.block_size}")
     if raw.numel() != gtype.nbytes(numel):
         raise QtoolError(f"weight {name!r}: {raw.numel()} bytes do not hold {numel} {gtype.name} values")
     if gtype.name not in gguf_blocks.torch_decodable():

@@ -440,9 +440,10 @@ def _tensors(cur: _Cursor, infos: list[_Info], data_offset: int, alignment: int)
                 raise _truncated(cur, name, begin)
             tensors.append(StoredTensor(name, DTYPES["U8"], (end - begin,), begin, end, cur.path, f"unknown({info.type_id})", shape))
             continue
-        if info.dims and info.dims[0] % gtype.block_size:
+        row = info.dims[0] if info.dims else 1  # no dims: one value, as llama.cpp reads it
+        if row % gtype.block_size:
             raise cur.fail(
-                f"tensor {name!r} of type {gtype.name} has {info.dims[0]} elements per row, "
+                f"tensor {name!r} of type {gtype.name} has {row} elements per row, "
                 f"not a multiple of its block size {gtype.block_size}"
             )
         end = begin + gtype.nbytes(numel)
