@@ -8,6 +8,7 @@ updated only on purpose, with the reason in the commit message:
     python -m tests.golden_outputs --update            # rewrite tests/fixtures/golden/outputs.json
     python -m tests.golden_outputs --update -k W4A16   # only the cases whose id contains W4A16
 
+The same holds for what `inspect --json` says of every checkpoint file the repo ships.
 `tests/test_golden_outputs.py` replays each case and compares.
 """
 
@@ -202,6 +203,29 @@ def run_case(case: Case, folder: Path, inputs: Path) -> dict[str, Any]:
     return {"files": hashes, "report": _placeholders(_without_timing(report.to_json()), paths)}
 
 
+def _inspected() -> list[str]:
+    """Every checkpoint file the repo ships (fixtures and sample models), relative to the repo:
+    what `inspect --json` says of each must not change either."""
+    suffixes = (".safetensors", ".gguf", ".pt", ".pth", ".bin", ".bpk")
+    roots = [REPO / "tests" / "fixtures", SAMPLES]
+    found = sorted(p for root in roots for p in root.rglob("*") if p.is_file() and p.suffix in suffixes and "fuzz" not in p.parts)
+    return [str(p.relative_to(REPO)) for p in found]
+
+
+INSPECTED = _inspected()
+
+
+def inspect_case(relative: str) -> Any:
+    """`inspect --json` of one shipped file (a refusal: its exit code and message)."""
+    import qtool
+    from qtool.errors import QtoolError
+
+    try:
+        return _placeholders(qtool.inspect(REPO / relative).to_json(), {str(REPO): "<repo>"})
+    except QtoolError as exc:
+        return {"refused": exc.exit_code, "message": str(exc).replace(str(REPO), "<repo>")}
+
+
 def load() -> dict[str, Any]:
     return json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
 
@@ -215,6 +239,15 @@ def main() -> int:
     args = parser.parse_args()
     goldens = load()
     changed = 0
+    for relative in INSPECTED:
+        key = f"inspect/{relative}"
+        if args.k not in key:
+            continue
+        result = inspect_case(relative)
+        if goldens.get(key) != result:
+            changed += 1
+            print(("updated " if args.update else "differs ") + key)
+        goldens[key] = result
     with tempfile.TemporaryDirectory() as work:
         inputs = Path(work) / "inputs"
         inputs.mkdir()
@@ -229,7 +262,7 @@ def main() -> int:
     if args.update:
         GOLDEN.parent.mkdir(parents=True, exist_ok=True)
         GOLDEN.write_text(json.dumps(goldens, indent=1, sort_keys=True) + "\n")
-    print(f"{changed} of {len(CASES)} cases {'updated' if args.update else 'differ'}")
+    print(f"{changed} of {len(CASES) + len(INSPECTED)} cases {'updated' if args.update else 'differ'}")
     return 0 if args.update or not changed else 1
 
 

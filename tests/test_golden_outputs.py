@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.golden_outputs import CASES, load, run_case
+from tests.golden_outputs import CASES, INSPECTED, inspect_case, load, run_case
 
 GOLDENS = load()
 
@@ -24,6 +24,14 @@ def test_output_is_unchanged(case, inputs, tmp_path):
     result = run_case(case, tmp_path, inputs)
     assert result["files"] == expected["files"], f"{case.id}: the files written differ: {differences(result['files'], expected['files'])}"
     assert result["report"] == expected["report"], f"{case.id}: the report differs: {differences(result['report'], expected['report'])}"
+
+
+@pytest.mark.parametrize("relative", INSPECTED)
+def test_inspection_is_unchanged(relative):
+    expected = GOLDENS.get(f"inspect/{relative}")
+    assert expected is not None, f"no golden for inspect/{relative}: run python -m tests.golden_outputs --update -k '{relative}'"
+    result = inspect_case(relative)
+    assert result == expected, f"inspect {relative} differs: {differences(result, expected)}"
 
 
 def differences(got, want, path: str = "") -> list[str]:
