@@ -53,7 +53,7 @@ def main() -> int:
 
     import torch
 
-    from qtool.metrics import ErrorStats
+    from qtool.error_measures import ErrorStats
 
     print_environment(("torch", "numpy"))
     g = torch.Generator().manual_seed(0)

@@ -33,10 +33,9 @@ if _started_as_the_command() and signal.getsignal(signal.SIGINT) is signal.defau
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~2 ms before the CLI's signal handlers)
 
-__version__ = "0.1.0"
-
 # public name -> the module that defines it
 _LAZY = {
+    "__version__": "qtool.version",
     "open_checkpoint": "qtool.api",
     "inspect": "qtool.api",
     "collect_stats": "qtool.api",
@@ -51,7 +50,7 @@ _LAZY = {
     "ViolationError": "qtool.errors",
     "InternalError": "qtool.errors",
     "QScheme": "qtool.scheme",
-    "QType": "qtool.scheme",
+    "QType": "qtool.qtypes",
     "Weight": "qtool.weight",
 }
 
@@ -80,7 +79,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time these load on first
 
     from qtool.api import check, collect_stats, compare, dequantize, inspect, open_checkpoint, quantize
     from qtool.errors import CheckpointError, InternalError, NotQuantizedError, QtoolError, UsageError, ViolationError
-    from qtool.scheme import QScheme, QType
+    from qtool.qtypes import QType
+    from qtool.scheme import QScheme
     from qtool.weight import Weight
 
 

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from qtool.errors import UsageError
@@ -20,15 +20,14 @@ from qtool.inspection import Inspection, inspect_checkpoint
 if TYPE_CHECKING:
     from qtool.audit import Audit, CheckRules
     from qtool.comparison import Comparison
-    from qtool.layouts.base import Plan
-    from qtool.pipeline import ExecOptions
+    from qtool.plan import Plan
+    from qtool.policy import Policy
     from qtool.reports import RunReport
 
 __all__ = [
     "open_checkpoint",
     "inspect",
     "collect_stats",
-    "Task",
     "prepare_quantize",
     "prepare_dequantize",
     "run",
@@ -38,6 +37,8 @@ __all__ = [
     "run_compare",
     "compare",
     "check",
+    "schemes",
+    "load_policy",
 ]
 
 
@@ -56,7 +57,7 @@ def inspect(path: str | os.PathLike[str], filter: str | None = None) -> Inspecti
 def collect_stats(inspection: Inspection, on_bytes: Callable[[int], None] | None = None) -> Inspection:
     """A new Inspection with the value stats of every plain weight it reports, streamed from
     the data; the checkpoint is closed afterwards. Reads with numpy; never imports torch."""
-    from qtool.stats import collect_stats as _collect_stats
+    from qtool.value_stats import collect_stats as _collect_stats
 
     inspection.checkpoint.require_local()
 
@@ -64,21 +65,6 @@ def collect_stats(inspection: Inspection, on_bytes: Callable[[int], None] | None
 
 
 # -- quantize and dequantize -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Task:
-    """A planned job: what `--dry-run` shows, and what `run` writes."""
-
-    plan: "Plan"
-    output: str
-    single_file: bool
-    warnings: tuple[str, ...] = ()
-    report: str | None = None  # where `run` writes the report document, if anywhere
-
-    def to_json(self) -> dict[str, Any]:
-        """The `--dry-run` document."""
-        return {**self.plan.to_json(), "output": self.output}
 
 
 def prepare_quantize(
@@ -95,14 +81,16 @@ def prepare_quantize(
     allow_requantize: bool = False,
     report: str | os.PathLike[str] | None = None,
     allow_incomplete_gguf: bool = False,
-) -> Task:
+    pure: bool = False,
+) -> "Plan":
     """Plan a quantization: which weights, which scheme and layout, every output tensor.
     Writes nothing; refuses an impossible job (and every unsafe output path) here.
     A GGUF from a Hugging Face checkpoint must be a model llama.cpp runs (llama, mistral, qwen2,
-    with its tokenizer) unless `allow_incomplete_gguf`."""
+    with its tokenizer) unless `allow_incomplete_gguf`. `pure` gives every tensor a llama.cpp
+    file type quantizes its default type, with the row fallbacks (`llama-quantize --pure`)."""
     from qtool.selection import Selection
 
-    selection = Selection.from_options(scheme, list(include), list(ignore), list(tensor_schemes))
+    selection = Selection.from_options(scheme, list(include), list(ignore), list(tensor_schemes), pure=pure)
     checkpoint = _open_checkpoint(path)
     try:
         checkpoint.require_local()
@@ -112,9 +100,11 @@ def prepare_quantize(
         raise
 
 
-def _plan_quantize(checkpoint: Checkpoint, path, output: str, selection, layout, dtype, max_shard_size, allow_requantize, report, allow_incomplete_gguf=False) -> Task:
-    from qtool.layouts import PlanOptions, choose_layout
+def _plan_quantize(checkpoint: Checkpoint, path, output: str, selection, layout, dtype, max_shard_size, allow_requantize, report, allow_incomplete_gguf=False) -> "Plan":
+    from qtool.errors import SchemeError
+    from qtool.layouts import choose_layout
     from qtool.pipeline import parse_dtype, parse_size
+    from qtool.plan import PlanOptions
 
     report = os.fspath(report) if report is not None else None
     weights = inspect_checkpoint(checkpoint).weights
@@ -129,16 +119,17 @@ def _plan_quantize(checkpoint: Checkpoint, path, output: str, selection, layout,
                 option="allow_requantize",
             )
         warnings.append(f"requantizing {len(quantized)} already-quantized weights: they are dequantized first, and errors compound")
-    chosen = selection.choose(weights)
-    schemes = {s for s in chosen.values() if s is not None}
-    if not schemes:
+    chosen = selection.choose(checkpoint, weights, allow_incomplete_gguf=allow_incomplete_gguf)
+    if not chosen.schemes and chosen.mix is None:
         raise UsageError(
             f"no weight of {path} matches the selection",
             hint="by default 2-D float *.weight tensors of linear layers are quantized; include others by pattern",
             option="include",
         )
-    requested = "gguf" if layout in (None, "auto") and output.endswith(".gguf") else layout
-    chosen_layout = choose_layout(schemes, requested)
+    requested = "gguf" if layout in (None, "auto") and (output.endswith(".gguf") or chosen.mix is not None) else layout
+    if chosen.mix is not None and requested != "gguf":
+        raise SchemeError(f"{chosen.mix} is a llama.cpp file type, which only the gguf layout writes", hint="write a .gguf file, or name one scheme for another layout")
+    chosen_layout = choose_layout(chosen.distinct, requested)
     single_file = check_paths(checkpoint, output, report, container=chosen_layout.container)
     if max_shard_size and chosen_layout.container == "gguf":
         raise UsageError("a GGUF output is one file and is not split into shards", option="max_shard_size")
@@ -150,7 +141,7 @@ def _plan_quantize(checkpoint: Checkpoint, path, output: str, selection, layout,
         allow_incomplete_gguf=allow_incomplete_gguf,
     )
     plan = chosen_layout.plan(checkpoint, weights, chosen, options)
-    return Task(plan, output, single_file, tuple(warnings + plan.notes + _side_file_warnings(checkpoint, single_file)), report)
+    return replace(plan, output=output, single_file=single_file, report=report, warnings=tuple(warnings + plan.notes + _side_file_warnings(checkpoint, single_file)))
 
 
 def prepare_dequantize(
@@ -159,10 +150,11 @@ def prepare_dequantize(
     *,
     dtype: str | None = None,
     max_shard_size: str | None = None,
-) -> Task:
+) -> "Plan":
     """Plan decoding every quantized weight to float, keyed by its logical name. Writes nothing."""
-    from qtool.layouts import LAYOUTS, PlanOptions
+    from qtool.layouts import LAYOUTS
     from qtool.pipeline import parse_dtype, parse_size
+    from qtool.plan import Chosen, PlanOptions
 
     checkpoint = _open_checkpoint(path)
     output = os.fspath(output)
@@ -177,11 +169,11 @@ def prepare_dequantize(
             max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
             file_name=os.path.basename(output) if single_file else "model.safetensors",
         )
-        plan = LAYOUTS["safetensors"].plan(checkpoint, weights, {}, options)
+        plan = LAYOUTS["safetensors"].plan(checkpoint, weights, Chosen(), options)
     except BaseException:
         checkpoint.close()
         raise
-    return Task(plan, output, single_file, tuple(warnings + _side_file_warnings(checkpoint, single_file)))
+    return replace(plan, output=output, single_file=single_file, warnings=tuple(warnings + _side_file_warnings(checkpoint, single_file)))
 
 
 def check_paths(checkpoint: Checkpoint, output: str, report: str | None, *, container: str) -> bool:
@@ -241,32 +233,39 @@ def _side_file_warnings(checkpoint: Checkpoint, single_file: bool) -> list[str]:
 
 
 def run(
-    task: Task,
-    options: "ExecOptions | None" = None,
+    plan: "Plan",
     *,
+    device: str = "cpu",
+    threads: int | None = None,
+    measure: bool = True,
+    on_progress: Callable[[int], None] | None = None,
     overwrite: bool = False,
 ) -> "RunReport":
-    """Stream a planned task to its output, atomically, and write its report (if the task names
-    one) before the output is committed. Imports torch unless qtool.native runs every job.
-    Changes no process state."""
+    """Stream a plan to its output, atomically, and write its report (if the plan names one)
+    before the output is committed: on `device` (cpu, cuda, cuda:N, auto), with `threads` CPU
+    threads for the kernels, each quantized weight's error measured unless `measure` is off,
+    `on_progress` called with input bytes done. Imports torch unless qtool.native runs every
+    job. Changes no process state."""
     from qtool.formats.writer import Output, stage_json
     from qtool.pipeline import ExecOptions, execute, resolve_device
     from qtool.reports import RunReport
 
-    options = options or ExecOptions()
-    options = replace(options, device=resolve_device(options.device))
-    if options.threads is not None and options.threads < 1:
-        raise UsageError(f"threads {options.threads} must be at least 1", option="threads")
+    if threads is not None and threads < 1:
+        raise UsageError(f"threads {threads} must be at least 1", option="threads")
+    options = ExecOptions(device=resolve_device(device), threads=threads, measure=measure, on_progress=on_progress)
     staged: list = []
 
-    def stage_report(result) -> None:  # written in full before the output is committed
-        if task.report is not None:
-            staged.append(stage_json(task.report, RunReport(task, result, options.device).to_json(), overwrite=overwrite))
+    if plan.output is None:
+        raise UsageError("the plan names no output", hint="plan with qtool.api.prepare_quantize or prepare_dequantize", option="plan")
+
+    def stage_report(measured) -> None:  # written in full before the output is committed
+        if plan.report is not None:
+            staged.append(stage_json(plan.report, RunReport(plan, measured, options.device).to_json(), overwrite=overwrite))
 
     output = None
     try:
-        output = Output(task.output, single_file=task.single_file, overwrite=overwrite)
-        result = execute(task.plan, output, options, before_commit=stage_report)
+        output = Output(plan.output, single_file=plan.single_file, overwrite=overwrite)
+        measured = execute(plan, output, options, before_commit=stage_report)
     except BaseException:  # a Ctrl-C between the two lines above too: nothing is left
         if output is not None:
             output.abort()
@@ -274,24 +273,20 @@ def run(
             report.abort()
         raise
     finally:
-        task.plan.source.close()
+        plan.source.close()
     for report in staged:
         report.commit()
-    return RunReport(task, result, options.device)
+    return RunReport(plan, measured, options.device)
 
 
 def quantize(path, output, scheme: str = "W4A16", *, device: str = "cpu", overwrite: bool = False, threads: int | None = None, **options) -> "RunReport":
     """Quantize a checkpoint into `output` (a folder, a .safetensors or a .gguf file)."""
-    from qtool.pipeline import ExecOptions
-
-    return run(prepare_quantize(path, output, scheme, **options), ExecOptions(device=device, threads=threads), overwrite=overwrite)
+    return run(prepare_quantize(path, output, scheme, **options), device=device, threads=threads, overwrite=overwrite)
 
 
 def dequantize(path, output, *, dtype: str | None = None, device: str = "cpu", overwrite: bool = False, threads: int | None = None) -> "RunReport":
     """Decode every quantized weight of a checkpoint to float, into `output`."""
-    from qtool.pipeline import ExecOptions
-
-    return run(prepare_dequantize(path, output, dtype=dtype), ExecOptions(device=device, threads=threads, measure=False), overwrite=overwrite)
+    return run(prepare_dequantize(path, output, dtype=dtype), device=device, threads=threads, measure=False, overwrite=overwrite)
 
 
 # -- compare and check -------------------------------------------------------------------------
@@ -379,3 +374,60 @@ def check(
         return result
     finally:
         checkpoint.close()
+
+
+def load_policy(path: str | os.PathLike[str] | None) -> "Policy":
+    """The rules of `check` and the gates of `compare` from a `qtool-policy.toml` (None: the
+    empty policy), each checked; command-line options add to it (`with_check_options`, ...)."""
+    from qtool.policy import load_policy as _load
+
+    return _load(path)
+
+
+# -- the schemes qtool writes ------------------------------------------------------------------
+
+
+def schemes() -> dict[str, Any]:
+    """The `qtool schemes` document: every scheme name `--scheme` takes, with its bits per
+    weight (for a 4096x4096 bf16 weight; exact for a GGUF block type), the layout that writes
+    it, and llama.cpp's file types with their bits on Llama-3-8B's shapes."""
+    from qtool.ggml_types import type_for
+    from qtool.layouts import choose_layout
+    from qtool.llamacpp.mixes import MIXES, bits_per_weight_on_llama3_8b
+    from qtool.scheme import nominal_bits_per_weight
+    from qtool.scheme_strings import PRESETS, parse_scheme, scheme_names
+
+    entries = []
+    for name in scheme_names():
+        scheme = parse_scheme(name)
+        if scheme.rule is not None:
+            gtype = type_for(scheme)
+            bits = gtype.type_size * 8 / gtype.block_size
+            description = f"one GGUF block type, {scheme.rule}, on the weights qtool selects"
+        else:
+            bits = nominal_bits_per_weight(scheme)
+            description = PRESETS[name][1] if name in PRESETS else ""
+        entries.append(
+            {
+                "name": name,
+                "kind": "scheme",
+                "label": scheme.label,
+                "bits_per_weight": round(bits, 4),
+                "layout": choose_layout({scheme}, None).name,
+                "preset": name in PRESETS,
+                "description": description,
+            }
+        )
+    for mix in MIXES.values():
+        entries.append(
+            {
+                "name": mix.name,
+                "kind": "gguf mix",
+                "label": f"{mix.name} (llama.cpp file type)",
+                "bits_per_weight": round(bits_per_weight_on_llama3_8b(mix), 4),  # per model: Llama-3-8B's shapes
+                "layout": "gguf",
+                "preset": False,
+                "description": mix.description,
+            }
+        )
+    return {"schema_version": 1, "schemes": entries}

@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from qtool.error_measures import count_non_finite
 from qtool.errors import CheckpointError, QtoolError, ViolationError
 from qtool.formats.checkpoint import Checkpoint
 from qtool.naming import gguf_to_hf
@@ -39,7 +40,7 @@ from qtool.scheme import QScheme
 from qtool.selection import FLOAT_DTYPES, default_selects, parse_scheme_option
 from qtool.weight import Weight
 
-__all__ = ["SCHEMA_VERSION", "RULES", "CheckRules", "Finding", "Audit", "audit", "scheme_matches", "count_non_finite"]
+__all__ = ["SCHEMA_VERSION", "RULES", "CheckRules", "Finding", "Audit", "audit", "scheme_matches"]
 
 SCHEMA_VERSION = 1
 RULES = (
@@ -52,7 +53,6 @@ RULES = (
     "missing-member",
     "no-nan",
 )
-CHUNK_ELEMENTS = 4 << 20
 # compressed-tensors leaves that only a quantized module has
 _QUANT_LEAVES = {"weight_scale": "scale", "weight_zero_point": "zero_point", "weight_global_scale": "global_scale", "weight_shape": "shape"}
 
@@ -128,35 +128,15 @@ class Audit:
 
 def scheme_matches(expected: QScheme, actual: QScheme, shape: tuple[int, ...]) -> bool:
     """Same values, same blocks for this weight, same symmetry, same scale family; the layout
-    (convention, packing, scale storage dtype) may differ. A GGUF type must be that type."""
+    (convention, packing, scale storage dtype) may differ. A rule (llama.cpp's Q4_K, ...) must
+    be that rule."""
     if expected.family != actual.family or expected.qtype.name != actual.qtype.name:
         return False
     if expected.qtype.kind == "int" and expected.symmetric != actual.symmetric:
         return False
     if expected.block_for(shape) != actual.block_for(shape):
         return False
-    wanted_type = dict(expected.extra).get("gguf_type")
-    return wanted_type is None or dict(actual.extra).get("gguf_type") == wanted_type
-
-
-def count_non_finite(tensor) -> tuple[int, int]:
-    """(NaN count, Inf count), chunk by chunk; 0, 0 for integer and bool data."""
-    import torch
-
-    flat = tensor.reshape(-1)
-    if flat.is_complex():
-        flat = torch.view_as_real(flat).reshape(-1)
-    if not flat.is_floating_point():
-        return 0, 0
-    nan = inf = 0
-    widen = flat.element_size() == 1  # torch has no isinf for its 8-bit floats (Float8_e4m3fn...)
-    for start in range(0, flat.numel(), CHUNK_ELEMENTS):
-        chunk = flat[start : start + CHUNK_ELEMENTS]
-        if widen:
-            chunk = chunk.float()
-        nan += int(torch.isnan(chunk).sum())
-        inf += int(torch.isinf(chunk).sum())
-    return nan, inf
+    return expected.rule is None or actual.rule == expected.rule
 
 
 def _looks_linear(weight: Weight, name: str) -> bool:
@@ -192,9 +172,9 @@ def audit(
         if expected is None:
             continue
         if weight.quantized:
-            assert weight.scheme is not None
-            if not scheme_matches(expected, weight.scheme, weight.shape):
-                findings.append(Finding("expect-scheme", weight.name, f"{weight.scheme.label}, expected {expected.label}"))
+            scheme = weight.require_scheme()
+            if not scheme_matches(expected, scheme, weight.shape):
+                findings.append(Finding("expect-scheme", weight.name, f"{scheme.label}, expected {expected.label}"))
             continue
         selected = required_by is not None if require else _looks_linear(weight, logical(weight.name))
         if selected and not allowed_plain:
@@ -247,8 +227,7 @@ def _coverage(checkpoint: Checkpoint, weights: list[Weight], allow, logical) -> 
         entry = config.ignored_by(module)
         if entry is not None:
             if owner is not None and owner.quantized:
-                assert owner.scheme is not None
-                findings.append(Finding("ignored-but-quantized", owner.name, f"{owner.scheme.label}, but the config's ignore entry '{entry}' lists {module}"))
+                findings.append(Finding("ignored-but-quantized", owner.name, f"{owner.require_scheme().label}, but the config's ignore entry '{entry}' lists {module}"))
             continue
         found = config.group_for(module)
         if found is None:
@@ -290,9 +269,9 @@ def _missing_members(args, weight: Weight) -> list[str]:
 
 
 def _no_nan(checkpoint: Checkpoint, weights: list[Weight], device: str, on_progress) -> list[Finding]:
-    """Plain weights are read with numpy (`qtool.stats`), no torch; quantized ones are decoded
+    """Plain weights are read with numpy (`qtool.value_stats`), no torch; quantized ones are decoded
     by their convention first, in torch where that decoder is torch's."""
-    from qtool.stats import count_stored_non_finite
+    from qtool.value_stats import count_stored_non_finite
 
     findings = []
     for weight in weights:

@@ -34,10 +34,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-from qtool.audit import count_non_finite
+from qtool.error_measures import ErrorStats, count_non_finite
 from qtool.errors import UsageError, ViolationError
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
-from qtool.metrics import ErrorStats
 from qtool.naming import Rename, gguf_to_hf, rename, rope_heads
 from qtool.weight import Weight
 
@@ -161,7 +160,8 @@ class Comparison:
         lines = [f"{p.name}: {p.finding}" for p in sorted(self.pairs, key=Pair.sort_key) if p.finding is not None]
         for pair in sorted(self.measured, key=Pair.sort_key):
             stats = pair.stats
-            assert stats is not None
+            if stats is None:  # `measured` holds the pairs that have stats
+                continue
             if gates.min_sqnr is not None and not reported(stats.sqnr_db) >= gates.min_sqnr:
                 lines.append(f"{pair.name}: SQNR {_show(stats.sqnr_db)} dB is below --min-sqnr {gates.min_sqnr:g}")
             if gates.max_rel_rmse is not None and not reported(stats.rel_rmse) <= gates.max_rel_rmse:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["StorageDType", "DTYPES", "WEIGHT_FLOATS", "storage_dtype", "nbytes_for", "from_torch", "decoded_dtype"]
+__all__ = ["StorageDType", "DTYPES", "WEIGHT_FLOATS", "storage_dtype", "nbytes_for", "from_torch", "decoded_dtype", "float_dtype_named", "weight_float_of"]
 
 Kind = Literal["bool", "int", "uint", "float", "complex"]
 
@@ -101,6 +101,27 @@ def from_torch(dtype) -> StorageDType:
 
 # The float dtypes a weight's values are computed and written in (f64 is only copied through)
 WEIGHT_FLOATS = ("BF16", "F16", "F32")
+
+# How configs (torch_dtype, a quant state's dtype, torchao's records) and users (--dtype) spell
+# them: torch's names, with or without "torch.", and the short forms.
+_FLOAT_SPELLINGS = {
+    "bfloat16": "BF16", "bf16": "BF16",
+    "float16": "F16", "half": "F16", "f16": "F16", "fp16": "F16",
+    "float32": "F32", "float": "F32", "f32": "F32", "fp32": "F32",
+}  # fmt: skip
+
+
+def float_dtype_named(text: object) -> str | None:
+    """The weight float dtype ("BF16", "F16", "F32") a config or user spells `text`, or None."""
+    if not isinstance(text, str):
+        return None
+    return _FLOAT_SPELLINGS.get(text.lower().removeprefix("torch."))
+
+
+def weight_float_of(torch_dtype) -> str | None:
+    """The weight float dtype of a torch dtype ("BF16" for torch.bfloat16), or None."""
+    name = str(torch_dtype).removeprefix("torch.")
+    return _FLOAT_SPELLINGS.get(name) if name in ("bfloat16", "float16", "float32") else None
 
 
 def decoded_dtype(name: str):  # -> torch.dtype

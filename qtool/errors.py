@@ -22,6 +22,9 @@ __all__ = [
     "InternalError",
     "KernelError",
     "UnknownNameError",
+    "SchemeError",
+    "JsonTypeError",
+    "ClaimConflict",
     "Interrupted",
     "Terminated",
     "internal_error_line",
@@ -97,6 +100,24 @@ class InternalError(QtoolError):
 class UnknownNameError(UsageError, KeyError):
     """A name that is in none of qtool's tables (a dtype, a GGML type); the message lists the
     known ones. Also a KeyError, for code that looks names up."""
+
+
+class SchemeError(UsageError):
+    """A scheme that cannot exist, or that a layout cannot store for a weight; says what is allowed."""
+
+
+class JsonTypeError(CheckpointError):
+    """A JSON value of the wrong type or range: one line naming the file, the field, what it
+    holds (`shown`, already cut to a safe length) and what was expected."""
+
+    def __init__(self, where: str, shown: str, expected: str, *, path: str | None, hint: str | None = None) -> None:
+        self.where, self.shown, self.expected = where, shown, expected
+        said = f"{where} is" if where else "holds"  # "" is the whole document
+        super().__init__(f"{said} {shown}, expected {expected}", path=path, hint=hint or "fix or remove the file")
+
+
+class ClaimConflict(InternalError):
+    """Two conventions claimed one tensor: a bug in qtool, never in the checkpoint."""
 
 
 class KernelError(InternalError, ValueError):

@@ -17,7 +17,7 @@ from qtool.conventions import resolve
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
 from qtool.gcpause import paused_gc
 from qtool.patterns import compile_pattern
-from qtool.weight import Weight
+from qtool.weight import Provenance, Weight
 
 if TYPE_CHECKING:
     from qtool.scheme import QScheme
@@ -27,7 +27,7 @@ __all__ = ["SCHEMA_VERSION", "PLAIN_LABEL", "Inspection", "WeightStats", "inspec
 SCHEMA_VERSION = 1
 PLAIN_LABEL = "plain"  # the by_scheme key for weights that are not quantized
 
-WeightStats = Mapping[str, "float | int | None"]  # min, max, mean, std, absmax, nan, inf (qtool.stats)
+WeightStats = Mapping[str, "float | int | None"]  # min, max, mean, std, absmax, nan, inf (qtool.value_stats)
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: compared by identity, as the Checkpoint it holds
@@ -141,7 +141,9 @@ def _frozen(entry: WeightStats | None) -> WeightStats | None:
     return None if entry is None else MappingProxyType(dict(entry))
 
 
-def scheme_json(scheme: QScheme, shape: tuple[int, ...]) -> dict[str, Any]:
+def scheme_json(scheme: QScheme, shape: tuple[int, ...], provenance: Provenance) -> dict[str, Any]:
+    """A weight's scheme as the JSON contract shows it: the math, then where it was read from
+    (`convention`, and the toolchain's own `details`: format, desc_act, gguf_type, ...)."""
     granularity = scheme.granularity
     return {
         "label": scheme.label,
@@ -154,8 +156,8 @@ def scheme_json(scheme: QScheme, shape: tuple[int, ...]) -> dict[str, Any]:
         "group_size": scheme.group_size,
         "scale_dtype": scheme.scale_dtype,
         "zero_point": scheme.zero_point,
-        "convention": scheme.convention,
-        "details": {key: value for key, value in scheme.extra},  # convention facts: format, desc_act, ...
+        "convention": provenance.convention,
+        "details": dict(provenance.details),
     }
 
 
@@ -177,7 +179,7 @@ def weight_json(weight: Weight) -> dict[str, Any]:
         "bytes": nbytes,
         "bits_per_weight": round(nbytes * 8 / parameters, 4) if parameters else 0.0,
         "quantized": scheme is not None,
-        "scheme": scheme_json(scheme, shape) if scheme is not None else None,
+        "scheme": scheme_json(scheme, shape, weight.provenance) if scheme is not None else None,
         "tensors": tensors,
         "notes": list(weight.notes),
     }

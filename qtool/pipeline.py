@@ -22,15 +22,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from qtool import fastpath
-from qtool.dtypes import storage_dtype
+from qtool import encoders, native_decoders
+from qtool.buffers import tensor_bytes, tensor_from_bytes
+from qtool.dtypes import float_dtype_named, storage_dtype
+from qtool.error_measures import ErrorStats
 from qtool.errors import UsageError
-from qtool.formats.checkpoint import Checkpoint, StoredTensor
+from qtool.formats.checkpoint import Checkpoint
 from qtool.formats.writer import Output
-from qtool.layouts.base import CAST, COPY, DEQUANTIZE, QUANTIZE, Job, Piece, Plan
-from qtool.metrics import ErrorStats
+from qtool.plan import CAST, COPY, DEQUANTIZE, QUANTIZE, Job, Piece, Plan
 
-__all__ = ["ExecOptions", "Result", "execute", "resolve_device", "parse_size", "parse_dtype", "tensor_of"]
+__all__ = ["ExecOptions", "Measurements", "execute", "resolve_device", "parse_size", "parse_dtype"]
 
 COPY_CHUNK = 32 << 20  # bytes per piece when copying a tensor through
 WRITES_IN_FLIGHT = 8
@@ -47,11 +48,12 @@ class ExecOptions:
 
 
 @dataclass
-class Result:
-    """What a run measured: per quantized weight, its error against the original."""
+class Measurements:
+    """What a run measured: per quantized weight, its error against the original; the error of
+    the float weights written unquantized (exact copies, or a cast's rounding); time and bytes."""
 
     errors: dict[str, ErrorStats] = field(default_factory=dict)
-    kept: ErrorStats = field(default_factory=ErrorStats)  # the float weights written unquantized
+    unquantized: ErrorStats = field(default_factory=ErrorStats)
     seconds: float = 0.0
     bytes_read: int = 0
     bytes_written: int = 0  # the weight files' sizes, headers included
@@ -78,14 +80,12 @@ def parse_size(text: str) -> int:
 
 
 def parse_dtype(text: str | None) -> str | None:
-    from qtool.layouts.safetensors import DTYPE_NAMES
-
     if text is None:
         return None
-    try:
-        return DTYPE_NAMES[text.lower()]
-    except KeyError:
-        raise UsageError(f"dtype {text!r} is not a float dtype", hint="use bf16, f16 or f32", option="dtype") from None
+    named = float_dtype_named(text)
+    if named is None:
+        raise UsageError(f"dtype {text!r} is not a float dtype", hint="use bf16, f16 or f32", option="dtype")
+    return named
 
 
 def resolve_device(text: str) -> str:
@@ -135,25 +135,6 @@ def _threads(count: int | None) -> Iterator[None]:
 # -- reading -----------------------------------------------------------------------------------
 
 
-def tensor_of(raw, stored: StoredTensor):
-    """The torch view of a stored tensor's raw bytes (raw uint8 for dtypes torch lacks)."""
-    import torch
-
-    if stored.nbytes == 0:
-        return torch.empty(stored.shape, dtype=stored.dtype.torch_dtype() if stored.dtype.torch_name else torch.uint8)
-    flat = torch.frombuffer(raw, dtype=torch.uint8)
-    if stored.dtype.torch_name is None:
-        return flat
-    return flat.view(stored.dtype.torch_dtype()).reshape(stored.shape)
-
-
-def _as_bytes(tensor) -> memoryview:
-    import torch
-
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
-
-
 class _Runner:
     """Turns each job into pieces to write. `load` runs ahead on the reader thread."""
 
@@ -161,42 +142,53 @@ class _Runner:
         self.plan = plan
         self.source: Checkpoint = plan.source
         self.options = options
-        self.result = Result()
+        self.measured = Measurements()
         self._encoders: dict[int, Any] = {}
 
     def encoder(self, job: Job):
         key = id(job)
         if key not in self._encoders:
-            self._encoders[key] = self.plan.layout.encoder(job, self.options.device, self.options.measure)
+            self._encoders[key] = encoders.choose(self.plan.layout, job, self.options.device, self.options.measure)
         return self._encoders[key]
 
     def load(self, job: Job):
-        if job.action in (COPY, CAST) and not job.rope_heads:
+        if job.action in (COPY, CAST) and job.transform is None:
             return None  # streamed in pieces as it is written
-        self.result.bytes_read += job.weight.nbytes
+        self.measured.bytes_read += job.weight.nbytes
         if job.action == DEQUANTIZE or job.weight.quantized:
-            return self._decode(job)
-        raw = self.source.read_bytes(job.weight.data)
-        if job.action == QUANTIZE and self.encoder(job).wants == "tensor":
-            tensor = tensor_of(raw, job.weight.data)
-            return tensor.to(self.options.device) if self.options.device != "cpu" else tensor
-        return raw
+            values = self._decode(job)
+        else:
+            values = self.source.read_bytes(job.weight.data)
+            if job.action == QUANTIZE and self.encoder(job).takes == encoders.TENSOR:
+                stored = job.weight.data
+                values = tensor_from_bytes(values, stored.dtype, tuple(stored.shape))
+                values = values.to(self.options.device) if self.options.device != "cpu" else values
+        if job.transform is not None and job.action == QUANTIZE:  # COPY and CAST measure first, then transform
+            values = job.transform.apply(values, job.weight.shape[0])
+        return values
 
     def _decode(self, job: Job):
-        """A quantized input's values: as the written dtype's bytes for DEQUANTIZE (native
-        kernels where they fit), else a float tensor on the device for requantizing."""
+        """A quantized input's values: the written dtype's bytes for DEQUANTIZE; for requantizing,
+        float32 bytes for an encoder that takes raw values, else a float tensor on the device.
+        On the CPU, qtool.native's decoders where they have the type (bit for bit torch's)."""
         from qtool.conventions import decoder_for
 
         weight = job.weight
-        if job.action == DEQUANTIZE and self.options.device == "cpu" and not job.rope_heads:
-            native_decode = fastpath.decoder(weight, job.out_dtype or "BF16")
+        if job.action == DEQUANTIZE:
+            wanted = job.out_dtype or "BF16"
+        elif self.encoder(job).takes == encoders.RAW:
+            wanted = "F32"
+        else:
+            wanted = None  # a tensor
+        if wanted is not None and self.options.device == "cpu" and (job.action == QUANTIZE or job.transform is None):
+            native_decode = native_decoders.decoder(weight, wanted)
             if native_decode is not None:
                 return native_decode(self.source)
         decoded = decoder_for(weight).decode(self.source, weight, self.options.device)
         for member in weight.members.values():
             self.source.release(member)
-        if job.action == DEQUANTIZE:
-            return _as_bytes(decoded.to(storage_dtype(job.out_dtype).torch_dtype()))
+        if wanted is not None:
+            return tensor_bytes(decoded.to(storage_dtype(wanted).torch_dtype()))
         return decoded
 
     def pieces(self, job: Job, loaded) -> Iterator[Piece]:
@@ -205,16 +197,14 @@ class _Runner:
             encoder = self.encoder(job)
             yield from encoder.encode(loaded)
             if self.options.measure and encoder.errors is not None:
-                self.result.errors[job.weight.name] = encoder.errors
+                self.measured.errors[job.weight.name] = encoder.errors
             del self._encoders[id(job)]
-        elif job.rope_heads:  # a whole GGUF q/k weight, permuted into llama.cpp's order
-            from qtool.layouts.gguf import permute_rows
-
+        elif job.transform is not None:  # a whole weight, changed as the plan says (GGUF's rotary order)
             data = loaded if job.action == DEQUANTIZE else self._converted(job, loaded)
             if self.options.measure and job.action != DEQUANTIZE:
                 dtype = job.weight.data.dtype.name
-                self.result.kept = self.result.kept.merge(kept_error(loaded, data, dtype, job.out_dtype or dtype))
-            yield name, permute_rows(data, job.weight.shape[0], job.rope_heads), 0
+                self.measured.unquantized = self.measured.unquantized.merge(kept_error(loaded, data, dtype, job.out_dtype or dtype))
+            yield name, job.transform.apply(data, job.weight.shape[0]), 0
         elif job.action == DEQUANTIZE:
             yield name, loaded, 0
         else:
@@ -228,17 +218,17 @@ class _Runner:
         written = 0
         for start in range(0, stored.nbytes, step):
             data = self.source.read_bytes(stored, start, min(step, stored.nbytes - start))
-            self.result.bytes_read += len(data)
+            self.measured.bytes_read += len(data)
             piece = data if job.action == COPY else self._converted(job, data)
             if self.options.measure:
-                self.result.kept = self.result.kept.merge(kept_error(data, piece, stored.dtype.name, job.out_dtype or stored.dtype.name))
+                self.measured.unquantized = self.measured.unquantized.merge(kept_error(data, piece, stored.dtype.name, job.out_dtype or stored.dtype.name))
             yield job.outputs[0].name, piece, written
             written += memoryview(piece).nbytes
 
     def _converted(self, job: Job, data):
         """`data` (the weight's stored bytes) as the job's output dtype: numpy for the common
         floats, torch for the rest (and for inf/NaN, whose bytes torch defines)."""
-        from qtool.numeric import NUMPY_FLOATS, cast
+        from qtool.float_casts import NUMPY_FLOATS, cast
 
         source = job.weight.data.dtype.name
         target = job.out_dtype or source
@@ -251,13 +241,13 @@ class _Runner:
         import torch
 
         values = torch.frombuffer(data, dtype=torch.uint8).view(job.weight.data.dtype.torch_dtype())
-        return _as_bytes(values.to(storage_dtype(target).torch_dtype()))
+        return tensor_bytes(values.to(storage_dtype(target).torch_dtype()))
 
 
 def kept_error(original, written, source: str, target: str) -> ErrorStats:
     """The error of a float weight written unquantized (exact for a copy, a cast's rounding
     otherwise), as `ErrorStats` measures everything; nothing for dtypes numpy does not read."""
-    from qtool.numeric import NUMPY_FLOATS, to_float32
+    from qtool.float_casts import NUMPY_FLOATS, to_float32
 
     if source not in NUMPY_FLOATS or target not in NUMPY_FLOATS:
         return ErrorStats()
@@ -265,7 +255,7 @@ def kept_error(original, written, source: str, target: str) -> ErrorStats:
     return ErrorStats().update_numpy(x, x if original is written else to_float32(written, target))
 
 
-def execute(plan: Plan, output: Output, options: ExecOptions = ExecOptions(), *, before_commit: Callable[[Result], None] | None = None) -> Result:
+def execute(plan: Plan, output: Output, options: ExecOptions = ExecOptions(), *, before_commit: Callable[[Measurements], None] | None = None) -> Measurements:
     """Stream the plan into `output` and commit it; on any error, nothing is committed and the
     temporary output is removed. The inputs are checked unchanged before the commit, and
     `before_commit` (a report, say) runs once everything else is written."""
@@ -302,16 +292,16 @@ def execute(plan: Plan, output: Output, options: ExecOptions = ExecOptions(), *,
                 output.side_file(filename, content)
             for source, filename in side_file_copies(plan.source, output.single_file):
                 output.copy_side_file(source, filename)
-            runner.result.bytes_written = sum(file.size for file in writers.values())
-            runner.result.seconds = time.perf_counter() - started
+            runner.measured.bytes_written = sum(file.size for file in writers.values())
+            runner.measured.seconds = time.perf_counter() - started
             if before_commit is not None:
-                before_commit(runner.result)
+                before_commit(runner.measured)
             plan.source.verify_unchanged()
             output.commit()
         except BaseException:
             output.abort()
             raise
-    return runner.result
+    return runner.measured
 
 
 def side_file_copies(source: Checkpoint, single_file: bool) -> list[tuple[str, str]]:

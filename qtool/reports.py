@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from qtool.layouts.base import QUANTIZE
-from qtool.metrics import ErrorStats
+from qtool.error_measures import ErrorStats
+from qtool.plan import QUANTIZE
 
 if TYPE_CHECKING:
-    from qtool.api import Task
-    from qtool.pipeline import Result
+    from qtool.pipeline import Measurements
+    from qtool.plan import Plan
 
 __all__ = ["RunReport", "REPORT_SCHEMA_VERSION"]
 
@@ -26,33 +26,33 @@ REPORT_SCHEMA_VERSION = 1
 
 @dataclass(frozen=True)
 class RunReport:
-    task: "Task"
-    result: "Result"
+    plan: "Plan"
+    measured: "Measurements"
     device: str
 
     @property
     def errors(self) -> dict[str, ErrorStats]:
         """Per quantized weight, its error against the original."""
-        return self.result.errors
+        return self.measured.errors
 
     @property
     def seconds(self) -> float:
-        return self.result.seconds
+        return self.measured.seconds
 
     def model_error(self) -> ErrorStats:
         """Over the quantized weights only."""
-        return self.result.model_error()
+        return self.measured.model_error()
 
     def all_weights_error(self) -> ErrorStats:
         """Over every float weight written, copies exact: `qtool compare`'s summary figure."""
-        return self.result.model_error().merge(self.result.kept)
+        return self.measured.model_error().merge(self.measured.unquantized)
 
     def to_json(self) -> dict[str, Any]:
-        plan = self.task.to_json()
+        plan = self.plan.to_json()
         by_name = {w["name"]: w for w in plan["weights"]}
         weights = []
-        if any(j.action == QUANTIZE for j in self.task.plan.jobs):
-            for name, stats in self.result.errors.items():
+        if any(j.action == QUANTIZE for j in self.plan.jobs):
+            for name, stats in self.measured.errors.items():
                 entry = by_name[name]
                 weights.append(
                     {
@@ -76,12 +76,12 @@ class RunReport:
             summary = plan["summary"]
         return {
             "schema_version": REPORT_SCHEMA_VERSION,
-            "input": self.task.plan.source.path,
-            "output": self.task.output,
+            "input": self.plan.source.path,
+            "output": self.plan.output,
             "layout": plan["layout"],
             "files": plan["files"],
             "device": self.device,
-            "seconds": round(self.result.seconds, 3),
+            "seconds": round(self.measured.seconds, 3),
             "summary": summary,
             "weights": weights,
         }

@@ -1,4 +1,5 @@
-"""Which weights `qtool quantize` quantizes, and with which scheme.
+"""Which weights `qtool quantize` quantizes, and with which scheme: the step from what the user
+asked (`--scheme`, `--include`, `--ignore`, `--tensor-scheme`) to one `QScheme` per weight.
 
 By default: 2-D floating `*.weight` tensors of linear layers. Embeddings, `lm_head`, norms,
 biases and anything non-floating are skipped: quantizing those hurts quality for little gain,
@@ -6,24 +7,32 @@ and no loader expects them quantized. `--include` replaces the default rule with
 `--ignore` removes matches, `--tensor-scheme PATTERN=SCHEME` picks a scheme per pattern (and
 selects what it matches). The first matching override wins.
 
-A llama.cpp file type in capitals (`Q4_K_M`, `Q8_0`, ...: `qtool.layouts.gguf_mix`) is not one
-scheme but a mix the gguf layout resolves per tensor with llama.cpp's own rules, including which
-tensors are quantized at all; so under a mix every weight is a candidate (less `--ignore`, within
-`--include`), and a `--tensor-scheme` names the one GGUF type a matching tensor gets instead.
+A llama.cpp file type in capitals (`Q4_K_M`, `Q8_0`, ...: `qtool.llamacpp.mixes`) is a second
+selection rule, not a scheme: llama.cpp's own rules decide, per tensor of the model as GGUF
+names it, which tensors are quantized and in which GGML type, including a float type where a
+row fits no block (`Chosen.keep_as`). Under a mix every weight is a candidate (less `--ignore`,
+within `--include`), and a `--tensor-scheme` names the one GGUF type a matching tensor gets
+instead, like llama-quantize's `--tensor-type`.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from qtool.errors import UsageError
+from qtool.errors import SchemeError, UsageError
+from qtool.formats.checkpoint import Checkpoint
 from qtool.patterns import compile_pattern
-from qtool.scheme import QScheme, SchemeError, parse_scheme
+from qtool.plan import Chosen
+from qtool.scheme import QScheme
+from qtool.scheme_strings import parse_scheme
 from qtool.weight import Weight
 
-__all__ = ["Selection", "parse_scheme_option", "default_selects", "SKIP_WORDS"]
+if TYPE_CHECKING:
+    from qtool.llamacpp.mixes import Mix
+
+__all__ = ["Selection", "Chosen", "parse_scheme_option", "default_selects", "SKIP_WORDS"]
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 # module-name words that mark a layer no loader expects quantized
@@ -54,16 +63,27 @@ def default_selects(name: str) -> bool:
     return leaf == "weight" and module != "output" and not SKIP_WORDS.search(module)
 
 
-@dataclass
+Matcher = Callable[[str], bool]
+
+
+@dataclass(frozen=True)
 class Selection:
-    scheme: QScheme
-    include: list[str]
-    ignore: list[str]
-    overrides: list[tuple[str, QScheme]]
+    """What the user asked: a scheme (or a llama.cpp mix) for the selected weights, and the
+    patterns that select and override."""
+
+    scheme: QScheme | None  # None under a mix
+    include: tuple[str, ...] = ()
+    ignore: tuple[str, ...] = ()
+    overrides: tuple[tuple[str, QScheme], ...] = ()
+    mix: Mix | None = None  # a llama.cpp file type (qtool.llamacpp.mixes.MIXES)
 
     @classmethod
-    def from_options(cls, scheme: str, include: list[str], ignore: list[str], tensor_schemes: list[str]) -> "Selection":
-        from qtool.layouts.gguf_mix import mix_named
+    def from_options(cls, scheme: str, include: list[str], ignore: list[str], tensor_schemes: list[str], *, pure: bool = False) -> "Selection":
+        """`pure`: a llama.cpp file type's default type on every tensor llama.cpp quantizes,
+        with its row fallbacks and none of its promotions (`llama-quantize --pure`)."""
+        from dataclasses import replace
+
+        from qtool.llamacpp.mixes import mix_named
 
         overrides = []
         for item in tensor_schemes:
@@ -84,30 +104,108 @@ class Selection:
         for pattern in (*include, *ignore):
             compile_pattern(pattern)
         mix = mix_named(scheme)
-        return cls(mix.scheme if mix is not None else parse_scheme_option(scheme), include, ignore, overrides)
+        if mix is not None:
+            return cls(None, tuple(include), tuple(ignore), tuple(overrides), replace(mix, pure=True) if pure else mix)
+        if pure:
+            raise UsageError(
+                f"pure applies to llama.cpp's file types (Q2_K, Q4_K_M, ...), not to {scheme!r}",
+                hint="a lowercase GGUF type (q4_k) is already one type on the weights qtool selects",
+                option="pure",
+            )
+        return cls(parse_scheme_option(scheme), tuple(include), tuple(ignore), tuple(overrides))
 
-    def _matchers(self) -> tuple[list[Callable[[str], bool]], list[Callable[[str], bool]], list[tuple[Callable[[str], bool], QScheme]]]:
+    def _matchers(self) -> tuple[list[Matcher], list[Matcher], list[tuple[Matcher, QScheme]]]:
         return (
             [compile_pattern(p) for p in self.include],
             [compile_pattern(p) for p in self.ignore],
             [(compile_pattern(p), s) for p, s in self.overrides],
         )
 
-    def choose(self, weights: list[Weight]) -> dict[str, QScheme | None]:
-        """weight name -> scheme, or None to copy it through."""
+    def choose(self, checkpoint: Checkpoint, weights: list[Weight], *, allow_incomplete_gguf: bool = False) -> Chosen:
+        """Each weight's scheme (weights left out are kept)."""
         include, ignore, overrides = self._matchers()
-        chosen: dict[str, QScheme | None] = {}
-        mix = self.scheme.gguf_mix is not None
+        if self.mix is not None:
+            return _mix_choice(self.mix, checkpoint, weights, include, ignore, overrides, allow_incomplete_gguf)
+        chosen: dict[str, QScheme] = {}
         for weight in weights:
             override = next((s for match, s in overrides if match(weight.name)), None)
-            if mix:  # llama.cpp's rules decide in the gguf layout; here only what the user left out
-                wanted = (not include or any(match(weight.name) for match in include)) and not any(match(weight.name) for match in ignore)
-                chosen[weight.name] = (override or self.scheme) if wanted else None
-                continue
-            if include:
-                wanted = any(match(weight.name) for match in include)
-            else:
-                wanted = default_selects(weight.name)
+            wanted = any(match(weight.name) for match in include) if include else default_selects(weight.name)
             wanted = (wanted or override is not None) and not any(match(weight.name) for match in ignore)
-            chosen[weight.name] = (override or self.scheme) if wanted and quantizable(weight) is None else None
-        return chosen
+            if wanted and quantizable(weight) is None:
+                chosen[weight.name] = override or self.scheme
+        return Chosen(chosen)
+
+
+def _mix_choice(
+    mix: Mix,
+    checkpoint: Checkpoint,
+    weights: list[Weight],
+    include: list[Matcher],
+    ignore: list[Matcher],
+    overrides: list[tuple[Matcher, QScheme]],
+    allow_incomplete: bool,
+) -> Chosen:
+    """llama.cpp's rules for a file type (`llama_tensor_get_type`, on the GGUF names), as one
+    GGML type's scheme per quantized weight and a float type where a row fits no block."""
+    from qtool.ggml_types import ggml_type_named, type_for
+    from qtool.llamacpp.mixes import FLOAT_TYPES, MixTensor, choose_types
+    from qtool.llamacpp.names import tensor_names
+
+    names = tensor_names(checkpoint, allow_incomplete)
+    tensors, out_names, stored_types = [], {}, {}
+    for weight in weights:
+        out_name = names.tensor_name(weight.name)
+        if out_name is None:  # a buffer llama.cpp does not read: not written at all
+            continue
+        out_names[weight.name] = out_name
+        wanted = (not include or any(match(weight.name) for match in include)) and not any(match(weight.name) for match in ignore)
+        stored = stored_types[weight.name] = weight.data.encoding or weight.data.dtype.name
+        candidate = wanted and (weight.quantized or stored in FLOAT_TYPES)
+        override = next((s for match, s in overrides if match(weight.name)), None) if candidate else None
+        override_type = None
+        if override is not None:
+            gtype = type_for(override)
+            if gtype is None:
+                raise SchemeError(f"GGUF has no block type for {override.label}", hint="--tensor-scheme under a llama.cpp mix names one GGUF type, e.g. q6_k")
+            override_type = gtype.name
+        tensors.append(MixTensor(out_name, tuple(weight.shape), stored, candidate, override_type))
+    by_out = choose_types(mix, tensors, _model_facts(checkpoint))
+    schemes: dict[str, QScheme] = {}
+    keep_as: dict[str, str] = {}
+    notes = []
+    for name, out_name in out_names.items():
+        choice = by_out[out_name]
+        if choice.note:
+            notes.append(f"{out_name}: {choice.note}")
+        if choice.type == stored_types[name]:  # kept as it is stored
+            continue
+        if choice.type in FLOAT_TYPES:
+            keep_as[name] = choice.type
+            continue
+        scheme = ggml_type_named(choice.type).scheme
+        if scheme is None:
+            raise SchemeError(f"{out_name}: llama.cpp's rules chose {choice.type}, which qtool cannot write")
+        schemes[name] = scheme
+    return Chosen(schemes, keep_as, mix.name, tuple(notes))
+
+
+def _model_facts(checkpoint: Checkpoint) -> Any:
+    """What of the model llama.cpp's rules read: from a GGUF input's key-values, else config.json."""
+    from qtool.llamacpp.mixes import ModelFacts
+    from qtool.llamacpp.names import architecture
+
+    if checkpoint.format == "gguf":
+        from qtool.formats.gguf import read_gguf_key_values
+
+        return ModelFacts.from_metadata({key: value for key, value, _ in read_gguf_key_values(checkpoint.files[0])})
+    config = checkpoint.config
+    heads, kv = _count(config.get("num_attention_heads")), config.get("num_key_value_heads")
+    return ModelFacts(
+        architecture(config)[0] or "unknown",
+        _count(config.get("num_hidden_layers")), heads, _count(kv) if isinstance(kv, int) else heads,
+        _count(config.get("num_local_experts")),
+    )  # fmt: skip
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

@@ -12,9 +12,28 @@ from qtool.formats.checkpoint import StoredTensor
 if TYPE_CHECKING:  # qtool.scheme is needed only where a weight is quantized
     from qtool.scheme import QScheme
 
-__all__ = ["Weight", "DATA"]
+__all__ = ["Weight", "Provenance", "PLAIN", "DATA"]
 
 DATA = "data"  # the role of the tensor holding the values; every weight has one
+
+
+@dataclass(frozen=True, slots=True)
+class Provenance:
+    """Where a weight that was read came from: the convention that folded its tensors (the
+    toolchain that wrote it), how its codes sit in storage words, and the toolchain's own
+    parameters (compressed-tensors `format`, GPTQ `desc_act`, GGUF `gguf_type`, ...), shown as
+    the weight's details. The read side and the reports use it; the scheme, which is math
+    only, and the write side never do."""
+
+    convention: str
+    packing: str | None = None  # e.g. "int32 along in, LSB first"
+    details: tuple[tuple[str, str], ...] = ()
+
+    def detail(self, key: str, default: str | None = None) -> str | None:
+        return next((value for name, value in self.details if name == key), default)
+
+
+PLAIN = Provenance("plain")
 
 
 @dataclass(slots=True)  # slots: a header may list 1.6M weights
@@ -30,7 +49,7 @@ class Weight:
     dtype: str  # logical dtype where the file records it, else the data tensor's storage dtype
     members: dict[str, StoredTensor]
     scheme: QScheme | None = None
-    convention: str = "plain"
+    provenance: Provenance = PLAIN
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -44,8 +63,13 @@ class Weight:
         a header of 1.6M tensors makes 1.6M of them."""
         weight = object.__new__(cls)
         weight.name, weight.shape, weight.dtype = tensor.name, tensor.shape, tensor.dtype.name
-        weight.members, weight.scheme, weight.convention, weight.notes = {DATA: tensor}, None, "plain", notes
+        weight.members, weight.scheme, weight.provenance, weight.notes = {DATA: tensor}, None, PLAIN, notes
         return weight
+
+    @property
+    def convention(self) -> str:
+        """The convention that read this weight ("plain" for a plain one)."""
+        return self.provenance.convention
 
     @property
     def data(self) -> StoredTensor:

@@ -18,7 +18,6 @@ import argparse
 import hashlib
 import importlib.util
 import json
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -88,7 +88,7 @@ def test_a_non_uint8_quant_storage_is_read_as_its_bytes():
     assert {t["role"] for t in w["tensors"]} == {"data", "scale", "quant_map", "nested_absmax", "nested_quant_map", "quant_state"}
     checkpoint = qtool.open_checkpoint(FIXTURES / "nf4_nested")
     [weight] = [x for x in resolve(checkpoint) if x.name == "model.layers.0.mlp.up_proj.weight"]
-    assert dict(weight.scheme.extra)["quant_storage"] == "BF16" and dict(weight.scheme.extra)["double_quant"] == "yes"
+    assert dict(weight.provenance.details)["quant_storage"] == "BF16" and dict(weight.provenance.details)["double_quant"] == "yes"
 
 
 # -- decode against bitsandbytes' own dequantization ----------------------------------------------

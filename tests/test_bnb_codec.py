@@ -18,14 +18,15 @@ import torch
 import qtool
 from qtool import kernels
 from qtool.conventions import bitsandbytes as bnb
-from qtool.layouts import bitsandbytes as bnb_layout
 from qtool.conventions import resolve
 from qtool.conventions.plain import Plain
 from qtool.errors import UsageError
-from qtool.scheme import QScheme, qtype
+from qtool.layouts import bitsandbytes as bnb_layout
+from qtool.qtypes import qtype
+from qtool.scheme import QScheme
 
 REGISTRY = (bnb.Bitsandbytes(), Plain())
-NF4 = QScheme(qtype("nf4"), (1, 64), convention="bitsandbytes")
+NF4 = QScheme(qtype("nf4"), (1, 64))
 SCHEMES = {
     "nf4-g64": NF4,
     "nf4-g32": QScheme(qtype("nf4"), (1, 32)),
@@ -167,7 +168,7 @@ def test_a_hand_written_nested_layout_decodes_by_hand(make_safetensors):
     )
     checkpoint = qtool.open_checkpoint(path)
     [weight] = resolve(checkpoint, REGISTRY)
-    assert dict(weight.scheme.extra)["double_quant"] == "yes"
+    assert dict(weight.provenance.details)["double_quant"] == "yes"
     out = bnb.decode(checkpoint, weight).float()
     first = torch.tensor(1.0) * 2.0 + 0.5  # map[255] = 1.0
     second = torch.tensor(51 / 255, dtype=torch.float32) * 2.0 + 0.5

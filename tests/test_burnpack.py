@@ -173,7 +173,7 @@ def test_qfloat_tensors_report_burns_scheme_mapped_onto_qtools():
     assert {n for n, w in found.items() if w.quantized} == set(EXPECTED)
     for name, (label, value, store, scale, shape, bits) in EXPECTED.items():
         weight = found[name]
-        extra = dict(weight.scheme.extra)
+        extra = dict(weight.provenance.details)
         assert weight.convention == "burn" and weight.scheme.label == label, name
         assert (extra["burn_value"], extra["store"], extra["scale"]) == (value, store, scale), name
         assert weight.shape == shape and weight.parameters == math.prod(shape), name

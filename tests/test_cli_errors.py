@@ -41,7 +41,7 @@ CRASHES = {
     "inspect": (qtool.api, "inspect", ["inspect", str(TINY)]),
     "check": (qtool.api, "check", ["check", str(TINY)]),
     "compare": (qtool.api, "prepare_compare", ["compare", str(TINY), str(TINY)]),
-    "schemes": (qtool.scheme, "scheme_names", ["schemes"]),
+    "schemes": (qtool.api, "schemes", ["schemes"]),
 }
 
 

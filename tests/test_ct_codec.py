@@ -27,10 +27,11 @@ import torch
 
 import qtool
 from qtool.conventions import compressed_tensors as ct
-from qtool.layouts import compressed_tensors as ct_encode
 from qtool.conventions import resolve
 from qtool.errors import UsageError
-from qtool.scheme import QScheme, qtype
+from qtool.layouts import compressed_tensors as ct_encode
+from qtool.qtypes import qtype
+from qtool.scheme import QScheme
 from tests.conftest import CT_FIXTURES
 
 FIXTURES = sorted(p.name for p in CT_FIXTURES.iterdir() if (p / "reference").is_dir())
@@ -38,7 +39,7 @@ FIXTURES = sorted(p.name for p in CT_FIXTURES.iterdir() if (p / "reference").is_
 
 def _scheme(name: str, block, **kwargs) -> QScheme:
     kwargs.setdefault("scale_dtype", "auto")
-    return QScheme(qtype(name), block, convention="compressed-tensors", **kwargs)
+    return QScheme(qtype(name), block, **kwargs)
 
 
 SCHEMES = {
@@ -352,7 +353,7 @@ def test_the_package_loads_what_qtool_writes_and_decodes_it_as_qtool_does(packag
     checkpoint = qtool.open_checkpoint(tmp_path)
     weights = {w.name: w for w in resolve(checkpoint)}
     for key, reference in expected.items():
-        assert weights[key].notes == [] and weights[key].scheme.convention == "compressed-tensors"
+        assert weights[key].notes == [] and weights[key].convention == "compressed-tensors"
         out = ct.decode(checkpoint, weights[key], "cpu")
         assert out.dtype == reference.dtype == torch.bfloat16
         assert torch.equal(_bits(out), _bits(reference)), key

@@ -23,11 +23,11 @@ import qtool
 from qtool.cli import app
 from qtool.conventions import decoder_for
 from qtool.conventions.gguf import decode_blocks
+from qtool.errors import CheckpointError, QtoolError, SchemeError, UsageError
+from qtool.ggml_types import GGML_TYPES
 from qtool.kernels.gguf_blocks import torch_decodable
-from qtool.errors import CheckpointError, QtoolError, UsageError
-from qtool.formats.gguf import GGML_TYPES
 from qtool.layouts.gguf import gguf_layout_bytes, gguf_type_for
-from qtool.scheme import SchemeError, parse_scheme
+from qtool.scheme_strings import parse_scheme
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
@@ -120,14 +120,14 @@ def test_type_table_matches_the_gguf_package():
 
 def test_scheme_mapping_reads_well():
     from qtool.conventions.gguf import scheme_for_type
-    from qtool.formats.gguf import ggml_type_named as named
+    from qtool.ggml_types import ggml_type_named as named
 
     assert scheme_for_type(named("Q4_0"))[0] == parse_scheme("q4_0")
     # labels may gain the GGUF type as a prefix ("Q4_K uint4 asym g256"): compare the tail
     assert scheme_for_type(named("Q8_0"))[0].label.endswith("int8 sym g32")
-    q4k = scheme_for_type(named("Q4_K"))[0]
-    assert q4k.label.endswith("uint4 asym g256") and dict(q4k.extra)["gguf_type"] == "Q4_K"
-    assert "8 × 32" in dict(q4k.extra)["super_block"]
+    q4k, provenance, _ = scheme_for_type(named("Q4_K"))
+    assert q4k.label.endswith("uint4 asym g256") and q4k.rule == "Q4_K" and dict(provenance.details)["gguf_type"] == "Q4_K"
+    assert "8 × 32" in dict(provenance.details)["super_block"]
     assert scheme_for_type(named("MXFP4"))[0].label == "mxfp4 g32"
     assert scheme_for_type(named("NVFP4"))[0].label == "nvfp4 g16"
     assert scheme_for_type(named("IQ2_XXS"))[0].label == "iq2_xxs g256"
@@ -415,10 +415,12 @@ def test_many_tensors_of_an_unknown_type_list_in_linear_time(tmp_path):
 
 
 def plan_gguf(checkpoint, weights, chosen, output, allow_incomplete=False):
-    from qtool.layouts import LAYOUTS, PlanOptions
+    """`chosen`: weight name -> scheme, or None to keep it."""
+    from qtool.layouts import LAYOUTS
+    from qtool.plan import Chosen, PlanOptions
 
     options = PlanOptions(single_file=True, file_name=os.path.basename(output), allow_incomplete_gguf=allow_incomplete)
-    return LAYOUTS["gguf"].plan(checkpoint, weights, chosen, options)
+    return LAYOUTS["gguf"].plan(checkpoint, weights, Chosen({n: s for n, s in chosen.items() if s is not None}), options)
 
 
 def write_gguf(checkpoint, weights, chosen, output, *, overwrite, device, allow_incomplete=False):

@@ -236,7 +236,7 @@ def test_an_unknown_bpe_pre_tokenizer_is_refused_naming_its_hash(tmp_path):
 def test_a_byte_level_bpe_tokenizer_is_written_as_gpt2(tmp_path, monkeypatch):
     import hashlib
 
-    from qtool.layouts import gguf_tokenizer
+    from qtool.llamacpp import tokenizer as gguf_tokenizer
 
     folder, tokenizer = tiny_qwen2(tmp_path)
     digest = hashlib.sha256(str(tokenizer.encode(gguf_tokenizer._PRE_TOKENIZER_TEXT).ids).encode()).hexdigest()
@@ -276,7 +276,7 @@ def llama_spm_as_tokenizer_json(folder):
 def test_llama_tokenizer_json_reads_as_llama_hf_vocab_does(tmp_path, which):
     from pathlib import Path
 
-    from qtool.layouts.gguf_tokenizer import llama_hf_tokens
+    from qtool.llamacpp.tokenizer import llama_hf_tokens
 
     folder = TINY if which == "sample" else llama_spm_as_tokenizer_json(tmp_path / "spm")
     reference = list(gguf.LlamaHfVocab(Path(folder)).all_tokens())

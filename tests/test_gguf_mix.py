@@ -1,15 +1,16 @@
-"""llama.cpp's type mixes (qtool/layouts/gguf_mix.py) against the table the real llama-quantize
+"""llama.cpp's type mixes (qtool/llamacpp/mixes.py) against the table the real llama-quantize
 made (tests/fixtures/gguf_mix/make_reference.py), tensor by tensor, for every mix."""
 
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
+from dataclasses import replace
 
 import pytest
 
-from qtool.layouts.gguf_mix import LLAMA_CPP_COMMIT, MIXES, MixTensor, ModelFacts, allows_quantization, choose_types, fallback_type, llama_order, mix_named, use_more_bits
+from qtool.llamacpp.mixes import LLAMA_CPP_COMMIT, MIXES, MixTensor, ModelFacts, allows_quantization, choose_types, fallback_type, llama_order, mix_named, use_more_bits
 
 REFERENCE = os.path.join(os.path.dirname(__file__), "fixtures", "gguf_mix", "reference.json")
 
@@ -22,16 +23,22 @@ def reference() -> dict:
 CASES = [(model, mix) for model, entry in reference()["models"].items() for mix in entry["mixes"]]
 
 
+def mix_of(key: str):
+    """The mix a reference key names: "Q4_K_M", or "Q2_K --pure" (llama-quantize --pure)."""
+    name, _, flag = key.partition(" ")
+    return replace(MIXES[name], pure=True) if flag == "--pure" else MIXES[name]
+
+
 def test_the_table_was_made_from_the_commit_the_rules_name():
     assert reference()["llama_cpp_commit"] == LLAMA_CPP_COMMIT
-    assert {mix for _, mix in CASES} == set(MIXES)
+    assert {mix for _, mix in CASES} == set(MIXES) | {f"{name} --pure" for name, mix in MIXES.items() if not mix.pure}
 
 
 @pytest.mark.parametrize("model, mix", CASES, ids=[f"{m}-{x}" for m, x in CASES])
 def test_every_tensor_gets_the_type_llama_quantize_gave_it(model, mix):
     entry = reference()["models"][model]
     tensors = [MixTensor(name, tuple(shape), dtype) for name, shape, dtype in entry["tensors"]]
-    chosen = choose_types(MIXES[mix], tensors, ModelFacts(**entry["facts"]))
+    chosen = choose_types(mix_of(mix), tensors, ModelFacts(**entry["facts"]))
     assert {name: choice.type for name, choice in chosen.items()} == entry["mixes"][mix]
 
 
@@ -123,7 +130,8 @@ def test_schemes_lists_gguf_types_with_true_bits_and_the_mixes():
 
 
 def test_a_mix_name_where_one_type_is_wanted_says_so():
-    from qtool.scheme import SchemeError, parse_scheme
+    from qtool.errors import SchemeError
+    from qtool.scheme_strings import parse_scheme
 
     with pytest.raises(SchemeError, match="llama.cpp file type"):
         parse_scheme("Q4_K_M")

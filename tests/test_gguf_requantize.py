@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from qtool import encoders
 from qtool.cli import app
 from qtool.layouts import gguf as gguf_layout
-from qtool.layouts.gguf_mix import MIXES, MixTensor, ModelFacts, choose_types
+from qtool.llamacpp.mixes import MIXES, MixTensor, ModelFacts, choose_types
 from tests.conftest import REPO
 
 runner = CliRunner()
@@ -35,6 +36,21 @@ def _reference_module():
 
 REF = _reference_module()
 SMALL = dict(layers=4, hidden=256, heads=4, kv=2, ffn=512, tied=False, dtype="F16")
+
+
+def write_raw_gguf(path, entries, tensors) -> None:
+    """A GGUF file of these key-values (every one, general.architecture included) and numpy
+    tensors, written through qtool's header writer."""
+    from qtool.formats.gguf_writer import gguf_header
+
+    types = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}
+    header, ranges, size = gguf_header(entries, [(name, a.shape, types[a.dtype], a.nbytes) for name, a in tensors])
+    with open(path, "wb") as handle:
+        handle.write(header)
+        for name, array in tensors:
+            handle.seek(ranges[name][0])
+            handle.write(array.tobytes())
+        handle.truncate(size)
 
 
 def run(*args):
@@ -97,6 +113,19 @@ def test_lowercase_q8_0_is_one_type_on_qtools_selection_and_uppercase_is_llama_c
 
 
 LLAMA_ARGS = {mix: ([], mix) for mix in MIXES} | {"Q3_K": (["--pure"], "Q3_K_M"), "Q4_K": (["--pure"], "Q4_K_M"), "Q5_K": (["--pure"], "Q5_K_M")}
+# qtool's --pure on every file type is llama-quantize's --pure
+LLAMA_ARGS |= {f"{mix} --pure": (["--pure"], mix) for mix, entry in MIXES.items() if not entry.pure}
+
+
+def k_quant_encoders() -> bool:
+    from qtool import native
+
+    return native.available() and {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"} <= native.gguf_encode_types()
+
+
+def encodable_anywhere(monkeypatch) -> None:
+    """Plans as if every type had an encoder here, whatever this build has."""
+    monkeypatch.setattr(encoders, "can_encode", lambda layout, job: True)
 WIDE = dict(layers=3, hidden=320, heads=8, kv=2, ffn=544, tied=True, dtype="F32")  # fallbacks: 320 and 544 are not multiples of 256
 
 
@@ -127,15 +156,16 @@ def odd_gguf(tmp_path_factory):
 
 @pytest.mark.skipif(not os.path.exists(LLAMA_QUANTIZE), reason="llama-quantize not built (set LLAMA_QUANTIZE)")
 @pytest.mark.parametrize("model", ["small", "wide", "odd", "bf16"])
-@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("mix", list(LLAMA_ARGS))
 def test_bytes_equal_llama_quantize(small_gguf, wide_gguf, odd_gguf, bf16_gguf, tmp_path, mix, model):
     """Every tensor's type and bytes, and every key-value, as llama-quantize writes them
     (llama-quantize writes tensors in its own order and moves general.file_type to the end)."""
     source = {"small": small_gguf, "wide": wide_gguf, "odd": odd_gguf, "bf16": bf16_gguf}[model]
     ours, theirs = tmp_path / "qtool.gguf", tmp_path / "llama.gguf"
-    if not all(gguf_layout.encodable(t) for t in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")) and mix != "Q8_0":
+    if not k_quant_encoders() and mix != "Q8_0":
         pytest.skip("needs qtool's K-quant encoders")
-    ok("quantize", source, "-o", ours, "--scheme", mix, "-q")
+    name, _, pure = mix.partition(" ")
+    ok("quantize", source, "-o", ours, "--scheme", name, *([pure] if pure else []), "-q")
     flags, ftype = LLAMA_ARGS[mix]
     done = subprocess.run([LLAMA_QUANTIZE, *flags, str(source), str(theirs), ftype, "1"], capture_output=True)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -151,7 +181,7 @@ def test_bytes_equal_llama_quantize(small_gguf, wide_gguf, odd_gguf, bf16_gguf, 
 
 
 def test_dry_run_shows_each_tensors_type_and_size(small_gguf, monkeypatch):
-    monkeypatch.setattr(gguf_layout, "encodable", lambda name: True)  # the plan, whatever this build encodes
+    encodable_anywhere(monkeypatch)
     document = json.loads(ok("quantize", small_gguf, "-o", "out.gguf", "--scheme", "Q4_K_M", "--dry-run", "--json").output)
     tensors = [MixTensor(n, tuple(s), d) for n, s, d in REF.tensors_of(SMALL)]
     expected = choose_types(MIXES["Q4_K_M"], tensors, ModelFacts("llama", SMALL["layers"], SMALL["heads"], SMALL["kv"]))
@@ -168,7 +198,7 @@ def test_dry_run_shows_each_tensors_type_and_size(small_gguf, monkeypatch):
 
 
 def test_tensor_scheme_overrides_one_type_in_a_mix(small_gguf, monkeypatch):
-    monkeypatch.setattr(gguf_layout, "encodable", lambda name: True)
+    encodable_anywhere(monkeypatch)
     document = json.loads(ok("quantize", small_gguf, "-o", "o.gguf", "--scheme", "Q4_K_M", "--tensor-scheme", "re:.*ffn_down.*=q8_0", "--dry-run", "--json").output)
     types = {w["name"]: w["tensors"][0]["dtype"] for w in document["weights"]}
     assert {types[f"blk.{i}.ffn_down.weight"] for i in range(SMALL["layers"])} == {"Q8_0"}
@@ -197,23 +227,19 @@ def test_every_key_of_a_real_vocab_gguf_survives(tmp_path):
     plus an empty array and a custom alignment, in a tiny LLaMA with random weights."""
     vocab = gguf.GGUFReader(VOCAB)
     source = tmp_path / "tiny-vocab-f16.gguf"
-    writer = gguf_layout._Writer(str(source), "llama")
-    writer.kv_data = [{}]
+    entries = []
     for key, field in list(vocab.fields.items())[3:]:
         kinds = field.types
-        writer.add_key_value(key, field.contents(), kinds[0], kinds[1] if len(kinds) > 1 else None)
-    writer.add_key_value("qtool.test.empty", [], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT16)
-    writer.add_key_value("qtool.test.bytes", [b"ok", b"\xff\xfe not utf-8"], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING)
-    writer.add_key_value("general.alignment", 64, gguf.GGUFValueType.UINT32)
-    writer.data_alignment = 64
+        entries.append((key, field.contents(), kinds[0].name + (f":{kinds[1].name}" if len(kinds) > 1 else "")))
+    entries.append(("qtool.test.empty", [], "ARRAY:INT16"))  # gguf-py refuses to write an empty array; GGUF allows it
+    entries.append(("qtool.test.bytes", [b"ok", b"\xff\xfe not utf-8"], "ARRAY:STRING"))
+    entries.append(("general.alignment", 64, "UINT32"))
     rng = np.random.default_rng(0)
+    tensors = []
     for name, shape, dtype in REF.tensors_of(dict(SMALL, layers=1)):
         values = (rng.standard_normal(shape) * 0.02).astype(np.float32)
-        writer.add_tensor(name, values if dtype == "F32" else values.astype(np.float16))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        tensors.append((name, values if dtype == "F32" else values.astype(np.float16)))
+    write_raw_gguf(source, entries, tensors)
     out = tmp_path / "tiny-vocab-q8_0.gguf"
     ok("quantize", source, "-o", out, "--scheme", "Q8_0", "-q")
     before, after = fields_of(source), fields_of(out)
@@ -252,7 +278,7 @@ def test_a_real_subprocess_quantizes_or_refuses_in_one_line(small_gguf, tmp_path
     out = tmp_path / "small-q4_k_m.gguf"
     env = dict(os.environ, PYTHONPATH=REPO)
     done = subprocess.run([sys.executable, "-m", "qtool", "quantize", str(small_gguf), "-o", str(out), "--scheme", "Q4_K_M", "-q"], capture_output=True, text=True, env=env)
-    if gguf_layout.encodable("Q4_K") and gguf_layout.encodable("Q6_K"):
+    if k_quant_encoders():
         assert done.returncode == 0, done.stderr
         assert set(types_of(out).values()) == {"Q4_K", "Q6_K", "F32"}
     else:

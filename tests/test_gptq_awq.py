@@ -112,7 +112,7 @@ def test_inspect_reports_shape_parameters_bits_and_scheme(fixture):
     assert w["notes"] == []
     roles = {t["role"] for t in w["tensors"]}
     assert roles == ({"data", "scale", "zero_point", "g_idx"} if fixture.startswith("gptq") else {"data", "scale", "zero_point"})
-    extra = dict(_weights(FIXTURES / fixture)[WEIGHT].scheme.extra)
+    extra = dict(_weights(FIXTURES / fixture)[WEIGHT].provenance.details)
     assert extra["settings"] == source
     if fixture.startswith("gptq"):
         assert (extra["format"], extra["desc_act"]) == (layout, desc_act)
@@ -189,7 +189,7 @@ def test_gptq_v2_zero_points_are_not_offset():
     # the v2 file read as v1 (a config that forgets checkpoint_format) decodes one step off
     checkpoint = MemoryCheckpoint(v2, {"quantize_config.json": {"bits": 4, "group_size": 128, "sym": False}})
     weight = next(w for w in resolve(checkpoint) if w.quantized)
-    assert dict(weight.scheme.extra)["format"] == "gptq"
+    assert dict(weight.provenance.details)["format"] == "gptq"
     assert not torch.equal(decoder_for(weight).decode(checkpoint, weight, "cpu"), _reference("gptq/gptq_4bit_asym_g128"))
 
 
@@ -231,7 +231,7 @@ def test_awq_gemm_interleave_by_hand():
     checkpoint = MemoryCheckpoint({"m.qweight": qweight, "m.qzeros": qzeros, "m.scales": scales})
     weight = next(w for w in resolve(checkpoint) if w.quantized)
     assert weight.convention == "awq" and weight.shape == (8, 128)
-    assert dict(weight.scheme.extra)["version"] == "gemm"
+    assert dict(weight.provenance.details)["version"] == "gemm"
     decoded = decoder_for(weight).decode(checkpoint, weight, "cpu")
     assert torch.equal(decoded, torch.arange(8, dtype=torch.float16)[:, None].expand(8, 128))
 
@@ -265,7 +265,7 @@ def test_without_config_files_the_shapes_decide(fixture, tmp_path):
     weight = _weights(path)[WEIGHT]
     assert weight.shape == (O, I) and weight.scheme.bits == bits
     assert weight.scheme.label == label  # sym from qzeros at the midpoint; g128 on 256 inputs
-    extra = dict(weight.scheme.extra)
+    extra = dict(weight.provenance.details)
     assert extra["settings"] == "shapes"
     if fixture.startswith("gptq"):
         assert extra["desc_act"] == desc_act  # read from the small g_idx

@@ -229,9 +229,9 @@ def test_stats_stream_in_chunks(monkeypatch, tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    import qtool.stats
+    import qtool.value_stats
 
-    monkeypatch.setattr(qtool.stats, "CHUNK", 7)  # many chunks, one partial: merging must be exact
+    monkeypatch.setattr(qtool.value_stats, "CHUNK", 7)  # many chunks, one partial: merging must be exact
     values = torch.randn(1000, dtype=torch.float64) * 3 + 10
     save_file({"w": values}, str(tmp_path / "m.safetensors"))
     stats = inspect_json(tmp_path / "m.safetensors", "--stats")["weights"][0]["stats"]

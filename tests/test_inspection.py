@@ -11,7 +11,7 @@ import pytest
 
 import qtool
 from qtool.inspection import Inspection, inspect_checkpoint
-from qtool.stats import collect_stats
+from qtool.value_stats import collect_stats
 from tests.conftest import SAMPLES, tensor_bytes, write_safetensors
 
 GOLDEN = Path(__file__).resolve().parent / "fixtures" / "inspect_summaries.json"  # summary() of 2458d0a, unfiltered

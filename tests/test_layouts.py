@@ -10,8 +10,9 @@ import pytest
 
 import qtool
 from qtool.conventions import decoder_for
+from qtool.errors import SchemeError
 from qtool.layouts import LAYOUTS, choose_layout, layout_named
-from qtool.scheme import SchemeError, parse_scheme, scheme_names
+from qtool.scheme_strings import parse_scheme, scheme_names
 from tests.conftest import SAMPLES
 
 TINY = SAMPLES / "tiny-llama"

@@ -70,7 +70,7 @@ def assert_runs(llm, prompt: bytes) -> list[int]:
     return generated
 
 
-# -- from safetensors (qtool.layouts.gguf_hf) -------------------------------------------------------
+# -- from safetensors (qtool.llamacpp.model) -------------------------------------------------------
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

@@ -13,14 +13,14 @@ from safetensors.torch import load_file, save_file
 
 import qtool
 from qtool import native
-from qtool.metrics import ErrorStats
+from qtool.error_measures import ErrorStats
 
 from .conftest import SAMPLES
 
 TINY = SAMPLES / "tiny-llama"
 MEASURES = ("sqnr_db", "rel_rmse", "max_abs_err", "cosine")
 SCHEMES = ["W4A16", "int8", "W4A16_ASYM", "FP8", "NVFP4A16"]
-NATIVE_SCHEMES = {"W4A16", "int8", "W4A16_ASYM"}  # what qtool.native encodes (qtool/fastpath.py)
+NATIVE_SCHEMES = {"W4A16", "int8", "W4A16_ASYM"}  # what qtool.native encodes (qtool/encoders/native_int.py)
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qtool import native
+from qtool import native, native_decoders
+from qtool.error_measures import ErrorStats
 from qtool.layouts.compressed_tensors import CompressedTensors, encode
-from qtool.metrics import ErrorStats
-from qtool.scheme import parse_scheme
+from qtool.scheme_strings import parse_scheme
 
 from .conftest import REPO, SAMPLES
 
@@ -250,7 +250,7 @@ def test_threads_reach_torch_when_a_job_needs_it(tmp_path):
 def test_files_written_by_compressed_tensors_dequantize_the_same_on_both_paths(tmp_path, monkeypatch):
     """Every fixture the real package wrote: the native decoders take the ones they can (at
     least W4A16 and W8A16) and the output file is byte for byte the torch path's."""
-    from qtool import api, fastpath
+    from qtool import api
     from qtool.conventions import resolve
     from qtool.formats import open_checkpoint
 
@@ -260,7 +260,7 @@ def test_files_written_by_compressed_tensors_dequantize_the_same_on_both_paths(t
     for fixture in sorted(p for p in CT_FIXTURES.iterdir() if p.is_dir()):
         monkeypatch.delenv("QTOOL_NATIVE", raising=False)
         weights = resolve(open_checkpoint(str(fixture)))
-        if any(w.quantized and fastpath.decoder(w, "BF16") is not None for w in weights):
+        if any(w.quantized and native_decoders.decoder(w, "BF16") is not None for w in weights):
             taken.add(fixture.name)
         api.dequantize(str(fixture), str(tmp_path / f"{fixture.name}-native.safetensors"))
         monkeypatch.setenv("QTOOL_NATIVE", "0")

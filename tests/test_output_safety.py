@@ -7,9 +7,9 @@ from __future__ import annotations
 import errno
 import json
 import os
-import stat
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time

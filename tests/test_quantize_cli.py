@@ -337,7 +337,7 @@ def test_row_chunked_encoding_is_identical_to_whole_weights(tmp_path, monkeypatc
     monkeypatch.setattr(ct, "CHUNK_ELEMENTS", 1)  # the smallest chunk each scheme allows
     monkeypatch.setenv("QTOOL_NATIVE", "0")  # the torch encoder is the one that chunks
     weight = next(w for w in qtool.inspect(TINY).weights if w.name.endswith("q_proj.weight"))  # 256 rows
-    assert ct.CompressedTensors().row_chunk(weight, qtool.scheme.parse_scheme(scheme)) is not None
+    assert ct.CompressedTensors().row_chunk(weight, qtool.scheme_strings.parse_scheme(scheme)) is not None
     ok("quantize", TINY, "-o", tmp_path / "chunked", "--scheme", scheme, "--report", tmp_path / "chunked.json", "-q")
     assert (tmp_path / "whole" / "model.safetensors").read_bytes() == (tmp_path / "chunked" / "model.safetensors").read_bytes()
     whole, chunked = (json.loads((tmp_path / f"{n}.json").read_text())["weights"] for n in ("whole", "chunked"))

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from qtool.formats.remote_loader import FIRST_READ
 from qtool.formats.remote import SLACK
+from qtool.formats.remote_loader import FIRST_READ
 from tests.conftest import CT_FIXTURES, REPO, SAMPLES
 
 TOKEN = "hf_secretTOKEN1234567890"

@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 
 from qtool.conventions.base import block_from_scale, infer_block_size
 from qtool.dtypes import DTYPES, nbytes_for, storage_dtype
-from qtool.scheme import CHANNEL, TENSOR, QScheme, SchemeError, group, qtype
+from qtool.errors import SchemeError
+from qtool.qtypes import qtype
+from qtool.scheme import CHANNEL, TENSOR, QScheme, group
 
 SAFETENSORS_DTYPES = (
     "BOOL U8 I8 U16 I16 U32 I32 U64 I64 F16 BF16 F32 F64 C64 F8_E4M3 F8_E5M2 F8_E8M0 F4 F6_E2M3 F6_E3M2 "

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from qtool.audit import count_non_finite
 from qtool.cli import app
 from qtool.dtypes import DTYPES
-from qtool.values import float8_table
+from qtool.plain_values import float8_table
 from tests.conftest import REPO, SAMPLES, write_safetensors
 
 runner = CliRunner()

@@ -159,16 +159,16 @@ def test_native_quantized_tensors_are_weights_with_their_scheme():
     assert per_tensor.convention == "torch-native"
     assert per_tensor.scheme.label == "uint8 asym tensor"
     assert (per_tensor.shape, per_tensor.parameters, per_tensor.bits_per_weight) == ((8, 16), 128, 8.0)
-    assert dict(per_tensor.scheme.extra)["zero_point"] == "3"
+    assert dict(per_tensor.provenance.details)["zero_point"] == "3"
     channel = found["q.per_channel"]
     assert channel.scheme.label == "int8 sym channel"  # qint8, zero points all 0
     assert set(channel.members) == {"data", "scale", "zero_point"}
     assert channel.scheme.scale_dtype == "F64"
     assert channel.bits_per_weight == (8 * 16 + 8 * 8 + 8 * 8) * 8 / 128  # int8 + f64 scales + i64 zero points
     axis1 = found["q.axis1"]
-    assert axis1.scheme.block == (None, 1) and dict(axis1.scheme.extra)["axis"] == "1"
+    assert axis1.scheme.block == (None, 1) and dict(axis1.provenance.details)["axis"] == "1"
     embedding = found["emb.weight"]
-    assert dict(embedding.scheme.extra)["qscheme"] == "per_channel_affine_float_qparams"
+    assert dict(embedding.provenance.details)["qscheme"] == "per_channel_affine_float_qparams"
     assert embedding.scheme.label == "uint8 asym channel"
     assert embedding.scheme.scale_dtype == "F32"
 

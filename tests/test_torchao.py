@@ -67,7 +67,7 @@ def test_each_subclass_is_one_weight_with_its_scheme(fixture):
         weight = found[name]
         assert weight.convention == "torchao"
         assert weight.scheme.label == label, name
-        assert dict(weight.scheme.extra)["torchao_type"] == kind
+        assert dict(weight.provenance.details)["torchao_type"] == kind
         assert (weight.shape, weight.parameters, weight.dtype) == ((32, 64), 2048, "BF16"), name
         assert weight.bits_per_weight == pytest.approx(bits), name
     assert found["int8.weight"].scheme.zero_point  # the all-zero zero point Int8Tensor writes

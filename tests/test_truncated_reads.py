@@ -20,9 +20,9 @@ HARNESS = textwrap.dedent(
     """
     import os, sys
     import qtool.formats.checkpoint as checkpoint
-    import qtool.stats
+    import qtool.value_stats
 
-    qtool.stats.CHUNK = 1024  # many chunks: the file shrinks between two of them
+    qtool.value_stats.CHUNK = 1024  # many chunks: the file shrinks between two of them
     victims = sys.argv[1].split(",")
 
     def shrinking(method):

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import qtool
 from qtool.errors import CheckpointError, UsageError
-from qtool.formats.writer import OutTensor, Output, ShardWriter
+from qtool.formats.writer import Output, OutTensor, ShardWriter
 
 
 def test_shard_writer_matches_the_reference_reader(tmp_path):

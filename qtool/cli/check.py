@@ -58,7 +58,7 @@ def check_command(
     quiet: QuietOpt = False,
 ) -> None:
     from qtool import api
-    from qtool.policy import load_policy
+    from qtool.api import load_policy
 
     sink = Output("json" if json_ else fmt.value)
     rules = load_policy(policy).with_check_options(

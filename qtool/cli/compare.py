@@ -56,7 +56,7 @@ def compare_command(
     quiet: QuietOpt = False,
 ) -> None:
     from qtool import api
-    from qtool.policy import load_policy
+    from qtool.api import load_policy
 
     sink = Output("json" if json_ else fmt.value)
     chosen = load_policy(policy).with_compare_options(

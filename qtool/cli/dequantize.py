@@ -20,7 +20,7 @@ from qtool.cli.options import (
     ThreadsOpt,
 )
 from qtool.cli.output import Column, Output, Rows, Section
-from qtool.cli.tasks import run_task, show_plan
+from qtool.cli.plans import run_plan, show_plan
 from qtool.cli.text import human_bytes
 
 HELP = """Decode every quantized weight to float, keyed by its logical name.
@@ -52,11 +52,11 @@ def dequantize_command(
     from qtool import api
 
     sink = Output("json" if json_ else fmt.value)
-    task = api.prepare_dequantize(path, output_path, dtype=dtype, max_shard_size=max_shard_size)
+    plan = api.prepare_dequantize(path, output_path, dtype=dtype, max_shard_size=max_shard_size)
     if dry_run:
-        show_plan(task, sink)
+        show_plan(plan, sink)
         return
-    document = run_task(task, device=device, threads=threads, overwrite=overwrite, quiet=quiet, measure=False).to_json()
+    document = run_plan(plan, device=device, threads=threads, overwrite=overwrite, quiet=quiet, measure=False).to_json()
     decoded, summary = document["weights"], document["summary"]
     rows = Rows(
         [Column("weight"), Column("from"), Column("shape"), Column("dtype")],
@@ -68,7 +68,7 @@ def dequantize_command(
         "Summary",
         [Column("fact"), Column("value", justify="right")],
         [
-            ["output", task.output],
+            ["output", plan.output],
             ["weights decoded", f"{len(decoded)} of {summary['weights']}"],
             ["size", f"{human_bytes(summary['bytes_before'])} -> {human_bytes(summary['bytes_after'])}"],
             ["time", f"{document['seconds']:.1f} s"],

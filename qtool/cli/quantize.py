@@ -20,7 +20,7 @@ from qtool.cli.options import (
     ThreadsOpt,
 )
 from qtool.cli.output import Column, Output, Rows, Section
-from qtool.cli.tasks import run_task, show_plan
+from qtool.cli.plans import run_plan, show_plan
 from qtool.cli.text import human_bytes
 
 HELP = """Quantize a checkpoint's linear weights and write a layout real loaders accept.
@@ -37,9 +37,11 @@ shown. Run `qtool schemes` for the schemes.
 GGUF: a .gguf input keeps all its key-values, tensor order and alignment. Lowercase q8_0,
 q4_0, q4_k ... is one block type on the weights qtool selects; CAPITALS are llama.cpp's file
 types, with llama.cpp's own choice of tensors and types: Q4_K_M, Q5_K_M, Q3_K_M, Q2_K, Q6_K,
-Q8_0, Q4_0 ... (mixes) and Q3_K, Q4_K, Q5_K (pure, like llama-quantize --pure). Under a mix,
---tensor-scheme PATTERN=TYPE sets one type for matching tensors (llama-quantize --tensor-type)
-and --dry-run prints each tensor's type and size.
+Q8_0, Q4_0 ... (mixes) and Q3_K, Q4_K, Q5_K (pure, like llama-quantize --pure). --pure makes
+any file type pure: its default type on every tensor llama.cpp quantizes, with llama.cpp's row
+fallbacks (--scheme Q2_K --pure is llama-quantize --pure Q2_K). Under a mix, --tensor-scheme
+PATTERN=TYPE sets one type for matching tensors (llama-quantize --tensor-type) and --dry-run
+prints each tensor's type and size. An -o ending in .gguf writes one GGUF file from any input.
 
 \b
 Examples:
@@ -51,6 +53,7 @@ Examples:
   qtool quantize model/ -o model-mxfp4.gguf --layout gguf --scheme mxfp4
   qtool quantize model-f16.gguf -o model-q4_k_m.gguf --scheme Q4_K_M --dry-run
   qtool quantize model-f16.gguf -o model-q4_k_m.gguf --scheme Q4_K_M --tensor-scheme 're:.*ffn_down.*=q6_k'
+  qtool quantize model-f16.gguf -o model-q2_k.gguf --scheme Q2_K --pure
   qtool quantize model-q8_0.gguf -o model-q4_0.gguf --scheme Q4_0 --allow-requantize
 """
 
@@ -72,6 +75,9 @@ def quantize_command(
     allow_incomplete_gguf: Annotated[
         bool, typer.Option("--allow-incomplete-gguf", help="Write a GGUF even for a model qtool cannot describe to llama.cpp (not llama/mistral/qwen2, or no tokenizer): no runtime will load it.")
     ] = False,
+    pure: Annotated[
+        bool, typer.Option("--pure", help="With a llama.cpp file type: its default type on every tensor llama.cpp quantizes, with the row fallbacks and no promotions (llama-quantize --pure).")
+    ] = False,
     report: Annotated[
         Optional[str], typer.Option("--report", help="Also write the summary document (every quantized weight's error) to this JSON file.")
     ] = None,
@@ -87,7 +93,7 @@ def quantize_command(
     from qtool import api
 
     sink = Output("json" if json_ else fmt.value)
-    task = api.prepare_quantize(
+    plan = api.prepare_quantize(
         path,
         output_path,
         scheme,
@@ -100,11 +106,12 @@ def quantize_command(
         allow_requantize=allow_requantize,
         report=report,
         allow_incomplete_gguf=allow_incomplete_gguf,
+        pure=pure,
     )
     if dry_run:
-        show_plan(task, sink)
+        show_plan(plan, sink)
         return
-    outcome = run_task(task, device=device, threads=threads, overwrite=overwrite, quiet=quiet, measure=True)
+    outcome = run_plan(plan, device=device, threads=threads, overwrite=overwrite, quiet=quiet, measure=True)
     _show_summary(outcome.to_json(), sink)
 
 

@@ -27,44 +27,9 @@ Examples:
 
 
 def schemes_command(fmt: FormatOpt = OutputFormat.auto, json_: JsonOpt = False) -> None:
-    from qtool.formats.gguf import ggml_type_named
-    from qtool.layouts import choose_layout
-    from qtool.layouts.gguf_mix import MIXES, bits_per_weight_on_llama3_8b
-    from qtool.scheme import PRESETS, nominal_bits_per_weight, parse_scheme, scheme_names
+    from qtool.api import schemes
 
-    entries = []
-    for name in scheme_names():
-        scheme = parse_scheme(name)
-        if scheme.gguf_type:
-            gtype = ggml_type_named(scheme.gguf_type)
-            bits = gtype.type_size * 8 / gtype.block_size
-            description = f"one GGUF block type, {scheme.gguf_type}, on the weights qtool selects"
-        else:
-            bits = nominal_bits_per_weight(scheme)
-            description = PRESETS[name][1] if name in PRESETS else ""
-        entries.append(
-            {
-                "name": name,
-                "kind": "scheme",
-                "label": scheme.label,
-                "bits_per_weight": round(bits, 4),
-                "layout": choose_layout({scheme}, None).name,
-                "preset": name in PRESETS,
-                "description": description,
-            }
-        )
-    for mix in MIXES.values():
-        entries.append(
-            {
-                "name": mix.name,
-                "kind": "gguf mix",
-                "label": mix.scheme.label,
-                "bits_per_weight": round(bits_per_weight_on_llama3_8b(mix), 4),  # per model: Llama-3-8B's shapes
-                "layout": "gguf",
-                "preset": False,
-                "description": mix.description,
-            }
-        )
+    document = schemes()
     rows = Rows(
         [
             Column("name"),
@@ -73,7 +38,7 @@ def schemes_command(fmt: FormatOpt = OutputFormat.auto, json_: JsonOpt = False) 
             Column("writes"),
             Column("what it is"),
         ],
-        [[e["name"], e["label"], e["bits_per_weight"], e["layout"], e["description"]] for e in entries],
+        [[e["name"], e["label"], e["bits_per_weight"], e["layout"], e["description"]] for e in document["schemes"]],
         title="Schemes",
     )
-    Output("json" if json_ else fmt.value).emit({"schema_version": 1, "schemes": entries}, rows)
+    Output("json" if json_ else fmt.value).emit(document, rows)

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from qtool.conventions.base import Convention, Pool
 from qtool.conventions.plain import Plain
-from qtool.errors import InternalError, QtoolError
+from qtool.errors import ClaimConflict, QtoolError
 from qtool.formats.checkpoint import Checkpoint
 from qtool.patterns import natural_key
 from qtool.weight import Weight
@@ -46,7 +46,7 @@ class _Names:
         return any(fragment in text for fragment in fragments)
 
 
-Signal = Callable[[Checkpoint, _Names], bool]
+ClaimSignal = Callable[[Checkpoint, _Names], bool]  # whether a convention may claim anything here
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,10 @@ class _Entry:
     name: str  # Convention.name, also Weight.convention
     module: str
     cls: str
-    may_claim: Signal  # False only when detect() would certainly claim nothing
+    may_claim: ClaimSignal  # False only when detect() would certainly claim nothing
 
 
-def _format(name: str) -> Signal:
+def _format(name: str) -> ClaimSignal:
     return lambda checkpoint, names: checkpoint.format == name
 
 
@@ -104,10 +104,6 @@ def __getattr__(name: str) -> Any:
     if name == "REGISTRY":  # every convention, imported: for code that walks them all
         return (*(_load(entry) for entry in _ENTRIES), _PLAIN)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-class ClaimConflict(InternalError):
-    """Two conventions claimed one tensor: a bug in qtool, never in the checkpoint."""
 
 
 def _candidates(checkpoint: Checkpoint, pool: Pool) -> list[Convention]:

@@ -31,19 +31,20 @@ marlin) are different layouts, listed with a note, and refused by decode. Labels
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from qtool.conventions.base import Pool, by_module, plain_weights, side_file
+from qtool.conventions.base import Pool, by_module, plain_weights, require_convention
+from qtool.conventions.qweight_configs import awq_config, gptq_config
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
-from qtool.formats.untrusted_json import Boolean, Integer, Record, String
-from qtool.scheme import CHANNEL, QScheme, group, qtype
-from qtool.weight import DATA, Weight
+from qtool.qtypes import qtype
+from qtool.scheme import CHANNEL, QScheme, group
+from qtool.weight import DATA, Provenance, Weight
 
 if TYPE_CHECKING:  # torch is imported where data is touched, never at import time
     import torch
 
-__all__ = ["NAME", "ORDER", "Awq", "awq_config", "awq_layout_fits", "decode", "zeros_width"]
+__all__ = ["NAME", "ORDER", "Awq", "awq_layout_fits", "decode", "zeros_width"]
 
 NAME = "awq"
 VERSIONS = ("gemm", "gemv")
@@ -52,23 +53,6 @@ UNFIT = "unreadable"
 CHUNK_ELEMENTS = 1 << 24  # output elements decoded per step: temporaries stay under ~64 MB
 _FLOATS = ("F16", "BF16", "F32")
 _ROLES = {"qweight": DATA, "scales": "scale", "qzeros": "zero_point"}
-
-
-# What qtool reads of transformers' AwqConfig (AutoAWQ's quant_config names: q_group_size, w_bit).
-# A wrong JSON type is refused (exit 2); a value of the right type that fits no layout is a note.
-_CONFIG = Record({
-    "version": String(max_chars=64), "group_size": Integer(), "q_group_size": Integer(),
-    "bits": Integer(), "w_bit": Integer(), "zero_point": Boolean(),
-})  # fmt: skip
-
-
-def awq_config(checkpoint: Checkpoint) -> dict[str, Any] | None:
-    """config.json's quantization_config when its quant_method is awq, the fields qtool reads
-    type-checked (a JsonTypeError names config.json, exit 2); else None."""
-    config = checkpoint.config.get("quantization_config")
-    if isinstance(config, dict) and str(config.get("quant_method") or "").lower() == "awq":
-        return _CONFIG.check(config, "quantization_config", side_file(checkpoint), "transformers would refuse this config too; fix the field")
-    return None
 
 
 def zeros_width(in_features: int, group_size: int) -> int | None:
@@ -162,8 +146,6 @@ class Awq:
     name = NAME
 
     def detect(self, checkpoint: Checkpoint, pool: Pool) -> list[Weight]:
-        from qtool.conventions.gptq import gptq_config
-
         config = awq_config(checkpoint)
         if config is None and gptq_config(checkpoint)[0] is not None:
             return []  # a GPTQ checkpoint: GPTQ has claimed what it reads
@@ -217,21 +199,23 @@ class _Settings:
         )
 
 
-def _scheme(layout_version: str, group_size: int | None, in_features: int, scale_dtype: str, source: str) -> QScheme:
-    if layout_version == "gemm":
-        packing = "int32 along out, 8 per word, nibble k = output [0,2,4,6,1,3,5,7][k]"
-    else:
-        packing = "int32 along in, 8 per word, LSB first; scales zero-padded"
+def _scheme(group_size: int | None, in_features: int, scale_dtype: str, source: str) -> QScheme:
     return QScheme(
         qtype=qtype("uint4"),
         block=CHANNEL if group_size is None or (group_size >= in_features and source == "shapes") else group(group_size),
         symmetric=False,
         scale_dtype=scale_dtype,
         zero_point=True,
-        packing=packing,
-        convention=NAME,
-        extra=(("version", layout_version), ("settings", source)),
     )
+
+
+def _provenance(layout_version: str, source: str, unfit: bool = False) -> Provenance:
+    if layout_version == "gemm":
+        packing = "int32 along out, 8 per word, nibble k = output [0,2,4,6,1,3,5,7][k]"
+    else:
+        packing = "int32 along in, 8 per word, LSB first; scales zero-padded"
+    details = (("version", layout_version), ("settings", source))
+    return Provenance(NAME, packing, (*details, (UNFIT, "yes")) if unfit else details)
 
 
 def _resolve(name: str, members: dict[str, StoredTensor], settings: _Settings) -> Weight:
@@ -252,8 +236,8 @@ def _resolve(name: str, members: dict[str, StoredTensor], settings: _Settings) -
         if settings.zero_point is False:
             notes.append("config.json says zero_point false, but qzeros are stored; they are applied")
     group_size = None if settings.group_size == -1 else layout.group_size
-    scheme = _scheme(layout.version, group_size, layout.in_features, members["scale"].dtype.name, source)
-    return Weight(name, (layout.out_features, layout.in_features), members["scale"].dtype.name, members, scheme, NAME, notes)
+    scheme = _scheme(group_size, layout.in_features, members["scale"].dtype.name, source)
+    return Weight(name, (layout.out_features, layout.in_features), members["scale"].dtype.name, members, scheme, _provenance(layout.version, source), notes)
 
 
 def _unreadable(name: str, members: dict[str, StoredTensor], settings: _Settings, note: str) -> Weight:
@@ -267,9 +251,8 @@ def _unreadable(name: str, members: dict[str, StoredTensor], settings: _Settings
         shape = tuple(qweight.shape)
     group_size = settings.group_size if settings.group_size and settings.group_size > 0 else None
     scale_dtype = scales.dtype.name if scales.dtype.name in _FLOATS else "F16"
-    scheme = _scheme(version, group_size, shape[-1] if shape else 0, scale_dtype, "config.json")
-    scheme = replace(scheme, extra=(*scheme.extra, (UNFIT, "yes")))
-    return Weight(name, shape, scale_dtype, members, scheme, NAME, [note])
+    scheme = _scheme(group_size, shape[-1] if shape else 0, scale_dtype, "config.json")
+    return Weight(name, shape, scale_dtype, members, scheme, _provenance(version, "config.json", unfit=True), [note])
 
 
 # -- decode ---------------------------------------------------------------------------------------
@@ -281,20 +264,19 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
     import torch
 
     from qtool import kernels
-    from qtool.errors import CheckpointError, UsageError
+    from qtool.errors import CheckpointError
     from qtool.kernels.grouped import dequantize_grouped
 
     scheme = weight.require_scheme()
-    if scheme.convention != NAME:
-        raise UsageError(f"{weight.name} is a {scheme.convention} weight, not AWQ")
-    extra = dict(scheme.extra)
-    if UNFIT in extra:
+    require_convention(weight, NAME)
+    version = weight.provenance.detail("version")
+    if weight.provenance.detail(UNFIT) is not None:
         raise CheckpointError(f"{weight.name}: {weight.notes[-1] if weight.notes else 'not an AWQ layout qtool reads'}", path=weight.data.file)
     try:
-        layout = read_layout(_shapes(weight.members), extra.get("version"), scheme.group_size or -1)
+        layout = read_layout(_shapes(weight.members), version, scheme.group_size or -1)
     except _Unfit as exc:
         raise CheckpointError(f"{weight.name}: AWQ tensors do not fit: {exc}", path=weight.data.file) from None
-    if (layout.out_features, layout.in_features) != tuple(weight.shape) or layout.version != extra.get("version"):
+    if (layout.out_features, layout.in_features) != tuple(weight.shape) or layout.version != version:
         raise CheckpointError(f"{weight.name}: AWQ tensors hold a {layout.version} [{layout.out_features}, {layout.in_features}] weight, not {list(weight.shape)}", path=weight.data.file)
     out_features, in_features, groups, size = layout.out_features, layout.in_features, layout.groups, layout.group_size
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
 from qtool.formats.untrusted_json import describe, parse_json, side_file_path
-from qtool.weight import DATA, Weight
+from qtool.weight import Weight
 
 if TYPE_CHECKING:
     from qtool.scheme import Block
@@ -26,6 +26,7 @@ __all__ = [
     "metadata_json",
     "unusable_scale",
     "unusable_zero_point",
+    "require_convention",
 ]
 
 Pool = dict[str, StoredTensor]  # tensors no convention has claimed yet
@@ -70,6 +71,15 @@ def unusable_zero_point(tensor: StoredTensor, label: str) -> str | None:
     if dtype.kind in ("int", "uint", "float") and dtype.torch_name is not None:
         return None
     return f"{label} is {dtype.name}, which no toolchain stores zero points as (an integer or a float)"
+
+
+def require_convention(weight: Weight, name: str) -> None:
+    """A decoder handed another convention's weight is a bug in its caller (exit 70), never in
+    the file: `decoder_for` picks the decoder by the weight's own convention."""
+    if weight.convention != name:
+        from qtool.errors import InternalError
+
+        raise InternalError(f"the {name} decoder was handed {weight.name}, a {weight.convention} weight")
 
 
 def by_module(pool: Pool) -> dict[str, dict[str, StoredTensor]]:

@@ -46,13 +46,14 @@ import math
 import struct
 from typing import TYPE_CHECKING, Any
 
-from qtool.conventions.base import Pool, by_module, plain_weights
-from qtool.dtypes import decoded_dtype
+from qtool.conventions.base import Pool, by_module, plain_weights, require_convention
+from qtool.dtypes import decoded_dtype, float_dtype_named
 from qtool.errors import CheckpointError
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
 from qtool.formats.untrusted_json import parse_json
-from qtool.scheme import CHANNEL, FP4_BNB_CODEBOOK, NF4_CODEBOOK, QScheme, qtype  # torch-free tables
-from qtool.weight import DATA, Weight
+from qtool.qtypes import FP4_BNB_CODEBOOK, NF4_CODEBOOK, qtype  # torch-free tables
+from qtool.scheme import CHANNEL, QScheme
+from qtool.weight import DATA, Provenance, Weight
 
 if TYPE_CHECKING:  # torch is imported where data is touched, never at import time
     import torch
@@ -63,7 +64,6 @@ NAME = "bitsandbytes"
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # what bitsandbytes 0.50 accepts
 _STATE = ".quant_state.bitsandbytes__"
 _QUANT_TYPES = {"nf4": "nf4", "fp4": "fp4_bnb"}  # JSON quant_type -> qtool value type
-_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 _PACKING = "uint8, two per byte, high nibble first, over the flattened weight"
 _STATE_KEYS = {"quant_type": (str, "a string"), "blocksize": (int, "an integer"), "dtype": (str, "a string"),
                "shape": (list, "a list")}  # what QuantState.from_dict reads; fmt: skip
@@ -163,12 +163,11 @@ def _resolve_8bit(checkpoint: Checkpoint, module: str, members: dict[str, Stored
         block=CHANNEL,
         symmetric=True,
         scale_dtype=scb.dtype.name,
-        convention=NAME,
-        extra=(("layout", "LLM.int8 row-wise absmax (SCB), w = q * SCB / 127"), ("weight_format", layout)),
     )
+    provenance = Provenance(NAME, details=(("layout", "LLM.int8 row-wise absmax (SCB), w = q * SCB / 127"), ("weight_format", layout)))
     config = checkpoint.config
     logical = str(config.get("torch_dtype") or config.get("dtype") or "float32")
-    return Weight(data.name, data.shape, _DTYPES.get(logical, "F32"), members, scheme, NAME)
+    return Weight(data.name, data.shape, float_dtype_named(logical) or "F32", members, scheme, provenance)
 
 
 def _resolve(checkpoint: Checkpoint, base: str, quant_type: str, members: dict[str, StoredTensor]) -> Weight:
@@ -222,11 +221,9 @@ def _resolve(checkpoint: Checkpoint, base: str, quant_type: str, members: dict[s
         block=(1, blocksize),
         symmetric=True,
         scale_dtype="F32",
-        packing=packing,
-        convention=NAME,
-        extra=tuple(extra),
     )
-    return Weight(base, tuple(shape), _DTYPES.get(str(dtype), "F32"), members, scheme, NAME, notes)
+    provenance = Provenance(NAME, packing, tuple(extra))
+    return Weight(base, tuple(shape), float_dtype_named(dtype) or "F32", members, scheme, provenance, notes)
 
 
 def _codebook_values(name: str) -> list[float]:
@@ -242,11 +239,9 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
     import torch
 
     from qtool import kernels
-    from qtool.errors import UsageError
 
     scheme = weight.require_scheme()
-    if scheme.convention != NAME:
-        raise UsageError(f"{weight.name} is a {scheme.convention} weight, not bitsandbytes")
+    require_convention(weight, NAME)
     dtype = decoded_dtype(weight.dtype)
     if scheme.qtype.name == "int8":
         codes = checkpoint.load(weight.data).to(device)  # [O, I] int8

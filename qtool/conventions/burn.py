@@ -41,13 +41,14 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from qtool.conventions.base import Pool, plain_weight
-from qtool.errors import UsageError
+from qtool.conventions.base import Pool, plain_weight, require_convention
+from qtool.errors import InternalError
 from qtool.formats.burnpack import qfloat_scheme
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
 from qtool.formats.untrusted_json import describe
-from qtool.scheme import QScheme, qtype
-from qtool.weight import DATA, Weight
+from qtool.qtypes import qtype
+from qtool.scheme import QScheme
+from qtool.weight import DATA, Provenance, Weight
 
 if TYPE_CHECKING:
     import torch
@@ -71,7 +72,7 @@ VALUES: dict[str, tuple[str, int, str]] = {
 SCALES: dict[str, tuple[str, int]] = {"F32": ("F32", 4), "F16": ("F16", 2), "BF16": ("BF16", 2), "UE8M0": ("E8M0", 1), "UE4M3": ("UE4M3", 1)}
 
 
-class SchemeError(ValueError):
+class UnreadableQFloat(ValueError):
     """A QFloat scheme qtool cannot read: the tensor stays plain, with this as its note."""
 
 
@@ -135,19 +136,19 @@ def parse_scheme(scheme: dict[str, Any], rank: int) -> BurnScheme:
     """A QuantScheme map, in burn 0.22's or burn 0.19-0.21's form."""
     value = scheme.get("value")
     if not isinstance(value, str) or value not in VALUES:  # a JSON object or list is no key (unhashable)
-        raise SchemeError(f"unknown burn quant value {_shown(value)} (known: {' '.join(VALUES)})")
+        raise UnreadableQFloat(f"unknown burn quant value {_shown(value)} (known: {' '.join(VALUES)})")
     store_raw = scheme.get("store")
     if store_raw == "Native":
         store, dim = "Native", 0
     elif isinstance(store_raw, dict) and len(store_raw) == 1 and next(iter(store_raw)) in ("PackedU32", "PackedNative"):
         store, dim = next(iter(store_raw.items()))
         if type(dim) is not int or not 0 <= dim < max(rank, 1):
-            raise SchemeError(f"store {store}({_shown(dim)}) packs a dim the rank-{rank} tensor does not have")
+            raise UnreadableQFloat(f"store {store}({_shown(dim)}) packs a dim the rank-{rank} tensor does not have")
     else:
-        raise SchemeError(f"unknown burn quant store {_shown(store_raw)}")
+        raise UnreadableQFloat(f"unknown burn quant store {_shown(store_raw)}")
     mode = scheme.get("mode", "Symmetric")
     if mode not in ("Symmetric", "Lookup"):
-        raise SchemeError(f"unknown burn quant mode {_shown(mode)}")
+        raise UnreadableQFloat(f"unknown burn quant mode {_shown(mode)}")
     if "level" in scheme or "param" in scheme:  # burn <= 0.21
         param = scheme.get("param", "F32")
         level = scheme.get("level", "Tensor")
@@ -159,19 +160,19 @@ def parse_scheme(scheme: dict[str, Any], rank: int) -> BurnScheme:
         block = _block_size(block_level.get("size")) if isinstance(block_level, dict) else None
         block_dtype = block_level.get("dtype") if isinstance(block_level, dict) else None
         if block_level is not None and block is None:
-            raise SchemeError(f"block level {_shown(block_level)} has no readable size")
+            raise UnreadableQFloat(f"block level {_shown(block_level)} has no readable size")
         if block is None and tensor_dtype is None:
             tensor_dtype = "F32"  # burn: a scheme with no level is one f32 scale per tensor
     scale_dtype = block_dtype if block is not None else tensor_dtype
     if not isinstance(scale_dtype, str) or scale_dtype not in SCALES:
-        raise SchemeError(f"unknown burn scale dtype {_shown(scale_dtype)} (known: {' '.join(SCALES)})")
+        raise UnreadableQFloat(f"unknown burn scale dtype {_shown(scale_dtype)} (known: {' '.join(SCALES)})")
     global_scale = block is not None and tensor_dtype is not None
     if global_scale and tensor_dtype != "F32":
-        raise SchemeError(f"a two-level scheme stores its per-tensor scale as F32, this one says {tensor_dtype}")
+        raise UnreadableQFloat(f"a two-level scheme stores its per-tensor scale as F32, this one says {tensor_dtype}")
     if store == "PackedNative" and value != "E2M1":
-        raise SchemeError(f"burn packs only E2M1 natively, not {value}")
+        raise UnreadableQFloat(f"burn packs only E2M1 natively, not {value}")
     if store == "Native" and value == "E2M1":
-        raise SchemeError("burn cannot store E2M1 values natively (Native), one a byte")
+        raise UnreadableQFloat("burn cannot store E2M1 values natively (Native), one a byte")
     return BurnScheme(value, store, dim, mode, block, scale_dtype, global_scale)
 
 
@@ -209,7 +210,7 @@ def _weight(tensor: StoredTensor, raw: dict[str, Any]) -> Weight:
     shape = tuple(tensor.logical_shape or ())
     try:
         burn = parse_scheme(raw, len(shape))
-    except SchemeError as exc:
+    except UnreadableQFloat as exc:
         return plain_weight(tensor, f"burn QFloat tensor: {exc}; left plain")
     if burn.mode == "Lookup":
         return plain_weight(tensor, "burn QFloat in Lookup mode: its lookup table is not in the tensor's bytes, so qtool cannot decode it; left plain")
@@ -228,9 +229,11 @@ def _weight(tensor: StoredTensor, raw: dict[str, Any]) -> Weight:
         symmetric=True,
         scale_dtype=scale_name,
         global_scale=burn.global_scale,
-        packing=None if burn.store == "Native" else f"{burn.store_label}: {burn.per_word} a {'u32' if burn.store == 'PackedU32' else 'byte'}, LSB first",
-        convention=NAME,
-        extra=(("burn_value", burn.value), ("store", burn.store_label), ("mode", burn.mode), ("scale", burn.scale_dtype)),
+    )
+    provenance = Provenance(
+        NAME,
+        None if burn.store == "Native" else f"{burn.store_label}: {burn.per_word} a {'u32' if burn.store == 'PackedU32' else 'byte'}, LSB first",
+        (("burn_value", burn.value), ("store", burn.store_label), ("mode", burn.mode), ("scale", burn.scale_dtype)),
     )
     level = f"block {list(burn.full_block(shape))}" if burn.block else "per tensor"
     note = (
@@ -241,7 +244,7 @@ def _weight(tensor: StoredTensor, raw: dict[str, Any]) -> Weight:
     if burn.scale_dtype == "UE8M0":
         notes.append("UE8M0 scales: burn itself cannot decode these yet; qtool reads them as 2^(u-127)")
     # burn records no float dtype for a quantized tensor; it dequantizes to f32 by default
-    return Weight(tensor.name, shape, "F32", {DATA: tensor}, scheme, NAME, notes)
+    return Weight(tensor.name, shape, "F32", {DATA: tensor}, scheme, provenance, notes)
 
 
 # -- decoding ------------------------------------------------------------------------------------
@@ -249,12 +252,10 @@ def _weight(tensor: StoredTensor, raw: dict[str, Any]) -> Weight:
 
 def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu") -> torch.Tensor:
     """The float32 weight on `device`."""
-    scheme = weight.require_scheme()
-    if scheme.convention != NAME:
-        raise UsageError(f"{weight.name} is a {scheme.convention} weight, not burn")
+    require_convention(weight, NAME)
     raw = qfloat_scheme(weight.data)
     if raw is None:
-        raise UsageError(f"{weight.name} holds no burn QFloat scheme")
+        raise InternalError(f"the burn decoder was handed {weight.name}, which holds no QFloat scheme")
     burn = parse_scheme(raw, len(weight.shape))
     return decode_bytes(checkpoint.load(weight.data).to(device), burn, weight.shape)
 

@@ -39,12 +39,14 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from qtool.conventions.base import Pool, block_from_scale, by_module, metadata_json, plain_weights, side_file, unusable_scale, unusable_zero_point
+from qtool.conventions.base import Pool, block_from_scale, by_module, metadata_json, plain_weights, require_convention, side_file, unusable_scale, unusable_zero_point
 from qtool.dtypes import WEIGHT_FLOATS
+from qtool.errors import JsonTypeError
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
-from qtool.formats.untrusted_json import AnyOf, Boolean, Integer, JsonTypeError, ListOf, MapOf, Record, String, field_path
-from qtool.scheme import QScheme, qtype
-from qtool.weight import DATA, Weight
+from qtool.formats.untrusted_json import AnyOf, Boolean, Integer, ListOf, MapOf, Record, String, describe, field_path
+from qtool.qtypes import qtype
+from qtool.scheme import QScheme
+from qtool.weight import DATA, Provenance, Weight
 
 if TYPE_CHECKING:  # torch is imported where data is touched, never at import time
     import torch
@@ -127,7 +129,7 @@ def _block_from_text(text: str, where: str, path: str) -> list[int]:
     """compressed-tensors' old block_structure spelling, "128x128"."""
     rows, _, cols = text.partition("x")
     if not (rows.isdecimal() and cols.isdecimal() and len(rows) < 10 and len(cols) < 10 and int(rows) > 0 and int(cols) > 0):
-        raise JsonTypeError(where, text, 'a list of 2 integers ≥ 1, or "<rows>x<cols>"', path=path, hint=_CONFIG_HINT)
+        raise JsonTypeError(where, describe(text), 'a list of 2 integers ≥ 1, or "<rows>x<cols>"', path=path, hint=_CONFIG_HINT)
     return [int(rows), int(cols)]
 
 
@@ -286,13 +288,11 @@ def _resolve(checkpoint: Checkpoint, name: str, members: dict[str, StoredTensor]
         scale_dtype="E8M0" if scale.dtype.name in _E8M0 and value_type.kind == "float" else scale.dtype.name,
         zero_point=zero_point,
         global_scale="global_scale" in members,
-        packing=packing,
-        convention=NAME,
-        extra=(("format", args.format if args and args.format else fmt),),
     )
+    provenance = Provenance(NAME, packing, (("format", args.format if args and args.format else fmt),))
     notes.extend(_disagreements(args, scheme, fmt))
     logical_dtype = scale.dtype.name if scale.dtype.name in WEIGHT_FLOATS else "BF16"
-    return Weight(name, tuple(shape), logical_dtype, members, scheme, NAME, notes)
+    return Weight(name, tuple(shape), logical_dtype, members, scheme, provenance, notes)
 
 
 def _int_packed(checkpoint: Checkpoint, members: dict[str, StoredTensor], args: _Args | None, notes: list[str]):
@@ -403,8 +403,7 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
     from qtool.errors import CheckpointError
 
     scheme = weight.require_scheme()
-    if scheme.convention != NAME:
-        raise _usage(f"{weight.name} is a {scheme.convention} weight, not compressed-tensors")
+    require_convention(weight, NAME)
 
     def load(role: str):
         return checkpoint.load(weight.members[role]).to(device)

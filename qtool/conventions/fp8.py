@@ -21,12 +21,13 @@ from __future__ import annotations
 import fnmatch
 from typing import TYPE_CHECKING
 
-from qtool.conventions.base import Pool, block_from_scale, by_module, plain_weights, side_file, unusable_scale
-from qtool.dtypes import decoded_dtype
+from qtool.conventions.base import Pool, block_from_scale, by_module, plain_weights, require_convention, side_file, unusable_scale
+from qtool.dtypes import decoded_dtype, float_dtype_named
 from qtool.formats.checkpoint import Checkpoint
 from qtool.formats.untrusted_json import Integer, ListOf, Record, String
-from qtool.scheme import QScheme, qtype
-from qtool.weight import DATA, Weight
+from qtool.qtypes import qtype
+from qtool.scheme import QScheme
+from qtool.weight import DATA, Provenance, Weight
 
 if TYPE_CHECKING:  # torch is imported where data is touched, never at import time
     import torch
@@ -86,12 +87,11 @@ class Fp8:
                 block=block,
                 symmetric=True,
                 scale_dtype=scale.dtype.name,
-                convention=NAME,
-                extra=(("scale", f"{scale_leaf} (multiplied)"),),
             )
+            provenance = Provenance(NAME, details=(("scale", f"{scale_leaf} (multiplied)"),))
             logical = str(config.get("torch_dtype") or checkpoint.config.get("torch_dtype") or "")
-            dtype = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(logical, data.dtype.name)
-            weights.append(Weight(data.name, data.shape, dtype, members, scheme, NAME))
+            dtype = float_dtype_named(logical) or data.dtype.name
+            weights.append(Weight(data.name, data.shape, dtype, members, scheme, provenance))
         return weights
 
 
@@ -99,11 +99,9 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
     """The float weight: w[i, j] * scale[block of (i, j)], in the weight's logical dtype."""
 
     from qtool import kernels
-    from qtool.errors import UsageError
 
     scheme = weight.require_scheme()
-    if scheme.convention != NAME:
-        raise UsageError(f"{weight.name} is a {scheme.convention} weight, not fp8")
+    require_convention(weight, NAME)
     dtype = decoded_dtype(weight.dtype)
     values = checkpoint.load(weight.data).to(device)
     scale = checkpoint.load(weight.members["scale"]).to(device)
@@ -136,7 +134,7 @@ class GptOssMxfp4:
     def detect(self, checkpoint: Checkpoint, pool: Pool) -> list[Weight]:
         ignored = set(_config(checkpoint, ("mxfp4",), _MXFP4_CONFIG).get("modules_to_not_convert") or ())
         logical = str(checkpoint.config.get("torch_dtype") or checkpoint.config.get("dtype") or "bfloat16")
-        dtype = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(logical, "BF16")
+        dtype = float_dtype_named(logical) or "BF16"
         weights: list[Weight] = []
         for name, blocks in pool.items():
             if not name.endswith(_BLOCKS):
@@ -163,14 +161,12 @@ class GptOssMxfp4:
                 block=block,
                 symmetric=True,
                 scale_dtype="E8M0",
-                packing="u8, element 2k in the low nibble",
-                convention=GPT_OSS,
-                extra=(("blocks", f"{groups} x {width} bytes"),),
             )
+            provenance = Provenance(GPT_OSS, "u8, element 2k in the low nibble", (("blocks", f"{groups} x {width} bytes"),))
             notes = []
             if len(stored) >= 3:
                 notes.append(f"stored as {list(stored)}; dims 1 and 2 swapped into the model's layout, as transformers' convert_moe_packed_tensors does")
-            weights.append(Weight(prefix, shape, dtype, members, scheme, GPT_OSS, notes))
+            weights.append(Weight(prefix, shape, dtype, members, scheme, provenance, notes))
         return weights
 
     def decode(self, checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -181,11 +177,8 @@ def decode_mxfp4(checkpoint: Checkpoint, weight: Weight, device: str | torch.dev
     """The float weight in its logical dtype and layout, on `device`."""
 
     from qtool import kernels
-    from qtool.errors import UsageError
 
-    scheme = weight.require_scheme()
-    if scheme.convention != GPT_OSS:
-        raise UsageError(f"{weight.name} is a {scheme.convention} weight, not gpt-oss MXFP4")
+    require_convention(weight, GPT_OSS)
     dtype = decoded_dtype(weight.dtype)
     blocks = checkpoint.load(weight.data).to(device)
     scales = checkpoint.load(weight.members["scale"]).to(device)

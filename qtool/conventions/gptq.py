@@ -42,19 +42,21 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from qtool.conventions.base import Pool, by_module, infer_block_size, plain_weights, side_file
+from qtool.conventions.awq import awq_layout_fits
+from qtool.conventions.base import Pool, by_module, infer_block_size, plain_weights, require_convention
+from qtool.conventions.qweight_configs import awq_config, gptq_config
 from qtool.formats.checkpoint import SMALL_TENSOR_LIMIT, Checkpoint, StoredTensor
-from qtool.formats.untrusted_json import Boolean, Integer, Record, String
-from qtool.scheme import CHANNEL, QScheme, group, qtype
-from qtool.weight import DATA, Weight
+from qtool.qtypes import qtype
+from qtool.scheme import CHANNEL, QScheme, group
+from qtool.weight import DATA, Provenance, Weight
 
 if TYPE_CHECKING:  # torch is imported where data is touched, never at import time
     import torch
 
-__all__ = ["BITS", "NAME", "Gptq", "decode", "gptq_config"]
+__all__ = ["BITS", "NAME", "Gptq", "decode"]
 
 NAME = "gptq"
 BITS = (2, 3, 4, 8)
@@ -62,38 +64,11 @@ FORMATS = ("gptq", "gptq_v2")
 CHUNK_ELEMENTS = 1 << 24  # output elements decoded per step: temporaries stay under ~64 MB
 _FLOATS = ("F16", "BF16", "F32")
 _INDEX_DTYPES = ("I32", "I64")
-UNFIT = "unreadable"  # scheme.extra key of a config's weight whose tensors qtool cannot decode
+UNFIT = "unreadable"  # the provenance detail of a config's weight whose tensors qtool cannot decode
 _ROLES = {"qweight": DATA, "scales": "scale", "qzeros": "zero_point", "g_idx": "g_idx"}
 
 
 # -- settings -------------------------------------------------------------------------------------
-
-
-def _method(config: dict[str, Any]) -> str:
-    return str(config.get("quant_method") or config.get("method") or "").lower()
-
-
-# What qtool reads of a GPTQ config (AutoGPTQ's BaseQuantizeConfig, GPTQModel's QuantizeConfig,
-# transformers' GPTQConfig). A wrong JSON type is refused (exit 2), as those loaders refuse it;
-# a value of the right type that fits no GPTQ layout (bits 5) is a note, and the shapes decide.
-_CONFIG = Record({
-    "bits": Integer(), "group_size": Integer(), "checkpoint_format": String(max_chars=64), "format": String(max_chars=64),
-    "is_marlin_format": Boolean(), "desc_act": Boolean(), "sym": Boolean(),
-})  # fmt: skip
-_HINT = "AutoGPTQ and transformers would refuse this config too; fix the field"
-
-
-def gptq_config(checkpoint: Checkpoint) -> tuple[dict[str, Any] | None, str | None]:
-    """The GPTQ settings and the file they came from: quantize_config.json (AutoGPTQ's own,
-    which older files write without a quant_method), else config.json's quantization_config.
-    The fields qtool reads are type-checked: a JsonTypeError names the file (exit 2)."""
-    side = checkpoint.side_files.get("quantize_config.json")
-    if isinstance(side, dict) and _method(side) in ("", "gptq"):
-        return _CONFIG.check(side, "", side_file(checkpoint, "quantize_config.json"), _HINT), "quantize_config.json"
-    config = checkpoint.config.get("quantization_config")
-    if isinstance(config, dict) and _method(config) == "gptq":
-        return _CONFIG.check(config, "quantization_config", side_file(checkpoint), _HINT), "config.json"
-    return None, None
 
 
 @dataclass(frozen=True)
@@ -271,8 +246,6 @@ class Gptq:
     name = NAME
 
     def detect(self, checkpoint: Checkpoint, pool: Pool) -> list[Weight]:
-        from qtool.conventions.awq import awq_config, awq_layout_fits
-
         config, source = gptq_config(checkpoint)
         if config is None and awq_config(checkpoint) is not None:
             return []  # an AWQ checkpoint: that convention reads these names
@@ -306,23 +279,25 @@ class Gptq:
         return decode(checkpoint, weight, device, dtype)
 
 
-def _scheme(layout_bits: int, group_size: int | None, symmetric: bool, scale_dtype: str, fmt: str, desc_act: bool | None, source: str) -> QScheme:
+def _scheme(layout_bits: int, group_size: int | None, symmetric: bool, scale_dtype: str) -> QScheme:
     value_type = qtype(f"int{layout_bits}" if symmetric else f"uint{layout_bits}")
-    packing = "int32 along in, LSB first" + (", one bit stream across 3 words" if layout_bits == 3 else "")
     return QScheme(
         qtype=value_type,
         block=CHANNEL if group_size is None else group(group_size),
         symmetric=symmetric,
         scale_dtype=scale_dtype,
         zero_point=True,  # GPTQ stores zero points even when symmetric
-        packing=packing,
-        convention=NAME,
-        extra=(
-            ("format", fmt),
-            ("desc_act", "unknown" if desc_act is None else "yes" if desc_act else "no"),
-            ("settings", source),
-        ),
     )
+
+
+def _provenance(layout_bits: int, fmt: str, desc_act: bool | None, source: str, unfit: bool = False) -> Provenance:
+    packing = "int32 along in, LSB first" + (", one bit stream across 3 words" if layout_bits == 3 else "")
+    details = (
+        ("format", fmt),
+        ("desc_act", "unknown" if desc_act is None else "yes" if desc_act else "no"),
+        ("settings", source),
+    )
+    return Provenance(NAME, packing, (*details, (UNFIT, "yes")) if unfit else details)
 
 
 def _resolve(checkpoint: Checkpoint, name: str, members: dict[str, StoredTensor], settings: _Settings) -> Weight:
@@ -353,8 +328,9 @@ def _resolve(checkpoint: Checkpoint, name: str, members: dict[str, StoredTensor]
                 notes.append("no GPTQ config: every zero point stores the gptq_v2 midpoint; decoded as gptq (v1), the default")
         desc_act = _desc_act(checkpoint, members.get("g_idx"), layout)
         said = "shapes"
-    scheme = _scheme(layout.bits, layout.group_size, symmetric, members["scale"].dtype.name, fmt, desc_act, said)
-    return Weight(name, (layout.out_features, layout.in_features), members["scale"].dtype.name, members, scheme, NAME, notes)
+    scheme = _scheme(layout.bits, layout.group_size, symmetric, members["scale"].dtype.name)
+    provenance = _provenance(layout.bits, fmt, desc_act, said)
+    return Weight(name, (layout.out_features, layout.in_features), members["scale"].dtype.name, members, scheme, provenance, notes)
 
 
 def _broken(name: str, members: dict[str, StoredTensor], settings: _Settings, note: str) -> Weight:
@@ -365,9 +341,9 @@ def _broken(name: str, members: dict[str, StoredTensor], settings: _Settings, no
     in_features = members["g_idx"].shape[0] if "g_idx" in members and members["g_idx"].shape else (qweight.shape[0] * 32 // bits if qweight.shape else 0)
     group_size = settings.group_size if settings.group_size and settings.group_size > 0 else None
     scale_dtype = scales.dtype.name if scales.dtype.name in _FLOATS else "F16"
-    scheme = _scheme(bits, group_size, bool(settings.sym), scale_dtype, settings.format or "gptq", settings.desc_act, settings.source or "shapes")
-    scheme = replace(scheme, extra=(*scheme.extra, (UNFIT, "yes")))
-    return Weight(name, (out_features, in_features), scale_dtype, members, scheme, NAME, [*settings.notes, note])
+    scheme = _scheme(bits, group_size, bool(settings.sym), scale_dtype)
+    provenance = _provenance(bits, settings.format or "gptq", settings.desc_act, settings.source or "shapes", unfit=True)
+    return Weight(name, (out_features, in_features), scale_dtype, members, scheme, provenance, [*settings.notes, note])
 
 
 # -- decode ---------------------------------------------------------------------------------------
@@ -378,8 +354,7 @@ def _decode_layout(weight: Weight) -> _Layout:
     from qtool.errors import CheckpointError
 
     scheme = weight.require_scheme()
-    extra = dict(scheme.extra)
-    if UNFIT in extra:
+    if weight.provenance.detail(UNFIT) is not None:
         why = weight.notes[-1] if weight.notes else "its tensors fit no GPTQ layout"
         raise CheckpointError(f"{weight.name}: {why}", path=weight.data.file)
     try:
@@ -399,12 +374,10 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
     import torch
 
     from qtool import kernels
-    from qtool.errors import CheckpointError, UsageError
+    from qtool.errors import CheckpointError
     from qtool.kernels.grouped import dequantize_grouped, uniform_group_size
 
-    scheme = weight.require_scheme()
-    if scheme.convention != NAME:
-        raise UsageError(f"{weight.name} is a {scheme.convention} weight, not GPTQ")
+    require_convention(weight, NAME)
     layout = _decode_layout(weight)
     bits, out_features, in_features, groups = layout.bits, layout.out_features, layout.in_features, layout.groups
 
@@ -413,7 +386,7 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
 
     scales = load("scale")
     zeros = kernels.unpack_int32(load("zero_point"), bits, out_features, dim=-1).to(torch.int16)  # [G, O]
-    if dict(scheme.extra).get("format", "gptq") == "gptq":
+    if weight.provenance.detail("format", "gptq") == "gptq":
         zeros += 1  # v1 stores zero points minus one
     if "g_idx" in weight.members:
         g_idx = load("g_idx").to(torch.int64)

@@ -41,12 +41,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from qtool.conventions.base import Pool, by_module, plain_weights, side_file
-from qtool.dtypes import decoded_dtype
+from qtool.conventions.base import Pool, by_module, plain_weights, require_convention, side_file
+from qtool.dtypes import decoded_dtype, float_dtype_named
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
 from qtool.formats.untrusted_json import AnyOf, Anything, Integer, Record, String
-from qtool.scheme import QScheme, qtype
-from qtool.weight import DATA, Weight
+from qtool.qtypes import qtype
+from qtool.scheme import QScheme
+from qtool.weight import DATA, Provenance, Weight
 
 if TYPE_CHECKING:  # torch is imported where data is touched, never at import time
     import torch
@@ -64,7 +65,6 @@ MODES: dict[str, tuple[int, int, str, str]] = {
     "nvfp4": (16, 4, "fp4_e2m1", "E4M3"),
 }
 _FLOAT_SCALES = ("F16", "BF16", "F32")
-_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 _PACKING = "uint32 words along in, LSB-first bit stream (3/5/6-bit values straddle words)"
 
 
@@ -205,25 +205,22 @@ def _resolve(checkpoint: Checkpoint, module: str, members: dict[str, StoredTenso
     value_type, scale_label = MODES[settings.mode][2:]
     if settings.mode == "affine":
         value_type, scale_label = f"uint{settings.bits}", scales.dtype.name
-        extra: tuple[tuple[str, str], ...] = (("mode", "affine"), ("bias", "float, w = scale * q + bias"))
+        details: tuple[tuple[str, str], ...] = (("mode", "affine"), ("bias", "float, w = scale * q + bias"))
     else:
-        extra = (("mode", settings.mode),)
+        details = (("mode", settings.mode),)
     scheme = QScheme(
         qtype=qtype(value_type),
         block=(1, settings.group_size),
         symmetric=settings.mode != "affine",
         scale_dtype=scale_label,
         zero_point=settings.mode == "affine",
-        packing=_PACKING,
-        convention=NAME,
-        extra=extra,
     )
     if settings.mode == "affine":
         dtype = scales.dtype.name
     else:  # U8 scales record no dtype: the config's, else what mx.dequantize returns (bfloat16)
         recorded = str(checkpoint.config.get("torch_dtype") or checkpoint.config.get("dtype") or "bfloat16")
-        dtype = _DTYPES.get(recorded, "BF16")
-    return Weight(f"{module}.weight" if module else "weight", shape, dtype, members, scheme, NAME, notes)
+        dtype = float_dtype_named(recorded) or "BF16"
+    return Weight(f"{module}.weight" if module else "weight", shape, dtype, members, scheme, Provenance(NAME, _PACKING, details), notes)
 
 
 def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -231,12 +228,9 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
     import torch
 
     from qtool import kernels
-    from qtool.errors import UsageError
-
     scheme = weight.require_scheme()
-    if scheme.convention != NAME:
-        raise UsageError(f"{weight.name} is a {scheme.convention} weight, not mlx")
-    mode = dict(scheme.extra)["mode"]
+    require_convention(weight, NAME)
+    mode = weight.provenance.detail("mode")
     group_size, bits = scheme.block[-1], scheme.bits
     *lead, columns = weight.shape
     words = checkpoint.load(weight.data).to(device).view(torch.int32)  # U32 bits, as int32

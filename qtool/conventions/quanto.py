@@ -40,11 +40,12 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from qtool.conventions.base import Pool, plain_weights, side_file
+from qtool.conventions.base import Pool, plain_weights, require_convention, side_file
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
 from qtool.formats.untrusted_json import MapOf, Record, String
-from qtool.scheme import CHANNEL, TENSOR, QScheme, group, qtype
-from qtool.weight import DATA, Weight
+from qtool.qtypes import qtype
+from qtool.scheme import CHANNEL, TENSOR, QScheme, group
+from qtool.weight import DATA, Provenance, Weight
 
 if TYPE_CHECKING:  # torch is imported where data is touched, never at import time
     import torch
@@ -176,10 +177,9 @@ def _resolve_bytes(base: str, members: dict[str, StoredTensor], said: str | None
         block=block,
         symmetric=True,
         scale_dtype=scale.dtype.name,
-        convention=NAME,
-        extra=(("quanto_qtype", shown),),
     )
-    return Weight(base, data.shape, scale.dtype.name, members, scheme, NAME, _disagreement(said, shown, map_name))
+    provenance = Provenance(NAME, details=(("quanto_qtype", shown),))
+    return Weight(base, data.shape, scale.dtype.name, members, scheme, provenance, _disagreement(said, shown, map_name))
 
 
 def _bits(stored_rows: int, rows: int, said: str | None) -> int:
@@ -220,14 +220,16 @@ def _resolve_packed(checkpoint: Checkpoint, base: str, members: dict[str, Stored
         symmetric=False,
         scale_dtype=scale.dtype.name,
         zero_point=True,
-        packing=f"uint8, {8 // bits} rows per byte, planar along dim 0 of the grouped weight (low bits = first rows)",
-        convention=NAME,
-        extra=(
+    )
+    provenance = Provenance(
+        NAME,
+        f"uint8, {8 // bits} rows per byte, planar along dim 0 of the grouped weight (low bits = first rows)",
+        (
             ("quanto_qtype", f"qint{bits}"),
             ("shift", "float, w = scale * q - shift" if float_shift else "integer zero point, w = scale * (q - shift)"),
         ),
     )
-    return Weight(base, shape, scale.dtype.name, members, scheme, NAME, notes)
+    return Weight(base, shape, scale.dtype.name, members, scheme, provenance, notes)
 
 
 def _shape_2d(checkpoint: Checkpoint, base: str, rows: int, columns: int, notes: list[str]) -> tuple[tuple[int, int], Any]:
@@ -269,11 +271,8 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
     """The float weight in its logical shape, in the scale's dtype, as quanto's `dequantize()`."""
     import torch
 
-    from qtool.errors import UsageError
-
     scheme = weight.require_scheme()
-    if scheme.convention != NAME:
-        raise UsageError(f"{weight.name} is a {scheme.convention} weight, not quanto")
+    require_convention(weight, NAME)
     data = checkpoint.load(weight.data).to(device)
     scale = checkpoint.load(weight.members["scale"]).to(device)
     if "shift" not in weight.members:  # qint8 / qfloat8: one multiply in the scale's dtype

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from qtool.conventions.base import Pool
-from qtool.errors import CheckpointError, UsageError
+from qtool.conventions.base import Pool, require_convention
+from qtool.errors import CheckpointError, InternalError
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
-from qtool.scheme import TENSOR, QScheme, QType, qtype
-from qtool.weight import DATA, Weight
+from qtool.qtypes import QType, qtype
+from qtool.scheme import TENSOR, QScheme
+from qtool.weight import DATA, PLAIN, Provenance, Weight
 
 if TYPE_CHECKING:
     import torch
@@ -71,13 +72,13 @@ def _weights(checkpoint, pool: Pool, tensor: StoredTensor) -> list[Weight]:
         member = pool.get(tensor.name + suffix)
         if member is not None:
             members[role] = member
-    extra: list[tuple[str, str]] = [("qscheme", qscheme), ("torch_dtype", torch_dtype)]
+    details: list[tuple[str, str]] = [("qscheme", qscheme), ("torch_dtype", torch_dtype)]
     notes: list[str] = []
     if qscheme == "per_tensor_affine" and info.scale is not None and info.zero_point is not None:
         block = TENSOR if len(shape) >= 2 else (None,)
         scale_dtype = "F64"  # a Python float: the quantizer keeps it as a double
         zero_points = [info.zero_point]
-        extra += [("scale", repr(info.scale)), ("zero_point", str(info.zero_point))]
+        details += [("scale", repr(info.scale)), ("zero_point", str(info.zero_point))]
         notes.append(f"scale {info.scale!r} and zero point {info.zero_point} are pickled inline")
     elif qscheme in ("per_channel_affine", "per_channel_affine_float_qparams") and info.axis is not None and "zero_point" in members:
         axis = info.axis
@@ -85,10 +86,10 @@ def _weights(checkpoint, pool: Pool, tensor: StoredTensor) -> list[Weight]:
         scale_dtype = members["scale"].dtype.name if "scale" in members else "F64"
         needed = qscheme == "per_channel_affine" and torch_dtype in _MIDPOINT
         zero_points = _integers(checkpoint, members["zero_point"]) if needed else [None]
-        extra.append(("axis", str(axis)))
+        details.append(("axis", str(axis)))
     else:
         note = f"PyTorch qscheme {qscheme} ({torch_dtype}): qtool does not read this layout"
-        return [Weight(tensor.name, shape, tensor.dtype.name, members, None, "plain", [note])]
+        return [Weight(tensor.name, shape, tensor.dtype.name, members, None, PLAIN, [note])]
     value = qtype(_VALUE_TYPES[torch_dtype]) if torch_dtype in _VALUE_TYPES else _INT32
     midpoint = _MIDPOINT.get(torch_dtype)
     symmetric = midpoint is not None and all(z == midpoint for z in zero_points)
@@ -98,17 +99,16 @@ def _weights(checkpoint, pool: Pool, tensor: StoredTensor) -> list[Weight]:
         symmetric=symmetric,
         scale_dtype=scale_dtype,
         zero_point=True,
-        convention=NAME,
-        extra=tuple(extra),
     )
+    provenance = Provenance(NAME, details=tuple(details))
     if tensor.name.endswith(PACKED + ".0"):
         module = tensor.name[: -len(PACKED + ".0")]
-        weights = [Weight(f"{module}.weight", shape, "F32", members, scheme, NAME, notes)]
+        weights = [Weight(f"{module}.weight", shape, "F32", members, scheme, provenance, notes)]
         bias = pool.get(f"{module}{PACKED}.1")
         if bias is not None:
-            weights.append(Weight(f"{module}.bias", bias.shape, bias.dtype.name, {DATA: bias}, None, "plain", []))
+            weights.append(Weight(f"{module}.bias", bias.shape, bias.dtype.name, {DATA: bias}, None, PLAIN, []))
         return weights
-    return [Weight(tensor.name, shape, "F32", members, scheme, NAME, notes)]
+    return [Weight(tensor.name, shape, "F32", members, scheme, provenance, notes)]
 
 
 def _integers(checkpoint, tensor: StoredTensor) -> list[int | None]:
@@ -123,9 +123,9 @@ def _integers(checkpoint, tensor: StoredTensor) -> list[int | None]:
 
 def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu") -> torch.Tensor:
     """PyTorch's own `dequantize()` of the tensor rebuilt from its bytes: float32, on `device`."""
-    scheme = weight.require_scheme()
-    if scheme.convention != NAME or not hasattr(checkpoint, "quantized_tensor"):
-        raise UsageError(f"{weight.name} is a {scheme.convention} weight, not a PyTorch native quantized tensor")
+    require_convention(weight, NAME)
+    if not hasattr(checkpoint, "quantized_tensor"):
+        raise InternalError(f"{weight.name} is a PyTorch native quantized tensor, but its checkpoint is not a PyTorch pickle")
     tensor = checkpoint.quantized_tensor(weight.data)
     try:
         values = tensor.dequantize()

@@ -40,13 +40,14 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from qtool.conventions.base import Pool, metadata_json, plain_weights, unusable_scale, unusable_zero_point
-from qtool.dtypes import WEIGHT_FLOATS, decoded_dtype
-from qtool.errors import CheckpointError, UsageError
+from qtool.conventions.base import Pool, metadata_json, plain_weights, require_convention, unusable_scale, unusable_zero_point
+from qtool.dtypes import WEIGHT_FLOATS, decoded_dtype, float_dtype_named
+from qtool.errors import CheckpointError, JsonTypeError
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
-from qtool.formats.untrusted_json import Anything, Integer, JsonTypeError, ListOf, Record, String
-from qtool.scheme import QScheme, qtype
-from qtool.weight import DATA, Weight
+from qtool.formats.untrusted_json import Anything, Integer, ListOf, Record, String
+from qtool.qtypes import qtype
+from qtool.scheme import QScheme
+from qtool.weight import DATA, Provenance, Weight
 
 if TYPE_CHECKING:
     import torch
@@ -57,7 +58,6 @@ NAME = "torchao"
 SUPPORTED = ("Int8Tensor", "Float8Tensor", "IntxUnpackedToInt8Tensor", "Int4Tensor")
 _ROLES = {"qdata": DATA, "scale": "scale", "zero_point": "zero_point"}
 _FLOAT8 = {"F8_E4M3": "fp8_e4m3", "F8_E5M2": "fp8_e5m2", "F8_E4M3FNUZ": "fp8_e4m3fnuz", "F8_E5M2FNUZ": "fp8_e5m2fnuz"}
-_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "half": "F16", "float": "F32"}
 _TARGET = re.compile(r"(u?)int([1-8])")  # IntxUnpackedToInt8Tensor's target_dtype, "torch." removed
 
 # One tensor's record, and the `_data` attributes qtool reads (after `_unwrap`).
@@ -175,21 +175,21 @@ def _weights(entry: _Entry) -> list[Weight]:
     if problem:
         return plain_weights(entry.members, f"looks like a torchao {entry.type_name}, but {problem}; left plain")
     try:
-        scheme, shape, notes = _scheme(entry, members)
+        (scheme, provenance), shape, notes = _scheme(entry, members)
     except _Misfit as misfit:
         return plain_weights(entry.members, f"looks like a torchao {entry.type_name}, but {misfit}; left plain")
-    dtype = _DTYPES.get(str(entry.dtype or "").removeprefix("torch."))
+    dtype = float_dtype_named(str(entry.dtype or ""))
     if dtype is None:  # Int4Tensor records no dtype: it is its scale's (torchao's own rule)
         scale_dtype = members["scale"].dtype.name
         dtype = scale_dtype if scale_dtype in WEIGHT_FLOATS else "F32"
-    return [Weight(entry.name, shape, dtype, members, scheme, NAME, notes)]
+    return [Weight(entry.name, shape, dtype, members, scheme, provenance, notes)]
 
 
 class _Misfit(ValueError):
     pass
 
 
-def _scheme(entry: _Entry, members: dict[str, StoredTensor]) -> tuple[QScheme, tuple[int, ...], list[str]]:
+def _scheme(entry: _Entry, members: dict[str, StoredTensor]) -> tuple[tuple[QScheme, Provenance], tuple[int, ...], list[str]]:
     data, scale = members[DATA], members["scale"]
     zero = members.get("zero_point")
     kind = entry.type_name
@@ -232,17 +232,9 @@ def _scheme(entry: _Entry, members: dict[str, StoredTensor]) -> tuple[QScheme, t
     return _make(value, block, zero is None, scale, zero is not None, f"{target} values unpacked, one an int8", kind), shape, notes
 
 
-def _make(value, block, symmetric: bool, scale: StoredTensor, zero_point: bool, packing: str | None, kind: str) -> QScheme:
-    return QScheme(
-        qtype=value,
-        block=block,
-        symmetric=symmetric,
-        scale_dtype=scale.dtype.name,
-        zero_point=zero_point,
-        packing=packing,
-        convention=NAME,
-        extra=(("torchao_type", kind),),
-    )
+def _make(value, block, symmetric: bool, scale: StoredTensor, zero_point: bool, packing: str | None, kind: str) -> tuple[QScheme, Provenance]:
+    scheme = QScheme(qtype=value, block=block, symmetric=symmetric, scale_dtype=scale.dtype.name, zero_point=zero_point)
+    return scheme, Provenance(NAME, packing, (("torchao_type", kind),))
 
 
 def _given_block(entry: _Entry, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -304,10 +296,9 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
     from qtool import kernels
 
     scheme = weight.require_scheme()
-    if scheme.convention != NAME:
-        raise UsageError(f"{weight.name} is a {scheme.convention} weight, not torchao")
+    require_convention(weight, NAME)
     dtype = decoded_dtype(weight.dtype)
-    kind = dict(scheme.extra).get("torchao_type")
+    kind = weight.provenance.detail("torchao_type")
     data = checkpoint.load(weight.data).to(device)
     scale = checkpoint.load(weight.members["scale"]).to(device)
     zero = weight.members.get("zero_point")

@@ -23,7 +23,10 @@ from typing import Any, Iterator
 from qtool.dtypes import StorageDType
 from qtool.errors import CheckpointError
 
-__all__ = ["StoredTensor", "Checkpoint", "SMALL_TENSOR_LIMIT", "dims_fit_int64"]
+__all__ = ["StoredTensor", "Checkpoint", "SMALL_TENSOR_LIMIT", "SIDE_FILES", "dims_fit_int64"]
+
+# the side files read beside the weights: the model config and the toolchains' own configs
+SIDE_FILES = ("config.json", "quantize_config.json", "quanto_qmap.json", "quantization_map.json")
 
 # Tensors this small may be read while inspecting: they hold metadata (compressed-tensors'
 # `weight_shape`, bitsandbytes' quant-state JSON), not weights.

@@ -24,7 +24,6 @@ This module imports neither numpy nor torch, so `qtool inspect x.gguf` costs the
 from __future__ import annotations
 
 import bisect
-import functools
 import json
 import math
 import mmap
@@ -33,10 +32,11 @@ import struct
 from dataclasses import dataclass
 
 from qtool.dtypes import DTYPES, StorageDType
-from qtool.errors import CheckpointError, UnknownNameError
+from qtool.errors import CheckpointError
 from qtool.formats.checkpoint import StoredTensor, dims_fit_int64
+from qtool.ggml_types import ggml_type
 
-__all__ = ["GgmlType", "GGML_TYPES", "ggml_type", "ggml_type_named", "read_gguf_file", "read_gguf_key_values", "parse_gguf_prefix", "NeedMore", "GGUF_MAGIC", "MAX_DIMS"]
+__all__ = ["read_gguf_file", "read_gguf_key_values", "parse_gguf_prefix", "NeedMore", "GGUF_MAGIC", "MAX_DIMS"]
 
 GGUF_MAGIC = b"GGUF"
 MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -47,86 +47,7 @@ MAX_ARRAY_DEPTH = 8  # nested arrays (which llama.cpp refuses outright) deeper t
 _HINT = "the file is not a valid GGUF file; re-download it, or check that the copy finished"
 
 
-@dataclass(frozen=True)
-class GgmlType:
-    """One row of ggml's type table: `block_size` elements take `type_size` bytes."""
-
-    id: int
-    name: str
-    block_size: int
-    type_size: int
-
-    def nbytes(self, numel: int) -> int:
-        return numel // self.block_size * self.type_size
-
-
-# ggml's type table (gguf-py `GGML_QUANT_SIZES`); tests check it against the installed package.
-GGML_TYPES: dict[int, GgmlType] = {
-    t.id: t
-    for t in (
-        GgmlType(0, "F32", 1, 4),
-        GgmlType(1, "F16", 1, 2),
-        GgmlType(2, "Q4_0", 32, 18),
-        GgmlType(3, "Q4_1", 32, 20),
-        GgmlType(6, "Q5_0", 32, 22),
-        GgmlType(7, "Q5_1", 32, 24),
-        GgmlType(8, "Q8_0", 32, 34),
-        GgmlType(9, "Q8_1", 32, 40),
-        GgmlType(10, "Q2_K", 256, 84),
-        GgmlType(11, "Q3_K", 256, 110),
-        GgmlType(12, "Q4_K", 256, 144),
-        GgmlType(13, "Q5_K", 256, 176),
-        GgmlType(14, "Q6_K", 256, 210),
-        GgmlType(15, "Q8_K", 256, 292),
-        GgmlType(16, "IQ2_XXS", 256, 66),
-        GgmlType(17, "IQ2_XS", 256, 74),
-        GgmlType(18, "IQ3_XXS", 256, 98),
-        GgmlType(19, "IQ1_S", 256, 50),
-        GgmlType(20, "IQ4_NL", 32, 18),
-        GgmlType(21, "IQ3_S", 256, 110),
-        GgmlType(22, "IQ2_S", 256, 82),
-        GgmlType(23, "IQ4_XS", 256, 136),
-        GgmlType(24, "I8", 1, 1),
-        GgmlType(25, "I16", 1, 2),
-        GgmlType(26, "I32", 1, 4),
-        GgmlType(27, "I64", 1, 8),
-        GgmlType(28, "F64", 1, 8),
-        GgmlType(29, "IQ1_M", 256, 56),
-        GgmlType(30, "BF16", 1, 2),
-        GgmlType(34, "TQ1_0", 256, 54),
-        GgmlType(35, "TQ2_0", 256, 66),
-        GgmlType(39, "MXFP4", 32, 17),
-        GgmlType(40, "NVFP4", 64, 36),
-        GgmlType(41, "Q1_0", 128, 18),
-    )
-}
-_BY_NAME = {t.name: t for t in GGML_TYPES.values()}
 _PLAIN: dict[int, StorageDType] = {d.gguf_id: d for d in DTYPES.values() if d.gguf_id is not None}
-
-
-@functools.lru_cache(maxsize=64)  # a file of 32k tensors of one unknown id asks 32k times
-def ggml_type(type_id: int) -> GgmlType | None:
-    """The type with this id, or None. An id qtool's table lacks is looked up in the installed
-    `gguf` package, so a newer package extends what qtool can size (this imports numpy)."""
-    known = GGML_TYPES.get(type_id)
-    if known is not None:
-        return known
-    try:
-        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-        member = GGMLQuantizationType(type_id)
-        block_size, type_size = GGML_QUANT_SIZES[member]
-    except (ImportError, ValueError, KeyError):
-        return None
-    return GgmlType(type_id, member.name, block_size, type_size)
-
-
-def ggml_type_named(name: str) -> GgmlType:
-    """Look up a type by name ("Q4_K"); the UnknownNameError (a KeyError) lists the valid names."""
-    try:
-        return _BY_NAME[name.upper()]
-    except KeyError:
-        raise UnknownNameError(f"unknown GGML type {name!r}", hint=f"known: {' '.join(_BY_NAME)}") from None
 
 
 # -- the header parser ---------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from qtool.errors import CheckpointError
+from qtool.formats.untrusted_json import parse_json
 
 __all__ = ["RemoteFile", "RemoteCache", "display_url", "is_remote", "TIMEOUT", "TRIES", "SLACK"]
 
@@ -37,6 +38,7 @@ SLACK = 64 * 1024  # never read more than asked + this
 _BACKOFF = 0.5  # seconds before the second try; doubled before the third
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)$")
 _IMMUTABLE = re.compile(r"/resolve/[0-9a-f]{40}/")
+_MAX_CACHE_LINE = 1 << 16  # a cache entry's metadata line: URL, kind, length, ETag
 LOGIN_HINT = "log in with `huggingface-cli login` or set HF_TOKEN (a token with read access)"
 
 
@@ -245,8 +247,8 @@ class RemoteCache:
             with open(self._path(url, kind), "rb") as handle:
                 raw = handle.read()
             line, _, data = raw.partition(b"\n")
-            meta = json.loads(line)
-        except (OSError, ValueError, RecursionError):  # a damaged cache entry is a miss
+            meta = parse_json(line, self._path(url, kind), max_bytes=_MAX_CACHE_LINE)
+        except (OSError, CheckpointError):  # a damaged cache entry is a miss
             return None
         if not isinstance(meta, dict) or meta.get("url") != url or meta.get("kind") != kind or meta.get("length") != len(data):
             return None

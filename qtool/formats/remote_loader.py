@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 from urllib.parse import unquote, urljoin, urlsplit
 
-from qtool.errors import CheckpointError, UsageError
-from qtool.formats.checkpoint import SMALL_TENSOR_LIMIT, Checkpoint, StoredTensor
+from qtool.errors import CheckpointError, InternalError, UsageError
+from qtool.formats.checkpoint import SIDE_FILES, SMALL_TENSOR_LIMIT, Checkpoint, StoredTensor
 from qtool.formats.gguf import NeedMore, parse_gguf_prefix
-from qtool.formats.loader import SIDE_FILES, check_index, index_shards, merge_files, parse_json
 from qtool.formats.remote import LOGIN_HINT, RemoteCache, RemoteFile, display_url
 from qtool.formats.safetensors import MAX_HEADER_SIZE, header_length, parse_header
+from qtool.formats.shards import check_index, index_shards, merge_files
+from qtool.formats.untrusted_json import parse_json
 
 __all__ = ["open_remote", "RemoteCheckpoint", "FIRST_READ", "INDEX_CAP", "SIDE_FILE_CAP"]
 
@@ -104,7 +105,8 @@ class _Session:
         if data is None:
             data = remote.read(0, first)
         size = remote.size
-        assert isinstance(size, int)  # every read that returned bytes set it
+        if not isinstance(size, int):  # every read that returned bytes sets it
+            raise InternalError(f"{url}: a read returned bytes without the file's size")
         fetched = cached is None or data is not cached[1]
         while True:
             try:

@@ -9,7 +9,6 @@ serde's map silently drops.
 
 from __future__ import annotations
 
-import json
 import math
 import operator
 import os
@@ -20,6 +19,7 @@ from typing import Any
 from qtool.dtypes import DTYPES, StorageDType, nbytes_for
 from qtool.errors import CheckpointError
 from qtool.formats.checkpoint import StoredTensor, dims_fit_int64
+from qtool.formats.untrusted_json import DuplicateKey, lone_surrogate, parse_strict_json
 
 __all__ = ["MAX_HEADER_SIZE", "header_length", "read_header", "parse_header", "read_safetensors_file"]
 
@@ -30,30 +30,6 @@ _HINT = "the file is not a valid safetensors file; re-export it, or check that t
 
 def _fail(path: str, message: str, hint: str = _HINT) -> CheckpointError:
     return CheckpointError(message, path=path, hint=hint)
-
-
-def _strict_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """serde refuses duplicate keys at every level; json.loads keeps the last. dict() is C, so
-    the common case costs one length check."""
-    result = dict(pairs)
-    if len(result) != len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:  # only the top level holds objects (the entries and __metadata__)
-                raise _DuplicateKey(key, top_level=any(isinstance(value, dict) for _, value in pairs))
-            seen.add(key)
-    return result
-
-
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-class _DuplicateKey(ValueError):
-    def __init__(self, key: str, top_level: bool) -> None:
-        super().__init__(key)
-        self.key = key
-        self.top_level = top_level
 
 
 def header_length(path: str, first8: bytes, size: int) -> int:
@@ -98,8 +74,8 @@ def parse_header(path: str, header: bytes, file_size: int) -> tuple[list[StoredT
     except UnicodeDecodeError as exc:
         raise _fail(path, f"header is not valid UTF-8 (byte {exc.start})") from None
     try:
-        parsed = json.loads(text, object_pairs_hook=_strict_object, parse_constant=_no_constants)
-    except _DuplicateKey as exc:
+        parsed = parse_strict_json(text)
+    except DuplicateKey as exc:
         if not exc.top_level:
             raise _fail(path, f"field {exc.key!r} appears twice in an entry") from None
         raise _fail(path, f"tensor name {exc.key!r} appears twice in the header") from None
@@ -107,7 +83,7 @@ def parse_header(path: str, header: bytes, file_size: int) -> tuple[list[StoredT
         raise _fail(path, f"header is not JSON ({getattr(exc, 'msg', None) or exc or 'too deeply nested'})") from None
     if not isinstance(parsed, dict):
         raise _fail(path, f"header is JSON {type(parsed).__name__}, expected an object")
-    if "\\u" in text and _has_lone_surrogate(parsed):  # only a \u escape can make one
+    if "\\u" in text and lone_surrogate(parsed) is not None:  # only a \u escape can make one
         raise _fail(path, "header holds a lone UTF-16 surrogate, which is not valid UTF-8 text")
 
     metadata = parsed.pop("__metadata__", None)
@@ -238,15 +214,3 @@ def read_safetensors_file(path: str) -> tuple[list[StoredTensor], dict[str, str]
     return parse_header(path, header, size)
 
 
-def _has_lone_surrogate(value: Any) -> bool:
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(value, dict):
-        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_has_lone_surrogate(v) for v in value)
-    return False

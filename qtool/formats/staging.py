@@ -186,9 +186,20 @@ _live: dict[str, tuple[int, str | None]] = {}
 _lock = threading.RLock()
 
 
+_hooks_installed = False
+
+
 def register(path: str, restore_to: str | None = None) -> None:
-    """Mark `path` as ours to remove on abort (or, with `restore_to`, to rename back there)."""
+    """Mark `path` as ours to remove on abort (or, with `restore_to`, to rename back there).
+    The first registration installs the process hooks (exit cleanup, and forgetting the paths in
+    a forked child): a program that imports qtool but never writes gets none."""
+    global _hooks_installed
     with _lock:
+        if not _hooks_installed:
+            atexit.register(abort_all)
+            if hasattr(os, "register_at_fork"):
+                os.register_at_fork(after_in_child=_forget_after_fork)
+            _hooks_installed = True
         _live[path] = (os.getpid(), restore_to)
 
 
@@ -239,10 +250,6 @@ def _forget_after_fork() -> None:
     _lock = threading.RLock()
     _live.clear()
 
-
-atexit.register(abort_all)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def cleanup_stale(parent: str) -> list[str]:

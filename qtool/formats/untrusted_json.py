@@ -32,7 +32,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from qtool.errors import CheckpointError
+from qtool.errors import CheckpointError, JsonTypeError
 
 __all__ = [
     "MAX_JSON_BYTES",
@@ -40,7 +40,9 @@ __all__ = [
     "MAX_INT_DIGITS",
     "MAX_FLOAT_CHARS",
     "parse_json",
-    "JsonTypeError",
+    "parse_strict_json",
+    "DuplicateKey",
+    "lone_surrogate",
     "Spec",
     "Anything",
     "Integer",
@@ -109,7 +111,7 @@ def _depth_over(value: Any, limit: int) -> bool:
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
-def _lone_surrogate(value: Any) -> str | None:
+def lone_surrogate(value: Any) -> str | None:
     """The first string (value or key) in `value` that is not Unicode text, or None; linear."""
     stack = [value]
     while stack:
@@ -163,9 +165,44 @@ def parse_json(
         raise fail(f"nests deeper than {max_depth} levels") from None
     if _depth_over(value, max_depth):
         raise fail(f"nests deeper than {max_depth} levels")
-    if _SURROGATE_ESCAPE.search(text) and (bad := _lone_surrogate(value)) is not None:
+    if _SURROGATE_ESCAPE.search(text) and (bad := lone_surrogate(value)) is not None:
         raise fail(f"holds the string {describe(bad)}, whose lone UTF-16 surrogate is not Unicode text")
     return value
+
+
+class DuplicateKey(ValueError):
+    """A key twice in one object (`top_level`: in the outermost one)."""
+
+    def __init__(self, key: str, top_level: bool) -> None:
+        super().__init__(key)
+        self.key = key
+        self.top_level = top_level
+
+
+def _strict_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """serde refuses duplicate keys at every level; json.loads keeps the last. dict() is C, so
+    the common case costs one length check."""
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:  # only the top level holds objects (the entries and __metadata__)
+                raise DuplicateKey(key, top_level=any(isinstance(value, dict) for _, value in pairs))
+            seen.add(key)
+    return result
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_strict_json(text: str) -> Any:
+    """JSON parsed as the safetensors reference reader (serde) parses a header: a duplicated
+    key at any level is refused (`DuplicateKey`), NaN and Infinity are not JSON. Numbers are
+    Python's own (a header's are checked field by field afterwards); the caller bounds the size
+    and names the file: a ValueError or RecursionError says what is wrong. This is the header's
+    fast path: one C call per object, where `parse_json` calls back per number."""
+    return json.loads(text, object_pairs_hook=_strict_object, parse_constant=_no_constants)
 
 
 def side_file_path(checkpoint_path: str, name: str) -> str:
@@ -199,16 +236,6 @@ def field_path(where: str, key: str) -> str:
     return f"{where}[{describe(key)}]"
 
 
-class JsonTypeError(CheckpointError):
-    """A JSON value of the wrong type or range: one line naming the file, the field, what it
-    holds and what was expected."""
-
-    def __init__(self, where: str, value: Any, expected: str, *, path: str | None, hint: str | None = None) -> None:
-        self.where, self.value, self.expected = where, value, expected
-        said = f"{where} is" if where else "holds"  # "" is the whole document
-        super().__init__(f"{said} {describe(value)}, expected {expected}", path=path, hint=hint or _HINT)
-
-
 class Spec:
     """The JSON type a consumer expects at one place. `check` returns the value (for a Record,
     the declared keys that are present) or raises JsonTypeError."""
@@ -217,7 +244,7 @@ class Spec:
 
     def check(self, value: Any, where: str, path: str | None = None, hint: str | None = None) -> Any:
         def fail(at: str, bad: Any, expected: str) -> JsonTypeError:
-            return JsonTypeError(at, bad, expected, path=path, hint=hint)
+            return JsonTypeError(at, describe(bad), expected, path=path, hint=hint)
 
         return self._check(value, where, fail)
 

@@ -44,8 +44,8 @@ import torch.nn.functional as F
 
 from qtool.errors import KernelError
 from qtool.kernels import floats
-from qtool.scheme import QType
-from qtool.scheme import qtype as lookup_qtype
+from qtool.qtypes import QType
+from qtool.qtypes import qtype as lookup_qtype
 
 __all__ = [
     "resolve_block",

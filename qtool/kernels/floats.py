@@ -30,8 +30,8 @@ from functools import lru_cache
 import torch
 
 from qtool.errors import KernelError
-from qtool.scheme import FP4_BNB_CODEBOOK, NF4_CODEBOOK, QType
-from qtool.scheme import qtype as lookup_qtype
+from qtool.qtypes import FP4_BNB_CODEBOOK, NF4_CODEBOOK, QType
+from qtool.qtypes import qtype as lookup_qtype
 
 __all__ = [
     "FP4_E2M1_MAGNITUDES",

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import difflib
 
-from qtool.layouts.base import Layout, PlanOptions
-from qtool.scheme import QScheme, SchemeError
+from qtool.errors import SchemeError
+from qtool.layouts.base import Layout
+from qtool.scheme import QScheme
 
-__all__ = ["LAYOUTS", "layout_named", "choose_layout", "Layout", "PlanOptions"]
+__all__ = ["LAYOUTS", "layout_named", "choose_layout", "Layout"]
 
 
 def _registry() -> dict[str, Layout]:

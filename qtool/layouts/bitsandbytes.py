@@ -11,10 +11,12 @@ import json
 import math
 from typing import TYPE_CHECKING, Any
 
-from qtool.conventions.bitsandbytes import _DTYPES, _QUANT_TYPES, _STATE, BLOCKSIZES
+from qtool.conventions.bitsandbytes import _QUANT_TYPES, _STATE, BLOCKSIZES
+from qtool.dtypes import DTYPES, WEIGHT_FLOATS, weight_float_of
+from qtool.errors import SchemeError
 from qtool.layouts.base import refusal_of
 from qtool.layouts.safetensors import SafetensorsLayout
-from qtool.scheme import QScheme, SchemeError
+from qtool.scheme import QScheme
 from qtool.weight import Weight
 
 if TYPE_CHECKING:  # torch is imported where data is touched, never at import time
@@ -41,7 +43,7 @@ def _settings(name: str, shape: tuple[int, ...], scheme: QScheme) -> tuple[str, 
 
 def _state_blob(quant_type: str, blocksize: int, dtype: str, shape: tuple[int, ...]) -> bytes:
     # QuantState.as_dict(packed=True): the non-tensor items, in this order, json.dumps defaults
-    torch_name = {value: key for key, value in _DTYPES.items()}.get(dtype)
+    torch_name = DTYPES[dtype].torch_name if dtype in WEIGHT_FLOATS else None
     if torch_name is None:
         raise SchemeError(f"bitsandbytes quantizes float16/bfloat16/float32 weights, not {dtype}")
     state = {"quant_type": quant_type, "blocksize": blocksize, "dtype": torch_name, "shape": list(shape)}
@@ -68,7 +70,7 @@ def encode(name: str, weight: torch.Tensor, scheme: QScheme) -> dict[str, torch.
 
     from qtool import kernels
 
-    dtype = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}.get(weight.dtype, str(weight.dtype))
+    dtype = weight_float_of(weight.dtype) or str(weight.dtype)
     layout = encoded_layout(name, tuple(weight.shape), dtype, scheme)
     quant_type, blocksize = _settings(name, tuple(weight.shape), scheme)
     value_type = scheme.qtype
@@ -105,7 +107,8 @@ def config_for(schemes_by_module: dict[str, QScheme], ignore: list[str], dtype: 
     quant_types = {_settings(module, (1,), scheme)[0] for module, scheme in schemes_by_module.items()}
     if len(quant_types) > 1:
         raise SchemeError(f"one bitsandbytes config holds one 4-bit type, got {' and '.join(sorted(quant_types))}")
-    compute = {value: key for key, value in _DTYPES.items()}.get(str(dtype).upper() if dtype else "F32")
+    name = str(dtype).upper() if dtype else "F32"
+    compute = DTYPES[name].torch_name if name in WEIGHT_FLOATS else None
     if compute is None:
         raise SchemeError(f"the model dtype must be BF16, F16 or F32, got {dtype!r}")
     return {

@@ -6,8 +6,8 @@ and transformers load.
                      so the plan fixes the headers before any data exists
     encode           the tensors themselves, in torch (min-max calibration, the package's rounding)
     config_for       the `quantization_config` of a set of modules
-    CompressedTensors   the `Layout`: the above, plus the fused CPU kernel (qtool.native) for
-                     int2/4/8 per channel or per group with scales in the weight's dtype
+    CompressedTensors   the `Layout`: the above, and which jobs a fused CPU kernel writes
+                     (`encoding`: int per channel or per group with scales in the weight's dtype)
 
 Reading them back is `qtool.conventions.compressed_tensors` (detect and decode).
 """
@@ -18,12 +18,13 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from qtool import native
-from qtool.dtypes import WEIGHT_FLOATS
-from qtool.layouts.base import Job, refusal_of
+from qtool.dtypes import WEIGHT_FLOATS, weight_float_of
+from qtool.errors import SchemeError
+from qtool.layouts.base import refusal_of
 from qtool.layouts.safetensors import CHUNK_ELEMENTS, SafetensorsLayout
-from qtool.metrics import ErrorStats
-from qtool.scheme import QScheme, QType, SchemeError, qtype
+from qtool.plan import IntRows
+from qtool.qtypes import QType, qtype
+from qtool.scheme import QScheme
 from qtool.weight import Weight
 
 if TYPE_CHECKING:  # torch is imported where data is touched, never at import time
@@ -40,8 +41,9 @@ CT_VERSION = "0.20.1"  # the package version whose layouts and config this codec
 
 
 @dataclass(frozen=True)
-class _Target:
-    """A scheme as compressed-tensors stores it: the format and its weight QuantizationArgs."""
+class _QuantArgs:
+    """A scheme as compressed-tensors stores it: the format and its weight QuantizationArgs
+    (compressed-tensors' own word for the settings of one config group)."""
 
     format: str
     num_bits: int
@@ -88,11 +90,11 @@ class _Target:
         }
 
 
-def _target(scheme: QScheme) -> _Target:
+def _quant_args(scheme: QScheme) -> _QuantArgs:
     """The compressed-tensors layout for a scheme, or a UsageError naming what it can store."""
     qt, gran = scheme.qtype, scheme.granularity
-    if scheme.gguf_type:
-        raise _usage(f"{scheme.gguf_type} is a GGUF block type (llama.cpp's own scale rule); compressed-tensors cannot store it", hint="write it with the gguf layout")
+    if scheme.rule:
+        raise _usage(f"{scheme.rule} is a GGUF block type (llama.cpp's own scale rule); compressed-tensors cannot store it", hint="write it with the gguf layout")
     kind = scheme.scale_kind
     float_scale = kind == "auto" or scheme.scale_dtype.upper() in WEIGHT_FLOATS
     e8m0, e4m3 = kind == "e8m0" or scheme.scale_dtype.upper() == "U8", kind == "e4m3"
@@ -109,18 +111,18 @@ def _target(scheme: QScheme) -> _Target:
             raise _usage(f"compressed-tensors stores signed ints: use int{qt.bits} (with :asym for a zero point), not {qt.name}")
         if not float_scale:
             raise _usage(f"compressed-tensors stores int scales as the weight's float dtype, not {scheme.scale_dtype}")
-        return _Target("pack-quantized", qt.bits, "int", strategy, scheme.symmetric, group_size, block)
+        return _QuantArgs("pack-quantized", qt.bits, "int", strategy, scheme.symmetric, group_size, block)
     if not scheme.symmetric:
         raise _usage(f"compressed-tensors quantizes {qt.name} symmetrically only")
     if qt.name == "fp8_e4m3" and float_scale:
         acts = "group128" if gran == "block" else "token"
-        return _Target("float-quantized", 8, "float", strategy, True, group_size, block, activations=acts)
+        return _QuantArgs("float-quantized", 8, "float", strategy, True, group_size, block, activations=acts)
     if qt.name == "fp8_e4m3" and e8m0 and group_size == 32:
-        return _Target("mxfp8-quantized", 8, "float", "group", True, 32, scale_dtype="torch.uint8")
+        return _QuantArgs("mxfp8-quantized", 8, "float", "group", True, 32, scale_dtype="torch.uint8")
     if qt.name == "fp4_e2m1" and e4m3 and group_size == 16:
-        return _Target("nvfp4-pack-quantized", 4, "float", "tensor_group", True, 16, scale_dtype="torch.float8_e4m3fn")
+        return _QuantArgs("nvfp4-pack-quantized", 4, "float", "tensor_group", True, 16, scale_dtype="torch.float8_e4m3fn")
     if qt.name == "fp4_e2m1" and e8m0 and group_size == 32:
-        return _Target("mxfp4-pack-quantized", 4, "float", "group", True, 32, scale_dtype="torch.uint8")
+        return _QuantArgs("mxfp4-pack-quantized", 4, "float", "group", True, 32, scale_dtype="torch.uint8")
     raise _usage(
         f"compressed-tensors has no layout for {scheme.label} with {scheme.scale_dtype} scales",
         hint="it stores int1..int8 (pack-quantized), fp8_e4m3 with float scales, mxfp8 g32, nvfp4 g16 "
@@ -134,18 +136,18 @@ def _module_of(name: str) -> str:
     return name[: -len(".weight")]
 
 
-def _check_shape(name: str, shape: tuple[int, ...], target: _Target) -> tuple[int, int]:
+def _check_shape(name: str, shape: tuple[int, ...], args: _QuantArgs) -> tuple[int, int]:
     if len(shape) != 2:
         raise _usage(f"compressed-tensors quantizes 2-D Linear weights; {name} has shape {list(shape)}")
     rows, cols = shape
     # Groups must divide in_features: compressed-tensors 0.20.1 raises "tensor column shape
     # must be divisble by the given group_size" on a ragged last group. 2-D blocks may be
     # partial (the package pads them), and tensor / channel strategies take any shape.
-    if target.group_size and cols % target.group_size:
-        divisors = [g for g in (256, 128, 64, 32, 16, 8) if cols % g == 0 and g != target.group_size]
+    if args.group_size and cols % args.group_size:
+        divisors = [g for g in (256, 128, 64, 32, 16, 8) if cols % g == 0 and g != args.group_size]
         raise _usage(
-            f"compressed-tensors refuses group size {target.group_size} for {name}: "
-            f"in_features {cols} is not a multiple of {target.group_size}",
+            f"compressed-tensors refuses group size {args.group_size} for {name}: "
+            f"in_features {cols} is not a multiple of {args.group_size}",
             hint=(f"use a group size that divides {cols} (e.g. {divisors[0]})" if divisors else "use per-channel")
             + ", or leave this weight unquantized",
         )
@@ -161,47 +163,47 @@ def _scale_storage(scheme: QScheme, dtype: str) -> str:
     return scale
 
 
-def _block_of(target: _Target, shape: tuple[int, int]) -> tuple[int, int]:
+def _block_of(args: _QuantArgs, shape: tuple[int, int]) -> tuple[int, int]:
     rows, cols = shape
-    if target.strategy == "tensor":
+    if args.strategy == "tensor":
         return rows, cols
-    if target.strategy == "channel":
+    if args.strategy == "channel":
         return 1, cols
-    if target.block_structure:
-        return target.block_structure
-    return 1, target.group_size or cols
+    if args.block_structure:
+        return args.block_structure
+    return 1, args.group_size or cols
 
 
-def _scale_shape(target: _Target, shape: tuple[int, int]) -> tuple[int, ...]:
-    if target.strategy == "tensor":
+def _scale_shape(args: _QuantArgs, shape: tuple[int, int]) -> tuple[int, ...]:
+    if args.strategy == "tensor":
         return (1,)
     rows, cols = shape
-    block_rows, block_cols = _block_of(target, shape)
+    block_rows, block_cols = _block_of(args, shape)
     return (math.ceil(rows / block_rows), math.ceil(cols / block_cols))
 
 
 def encoded_layout(name: str, shape: tuple[int, ...], dtype: str, scheme: QScheme) -> list[tuple[str, str, tuple[int, ...]]]:
     """(stored name, safetensors dtype, shape) of every tensor `encode` writes for this weight,
     in that order, computed from the shape alone."""
-    module, target = _module_of(name), _target(scheme)
-    rows, cols = _check_shape(name, tuple(shape), target)
-    grid = _scale_shape(target, (rows, cols))
-    bits = target.num_bits
-    if target.format == "pack-quantized":
+    module, args = _module_of(name), _quant_args(scheme)
+    rows, cols = _check_shape(name, tuple(shape), args)
+    grid = _scale_shape(args, (rows, cols))
+    bits = args.num_bits
+    if args.format == "pack-quantized":
         layout = [(f"{module}.weight_packed", "I32", (rows, math.ceil(cols * bits / 32)))]
         layout.append((f"{module}.weight_scale", _scale_storage(scheme, dtype), grid))
-        if not target.symmetric:
-            if target.strategy in ("group", "channel"):  # packed along dim 0, as the package does
+        if not args.symmetric:
+            if args.strategy in ("group", "channel"):  # packed along dim 0, as the package does
                 layout.append((f"{module}.weight_zero_point", "I32", (math.ceil(rows * bits / 32), grid[1])))
             else:
                 layout.append((f"{module}.weight_zero_point", "I8", grid))
         layout.append((f"{module}.weight_shape", "I64", (2,)))
         return layout
-    if target.format == "float-quantized":
+    if args.format == "float-quantized":
         return [(f"{module}.weight", "F8_E4M3", (rows, cols)), (f"{module}.weight_scale", _scale_storage(scheme, dtype), grid)]
-    if target.format == "mxfp8-quantized":
+    if args.format == "mxfp8-quantized":
         return [(f"{module}.weight", "F8_E4M3", (rows, cols)), (f"{module}.weight_scale", "U8", grid)]
-    if target.format == "nvfp4-pack-quantized":
+    if args.format == "nvfp4-pack-quantized":
         return [
             (f"{module}.weight_packed", "U8", (rows, cols // 2)),
             (f"{module}.weight_scale", "F8_E4M3", grid),
@@ -217,17 +219,17 @@ def row_group_int_layout(scheme: QScheme, shape: tuple[int, ...], dtype: str) ->
     from qtool.errors import QtoolError
 
     try:
-        target = _target(scheme)
+        args = _quant_args(scheme)
     except QtoolError:
         return None
-    if target.format != "pack-quantized" or target.strategy not in ("channel", "group"):
+    if args.format != "pack-quantized" or args.strategy not in ("channel", "group"):
         return None
     if len(shape) != 2 or dtype not in WEIGHT_FLOATS or _scale_storage(scheme, dtype) != dtype:
         return None
-    group = shape[1] if target.strategy == "channel" else target.group_size
+    group = shape[1] if args.strategy == "channel" else args.group_size
     if not group or shape[1] % group:
         return None
-    return target.num_bits, group, target.symmetric
+    return args.num_bits, group, args.symmetric
 
 
 def encode(name: str, weight: torch.Tensor, scheme: QScheme) -> dict[str, torch.Tensor]:
@@ -240,38 +242,38 @@ def encode(name: str, weight: torch.Tensor, scheme: QScheme) -> dict[str, torch.
 
     if not weight.dtype.is_floating_point or weight.dtype.itemsize == 1:
         raise _usage(f"{name}: encode takes a float16/bfloat16/float32 weight, not {weight.dtype}")
-    dtype = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}.get(weight.dtype, "F16")
+    dtype = weight_float_of(weight.dtype) or "F16"
     layout = encoded_layout(name, tuple(weight.shape), dtype, scheme)
-    target = _target(scheme)
+    args = _quant_args(scheme)
     shape = (weight.shape[0], weight.shape[1])
-    block = _block_of(target, shape)
-    grid = _scale_shape(target, shape)
+    block = _block_of(args, shape)
+    grid = _scale_shape(args, shape)
     names = [entry[0] for entry in layout]
     out: dict[str, torch.Tensor] = {}
-    if target.format == "pack-quantized":
-        value_type = qtype(f"int{target.num_bits}")
-        scale, zero_point = kernels.choose_qparams(weight, block, value_type, target.symmetric, _scale_storage(scheme, dtype))
+    if args.format == "pack-quantized":
+        value_type = qtype(f"int{args.num_bits}")
+        scale, zero_point = kernels.choose_qparams(weight, block, value_type, args.symmetric, _scale_storage(scheme, dtype))
         values = kernels.quantize(weight, scale, zero_point, block, value_type)
-        offset = 1 << (target.num_bits - 1)  # stored as q + 2^(b-1): in uint8, v + offset wraps to exactly that
+        offset = 1 << (args.num_bits - 1)  # stored as q + 2^(b-1): in uint8, v + offset wraps to exactly that
         unsigned = values.view(torch.uint8).add_(offset)
-        out[names[0]] = kernels.pack_int32(unsigned, target.num_bits, dim=-1, check=False)
+        out[names[0]] = kernels.pack_int32(unsigned, args.num_bits, dim=-1, check=False)
         out[names[1]] = scale.reshape(grid)
         if zero_point is not None:
-            if target.strategy in ("group", "channel"):
-                zero_point = kernels.pack_int32(zero_point.reshape(grid).to(torch.int32) + offset, target.num_bits, dim=0)
+            if args.strategy in ("group", "channel"):
+                zero_point = kernels.pack_int32(zero_point.reshape(grid).to(torch.int32) + offset, args.num_bits, dim=0)
             out[names[2]] = zero_point.reshape(layout[2][2])
         out[names[-1]] = torch.tensor(list(shape), dtype=torch.int64, device=weight.device)
-    elif target.format == "float-quantized":
+    elif args.format == "float-quantized":
         value_type = qtype("fp8_e4m3")
         scale, _ = kernels.choose_qparams(weight, block, value_type, True, _scale_storage(scheme, dtype))
         out[names[0]] = kernels.quantize(weight, scale, None, block, value_type)
         out[names[1]] = scale.reshape(grid)
-    elif target.format == "mxfp8-quantized":
+    elif args.format == "mxfp8-quantized":
         value_type = qtype("fp8_e4m3")
         scale = _mx_scale(weight, block, value_type)
         out[names[0]] = kernels.quantize(weight, scale, None, block, value_type)
         out[names[1]] = scale
-    elif target.format == "nvfp4-pack-quantized":
+    elif args.format == "nvfp4-pack-quantized":
         value_type = qtype("fp4_e2m1")
         global_scale = kernels.choose_global_scale(weight, value_type, "ue4m3")
         scale, _ = kernels.choose_qparams(weight, block, value_type, True, "E4M3", global_scale=global_scale)
@@ -315,20 +317,20 @@ def config_for(schemes_by_module: dict[str, QScheme], ignore: list[str], dtype: 
         raise _usage("no quantized modules: a compressed-tensors config needs at least one")
     if dtype is not None and str(dtype).upper() not in (*WEIGHT_FLOATS, "BFLOAT16", "FLOAT16", "FLOAT32"):
         raise _usage(f"the model dtype must be a float dtype, got {dtype!r}")
-    targets: dict[_Target, list[str]] = {}
+    targets: dict[_QuantArgs, list[str]] = {}
     for module, scheme in schemes_by_module.items():
         module = module[: -len(".weight")] if module.endswith(".weight") else module
-        targets.setdefault(_target(scheme), []).append(module)
+        targets.setdefault(_quant_args(scheme), []).append(module)
     groups = {}
-    for index, (target, modules) in enumerate(targets.items()):
+    for index, (args, modules) in enumerate(targets.items()):
         groups[f"group_{index}"] = {
             "targets": sorted(modules, key=natural_key),
-            "weights": target.weights_args(),
-            "input_activations": target.input_args(),
+            "weights": args.weights_args(),
+            "input_activations": args.input_args(),
             "output_activations": None,
-            "format": target.format,
+            "format": args.format,
         }
-    formats = {target.format for target in targets}
+    formats = {args.format for args in targets}
     return {
         "config_groups": groups,
         "format": formats.pop() if len(formats) == 1 else "mixed-precision",
@@ -361,10 +363,10 @@ class CompressedTensors(SafetensorsLayout):
     encode_tensors = staticmethod(encode)
 
     def refusal(self, scheme: QScheme) -> str | None:
-        return refusal_of(lambda: _target(scheme))
+        return refusal_of(lambda: _quant_args(scheme))
 
     def check(self, weight: Weight, scheme: QScheme) -> None:
-        _check_shape(weight.name, tuple(weight.shape), _target(scheme))
+        _check_shape(weight.name, tuple(weight.shape), _quant_args(scheme))
         _module_of(weight.name)
 
     def whole_weight(self, encoded: dict[str, Any], shape: tuple[int, ...]) -> dict[str, Any]:
@@ -384,52 +386,8 @@ class CompressedTensors(SafetensorsLayout):
         chunk = max(step, (CHUNK_ELEMENTS // max(cols, 1)) // step * step)
         return chunk if chunk < rows else None
 
-    def native_encoder(self, job: Job, measure: bool) -> NativeIntEncoder | None:
-        weight, scheme = job.weight, job.scheme
-        assert scheme is not None
-        if not native.available() or weight.data.dtype.name != weight.dtype or tuple(weight.data.shape) != tuple(weight.shape):
-            return None
+    def encoding(self, weight: Weight, scheme: QScheme) -> IntRows | None:
+        """IntRows where qtool.native's fused kernel writes these exact tensors: pack-quantized
+        int per channel or group, the scale in the weight's own dtype."""
         layout = row_group_int_layout(scheme, tuple(weight.shape), weight.dtype)
-        if layout is None:
-            return None
-        bits, group, symmetric = layout
-        if bits not in (2, 4, 8) or weight.shape[1] * bits % 32:
-            return None
-        return NativeIntEncoder(job, bits, group, symmetric, measure)
-
-
-class NativeIntEncoder:
-    """Pack-quantized int2/4/8 codes, per channel or per group, symmetric or with zero points,
-    in qtool.native's fused kernel: codes, scales and the error sums in one pass over each row,
-    bit for bit the torch path. A weight holding inf or NaN goes to torch instead (its exact
-    semantics are torch's)."""
-
-    wants = "bytes"
-
-    def __init__(self, job: Job, bits: int, group: int, symmetric: bool, measure: bool) -> None:
-        self.job, self.bits, self.group, self.symmetric, self.measure = job, bits, group, symmetric, measure
-        self.errors: ErrorStats | None = None
-
-    def encode(self, raw) -> Any:
-        job = self.job
-        rows, cols = job.weight.shape
-        encoded = native.encode_int(raw, job.weight.dtype, rows, cols, self.group, self.bits, symmetric=self.symmetric)
-        if encoded.errors is None:  # inf or NaN
-            yield from self._torch(raw)
-            return
-        if self.measure:
-            self.errors = encoded.errors
-        packed, scale, *zero_point, shape = (t.name for t in job.outputs)
-        yield packed, encoded.packed, 0
-        yield scale, encoded.scale, 0
-        if zero_point:
-            yield zero_point[0], encoded.zero_point, 0
-        yield shape, rows.to_bytes(8, "little", signed=True) + cols.to_bytes(8, "little", signed=True), 0
-
-    def _torch(self, raw) -> Any:
-        from qtool.layouts.safetensors import TorchEncoder
-        from qtool.pipeline import tensor_of
-
-        fallback = TorchEncoder(CompressedTensors(), self.job, self.measure)
-        yield from fallback.encode(tensor_of(raw, self.job.weight.data))
-        self.errors = fallback.errors
+        return IntRows(*layout) if layout is not None else None

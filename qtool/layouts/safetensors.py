@@ -1,46 +1,44 @@
 """What the safetensors layouts share: the plan (jobs, shards, config.json or `__metadata__`)
-and the torch encoder that runs a layout's `encode` in row chunks.
+and the torch encode that `qtool.encoders` runs in row chunks.
 
 A subclass says which tensors it writes for a scheme (`tensors`), how to encode a weight in
-torch (`encode_tensors`), the `quantization_config` it records (`quantization_config`), and
-optionally a fused CPU kernel (`native_encoder`). `PlainSafetensors` is the layout with no
-quantized weights: `qtool dequantize` writes it.
+torch (`encode_tensors`, the reference), the `quantization_config` it records
+(`quantization_config`), and where a fused kernel writes the same bytes, which (`encoding`).
+`PlainSafetensors` is the layout with no quantized weights: `qtool dequantize` writes it.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from typing import Any, Iterator
+from typing import Any
 
-from qtool.dtypes import WEIGHT_FLOATS, nbytes_for, storage_dtype
+from qtool.dtypes import WEIGHT_FLOATS, float_dtype_named, nbytes_for, storage_dtype
 from qtool.formats.checkpoint import Checkpoint
 from qtool.formats.writer import INDEX_NAME, safetensors_layout, shard_name
-from qtool.layouts.base import CAST, COPY, DEQUANTIZE, QUANTIZE, Job, Piece, Plan, Planned, PlanOptions
-from qtool.metrics import ErrorStats
+from qtool.plan import CAST, COPY, DEQUANTIZE, QUANTIZE, Chosen, Encoding, Job, OutputTensor, Plan, PlanOptions
 from qtool.scheme import QScheme
 from qtool.weight import Weight
 
-__all__ = ["SafetensorsLayout", "PlainSafetensors", "planned", "DTYPE_NAMES", "recorded_dtype", "TorchEncoder"]
+__all__ = ["SafetensorsLayout", "PlainSafetensors", "planned", "recorded_dtype", "CHUNK_ELEMENTS"]
 
 CHUNK_ELEMENTS = 4 << 20  # elements per row chunk when quantizing in torch
-DTYPE_NAMES = {"bf16": "BF16", "f16": "F16", "fp16": "F16", "f32": "F32", "fp32": "F32", "bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
-def planned(name: str, dtype: str, shape: tuple[int, ...]) -> Planned:
+def planned(name: str, dtype: str, shape: tuple[int, ...]) -> OutputTensor:
     """A safetensors tensor of `dtype` and `shape`, sized."""
     size = nbytes_for(storage_dtype(dtype), math.prod(shape))
     if size is None:
         raise ValueError(f"{name}: {math.prod(shape)} elements of {dtype} do not fill whole bytes")
-    return Planned(name, dtype, tuple(shape), size)
+    return OutputTensor(name, dtype, tuple(shape), size)
 
 
 def recorded_dtype(source: Checkpoint, weights: list[Weight]) -> str:
     """The dtype the input records for its float weights (config `torch_dtype`), else the one
     its quantized weights decode to, else bf16."""
     recorded = source.config.get("torch_dtype") or source.config.get("dtype") or ""
-    if isinstance(recorded, str) and recorded in DTYPE_NAMES:
-        return DTYPE_NAMES[recorded]
+    if float_dtype_named(recorded) is not None:
+        return float_dtype_named(recorded)
     logical = {w.dtype for w in weights if w.quantized and w.dtype in WEIGHT_FLOATS}
     return logical.pop() if len(logical) == 1 else "BF16"
 
@@ -84,7 +82,7 @@ class SafetensorsLayout:
         """The tensors of `encoded_layout` for these values, in torch."""
         raise NotImplementedError
 
-    def tensors(self, weight: Weight, scheme: QScheme) -> list[Planned]:
+    def tensors(self, weight: Weight, scheme: QScheme) -> list[OutputTensor]:
         return [planned(name, dtype, shape) for name, dtype, shape in self.encoded_layout(weight.name, weight.shape, weight.dtype, scheme)]
 
     def whole_weight(self, encoded: dict[str, Any], shape: tuple[int, ...]) -> dict[str, Any]:
@@ -95,13 +93,14 @@ class SafetensorsLayout:
         """Rows per chunk when a weight's tensors split by rows, else None (encode it whole)."""
         return None
 
-    def native_encoder(self, job: Job, measure: bool):
-        """A fused CPU kernel for this job, or None where torch encodes it."""
+    def encoding(self, weight: Weight, scheme: QScheme) -> Encoding | None:
+        """The bytes this weight's tensors hold, where a fused kernel writes exactly those
+        (`qtool.plan.IntRows`); None where only the torch encode does."""
         return None
 
     # -- the plan -------------------------------------------------------------------------------
 
-    def plan(self, source: Checkpoint, weights: list[Weight], chosen: dict[str, QScheme | None], options: PlanOptions) -> Plan:
+    def plan(self, source: Checkpoint, weights: list[Weight], chosen: Chosen, options: PlanOptions) -> Plan:
         out_dtype = options.out_dtype
         decoded_dtype = out_dtype or recorded_dtype(source, weights)  # once: a loop over weights stays linear
         jobs: list[Job] = []
@@ -109,14 +108,14 @@ class SafetensorsLayout:
             scheme = chosen.get(weight.name)
             if scheme is not None:
                 self.check(weight, scheme)
-                jobs.append(Job(weight, QUANTIZE, self.tensors(weight, scheme), scheme=scheme))
+                jobs.append(Job(weight, QUANTIZE, self.tensors(weight, scheme), scheme=scheme, encoding=self.encoding(weight, scheme)))
             elif weight.quantized:  # dequantize, or requantize's weights that stay float
                 jobs.append(Job(weight, DEQUANTIZE, [planned(weight.name, decoded_dtype, weight.shape)], out_dtype=decoded_dtype))
             elif out_dtype and weight.dtype in ("F16", "BF16", "F32", "F64") and weight.dtype != out_dtype:
                 jobs.append(Job(weight, CAST, [planned(weight.name, out_dtype, weight.shape)], out_dtype=out_dtype))
             else:
                 data = weight.data
-                jobs.append(Job(weight, COPY, [Planned(weight.name, data.dtype.name, tuple(data.shape), data.nbytes)]))
+                jobs.append(Job(weight, COPY, [OutputTensor(weight.name, data.dtype.name, tuple(data.shape), data.nbytes)]))
         files = self._shards(jobs, source, options)
         jobs.sort(key=lambda j: j.shard)
         schemes = {j.weight.name.rpartition(".")[0]: j.scheme for j in jobs if j.scheme is not None}
@@ -180,14 +179,7 @@ class SafetensorsLayout:
             files["config.json"] = plan.config
         return files
 
-    # -- encoding -------------------------------------------------------------------------------
-
-    def encoder(self, job: Job, device: str, measure: bool):
-        if device == "cpu" and not job.weight.quantized:
-            native = self.native_encoder(job, measure)
-            if native is not None:
-                return native
-        return TorchEncoder(self, job, measure)
+    # -- encoding: the torch reference, which qtool.encoders runs ---------------------------------
 
     def reconstruct(self, name: str, encoded: dict[str, Any], scheme: QScheme, shape: tuple[int, ...], dtype: str):
         """Decode freshly encoded tensors through this layout's reading convention."""
@@ -207,42 +199,3 @@ class SafetensorsLayout:
 
 class PlainSafetensors(SafetensorsLayout):
     """Plain float safetensors: what `qtool dequantize` writes."""
-
-
-class TorchEncoder:
-    """A layout's torch `encode_tensors`, run whole or in row chunks on any device, measured
-    against the values as the reading convention decodes them."""
-
-    wants = "tensor"
-
-    def __init__(self, layout: SafetensorsLayout, job: Job, measure: bool) -> None:
-        self.layout, self.job, self.measure = layout, job, measure
-        self.errors: ErrorStats | None = ErrorStats() if measure else None
-
-    def encode(self, weight) -> Iterator[Piece]:
-        job, layout = self.job, self.layout
-        scheme = job.scheme
-        assert scheme is not None
-        name = job.weight.name
-        chunk = layout.row_chunk(job.weight, scheme)
-        planned_by_name = {t.name: t for t in job.outputs}
-        written = dict.fromkeys(planned_by_name, 0)
-        rows = weight.shape[0] if weight.dim() else 1
-        for start in range(0, rows, chunk or max(rows, 1)):
-            part = weight[start : start + chunk] if chunk else weight
-            encoded = layout.encode_tensors(name, part, scheme)
-            if self.errors is not None:
-                self.errors.update(part, layout.reconstruct(name, encoded, scheme, tuple(part.shape), job.weight.dtype))
-            for out_name, tensor in layout.whole_weight(encoded, tuple(weight.shape)).items():
-                if written[out_name] == planned_by_name[out_name].nbytes:
-                    continue  # a per-weight tensor (compressed-tensors' weight_shape), written with the first chunk
-                data = _as_bytes(tensor)
-                yield out_name, data, written[out_name]
-                written[out_name] += data.nbytes
-
-
-def _as_bytes(tensor) -> memoryview:
-    import torch
-
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())

@@ -16,7 +16,7 @@ callers use torch. QTOOL_NATIVE=0 turns it off, to compare the two paths or to d
 
     encode_int      int2/4/8, symmetric or with zero points, per channel or per group, packed
                     as compressed-tensors pack-quantized, with the error sums of
-                    qtool.metrics.ErrorStats
+                    qtool.error_measures.ErrorStats
     decode_int      the reverse, to bf16 / f16 / f32
     decode_gguf     GGUF blocks (the types in `gguf_types()`) to bf16 / f16 / f32
     encode_gguf     bf16 / f16 / f32 rows to GGUF blocks (the types in `gguf_encode_types()`),
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 from qtool.buffers import allocate
 from qtool.dtypes import storage_dtype
+from qtool.error_measures import ErrorStats
 from qtool.errors import KernelError
-from qtool.metrics import ErrorStats
 
 __all__ = ["available", "encode_int", "decode_int", "decode_gguf", "gguf_types", "encode_gguf", "gguf_encode_types", "EncodedBlocks", "set_threads", "threads"]
 

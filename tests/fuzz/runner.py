@@ -122,7 +122,7 @@ def preload(extra_modules: tuple[str, ...] = ()) -> None:
         "qtool.formats.torch_pickle",
         "qtool.formats.writer",
         "qtool.pipeline",
-        "qtool.stats",
+        "qtool.value_stats",
         "qtool.audit",
         "qtool.inspection",
         "qtool.native",

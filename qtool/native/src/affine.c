@@ -3,7 +3,7 @@
  * encode_int mirrors qtool.kernels.affine (choose_qparams + quantize) and the pack of
  * qtool.conventions.compressed_tensors_encode.encode for int b-bit weights whose scale is
  * stored in the weight's own dtype, symmetric or with a zero point, then reconstructs each
- * value as qtool's decoder does and sums the error measures of qtool.metrics.ErrorStats, all
+ * value as qtool's decoder does and sums the error measures of qtool.error_measures.ErrorStats, all
  * in one pass over each row. The measures follow ErrorStats' one definition: against x^ as
  * decoded (rounded to the weight's dtype), each term and every sum in double, so quantize and
  * compare report the same digits. With dt(.) rounding a float32 result to the weight's dtype, as
@@ -80,7 +80,7 @@ static void quantize_group(const float *x, Py_ssize_t n, float scale, float zp, 
     else quantize_group_f32(x, n, scale, zp, qmin, qmax, q, r);
 }
 
-/* The error sums of one row, x against its decoded x^, as qtool.metrics.ErrorStats defines
+/* The error sums of one row, x against its decoded x^, as qtool.error_measures.ErrorStats defines
  * them: every term and sum in double (x^2 is exact; e = x - x^ is exact whenever x^ is within
  * a factor 2 of x, where float32 would round it), in independent lanes over the whole row,
  * so a small group size costs no extra reductions. */

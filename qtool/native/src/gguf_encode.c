@@ -5,7 +5,7 @@
  * itself a port of ggml-quants.c's quantize_row_*_ref) redone on blocks of 32 values: the
  * bytes are `gguf.quants.quantize(values.astype(float32), type)`'s. In the same pass each block
  * is decoded as `gguf.quants.dequantize` decodes it and the error sums of
- * qtool.metrics.ErrorStats are taken in float64.
+ * qtool.error_measures.ErrorStats are taken in float64.
  *
  * gguf-py works on float32 arrays, and numpy 2 keeps every step in float32 (a Python scalar
  * is weak under NEP 50, and np.where(d == 0, 0, 1 / d) stays float32 too), so each step below

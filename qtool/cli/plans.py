@@ -12,10 +12,10 @@ from qtool.cli.output import Column, Output, Rows, Section, print_warning, progr
 from qtool.cli.text import human_bytes
 
 
-def show_plan(task, output: Output) -> None:
-    document = task.to_json()
+def show_plan(plan, output: Output) -> None:
+    document = plan.to_json()
     if document["layout"] == "gguf":
-        return _show_gguf_plan(task, document, output)
+        return _show_gguf_plan(plan, document, output)
     rows = Rows(
         [
             Column("name"),
@@ -33,7 +33,7 @@ def show_plan(task, output: Output) -> None:
         ],
         collapse_keys=(1, 2, 3, 4, 7),
         collapse_sums=(5, 6),
-        title=f"Plan: {task.output}",
+        title=f"Plan: {plan.output}",
     )
     summary = document["summary"]
     facts = Section(
@@ -52,7 +52,7 @@ def show_plan(task, output: Output) -> None:
     output.emit(document, rows, [facts])
 
 
-def _show_gguf_plan(task, document: dict, output: Output) -> None:
+def _show_gguf_plan(plan, document: dict, output: Output) -> None:
     """A GGUF plan as llama-quantize prints one: each tensor in file order, its type before and
     after, its size before and after; then the totals and each row-length fallback."""
     rows = Rows(
@@ -75,7 +75,7 @@ def _show_gguf_plan(task, document: dict, output: Output) -> None:
             ]
             for w in document["weights"]
         ],
-        title=f"Plan: {task.output}",
+        title=f"Plan: {plan.output}",
     )
     summary = document["summary"]
     by_type: dict[str, int] = {}
@@ -112,15 +112,14 @@ def _keep_freed_memory() -> None:
     mallopt(m_trim_threshold, 1 << 30)
 
 
-def run_task(task, *, device: str, threads: int | None, overwrite: bool, quiet: bool, measure: bool):
+def run_plan(plan, *, device: str, threads: int | None, overwrite: bool, quiet: bool, measure: bool):
     from qtool import api
-    from qtool.pipeline import ExecOptions
 
-    for warning in task.warnings:
+    for warning in plan.warnings:
         print_warning(warning)
     _keep_freed_memory()
     if threads and "torch" not in __import__("sys").modules:
         os.environ["OMP_NUM_THREADS"] = str(threads)  # torch sizes its pool from this if a job imports it
-    total = sum(job.bytes_in for job in task.plan.jobs)
+    total = sum(job.bytes_in for job in plan.jobs)
     with progress("writing" if not measure else "quantizing", total, quiet) as advance:
-        return api.run(task, ExecOptions(device=device, threads=threads, measure=measure, on_progress=advance), overwrite=overwrite)
+        return api.run(plan, device=device, threads=threads, measure=measure, on_progress=advance, overwrite=overwrite)

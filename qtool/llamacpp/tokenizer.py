@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -94,7 +93,7 @@ def _vocab_entries(staged: Path, present: set[str], arch: str, vocab_size: int |
     elif "tokenizer.json" not in present:
         raise CheckpointError("has only tokenizer.model, and reading it needs the sentencepiece package", path=folder, hint="pip install sentencepiece")
     else:
-        model = json.loads((staged / "tokenizer.json").read_text(encoding="utf-8")).get("model")
+        model = _json_object(staged / "tokenizer.json").get("model")
         kind = model.get("type") if isinstance(model, dict) else None
         if kind == "BPE" and model.get("byte_fallback") and arch == "llama":
             _llama_hf(writer, staged, vocab_size)
@@ -105,11 +104,26 @@ def _vocab_entries(staged: Path, present: set[str], arch: str, vocab_size: int |
             raise CheckpointError(f"its tokenizer.json is {what}, which qtool does not write into a {arch} GGUF", path=folder, hint="llama.cpp's convert_hf_to_gguf.py may convert it")
     config_file = staged / "tokenizer_config.json"
     if config_file.is_file():
-        prefix = json.loads(config_file.read_text(encoding="utf-8")).get("add_prefix_space")
+        prefix = _json_object(config_file).get("add_prefix_space")
         if isinstance(prefix, bool):
             writer.add_add_space_prefix(prefix)
     arch_key = gguf.Keys.General.ARCHITECTURE
     return [(key, value.value, value.type.name) for key, value in writer.kv_data[0].items() if key != arch_key]
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """A tokenizer file's JSON object, read with qtool's limits for JSON from strangers. What is
+    wrong is a ValueError naming the file, which `_as_checkpoint_error` reports against the
+    model folder (this reads the private staged copy)."""
+    from qtool.formats.untrusted_json import parse_json
+
+    try:
+        value = parse_json(path.read_bytes(), path.name)
+    except CheckpointError as exc:
+        raise ValueError(f"{path.name} {exc.message}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path.name} is not a JSON object")
+    return value
 
 
 def _has_sentencepiece() -> bool:
@@ -160,7 +174,7 @@ def _override_added(staged: Path, tokens: list, scores: list[float], types: list
     config_file = staged / "tokenizer_config.json"
     if not config_file.is_file():
         return
-    decoder = json.loads(config_file.read_text(encoding="utf-8")).get("added_tokens_decoder") or {}
+    decoder = _json_object(config_file).get("added_tokens_decoder") or {}
     for key, data in decoder.items():
         index, content = int(key), data["content"]
         if not 0 <= index < len(tokens) or not isinstance(content, str):
@@ -192,7 +206,7 @@ def llama_hf_tokens(folder: Path) -> tuple[list[bytes], list[float], list[int]]:
 
     import gguf
 
-    tokenizer = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    tokenizer = _json_object(folder / "tokenizer.json")
     vocab = tokenizer["model"]["vocab"]
     if not isinstance(vocab, dict) or not all(isinstance(i, int) and not isinstance(i, bool) for i in vocab.values()):
         raise ValueError("tokenizer.json's model.vocab is not a map of token to id")
@@ -228,9 +242,7 @@ def _configured_special_ids(folder: Path, vocab: dict[str, int], added: dict[int
     """Ids of tokenizer_config.json's bos/eos/unk/sep/pad/cls/mask tokens and
     `additional_special_tokens` (transformers' `all_special_ids`)."""
     config_file = folder / "tokenizer_config.json"
-    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-    if not isinstance(config, dict):
-        raise ValueError("tokenizer_config.json is not an object")
+    config = _json_object(config_file) if config_file.is_file() else {}
     named = [config.get(f"{kind}_token") for kind in ("bos", "eos", "unk", "sep", "pad", "cls", "mask")]
     extra = config.get("additional_special_tokens")
     named += extra if isinstance(extra, list) else []

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from qtool.errors import CheckpointError
+from qtool.ggml_types import ggml_type_named
 
 __all__ = [
     "LLAMA_CPP_COMMIT",
@@ -49,16 +50,12 @@ __all__ = [
     "allows_quantization",
     "choose_types",
     "fallback_type",
-    "BLOCK_SIZES",
     "FLOAT_TYPES",
 ]
 
 LLAMA_CPP_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
-# values per block of the types the mixes use (ggml_blck_size)
-BLOCK_SIZES = {"F32": 1, "F16": 1, "BF16": 1, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "IQ4_NL": 32,
-               "Q2_K": 256, "Q3_K": 256, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -71,17 +68,6 @@ class Mix:
     default_type: str
     pure: bool
     nominal: str
-
-    @property
-    def scheme(self):
-        """The marker scheme `--scheme` stands for: the default type's math, tagged with the
-        mix; the gguf layout replaces it per tensor with the type the rules choose."""
-        from dataclasses import replace
-
-        from qtool.scheme import parse_scheme
-
-        base = parse_scheme(self.default_type.lower())
-        return replace(base, extra=(*base.extra, ("gguf_mix", self.name)))
 
     @property
     def description(self) -> str:
@@ -275,11 +261,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def block_size(gguf_type: str) -> int:
-    known = BLOCK_SIZES.get(gguf_type)
-    if known is not None:
-        return known
-    from qtool.formats.gguf import ggml_type_named
-
+    """ggml_blck_size of a type, from the one table."""
     return ggml_type_named(gguf_type).block_size
 
 
@@ -424,8 +406,6 @@ def bits_per_weight_on_llama3_8b(mix: Mix) -> float:
     """The mix's storage bits per weight on Llama-3-8B's tensor shapes (BF16 input, 32 layers,
     GQA 4, vocabulary 128256, untied output): the figure `qtool schemes` shows, worked out from
     the same rules the writer follows, so it cannot drift from what a run writes."""
-    from qtool.formats.gguf import ggml_type_named
-
     hidden, kv, ffn, vocab, layers = 4096, 1024, 14336, 128256, 32
     shapes = {"token_embd.weight": (vocab, hidden), "output.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
     for i in range(layers):

@@ -1,6 +1,6 @@
 """Value statistics of plain weights, streamed: `inspect --stats` reads data only here.
 
-Each tensor is read with pread in chunks of at most `CHUNK` elements (`qtool.values`, numpy, no
+Each tensor is read with pread in chunks of at most `CHUNK` elements (`qtool.plain_values`, numpy, no
 torch), so memory stays bounded by one chunk in float64 whatever the tensor's size, and a file
 truncated meanwhile is an error naming it, not a SIGBUS. min/max/mean/std/absmax are over the
 finite values; NaN and Inf are counted apart.
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable
 
 from qtool.dtypes import DTYPES
 from qtool.formats.checkpoint import Checkpoint
-from qtool.values import float64_reader, value_chunks
+from qtool.plain_values import float64_reader, value_chunks
 from qtool.weight import Weight
 
 if TYPE_CHECKING:

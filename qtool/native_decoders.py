@@ -62,7 +62,7 @@ def _int_decoder(weight: Weight, out_dtype: str):
 
 
 def _gguf_decoder(weight: Weight, out_dtype: str):
-    from qtool.formats.gguf import ggml_type_named
+    from qtool.ggml_types import ggml_type_named
 
     encoding = weight.data.encoding or ""
     if encoding not in native.gguf_types():

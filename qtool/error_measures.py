@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["ErrorStats", "SIGNIFICANT_DIGITS"]
+__all__ = ["ErrorStats", "SIGNIFICANT_DIGITS", "count_non_finite"]
 
 SIGNIFICANT_DIGITS = 9  # what reports and gates see
 # Elements per float64 slice. On the CPU: no more than torch's intra-op grain size (32768), so
@@ -189,3 +189,26 @@ def _device_sums(xs, es) -> tuple[float, float, float, float, float]:
     import torch
 
     return float(torch.dot(xs, xs)), float(torch.dot(xs, es)), float(torch.dot(es, es)), float(es.amax()), float(es.amin())
+
+
+NON_FINITE_CHUNK = 4 << 20  # elements per chunk when counting NaN and Inf
+
+
+def count_non_finite(tensor) -> tuple[int, int]:
+    """(NaN count, Inf count), chunk by chunk; 0, 0 for integer and bool data."""
+    import torch
+
+    flat = tensor.reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    if not flat.is_floating_point():
+        return 0, 0
+    nan = inf = 0
+    widen = flat.element_size() == 1  # torch has no isinf for its 8-bit floats (Float8_e4m3fn...)
+    for start in range(0, flat.numel(), NON_FINITE_CHUNK):
+        chunk = flat[start : start + NON_FINITE_CHUNK]
+        if widen:
+            chunk = chunk.float()
+        nan += int(torch.isnan(chunk).sum())
+        inf += int(torch.isinf(chunk).sum())
+    return nan, inf

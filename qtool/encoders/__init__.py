@@ -1,0 +1,138 @@
+"""Which kernel encodes a job: encoder backends register here by capability, and the executor
+(and a layout checking a plan) asks `choose` / `can_encode`. Adding a backend (CUDA, another C
+kernel) is one entry in `_BACKENDS`.
+
+    backend        writes                                   where
+    native-int     compressed-tensors pack-quantized int2/4/8 rows (`IntRows`), fused   CPU, float input
+    native-gguf    GGML blocks qtool's C kernels have (Q8_0 ... Q6_K, IQ4_NL)            CPU; any device for the
+                                                                                          types only they write
+    gguf-py        GGML blocks gguf-py's numpy quantizer has (Q8_0, Q4_0 ... Q5_1, MXFP4) any device (values to CPU)
+    torch          any safetensors layout's own `encode_tensors`, in row chunks           any device
+
+The first backend in this order that can encode a job wins; every backend writes the same
+bytes (each C kernel is tested bit for bit against the reference it stands in for). An encoder
+may hand a job on to the next capable backend (`choose(..., after=...)`): the native int kernel
+does for a weight holding inf or NaN, whose exact semantics are torch's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
+
+from qtool.plan import QUANTIZE, GgmlBlocks, IntRows, Job, Piece
+
+if TYPE_CHECKING:
+    from qtool.error_measures import ErrorStats
+
+__all__ = ["WeightEncoder", "choose", "can_encode", "why_not_encodable", "RAW", "TENSOR"]
+
+RAW, TENSOR = "raw", "tensor"  # what an encoder takes: the weight's stored bytes, or float values in torch
+
+
+class WeightEncoder(Protocol):
+    """One weight's encoder on one backend. `encode` takes what `takes` names (RAW: the stored
+    bytes of the weight; TENSOR: a float torch tensor on the run's device) and yields the pieces
+    to write; after it is exhausted, `errors` holds the weight's error against the original
+    (None when not measured)."""
+
+    takes: str
+    errors: "ErrorStats | None"
+
+    def encode(self, values: Any) -> Iterator[Piece]: ...
+
+
+@dataclass(frozen=True)
+class _Backend:
+    name: str
+    can: Callable[[Any, Job, str | None], bool]  # (layout, job, device or None for any) -> capable
+    build: Callable[[Any, Job, str, bool], WeightEncoder]  # (layout, job, device, measure)
+
+
+def _native_int(layout, job: Job, device: str | None) -> bool:
+    from qtool import native
+
+    encoding = job.encoding
+    weight = job.weight
+    return (
+        isinstance(encoding, IntRows) and device in (None, "cpu") and native.available() and not weight.quantized
+        and weight.data.dtype.name == weight.dtype and tuple(weight.data.shape) == tuple(weight.shape)
+        and encoding.bits in (2, 4, 8) and weight.shape[1] * encoding.bits % 32 == 0
+    )  # fmt: skip
+
+
+def _build_native_int(layout, job: Job, device: str, measure: bool) -> WeightEncoder:
+    from qtool.encoders.native_int import NativeIntEncoder
+
+    return NativeIntEncoder(layout, job, measure)
+
+
+def _native_gguf(layout, job: Job, device: str | None) -> bool:
+    from qtool import native
+    from qtool.encoders.ggml_blocks import NUMPY_TYPES
+
+    encoding = job.encoding
+    if not isinstance(encoding, GgmlBlocks) or not native.available() or encoding.type not in native.gguf_encode_types():
+        return False
+    return device in (None, "cpu") or encoding.type not in NUMPY_TYPES
+
+
+def _gguf_py(layout, job: Job, device: str | None) -> bool:
+    from qtool.encoders.ggml_blocks import NUMPY_TYPES
+
+    return isinstance(job.encoding, GgmlBlocks) and job.encoding.type in NUMPY_TYPES
+
+
+def _build_ggml_blocks(native: bool) -> Callable[[Any, Job, str, bool], WeightEncoder]:
+    def build(layout, job: Job, device: str, measure: bool) -> WeightEncoder:
+        from qtool.encoders.ggml_blocks import GgmlBlockEncoder
+
+        return GgmlBlockEncoder(job, measure, native=native)
+
+    return build
+
+
+def _torch(layout, job: Job, device: str | None) -> bool:
+    return hasattr(layout, "encode_tensors")
+
+
+def _build_torch(layout, job: Job, device: str, measure: bool) -> WeightEncoder:
+    from qtool.encoders.torch_tensors import TorchEncoder
+
+    return TorchEncoder(layout, job, measure)
+
+
+_BACKENDS = (
+    _Backend("native-int", _native_int, _build_native_int),
+    _Backend("native-gguf", _native_gguf, _build_ggml_blocks(native=True)),
+    _Backend("gguf-py", _gguf_py, _build_ggml_blocks(native=False)),
+    _Backend("torch", _torch, _build_torch),
+)
+
+
+def choose(layout, job: Job, device: str, measure: bool, *, after: str | None = None) -> WeightEncoder:
+    """The encoder of the first capable backend (after the one named `after`, for a hand-on)."""
+    backends = _BACKENDS
+    if after is not None:
+        backends = backends[[b.name for b in backends].index(after) + 1 :]
+    for backend in backends:
+        if backend.can(layout, job, device):
+            return backend.build(layout, job, device, measure)
+    from qtool.errors import InternalError
+
+    raise InternalError(f"no encoder for {job.weight.name} ({job.outputs[0].dtype}) in the {layout.name} layout: the plan should have refused it")
+
+
+def can_encode(layout, job: Job) -> bool:
+    """Whether some backend encodes this job on some device (a plan checks before writing)."""
+    return job.action != QUANTIZE or any(backend.can(layout, job, None) for backend in _BACKENDS)
+
+
+def why_not_encodable(job: Job) -> str:
+    """Why no backend here encodes a GGML type (for the plan's refusal)."""
+    from qtool import native
+
+    if not native.available():
+        return "qtool's C kernels are not available (not built, or QTOOL_NATIVE=0)"
+    name = job.encoding.type if isinstance(job.encoding, GgmlBlocks) else job.outputs[0].dtype
+    return f"qtool's C kernels have no {name} encoder in this build"

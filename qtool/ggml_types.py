@@ -1,0 +1,148 @@
+"""ggml's tensor types, one row each: id, name, values per block and bytes per block (gguf-py's
+`GGML_QUANT_SIZES`, checked against the installed package by the tests), the scheme a block type
+is, what its block holds besides (shown as a GGUF weight's details), and the `llama_ftype` a file
+mostly of this type is named by.
+
+Everything about a GGML type lives here: the GGUF reader sizes tensors from it, the GGUF
+convention reads a block type's scheme from it, `--scheme q4_k` is its row's scheme, and the
+GGUF layout stamps `general.file_type` from it. The encoders and decoders register per type by
+name (`qtool.layouts.encoders`, `qtool.kernels.gguf_blocks`) and restate none of these sizes.
+
+llama.cpp's own types (Q4_0 ... Q6_K, the IQ and TQ types) are schemes with a `rule`: their
+codes and scales come from llama.cpp's quantizers, which no other layout reproduces. MXFP4 and
+NVFP4 are the OCP and NVIDIA formats, no rule: compressed-tensors' MXFP4A16 is the same math.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from qtool.errors import UnknownNameError
+from qtool.qtypes import QType, qtype
+from qtool.scheme import QScheme, group
+
+__all__ = ["GgmlType", "GGML_TYPES", "ggml_type", "ggml_type_named", "type_for"]
+
+
+@dataclass(frozen=True)
+class GgmlType:
+    """One row of ggml's type table: `block_size` elements take `type_size` bytes."""
+
+    id: int
+    name: str
+    block_size: int
+    type_size: int
+    scheme: QScheme | None = None  # a block type's scheme; None for the plain types and the unknown
+    details: tuple[tuple[str, str], ...] = ()  # what a block holds besides its codes, in words
+    file_type: str | None = None  # gguf.LlamaFileType member naming a file mostly of this type
+
+    def nbytes(self, numel: int) -> int:
+        return numel // self.block_size * self.type_size
+
+
+def _llama(name: str, value: str | QType, block: int, *, symmetric: bool = True, scale: str = "F16") -> QScheme:
+    """A llama.cpp block type's scheme: its values, block and scale; the rule is its name."""
+    value_type = qtype(value) if isinstance(value, str) else value
+    return QScheme(value_type, group(block), symmetric, scale, zero_point=not symmetric, rule=name)
+
+
+def _codebook(name: str, bits: int) -> QType:
+    return QType(name, bits, "codebook")
+
+
+_TERNARY = QType("ternary", 2, "int", -1, 1)
+
+
+def _row(id: int, name: str, block: int, size: int, scheme: QScheme | None = None, file_type: str | None = None, **details: str) -> GgmlType:
+    return GgmlType(id, name, block, size, scheme, tuple(details.items()), file_type)
+
+
+def _k(id: int, name: str, size: int, value: str, symmetric: bool, sub_blocks: str, file_type: str | None = None, scale: str = "F16") -> GgmlType:
+    """A K-quant: 256-value super-blocks of sub-blocks with their own quantized scales."""
+    return _row(id, name, 256, size, _llama(name, value, 256, symmetric=symmetric, scale=scale), file_type, super_block=f"256 = {sub_blocks}")
+
+
+# (id, name, values per block, bytes per block, scheme, llama_ftype, details)
+_ROWS = (
+    _row(0, "F32", 1, 4, file_type="ALL_F32"),
+    _row(1, "F16", 1, 2, file_type="MOSTLY_F16"),
+    _row(2, "Q4_0", 32, 18, _llama("Q4_0", "int4", 32), "MOSTLY_Q4_0"),
+    _row(3, "Q4_1", 32, 20, _llama("Q4_1", "uint4", 32, symmetric=False), "MOSTLY_Q4_1"),
+    _row(6, "Q5_0", 32, 22, _llama("Q5_0", "int5", 32), "MOSTLY_Q5_0"),
+    _row(7, "Q5_1", 32, 24, _llama("Q5_1", "uint5", 32, symmetric=False), "MOSTLY_Q5_1"),
+    _row(8, "Q8_0", 32, 34, _llama("Q8_0", "int8", 32), "MOSTLY_Q8_0"),
+    _row(9, "Q8_1", 32, 40, _llama("Q8_1", "int8", 32), sum="f16 d·Σq per block, for dot products"),
+    # a K-quant file is named by its commonest type as llama.cpp's loader names it (the _M mixes)
+    _k(10, "Q2_K", 84, "uint2", False, "16 × 16, 4-bit scales and mins", "MOSTLY_Q2_K"),
+    _k(11, "Q3_K", 110, "int3", True, "16 × 16, 6-bit scales", "MOSTLY_Q3_K_M"),
+    _k(12, "Q4_K", 144, "uint4", False, "8 × 32, 6-bit scales and mins", "MOSTLY_Q4_K_M"),
+    _k(13, "Q5_K", 176, "uint5", False, "8 × 32, 6-bit scales and mins", "MOSTLY_Q5_K_M"),
+    _k(14, "Q6_K", 210, "int6", True, "16 × 16, int8 scales", "MOSTLY_Q6_K"),
+    _k(15, "Q8_K", 292, "int8", True, "one f32 scale, 16 int16 block sums", scale="F32"),
+    _row(16, "IQ2_XXS", 256, 66, _llama("IQ2_XXS", _codebook("iq2_xxs", 2), 256), super_block="256 = 8 × 32, 4-bit scales", codebook="256 × 8 magnitudes, 7-bit sign masks"),
+    _row(17, "IQ2_XS", 256, 74, _llama("IQ2_XS", _codebook("iq2_xs", 2), 256), super_block="256 = 16 × 16, 4-bit scales", codebook="512 × 8 magnitudes, 7-bit sign masks"),
+    _row(18, "IQ3_XXS", 256, 98, _llama("IQ3_XXS", _codebook("iq3_xxs", 3), 256), super_block="256 = 8 × 32, 4-bit scales", codebook="256 × 4 magnitudes, 7-bit sign masks"),
+    _row(19, "IQ1_S", 256, 50, _llama("IQ1_S", _codebook("iq1_s", 1), 256), super_block="256 = 8 × 32, 3-bit scales, ±1/8 shift", codebook="2048 × 8 values in {-1, 0, 1}"),
+    _row(20, "IQ4_NL", 32, 18, _llama("IQ4_NL", _codebook("iq4_nl", 4), 32), "MOSTLY_IQ4_NL", codebook="16 non-linear values (kvalues_iq4nl)"),
+    _row(21, "IQ3_S", 256, 110, _llama("IQ3_S", _codebook("iq3_s", 3), 256), super_block="256 = 8 × 32, 4-bit scales", codebook="512 × 4 magnitudes, sign bits"),
+    _row(22, "IQ2_S", 256, 82, _llama("IQ2_S", _codebook("iq2_s", 2), 256), super_block="256 = 16 × 16, 4-bit scales", codebook="1024 × 8 magnitudes, sign bits"),
+    _row(23, "IQ4_XS", 256, 136, _llama("IQ4_XS", _codebook("iq4_xs", 4), 256), super_block="256 = 8 × 32, 6-bit scales", codebook="16 non-linear values (kvalues_iq4nl)"),
+    _row(24, "I8", 1, 1),
+    _row(25, "I16", 1, 2),
+    _row(26, "I32", 1, 4),
+    _row(27, "I64", 1, 8),
+    _row(28, "F64", 1, 8),
+    _row(29, "IQ1_M", 256, 56, _llama("IQ1_M", _codebook("iq1_m", 1), 256), super_block="256 = 16 × 16, 3-bit scales, ±1/8 shift", codebook="2048 × 8 values in {-1, 0, 1}"),
+    _row(30, "BF16", 1, 2, file_type="MOSTLY_BF16"),
+    _row(34, "TQ1_0", 256, 54, _llama("TQ1_0", _TERNARY, 256), packing="base 3, 5 trits a byte"),
+    _row(35, "TQ2_0", 256, 66, _llama("TQ2_0", _TERNARY, 256), packing="2 bits a trit"),
+    _row(39, "MXFP4", 32, 17, QScheme(qtype("fp4_e2m1"), group(32), True, "E8M0"), "MOSTLY_MXFP4_MOE"),
+    _row(40, "NVFP4", 64, 36, QScheme(qtype("fp4_e2m1"), group(16), True, "UE4M3"), super_block="64 = 4 × 16, ue4m3 scales"),
+    _row(41, "Q1_0", 128, 18),
+)
+
+GGML_TYPES: dict[int, GgmlType] = {row.id: row for row in _ROWS}
+_BY_NAME = {row.name: row for row in _ROWS}
+
+
+@functools.lru_cache(maxsize=64)  # a file of 32k tensors of one unknown id asks 32k times
+def ggml_type(type_id: int) -> GgmlType | None:
+    """The type with this id, or None. An id qtool's table lacks is looked up in the installed
+    `gguf` package, so a newer package extends what qtool can size (this imports numpy)."""
+    known = GGML_TYPES.get(type_id)
+    if known is not None:
+        return known
+    try:
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        member = GGMLQuantizationType(type_id)
+        block_size, type_size = GGML_QUANT_SIZES[member]
+    except (ImportError, ValueError, KeyError):
+        return None
+    return GgmlType(type_id, member.name, block_size, type_size)
+
+
+def ggml_type_named(name: str) -> GgmlType:
+    """Look up a type by name ("Q4_K"); the UnknownNameError (a KeyError) lists the valid names."""
+    try:
+        return _BY_NAME[name.upper()]
+    except KeyError:
+        raise UnknownNameError(f"unknown GGML type {name!r}", hint=f"known: {' '.join(_BY_NAME)}") from None
+
+
+def _math(scheme: QScheme) -> tuple:
+    """A scheme as a block type stores it: the observer (how an encoder picks scales) aside."""
+    return (scheme.qtype, scheme.block, scheme.symmetric, scheme.scale_kind, scheme.zero_point, scheme.global_scale, scheme.rule)
+
+
+_BY_MATH = {_math(row.scheme): row for row in _ROWS if row.scheme is not None and row.scheme.rule is None}
+
+
+def type_for(scheme: QScheme) -> GgmlType | None:
+    """The GGML type that holds `scheme`: its rule's type, or the format type whose math it is
+    (MXFP4A16 is GGML's MXFP4); None when no GGML type does."""
+    if scheme.rule is not None:
+        row = _BY_NAME.get(scheme.rule)
+        return row if row is not None and row.scheme == scheme else None
+    return _BY_MATH.get(_math(scheme))

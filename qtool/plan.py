@@ -1,0 +1,185 @@
+"""What a write plans before any data is read, in the words every layout, encoder and the
+executor share:
+
+    Chosen         what becomes of each weight (`qtool.selection` answers it): a scheme, or kept
+    Plan           everything a run writes: one Job per input weight, the output files, the
+                   container's metadata, config.json, where it goes; `--dry-run` prints it
+    Job            one input weight and what becomes of it: its action (quantize, dequantize,
+                   copy, cast), the tensors it writes, and for the executor the transform its
+                   values take on the way out and the encoding its tensors are in
+    OutputTensor   one tensor written: name, container dtype ("I32", "Q4_K"), shape, bytes
+    Piece          bytes of one output tensor at an offset within it, as an encoder yields them
+
+A layout fills the plan; an encoder (`qtool.encoders`, chosen by capability) turns a job's
+values into pieces; the executor (`qtool.pipeline`) reads, applies what the job says, and
+writes. None of these knows a file format beyond what the plan says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from qtool.scheme import QScheme
+from qtool.weight import Weight
+
+if TYPE_CHECKING:
+    from qtool.formats.checkpoint import Checkpoint
+
+__all__ = [
+    "QUANTIZE", "DEQUANTIZE", "COPY", "CAST",
+    "Chosen", "Piece", "OutputTensor", "Transform", "IntRows", "GgmlBlocks", "Encoding", "Job", "PlanOptions", "Plan",
+]  # fmt: skip
+
+QUANTIZE, DEQUANTIZE, COPY, CAST = "quantize", "dequantize", "copy", "cast"
+
+Piece = tuple[str, Any, int]  # (output tensor name, bytes-like, byte offset within that tensor)
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """What becomes of each weight: quantized with `schemes[name]`, else kept as a float of
+    `keep_as[name]` where a rule names one (llama.cpp's F16 for rows that fit no block), else
+    kept as it is. `mix` names the llama.cpp file type the choice follows, if any."""
+
+    schemes: dict[str, QScheme] = field(default_factory=dict)
+    keep_as: dict[str, str] = field(default_factory=dict)
+    mix: str | None = None
+    notes: tuple[str, ...] = ()
+
+    def get(self, name: str) -> QScheme | None:
+        return self.schemes.get(name)
+
+    @property
+    def distinct(self) -> set[QScheme]:
+        return set(self.schemes.values())
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    """One tensor a layout writes: its name, the container's dtype name ("I32", "Q4_0"), its
+    shape in PyTorch order, and its exact size in bytes."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+class Transform(Protocol):
+    """A change a layout makes to a weight's values on the way out (llama.cpp's rotary order of
+    q and k rows), declared in the plan; the executor applies it and knows nothing more."""
+
+    def apply(self, values: Any, rows: int) -> Any:
+        """`values` (raw row-major bytes, or a tensor whose first dim is the rows) changed."""
+        ...
+
+
+@dataclass(frozen=True)
+class IntRows:
+    """compressed-tensors pack-quantized ints with one scale (and zero point) per group of a
+    row, scales in the weight's own dtype: what a fused kernel writes in one pass."""
+
+    bits: int
+    group: int
+    symmetric: bool
+
+
+@dataclass(frozen=True)
+class GgmlBlocks:
+    """GGML blocks of one type (`qtool.ggml_types`), row after row."""
+
+    type: str
+
+
+Encoding = IntRows | GgmlBlocks
+
+
+@dataclass
+class Job:
+    """One input weight and what becomes of it."""
+
+    weight: Weight
+    action: str  # QUANTIZE | DEQUANTIZE | COPY | CAST
+    outputs: list[OutputTensor]
+    scheme: QScheme | None = None  # the scheme written, for QUANTIZE
+    out_dtype: str | None = None  # the float dtype written, for DEQUANTIZE and CAST
+    shard: int = 0
+    transform: Transform | None = None  # applied to the values before they are encoded or written
+    encoding: Encoding | None = None  # the bytes the outputs hold, for encoders that write exactly those
+
+    @property
+    def bytes_in(self) -> int:
+        return self.weight.nbytes
+
+    @property
+    def bytes_out(self) -> int:
+        return sum(t.nbytes for t in self.outputs)
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What the user asked of the output, besides the schemes."""
+
+    single_file: bool  # -o names one file rather than a folder
+    out_dtype: str | None = None  # cast kept float tensors (and decoded ones) to this
+    max_shard_size: int | None = None
+    file_name: str = "model.safetensors"
+    allow_incomplete_gguf: bool = False  # GGUF: write a model llama.cpp cannot run (no architecture or tokenizer)
+
+
+@dataclass
+class Plan:
+    """Everything a run writes, fixed before any data is read."""
+
+    source: "Checkpoint"
+    layout: Any  # the qtool.layouts Layout that planned it, and writes the headers
+    jobs: list[Job]
+    files: list[str]  # output file names, in shard order
+    metadata: Any  # the container's own metadata (safetensors `__metadata__`, GGUF key-values)
+    config: dict[str, Any] | None  # config.json to write beside the weights, or None
+    notes: list[str] = field(default_factory=list)
+    # where it goes, set by the API once the paths are checked
+    output: str | None = None
+    single_file: bool = False
+    report: str | None = None  # where the report document is written, if anywhere
+    warnings: tuple[str, ...] = ()  # for the user: requantizing, side files left behind, the notes
+
+    def to_json(self) -> dict[str, Any]:
+        """The `--dry-run` document: what each weight becomes, and the sizes before and after."""
+        jobs = self.jobs
+        before = sum(j.bytes_in for j in jobs)
+        after = sum(j.bytes_out for j in jobs)
+        parameters = sum(j.weight.parameters for j in jobs)
+        return {
+            "schema_version": 1,
+            "format": self.layout.name,
+            "layout": self.layout.name,
+            "files": list(self.files),
+            "metadata": self.layout.metadata_json(self),
+            "summary": {
+                "weights": len(jobs),
+                "quantized_weights": sum(1 for j in jobs if j.action == QUANTIZE),
+                "bytes_before": before,
+                "bytes_after": after,
+                "bits_per_weight": round(after * 8 / parameters, 4) if parameters else 0.0,
+            },
+            "weights": [
+                {
+                    "name": j.weight.name,
+                    "action": j.action,
+                    "scheme": j.scheme.label if j.scheme else None,
+                    "from": j.weight.scheme.label if j.weight.scheme else None,
+                    "stored_as": j.weight.data.encoding or j.weight.data.dtype.name,
+                    "shape": list(j.weight.shape),
+                    "bytes_before": j.bytes_in,
+                    "bytes_after": j.bytes_out,
+                    "bits_per_weight": round(j.bytes_out * 8 / j.weight.parameters, 4) if j.weight.parameters else 0.0,
+                    "file": self.files[j.shard],
+                    "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in j.outputs],
+                }
+                for j in jobs
+            ],
+            "notes": list(self.notes),
+            **({"output": self.output} if self.output is not None else {}),
+        }
