@@ -38,6 +38,8 @@ __all__ = [
     "run_compare",
     "compare",
     "check",
+    "refuse_report_paths",
+    "write_report",
 ]
 
 
@@ -74,7 +76,8 @@ class Task:
     output: str
     single_file: bool
     warnings: tuple[str, ...] = ()
-    report: str | None = None  # where `run` writes the report document, if anywhere
+    report: str | None = None  # where `run` writes the report document, if anywhere (HTML by a .html suffix)
+    html: str | None = None  # where `run` writes the HTML report, if anywhere (issue 23)
 
     def to_json(self) -> dict[str, Any]:
         """The `--dry-run` document."""
@@ -95,6 +98,7 @@ def prepare_quantize(
     allow_requantize: bool = False,
     report: str | os.PathLike[str] | None = None,
     allow_incomplete_gguf: bool = False,
+    html: str | os.PathLike[str] | None = None,
 ) -> Task:
     """Plan a quantization: which weights, which scheme and layout, every output tensor.
     Writes nothing; refuses an impossible job (and every unsafe output path) here.
@@ -106,7 +110,14 @@ def prepare_quantize(
     checkpoint = _open_checkpoint(path)
     try:
         checkpoint.require_local()
-        return _plan_quantize(checkpoint, path, os.fspath(output), selection, layout, dtype, max_shard_size, allow_requantize, report, allow_incomplete_gguf)
+        task = _plan_quantize(checkpoint, path, os.fspath(output), selection, layout, dtype, max_shard_size, allow_requantize, report, allow_incomplete_gguf)
+        if html is not None:  # issue 23: checked as the JSON report is, and never the same file
+            check_paths(checkpoint, task.output, os.fspath(html), container=task.plan.layout.container)
+            from qtool.report_output import refuse_report_paths as _refuse
+
+            _refuse([], [task.report, os.fspath(html)])
+            task = replace(task, html=os.fspath(html))
+        return task
     except BaseException:
         checkpoint.close()  # `run` closes it after a plan; nothing does after a refusal
         raise
@@ -249,7 +260,7 @@ def run(
     """Stream a planned task to its output, atomically, and write its report (if the task names
     one) before the output is committed. Imports torch unless qtool.native runs every job.
     Changes no process state."""
-    from qtool.formats.writer import Output, stage_json
+    from qtool.formats.writer import Output
     from qtool.pipeline import ExecOptions, execute, resolve_device
     from qtool.reports import RunReport
 
@@ -260,8 +271,14 @@ def run(
     staged: list = []
 
     def stage_report(result) -> None:  # written in full before the output is committed
+        from qtool.report_output import stage_report as stage
+
+        if task.report is not None or task.html is not None:
+            document = RunReport(task, result, options.device).to_json()
         if task.report is not None:
-            staged.append(stage_json(task.report, RunReport(task, result, options.device).to_json(), overwrite=overwrite))
+            staged.append(stage(task.report, "quantize", [document], overwrite=overwrite))  # JSON, or HTML by its suffix
+        if task.html is not None:
+            staged.append(stage(task.html, "quantize", [document], html=True, overwrite=overwrite))
 
     output = None
     try:
@@ -359,15 +376,19 @@ def check(
     *,
     device: str = "cpu",
     on_progress: Callable[[int], None] | None = None,
+    report_paths: Sequence[str | None] = (),
 ) -> "Audit":
     """Audit a checkpoint against `rules`; `.findings` lists what breaks them. Reads the header
-    only, unless `rules.no_nan` asks for the data."""
+    only, unless `rules.no_nan` asks for the data. `report_paths`: where the caller will write
+    reports; refused (before the audit) where one is, or lies inside, the checkpoint."""
     from qtool.audit import CheckRules, audit
 
     rules = rules or CheckRules()
     rules.validate()
     checkpoint = _open_checkpoint(path)
     try:
+        if any(p is not None for p in report_paths):
+            refuse_report_paths([checkpoint], report_paths)
         resolved = "cpu"
         if rules.no_nan:
             from qtool.pipeline import resolve_device
@@ -379,3 +400,29 @@ def check(
         return result
     finally:
         checkpoint.close()
+
+
+# -- report files (issue 23) ---------------------------------------------------------------------
+
+
+def refuse_report_paths(checkpoints: Sequence[Checkpoint], paths: Sequence[str | None]) -> None:
+    """Refuse report paths that are, or lie inside, a path these checkpoints read, or that name
+    one file twice; before anything is measured."""
+    from qtool.report_output import refuse_report_paths as _refuse
+
+    inputs: list[str] = []
+    for checkpoint in checkpoints:
+        if "://" not in checkpoint.path:
+            from qtool.formats.loader import input_paths
+
+            inputs += input_paths(checkpoint)
+    _refuse(inputs, [os.fspath(p) if p is not None else None for p in paths])
+
+
+def write_report(path: str | os.PathLike[str], kind: str, documents: Sequence[dict[str, Any]], *, html: bool | None = None, overwrite: bool = False) -> None:
+    """Write a report file atomically: `kind` is quantize, compare or check, `documents` their
+    `to_json()` documents (compare: one per candidate against the same A, overlaid in HTML).
+    JSON, or HTML where `html` says so or (None) the path ends in .html."""
+    from qtool.report_output import stage_report
+
+    stage_report(os.fspath(path), kind, documents, html=html, overwrite=overwrite).commit()

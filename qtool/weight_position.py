@@ -76,54 +76,61 @@ class WeightPosition:
 
 
 def _index(part: str) -> int | None:
-    return int(part) if part.isdigit() and part.isascii() and len(part) <= _MAX_INDEX_DIGITS else None
+    return int(part) if len(part) <= _MAX_INDEX_DIGITS and part.isdigit() and part.isascii() else None
 
 
 def weight_position(name: str) -> WeightPosition:
     """The layer, kind and expert of a weight or bias named `name` (any toolchain's names)."""
     parts = name.split(".")
-    leaf = parts[-1] if len(parts) > 1 and parts[-1] in _PARAMETER_LEAVES else None
-    modules = parts[:-1] if leaf is not None else parts
+    leaf = None
+    if len(parts) > 1 and parts[-1] in _PARAMETER_LEAVES:
+        leaf = parts.pop()
     layer = expert = None
     layer_at = -1
-    for at, part in enumerate(modules[:-1]):
-        if layer is None and part in _LAYER_CONTAINERS:
-            layer = _index(modules[at + 1])
+    for at in range(len(parts) - 1):
+        if parts[at] in _LAYER_CONTAINERS:
+            layer = _index(parts[at + 1])
             if layer is not None:
                 layer_at = at + 1
-        elif part == "experts" and at > layer_at:
-            expert = _index(modules[at + 1])
-    inside = [part.lower() for part in modules[layer_at + 1 :]]
-    kind = _kind(inside, modules[-1] if modules else "")
-    if "experts" in inside:
-        kind = "experts"
+                break
+    if "experts" in parts[layer_at + 1 :]:
+        kind: str | None = "experts"
+        at = parts.index("experts", layer_at + 1)
+        expert = _index(parts[at + 1]) if at + 1 < len(parts) else None
+    else:
+        kind = _kind(parts, layer_at + 1)
     if leaf == "bias":
         kind = "bias"
     return WeightPosition(layer, kind, expert)
 
 
-def _kind(inside: list[str], module: str) -> str | None:
+def _context(parts: list[str], start: int, words: tuple[str, ...]) -> bool:
+    """Whether a parent module (after the layer index, before the module itself) names one of `words`."""
+    return any(word in part.lower() for part in parts[start:-1] for word in words)
+
+
+def _kind(parts: list[str], start: int) -> str | None:
     """The kind of the innermost module, read with its parents where its own name is generic."""
-    lowered = module.lower()
-    in_attention = any(word in part for part in inside[:-1] for word in _ATTENTION_PARTS)
-    in_mlp = any(word in part for part in inside[:-1] for word in _MLP_PARTS)
-    if lowered in _LEAF_KINDS:
-        kind = _LEAF_KINDS[lowered]
-        if kind == "lm_head" and inside[:-1]:  # BERT's `attention.output`, not a head
-            return None
-        return kind
+    module = parts[-1] if parts else ""
+    kind = _LEAF_KINDS.get(module)
+    lowered = module if kind is not None else module.lower()
+    if kind is None:
+        kind = _LEAF_KINDS.get(lowered)
+    parent = parts[-2].lower() if len(parts) - 1 > start else None
+    if kind is not None:
+        return None if kind == "lm_head" and parent is not None else kind  # BERT's `attention.output` is no head
     if lowered in ("wo", "o"):  # Meta LLaMA / T5 attention output; T5's DenseReluDense.wo is the MLP's down
-        return "down" if in_mlp else "o"
+        return "down" if _context(parts, start, _MLP_PARTS) else "o"
     if lowered == "wi" or lowered.startswith("wi_"):  # T5's MLP input(s)
         return "up"
     if lowered == "gate":  # Mixtral's block_sparse_moe.gate, Qwen-MoE's mlp.gate: the router
         return "router"
     if lowered in ("c_proj", "dense"):  # GPT-2's c_proj and GPT-NeoX's dense: attention output or MLP down
-        if in_attention:
+        if _context(parts, start, _ATTENTION_PARTS):
             return "o"
-        if inside[:-1] and inside[-2] == "intermediate":  # BERT's intermediate.dense
+        if parent == "intermediate":  # BERT's intermediate.dense
             return "up"
-        if in_mlp or (inside[:-1] and inside[-2] == "output"):  # BERT's layer-level output.dense
+        if parent == "output" or _context(parts, start, _MLP_PARTS):  # BERT's layer-level output.dense
             return "down"
         return None
     if "norm" in lowered or lowered.startswith("ln") or lowered.endswith("_ln"):

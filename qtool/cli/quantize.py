@@ -11,6 +11,7 @@ from qtool.cli.options import (
     DeviceOpt,
     DryRunOpt,
     FormatOpt,
+    HtmlOpt,
     JsonOpt,
     MaxShardOpt,
     OutputFormat,
@@ -45,6 +46,7 @@ and --dry-run prints each tensor's type and size.
 Examples:
   qtool quantize model/ -o model-w4/ --scheme W4A16
   qtool quantize model.safetensors -o out/ --scheme int8 --device cuda --report report.json
+  qtool quantize model/ -o model-w4/ --scheme W4A16 --html report.html
   qtool quantize model/ -o out/ --scheme fp8:block128x128 --ignore 're:.*lm_head' --dry-run
   qtool quantize model/ -o out/ --scheme W4A16 --tensor-scheme 're:.*down_proj.*=W8A16'
   qtool quantize model/ -o model-q4_0.gguf --scheme q4_0
@@ -73,8 +75,9 @@ def quantize_command(
         bool, typer.Option("--allow-incomplete-gguf", help="Write a GGUF even for a model qtool cannot describe to llama.cpp (not llama/mistral/qwen2, or no tokenizer): no runtime will load it.")
     ] = False,
     report: Annotated[
-        Optional[str], typer.Option("--report", help="Also write the summary document (every quantized weight's error) to this JSON file.")
+        Optional[str], typer.Option("--report", help="Also write the summary document (every quantized weight's error) to this JSON file; HTML when it ends in .html.")
     ] = None,
+    html: HtmlOpt = None,
     dry_run: DryRunOpt = False,
     max_shard_size: MaxShardOpt = None,
     overwrite: OverwriteOpt = False,
@@ -100,6 +103,7 @@ def quantize_command(
         allow_requantize=allow_requantize,
         report=report,
         allow_incomplete_gguf=allow_incomplete_gguf,
+        html=html,
     )
     if dry_run:
         show_plan(task, sink)
