@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from qtool.html_report.svg import attr, fmt_bytes, nice_ticks, text
+from qtool.html_report.svg import attr, display, fmt_bytes, nice_ticks, text
 
 __all__ = ["sqnr_histogram_chart", "bits_by_scheme_chart"]
 
@@ -53,7 +53,7 @@ def sqnr_histogram_chart(histograms: Sequence[dict[str, Any]], series_names: Seq
             value = count(h, key)
             bar = value / most * (height - top - bottom)
             x = x0 + series * width
-            who = f"{series_names[series]}: " if len(histograms) > 1 else ""
+            who = f"{display(series_names[series])}: " if len(histograms) > 1 else ""
             unit = " dB" if key.startswith("bin:") else ""
             out.append(
                 f'<rect class="bar s-{series}{" special" if not key.startswith("bin:") else ""}" x="{x:.1f}" y="{height - bottom - bar:.1f}" '

@@ -8,7 +8,8 @@ series (a quantized model; two when reports are overlaid).
   or hollow marks, so no difference rests on colour alone.
 - The gate's threshold is drawn across; the worst marks are labelled; weights with no layer
   (embeddings, lm_head) stand apart at the right.
-- Each mark is `<g class="mark" data-series data-layer data-kind data-name>` with a `<title>`:
+- Each mark is `<g class="mark" data-series data-layer data-kind data-name>` (the name
+  percent-encoded, UTF-8) with a `<title>`:
   hovering names the weight and its figures, and the page's script jumps to its table row.
 
 The chart only places figures the report document holds; it computes none.
@@ -19,7 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from qtool.html_report.svg import MARKERS, attr, fmt_number, kind_class, kind_label, marker_for, nice_ticks, text
+from urllib.parse import quote
+
+from qtool.html_report.svg import MARKERS, attr, display, fmt_number, kind_class, kind_label, marker_for, nice_ticks, text
 from qtool.weight_position import KINDS
 
 __all__ = ["Mark", "Axis", "depth_chart", "LABELLED_WORST"]
@@ -84,13 +87,13 @@ def _groups(marks: Sequence[Mark], axis: Axis) -> dict[tuple[int, int | None, st
 def _title(axis: Axis, group: _Group, series_names: Sequence[str]) -> str:
     worst = group.worst
     where = f"layer {worst.layer}" if worst.layer is not None else "no layer"
-    head = f"{series_names[worst.series]} · " if len(series_names) > 1 else ""
+    head = f"{display(series_names[worst.series])} · " if len(series_names) > 1 else ""
     if group.count == 1:
-        return f"{head}{worst.name}\n{where} · {kind_label(worst.kind)}\n{axis.title} {axis.show(worst.value)} · {worst.detail}"
+        return f"{head}{display(worst.name)}\n{where} · {kind_label(worst.kind)}\n{axis.title} {axis.show(worst.value)} · {worst.detail}"
     return (
         f"{head}{where} · {kind_label(worst.kind)} · {group.count} weights\n"
-        f"worst: {worst.name}, {axis.title} {axis.show(worst.value)} · {worst.detail}\n"
-        f"best: {group.best.name}, {axis.title} {axis.show(group.best.value)}"
+        f"worst: {display(worst.name)}, {axis.title} {axis.show(worst.value)} · {worst.detail}\n"
+        f"best: {display(group.best.name)}, {axis.title} {axis.show(group.best.value)}"
     )
 
 
@@ -174,7 +177,7 @@ def depth_chart(marks: Sequence[Mark], axis: Axis, series_names: Sequence[str], 
         x, y = x_of(layer, kind, series), y_of(group.worst.value)
         out.append(
             f'<g class="mark {kind_class(kind)} s-{series}" data-series="{series}" data-layer="{"" if layer is None else layer}" '
-            f'data-kind="{attr(kind or "other")}" data-name="{attr(group.worst.name)}" data-value="{group.worst.value!r}" tabindex="0">'
+            f'data-kind="{attr(kind or "other")}" data-name="{attr(quote(group.worst.name, safe=""))}" data-value="{group.worst.value!r}" tabindex="0">'
             f"<title>{text(_title(axis, group, series_names))}</title>"
             f'<use href="#m-{marker_for(kind)}" transform="translate({x:.1f} {y:.1f}) scale({scale:.2f})"/></g>'
         )

@@ -22,7 +22,8 @@
   function display(name) {
     // control and invisible characters as escapes, as the CLI shows names
     return String(name).replace(/[\\]|[\p{C}\p{Zl}\p{Zp}]|[^\P{Zs} ]/gu, (c) => {
-      if (c === "\\") return "\\\\";
+      const named = { "\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r" }[c];
+      if (named) return named;
       const code = c.codePointAt(0);
       if (code < 0x100) return "\\x" + code.toString(16).padStart(2, "0");
       if (code < 0x10000) return "\\u" + code.toString(16).padStart(4, "0");
@@ -231,13 +232,13 @@
     window.addEventListener("hashchange", fromHash);
     document.addEventListener("click", (event) => {
       const mark = event.target.closest(".mark[data-name]");
-      if (mark) goTo(mark.dataset.name);
+      if (mark) goTo(decodeURIComponent(mark.dataset.name));
     });
     document.addEventListener("keydown", (event) => {
       const mark = event.target.closest && event.target.closest(".mark[data-name]");
       if (mark && (event.key === "Enter" || event.key === " ")) {
         event.preventDefault();
-        goTo(mark.dataset.name);
+        goTo(decodeURIComponent(mark.dataset.name));
       }
     });
     apply();
