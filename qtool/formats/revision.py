@@ -96,7 +96,7 @@ def _git(folder: str) -> dict[str, str | None] | None:
 def revision_of(path: str) -> dict[str, str | None] | None:
     """{"source": "hub-cache" | "git", "repo": "ORG/NAME" | None, "commit": hex, ...} for a
     local checkpoint path, or None when its revision is not known (or it is remote)."""
-    if "://" in path:
+    if "://" in path or not os.path.exists(path):
         return None
     absolute = os.path.abspath(path)  # not realpath: a Hub snapshot's files link into blobs/
     found = _hub(absolute.split(os.sep))

@@ -150,7 +150,9 @@
   function draw() {
     const height = rowHeight || 28;
     const first = Math.max(0, Math.floor(scroller.scrollTop / height) - OVERSCAN);
-    const last = Math.min(shown.length, Math.ceil((scroller.scrollTop + scroller.clientHeight) / height) + OVERSCAN);
+    // the scroller may still be short from a narrower filter: draw for its largest height
+    const view = Math.max(scroller.clientHeight, window.innerHeight);
+    const last = Math.min(shown.length, Math.ceil((scroller.scrollTop + view) / height) + OVERSCAN);
     const key = first + ":" + last + ":" + (target ? target.index : "");
     if (key === drawn) return;
     drawn = key;
