@@ -222,7 +222,7 @@
       th.querySelector("button").addEventListener("click", () => sortBy(th.dataset.key));
     }
     let width = 280; // the name column's least width, then every fixed column's
-    for (const col of table.querySelectorAll("col")) width += parseFloat(getComputedStyle(col).width) || 0;
+    for (const col of table.querySelectorAll("col:not(.c-name)")) width += parseFloat(getComputedStyle(col).width) || 0;
     table.style.minWidth = width + "px";
     let pending = 0;
     filter.addEventListener("input", () => {
