@@ -6,7 +6,6 @@ needs no network; report paths are refused where qtool reads; the table payload 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import subprocess
@@ -48,7 +47,7 @@ def runs(tmp_path_factory) -> Path:
     assert out.returncode == 0, out.stderr
     (folder / "quantize.stdout.json").write_text(out.stdout)
     assert qtool("quantize", str(TINY), "-o", "w4g64", "-s", "int4:g64", "-q", cwd=folder).returncode == 0
-    out = qtool("compare", str(TINY), "w4", "--min-sqnr", "19.05", "--json", "--html", "compare.html", "-q", cwd=folder)
+    out = qtool("compare", str(TINY), "w4", "--min-sqnr", "19.05", "--json", "--html", "compare.html", "--report", "compare.report.json", "-q", cwd=folder)
     assert out.returncode == 1, out.stderr
     (folder / "compare.json").write_text(out.stdout)
     out = qtool("compare", str(TINY), "w4", "w4g64", "--min-sqnr", "19.05", "--json", "--report", "overlay.html", "-q", cwd=folder)
@@ -98,6 +97,7 @@ def test_quantize_html_has_the_json_figures(runs):
 
 def test_compare_html_has_the_json_figures(runs):
     document = json.loads((runs / "compare.json").read_text())
+    assert json.loads((runs / "compare.report.json").read_text()) == document  # --report x.json: the --json document
     page = (runs / "compare.html").read_text()
     _, rows = table_rows(page)
     assert [row["name"] for row in rows] == [w["name"] for w in document["weights"]]
@@ -252,6 +252,8 @@ def test_model_revision_from_a_hub_cache_and_git(tmp_path):
     commit = "0123456789abcdef0123456789abcdef01234567"
     snapshot = tmp_path / "hub" / "models--org--name" / "snapshots" / commit
     snapshot.mkdir(parents=True)
+    (snapshot / "model.safetensors").write_bytes(b"")
+    assert revision_of(str(tmp_path / "hub" / "gone")) is None  # a path that is not there has no revision
     assert revision_of(str(snapshot / "model.safetensors")) == {"source": "hub-cache", "repo": "org/name", "commit": commit}
     work = tmp_path / "work"
     (work / ".git" / "refs" / "heads").mkdir(parents=True)
@@ -264,4 +266,3 @@ def test_model_revision_from_a_hub_cache_and_git(tmp_path):
     (work / ".git" / "HEAD").write_text("x" * 10_000)
     assert revision_of(str(work)) is None
     assert revision_of("hf://org/name") is None
-    assert not math.isnan(0.0)
