@@ -377,6 +377,7 @@ def check(
     device: str = "cpu",
     on_progress: Callable[[int], None] | None = None,
     report_paths: Sequence[str | None] = (),
+    overwrite_reports: bool | None = None,
 ) -> "Audit":
     """Audit a checkpoint against `rules`; `.findings` lists what breaks them. Reads the header
     only, unless `rules.no_nan` asks for the data. `report_paths`: where the caller will write
@@ -388,7 +389,7 @@ def check(
     checkpoint = _open_checkpoint(path)
     try:
         if any(p is not None for p in report_paths):
-            refuse_report_paths([checkpoint], report_paths)
+            refuse_report_paths([checkpoint], report_paths, overwrite=overwrite_reports)
         resolved = "cpu"
         if rules.no_nan:
             from qtool.pipeline import resolve_device
@@ -405,9 +406,9 @@ def check(
 # -- report files (issue 23) ---------------------------------------------------------------------
 
 
-def refuse_report_paths(checkpoints: Sequence[Checkpoint], paths: Sequence[str | None]) -> None:
+def refuse_report_paths(checkpoints: Sequence[Checkpoint], paths: Sequence[str | None], *, overwrite: bool | None = None) -> None:
     """Refuse report paths that are, or lie inside, a path these checkpoints read, or that name
-    one file twice; before anything is measured."""
+    one file twice, or (`overwrite` False) that exist; before anything is measured."""
     from qtool.report_output import refuse_report_paths as _refuse
 
     inputs: list[str] = []
@@ -416,7 +417,7 @@ def refuse_report_paths(checkpoints: Sequence[Checkpoint], paths: Sequence[str |
             from qtool.formats.loader import input_paths
 
             inputs += input_paths(checkpoint)
-    _refuse(inputs, [os.fspath(p) if p is not None else None for p in paths])
+    _refuse(inputs, [os.fspath(p) if p is not None else None for p in paths], overwrite=overwrite)
 
 
 def write_report(path: str | os.PathLike[str], kind: str, documents: Sequence[dict[str, Any]], *, html: bool | None = None, overwrite: bool = False) -> None:

@@ -48,9 +48,10 @@ def stage_report(path: str, kind: str, documents: Sequence[dict[str, Any]], *, h
     return stage_file(path, render_report(kind, documents, html=is_html(path) if html is None else html), overwrite=overwrite)
 
 
-def refuse_report_paths(inputs: Sequence[str], paths: Sequence[str | None]) -> None:
+def refuse_report_paths(inputs: Sequence[str], paths: Sequence[str | None], *, overwrite: bool | None = None) -> None:
     """Refuse, before anything is read, a report path that is empty, is or lies inside an input
-    (`inputs`: resolved paths, `qtool.formats.loader.input_paths`), or is another report's."""
+    (`inputs`: resolved paths, `qtool.formats.loader.input_paths`), or is another report's;
+    with `overwrite` False, also one that exists (staging would refuse it after the work)."""
     seen: dict[str, str] = {}
     for path in paths:
         if path is None:
@@ -65,4 +66,6 @@ def refuse_report_paths(inputs: Sequence[str], paths: Sequence[str | None]) -> N
                 raise UsageError(f"report {path} lies inside the input {source}", hint="write beside the input, not into it")
         if real in seen:
             raise UsageError(f"reports {seen[real]} and {path} are the same file", hint="give each report its own path")
+        if overwrite is False and os.path.lexists(path):
+            raise UsageError(f"report {path} already exists", hint="allow overwriting to replace it, or choose another path", option="overwrite")
         seen[real] = os.fspath(path)

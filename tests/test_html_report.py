@@ -241,6 +241,8 @@ def test_report_paths_are_refused_where_qtool_reads(tmp_path):
     out = qtool("check", "model", "--html", "old.html", cwd=tmp_path)
     assert out.returncode == 2 and out.stderr.splitlines()[0] == "error: report old.html already exists"
     assert (tmp_path / "old.html").read_text() == "keep"
+    out = qtool("compare", "model", "model", "--report", "old.html", cwd=tmp_path)  # refused before measuring
+    assert out.returncode == 2 and out.stderr.splitlines()[0] == "error: report old.html already exists"
     assert qtool("check", "model", "--html", "old.html", "--overwrite", cwd=tmp_path).returncode == 0
     assert (tmp_path / "old.html").read_text().startswith("<!DOCTYPE html>")
     assert not [p for p in os.listdir(tmp_path) if "qtool-tmp" in p]

@@ -79,9 +79,9 @@ def check_command(
         with api.open_checkpoint(path) as checkpoint:  # headers only: the progress bar's total
             total = sum(t.nbytes for t in checkpoint.tensors.values())
         with progress("checking", total, quiet) as advance:
-            result = api.check(path, rules, device=device, on_progress=advance, report_paths=reports)
+            result = api.check(path, rules, device=device, on_progress=advance, report_paths=reports, overwrite_reports=overwrite)
     else:
-        result = api.check(path, rules, device=device, report_paths=reports)
+        result = api.check(path, rules, device=device, report_paths=reports, overwrite_reports=overwrite)
     for note in result.notes:
         print_warning(note)
     document = result.to_json(weight_rows=sink.format == "json" or any(p is not None for p in reports))

@@ -75,7 +75,8 @@ def compare_command(
         min_sqnr=min_sqnr, max_rel_rmse=max_rel_rmse, max_missing=max_missing, maps=tuple(maps or ())
     )
     comparisons = [api.prepare_compare(a, candidate, maps=chosen.maps) for candidate in (b, *(more or ()))]
-    api.refuse_report_paths([c for comparison in comparisons for c in (comparison.a, comparison.b)], [report, html])
+    if report is not None or html is not None:  # before the measuring, which may take long
+        api.refuse_report_paths([c for comparison in comparisons for c in (comparison.a, comparison.b)], [report, html], overwrite=overwrite)
     for note in dict.fromkeys(note for c in comparisons for note in (*c.a.notes, *c.b.notes)):
         print_warning(note)
     with progress("comparing", sum(c.total_bytes for c in comparisons), quiet) as advance:
