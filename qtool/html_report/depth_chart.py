@@ -148,7 +148,7 @@ def depth_chart(marks: Sequence[Mark], axis: Axis, series_names: Sequence[str], 
         out.append(f'<text class="tick" x="{_LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{text(fmt_number(tick, 4))}</text>')
     out.append(
         f'<text class="axis-title" transform="translate(14 {(_TOP + _H - _BOTTOM) / 2:.0f}) rotate(-90)" text-anchor="middle">'
-        f"{text(axis.title)}{' (' + text(axis.unit) + ')' if axis.unit else ''}</text>"
+        f"{text(axis.title)}{' (' + text(axis.unit) + ')' if axis.unit and axis.unit not in axis.title else ''}</text>"
     )
     if layers:
         for tick in nice_ticks(first, last, max(2, min(last - first + 1, 16))):
@@ -187,8 +187,8 @@ def depth_chart(marks: Sequence[Mark], axis: Axis, series_names: Sequence[str], 
         mark = group.worst
         x, y = x_of(mark.layer, mark.kind, mark.series), y_of(mark.value)
         anchor, dx = ("end", -9) if x > _W * 0.7 else ("start", 9)
-        step = 15 if axis.worse == "low" else -15
-        at = min(max(y + (4 if step > 0 else 0), _TOP + 10), _H - _BOTTOM - 4)
+        step = 15 if y < (_TOP + _H - _BOTTOM) / 2 else -15  # toward the roomier half of the plot
+        at = min(max(y + (16 if step > 0 else -8), _TOP + 10), _H - _BOTTOM - 4)
         while any(abs(at - other) < 14 for other in placed):
             at += step
         placed.append(at)
