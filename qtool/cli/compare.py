@@ -110,7 +110,7 @@ def _show_overlay(documents: list[dict], sink: Output) -> None:
 
     by_name = [{w["name"]: w for w in d["weights"]} for d in documents]
     columns = [Column("weight"), Column("shape")]
-    for index, d in enumerate(documents):
+    for index in range(len(documents)):
         columns += [
             Column(f"B{index + 1} scheme", human=lambda v: v or "plain"),
             Column(f"B{index + 1} SQNR dB", human=lambda v: v if isinstance(v, str) else _number(v, ".2f"), justify="right"),

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from qtool.html_report.bar_charts import bits_by_scheme_chart, sqnr_histogram_chart
 from qtool.html_report.depth_chart import Axis, Mark, depth_chart
-from qtool.html_report.svg import attr, fmt_bytes, fmt_db, fmt_number, shown, text
+from qtool.html_report.svg import attr, display, fmt_bytes, fmt_db, fmt_number, shown, text
 from qtool.html_report.table_payload import Column
 from qtool.weight_position import KINDS
 
@@ -170,9 +170,9 @@ def compare_page(documents: Sequence[dict[str, Any]]) -> Page:
         if part
     )
     facts: list[tuple[str, str]] = [("gates", text(gate_text or "none given (shape mismatches and NaN/Inf always fail)"))]
-    for index, d in enumerate(documents):
+    for d in documents:
         s = d["summary"]
-        who = f" ({shown(d['b'])})" if overlay else ""
+        who = f" ({display(d['b'])})" if overlay else ""
         worst = s["worst"]
         worst_note = (worst or {}).get("finding") or ("exact" if worst and worst["exact"] else "")
         facts += [
@@ -231,7 +231,7 @@ def _compare_table(documents: Sequence[dict[str, Any]]) -> tuple[list[Column], l
         Column("shape", "shape", "text"),
         Column("scheme_a", "scheme A", "text"),
     ]
-    for index, d in enumerate(documents):
+    for index in range(len(documents)):
         suffix = f"@{index}"
         who = f" B{index + 1}" if overlay else " B"
         columns += [
