@@ -39,6 +39,9 @@ __all__ = [
     "check",
     "schemes",
     "load_policy",
+    "refuse_report_paths",
+    "write_report",
+    "overlay_document",
 ]
 
 
@@ -82,6 +85,7 @@ def prepare_quantize(
     report: str | os.PathLike[str] | None = None,
     allow_incomplete_gguf: bool = False,
     pure: bool = False,
+    html: str | os.PathLike[str] | None = None,
 ) -> "Plan":
     """Plan a quantization: which weights, which scheme and layout, every output tensor.
     Writes nothing; refuses an impossible job (and every unsafe output path) here.
@@ -94,7 +98,14 @@ def prepare_quantize(
     checkpoint = _open_checkpoint(path)
     try:
         checkpoint.require_local()
-        return _plan_quantize(checkpoint, path, os.fspath(output), selection, layout, dtype, max_shard_size, allow_requantize, report, allow_incomplete_gguf)
+        plan = _plan_quantize(checkpoint, path, os.fspath(output), selection, layout, dtype, max_shard_size, allow_requantize, report, allow_incomplete_gguf)
+        if html is not None:  # checked as the JSON report is, and never the same file
+            check_paths(checkpoint, plan.output, os.fspath(html), container=plan.layout.container)
+            from qtool.report_output import refuse_report_paths as _refuse
+
+            _refuse([], [plan.report, os.fspath(html)])
+            plan = replace(plan, html=os.fspath(html))
+        return plan
     except BaseException:
         checkpoint.close()  # `run` closes it after a plan; nothing does after a refusal
         raise
@@ -246,8 +257,9 @@ def run(
     threads for the kernels, each quantized weight's error measured unless `measure` is off,
     `on_progress` called with input bytes done. Imports torch unless qtool.native runs every
     job. Changes no process state."""
-    from qtool.formats.writer import Output, stage_json
+    from qtool.formats.writer import Output
     from qtool.pipeline import ExecOptions, execute, resolve_device
+    from qtool.report_output import stage_report as stage
     from qtool.reports import RunReport
 
     if threads is not None and threads < 1:
@@ -259,8 +271,13 @@ def run(
         raise UsageError("the plan names no output", hint="plan with qtool.api.prepare_quantize or prepare_dequantize", option="plan")
 
     def stage_report(measured) -> None:  # written in full before the output is committed
+        if plan.report is None and plan.html is None:
+            return
+        document = RunReport(plan, measured, options.device).to_json()
         if plan.report is not None:
-            staged.append(stage_json(plan.report, RunReport(plan, measured, options.device).to_json(), overwrite=overwrite))
+            staged.append(stage(plan.report, "quantize", [document], overwrite=overwrite))  # JSON, or HTML by its suffix
+        if plan.html is not None:
+            staged.append(stage(plan.html, "quantize", [document], html=True, overwrite=overwrite))
 
     output = None
     try:
@@ -354,15 +371,20 @@ def check(
     *,
     device: str = "cpu",
     on_progress: Callable[[int], None] | None = None,
+    report_paths: Sequence[str | None] = (),
+    overwrite_reports: bool | None = None,
 ) -> "Audit":
     """Audit a checkpoint against `rules`; `.findings` lists what breaks them. Reads the header
-    only, unless `rules.no_nan` asks for the data."""
+    only, unless `rules.no_nan` asks for the data. `report_paths`: where the caller will write
+    reports; refused (before the audit) where one is, or lies inside, the checkpoint."""
     from qtool.audit import CheckRules, audit
 
     rules = rules or CheckRules()
     rules.validate()
     checkpoint = _open_checkpoint(path)
     try:
+        if any(p is not None for p in report_paths):
+            refuse_report_paths([checkpoint], report_paths, overwrite=overwrite_reports)
         resolved = "cpu"
         if rules.no_nan:
             from qtool.pipeline import resolve_device
@@ -374,6 +396,39 @@ def check(
         return result
     finally:
         checkpoint.close()
+
+
+# -- report files --------------------------------------------------------------------------------
+
+
+def refuse_report_paths(checkpoints: Sequence[Checkpoint], paths: Sequence[str | None], *, overwrite: bool | None = None) -> None:
+    """Refuse report paths that are, or lie inside, a path these checkpoints read, or that name
+    one file twice, or (`overwrite` False) that exist; before anything is measured."""
+    from qtool.formats.loader import input_paths
+    from qtool.report_output import refuse_report_paths as _refuse
+
+    inputs: list[str] = []
+    for checkpoint in checkpoints:
+        if "://" not in checkpoint.path:
+            inputs += input_paths(checkpoint)
+    _refuse(inputs, [os.fspath(p) if p is not None else None for p in paths], overwrite=overwrite)
+
+
+def overlay_document(documents: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several candidates' `compare` documents against one reference as one document, each kept
+    exactly as `compare A B --json` prints it (qtool.comparison_overlay)."""
+    from qtool.comparison_overlay import overlay_document as _overlay
+
+    return _overlay(documents)
+
+
+def write_report(path: str | os.PathLike[str], kind: str, documents: Sequence[dict[str, Any]], *, html: bool | None = None, overwrite: bool = False) -> None:
+    """Write a report file atomically: `kind` is quantize, compare or check, `documents` their
+    `to_json()` documents (compare: one per candidate against the same A, overlaid in HTML).
+    JSON, or HTML where `html` says so or (None) the path ends in .html."""
+    from qtool.report_output import stage_report
+
+    stage_report(os.fspath(path), kind, documents, html=html, overwrite=overwrite).commit()
 
 
 def load_policy(path: str | os.PathLike[str] | None) -> "Policy":

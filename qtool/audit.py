@@ -28,17 +28,19 @@ norms and `lm_head`, as `qtool quantize` selects them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from qtool.error_measures import count_non_finite
 from qtool.errors import CheckpointError, QtoolError, ViolationError
 from qtool.formats.checkpoint import Checkpoint
+from qtool.model_summary import describe_model
 from qtool.naming import gguf_to_hf
 from qtool.patterns import compile_pattern, matches_any
 from qtool.scheme import QScheme
 from qtool.selection import FLOAT_DTYPES, default_selects, parse_scheme_option
 from qtool.weight import Weight
+from qtool.weight_position import weight_position
 
 __all__ = ["SCHEMA_VERSION", "RULES", "CheckRules", "Finding", "Audit", "audit", "scheme_matches"]
 
@@ -76,6 +78,10 @@ class CheckRules:
         for pattern in (*self.require_quantized, *self.allow_plain):
             compile_pattern(pattern)
 
+    def to_json(self) -> dict[str, Any]:
+        """The rules with their thresholds, as `check --json` reports them (`policy`)."""
+        return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}
+
 
 @dataclass(frozen=True)
 class Finding:
@@ -97,20 +103,32 @@ class Audit:
     rules: list[str]  # the rules that were applied
     findings: list[Finding] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # how the checkpoint was found (Checkpoint.notes)
+    # added for issue 23 (the HTML report): the rules' thresholds, the checkpoint's format and weights
+    policy: dict[str, Any] = field(default_factory=dict)
+    container: str = ""
+    listed: list[Weight] = field(default_factory=list, repr=False)
 
     @property
     def ok(self) -> bool:
         return not self.findings
 
-    def to_json(self) -> dict[str, Any]:
-        return {
+    def to_json(self, *, weight_rows: bool = True) -> dict[str, Any]:
+        """The `check --json` document. `weight_rows` False leaves out the per-weight rows (and
+        the model summary), which cost time on a header of a million tensors and which only the
+        JSON and HTML outputs show."""
+        document = {
             "schema_version": SCHEMA_VERSION,
             "path": self.path,
             "ok": self.ok,
             "rules": list(self.rules),
             "weights": self.weights,
             "findings": [f.to_json() for f in self.findings],
+            "policy": self.policy,
         }
+        if weight_rows:
+            document["model"] = describe_model(self.path, self.container, ((w.scheme.label if w.scheme else None, w.parameters, w.nbytes) for w in self.listed))
+            document["weight_rows"] = [_row(weight) for weight in self.listed]
+        return document
 
     def raise_for_findings(self) -> None:
         if self.findings:
@@ -124,6 +142,19 @@ class Audit:
                 hint="the findings are listed on stdout; --json gives them as data",
                 path=self.path,
             )
+
+
+def _row(weight: Weight) -> dict[str, Any]:
+    return {
+        "name": weight.name,
+        "shape": list(weight.shape),
+        "dtype": weight.dtype,
+        "scheme": weight.scheme.label if weight.scheme else None,
+        "parameters": weight.parameters,
+        "bytes": weight.nbytes,
+        "bits_per_weight": round(weight.bits_per_weight, 4),
+        **weight_position(weight.name).to_json(),
+    }
 
 
 def scheme_matches(expected: QScheme, actual: QScheme, shape: tuple[int, ...]) -> bool:
@@ -205,7 +236,7 @@ def audit(
     if rules.no_nan:
         applied.append("no-nan")
         findings.extend(_no_nan(checkpoint, weights, device, on_progress))
-    return Audit(checkpoint.path, len(weights), applied, findings)
+    return Audit(checkpoint.path, len(weights), applied, findings, policy=rules.to_json(), container=checkpoint.format, listed=weights)
 
 
 def _coverage(checkpoint: Checkpoint, weights: list[Weight], allow, logical) -> list[Finding] | None:

@@ -37,14 +37,16 @@ from typing import Any, Callable, Iterator, Sequence
 from qtool.error_measures import ErrorStats, count_non_finite
 from qtool.errors import UsageError, ViolationError
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
+from qtool.model_summary import describe_model  # issue 23: the report's header facts
 from qtool.naming import Rename, gguf_to_hf, rename, rope_heads
+from qtool.sqnr_histogram import HISTOGRAM_BIN_DB, sqnr_histogram
 from qtool.weight import Weight
+from qtool.weight_position import weight_position
 
 __all__ = ["SCHEMA_VERSION", "CHUNK_ELEMENTS", "HISTOGRAM_BIN_DB", "Pair", "Comparison", "Gates", "plan_comparison", "run_comparison"]
 
 SCHEMA_VERSION = 1
 CHUNK_ELEMENTS = 1 << 18  # elements per read chunk (pread); ErrorStats.update slices it further
-HISTOGRAM_BIN_DB = 5
 
 
 def reported(value: float) -> float:
@@ -94,6 +96,11 @@ class Pair:
             **measures,
             "finding": self.finding,
             "notes": list(self.notes),
+            # added for issue 23 (the HTML report): where the weight sits, and its size on each side
+            **weight_position(self.name).to_json(),
+            "parameters": self.a.parameters,
+            "bytes_a": self.a.nbytes,
+            "bytes_b": self.b.nbytes,
         }
 
 
@@ -118,6 +125,7 @@ class Comparison:
     weights_b: int
     device: str = "cpu"
     seconds: float = 0.0
+    models: dict[str, dict[str, Any]] = field(default_factory=dict)  # "a", "b": qtool.model_summary.describe_model
 
     @property
     def total_bytes(self) -> int:
@@ -138,22 +146,8 @@ class Comparison:
 
     def histogram(self) -> dict[str, Any]:
         """Per-weight SQNR in `HISTOGRAM_BIN_DB` bins, from the lowest filled bin to the highest;
-        exact matches are counted apart."""
-        values = [p.sqnr_db for p in self.measured if math.isfinite(p.sqnr_db)]
-        counts: dict[int, int] = {}
-        for value in values:
-            low = math.floor(value / HISTOGRAM_BIN_DB) * HISTOGRAM_BIN_DB
-            counts[low] = counts.get(low, 0) + 1
-        bins = []
-        if counts:
-            for low in range(min(counts), max(counts) + HISTOGRAM_BIN_DB, HISTOGRAM_BIN_DB):
-                bins.append({"from_db": low, "to_db": low + HISTOGRAM_BIN_DB, "weights": counts.get(low, 0)})
-        return {
-            "bin_db": HISTOGRAM_BIN_DB,
-            "bins": bins,
-            "exact": sum(1 for p in self.measured if p.exact),
-            "no_signal": sum(1 for p in self.measured if p.sqnr_db == -math.inf),  # A is all zeros, B is not
-        }
+        exact matches (and pairs whose A is all zeros while B is not) are counted apart."""
+        return sqnr_histogram(p.sqnr_db for p in self.measured)
 
     def violations(self, gates: Gates = Gates()) -> list[str]:
         """One line per violation: findings first, then gate breaches, worst first."""
@@ -207,6 +201,7 @@ class Comparison:
             "gates": gates.to_json(),
             "violations": violations,
             "ok": not violations,
+            "models": self.models,  # added for issue 23
         }
 
 
@@ -262,7 +257,12 @@ def plan_comparison(
         pairs.append(pair)
     only_a = [w.name for key, w in keyed_a.items() if key not in keyed_b]
     only_b = [w.name for key, w in keyed_b.items() if key not in keyed_a]
-    return Comparison(a, b, pairs, only_a, only_b, len(weights_a), len(weights_b))
+    models = {side: _describe(checkpoint, weights) for side, checkpoint, weights in (("a", a, weights_a), ("b", b, weights_b))}
+    return Comparison(a, b, pairs, only_a, only_b, len(weights_a), len(weights_b), models=models)
+
+
+def _describe(checkpoint: Checkpoint, weights: list[Weight]) -> dict[str, Any]:
+    return describe_model(checkpoint.path, checkpoint.format, ((w.scheme.label if w.scheme else None, w.parameters, w.nbytes) for w in weights))
 
 
 # -- measuring ---------------------------------------------------------------------------------

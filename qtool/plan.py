@@ -142,7 +142,8 @@ class Plan:
     # where it goes, set by the API once the paths are checked
     output: str | None = None
     single_file: bool = False
-    report: str | None = None  # where the report document is written, if anywhere
+    report: str | None = None  # where the report document is written, if anywhere (HTML by a .html suffix)
+    html: str | None = None  # where the HTML report is written, if anywhere
     warnings: tuple[str, ...] = ()  # for the user: requantizing, side files left behind, the notes
 
     def to_json(self) -> dict[str, Any]:

@@ -13,7 +13,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from qtool.error_measures import ErrorStats
+from qtool.model_summary import describe_model
 from qtool.plan import QUANTIZE
+from qtool.sqnr_histogram import sqnr_histogram
+from qtool.weight_position import weight_position
 
 if TYPE_CHECKING:
     from qtool.pipeline import Measurements
@@ -62,6 +65,9 @@ class RunReport:
                         "bytes_before": entry["bytes_before"],
                         "bytes_after": entry["bytes_after"],
                         **stats.to_json(),
+                        # added for issue 23 (the HTML report)
+                        **weight_position(name).to_json(),
+                        "parameters": _parameters(entry["shape"]),
                     }
                 )
             weights.sort(key=lambda w: (w["sqnr_db"] is None, w["sqnr_db"] if w["sqnr_db"] is not None else 0.0))
@@ -70,6 +76,7 @@ class RunReport:
                 **self.model_error().to_json(),  # schema 1: these top-level figures cover the quantized weights
                 "quantized": self.model_error().to_json(),
                 "all_weights": self.all_weights_error().to_json(),
+                "histogram": sqnr_histogram(stats.sqnr_db for stats in self.measured.errors.values()),  # added for issue 23
             }
         else:
             weights = [w for w in plan["weights"] if w["action"] == "dequantize"]
@@ -84,4 +91,23 @@ class RunReport:
             "seconds": round(self.measured.seconds, 3),
             "summary": summary,
             "weights": weights,
+            "models": self._models(plan),  # added for issue 23
         }
+
+    def _models(self, plan: dict[str, Any]) -> dict[str, Any]:
+        """The input and the output as wholes (qtool.model_summary), from the plan's rows."""
+        source = self.plan.source
+        rows = plan["weights"]
+        return {
+            "input": describe_model(source.path, source.format, ((w["from"], _parameters(w["shape"]), w["bytes_before"]) for w in rows)),
+            "output": describe_model(
+                self.plan.output, self.plan.layout.container, ((w["scheme"], _parameters(w["shape"]), w["bytes_after"]) for w in rows), revision=False
+            ),
+        }
+
+
+def _parameters(shape: list[int]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count

@@ -177,8 +177,10 @@ def _placeholders(value: Any, paths: dict[str, str]) -> Any:
 
 
 def _without_timing(document: Any) -> Any:
+    """The document less what differs from run to run or checkout to checkout: time, and the
+    revision of the git checkout the sample models sit in."""
     if isinstance(document, dict):
-        return {k: _without_timing(v) for k, v in document.items() if k not in ("seconds",)}
+        return {k: _without_timing(v) for k, v in document.items() if k not in ("seconds", "revision")}
     if isinstance(document, list):
         return [_without_timing(v) for v in document]
     return document

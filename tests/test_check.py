@@ -77,7 +77,11 @@ def test_a_checkpoint_that_keeps_the_policy(w4):
         ["check", str(w4), "--expect-scheme", "W4A16", "--require-quantized", LINEAR, "--max-bits-per-weight", repr(bits), "--fail-on-unknown", "--json"],
     )
     assert result.exit_code == 0 and result.stderr == ""
-    assert json.loads(result.stdout) == {
+    document = json.loads(result.stdout)
+    added = ("policy", "model", "weight_rows")  # issue 23: what the HTML report shows
+    assert document["policy"]["max_bits_per_weight"] == bits and len(document["weight_rows"]) == 21
+    assert document["model"]["bits_per_weight"] == round(bits, 4)
+    assert {key: value for key, value in document.items() if key not in added} == {
         "schema_version": 1,
         "path": str(w4),
         "ok": True,

@@ -168,6 +168,7 @@ class Placeholders:
             "qtool-policy.toml": lambda: (store / "qtool-policy.toml").write_text(_policy_toml(text)),
             # written by the README's own commands (the CI workflow's, the quantize section's)
             "model-w4": lambda: self._qtool("quantize model/ -o model-w4/ --scheme W4A16 -q", "model"),
+            "model-w4-asym": lambda: self._qtool("quantize model/ -o model-w4-asym/ --scheme W4A16_ASYM -q", "model"),
             "tiny-w4": lambda: self._qtool("quantize sample_models/tiny-llama -o tiny-w4 --scheme W4A16", "sample_models/tiny-llama"),
             # the layouts other examples read
             "model-fp8": lambda: self._qtool("quantize model/ -o model-fp8/ --scheme FP8 -q", "model"),
@@ -205,7 +206,7 @@ def _written(words: list[str]) -> set[str]:
     """What a command writes: `-o X`, `--report X`, `> X`."""
     out = set()
     for flag, value in zip(words, words[1:]):
-        if flag in ("-o", "--output", "--report", ">"):
+        if flag in ("-o", "--output", "--report", "--html", ">"):
             out.add(value.rstrip("/"))
     return out
 

@@ -7,7 +7,7 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from qtool.cli.options import CheckpointArg, DeviceOpt, FormatOpt, JsonOpt, OutputFormat, QuietOpt
+from qtool.cli.options import CheckpointArg, DeviceOpt, FormatOpt, HtmlOpt, JsonOpt, OutputFormat, QuietOpt, ReportOpt, ReportOverwriteOpt
 from qtool.cli.output import Column, Output, Rows, Section, print_warning, progress
 
 __all__ = ["HELP", "PolicyOpt", "check_command"]
@@ -27,6 +27,7 @@ Examples:
   qtool check model-w4/ --require-quantized 're:.*\\.experts\\..*' --allow-plain 're:.*\\.mlp\\.gate\\.weight'
   qtool check model-w4/ --policy qtool-policy.toml --json
   qtool check model.gguf --fail-on-unknown --no-nan
+  qtool check model-w4/ --expect-scheme W4A16 --html check.html
 """
 
 PolicyOpt = Annotated[
@@ -53,6 +54,9 @@ def check_command(
     no_nan: Annotated[bool, typer.Option("--no-nan", help="Read every weight (dequantized first) and fail on NaN or Inf.")] = False,
     policy: PolicyOpt = None,
     device: DeviceOpt = "cpu",
+    html: HtmlOpt = None,
+    report: ReportOpt = None,
+    overwrite: ReportOverwriteOpt = False,
     fmt: FormatOpt = OutputFormat.auto,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -61,6 +65,7 @@ def check_command(
     from qtool.api import load_policy
 
     sink = Output("json" if json_ else fmt.value)
+    reports = (report, html)
     rules = load_policy(policy).with_check_options(
         expect_scheme=expect_scheme,
         require_quantized=tuple(require_quantized or ()),
@@ -74,12 +79,16 @@ def check_command(
         with api.open_checkpoint(path) as checkpoint:  # headers only: the progress bar's total
             total = sum(t.nbytes for t in checkpoint.tensors.values())
         with progress("checking", total, quiet) as advance:
-            result = api.check(path, rules, device=device, on_progress=advance)
+            result = api.check(path, rules, device=device, on_progress=advance, report_paths=reports, overwrite_reports=overwrite)
     else:
-        result = api.check(path, rules, device=device)
+        result = api.check(path, rules, device=device, report_paths=reports, overwrite_reports=overwrite)
     for note in result.notes:
         print_warning(note)
-    document = result.to_json()
+    document = result.to_json(weight_rows=sink.format == "json" or any(p is not None for p in reports))
+    if report is not None:
+        api.write_report(report, "check", [document], overwrite=overwrite)
+    if html is not None:
+        api.write_report(html, "check", [document], html=True, overwrite=overwrite)
     rows = Rows(
         [Column("rule"), Column("weight", human=lambda v: v or "—"), Column("detail")],
         [[f.rule, f.weight, f.detail] for f in result.findings],

@@ -8,7 +8,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from qtool.cli.check import PolicyOpt
-from qtool.cli.options import DeviceOpt, FormatOpt, JsonOpt, OutputFormat, QuietOpt
+from qtool.cli.options import DeviceOpt, FormatOpt, HtmlOpt, JsonOpt, OutputFormat, QuietOpt, ReportOpt, ReportOverwriteOpt
 from qtool.cli.output import Column, Output, Rows, Section, print_error, print_warning, progress
 from qtool.errors import ViolationError
 
@@ -25,11 +25,17 @@ model-wide SQNR and a histogram of per-weight SQNR. Exit status: 1 when a gate i
 shapes differ, or a weight holds NaN/Inf (one line each on stderr); 2 on bad usage or an
 unreadable input.
 
+More candidates (A B C ...) are each measured against A: the table then gives each one's SQNR
+per weight, --json a document holding each comparison, and --html one page with them overlaid
+(one colour, dash and fill each), e.g. minmax against mse, or RTN against GPTQ.
+
 \b
 Examples:
   qtool compare model/ model-w4/ --min-sqnr 15 --max-missing 0
   qtool compare model/ model-q4_0.gguf --json | jq .summary
   qtool compare a/ b/ --map 're:^transformer\\.h\\.=model.layers.' --max-rel-rmse 0.1
+  qtool compare model/ model-w4/ --min-sqnr 15 --html compare.html
+  qtool compare model/ model-minmax/ model-mse/ --html overlay.html
 """
 
 MapOpt = Annotated[
@@ -45,12 +51,18 @@ def _number(value, digits: str) -> str:
 def compare_command(
     a: Annotated[str, typer.Argument(metavar="A", help="The reference checkpoint (a file, an index, a folder, a .gguf).", show_default=False)],
     b: Annotated[str, typer.Argument(metavar="B", help="The checkpoint measured against A.", show_default=False)],
+    more: Annotated[
+        Optional[List[str]], typer.Argument(metavar="[C ...]", help="More candidates, each measured against A (overlaid in --html).", show_default=False)
+    ] = None,
     maps: MapOpt = None,
     min_sqnr: Annotated[Optional[float], typer.Option("--min-sqnr", help="Fail when a weight's SQNR is below this many dB.")] = None,
     max_rel_rmse: Annotated[Optional[float], typer.Option("--max-rel-rmse", help="Fail when a weight's relative RMSE is above this.", min=0)] = None,
     max_missing: Annotated[Optional[int], typer.Option("--max-missing", help="Fail when more weights than this have no counterpart.", min=0)] = None,
     policy: PolicyOpt = None,
     device: DeviceOpt = "cpu",
+    html: HtmlOpt = None,
+    report: ReportOpt = None,
+    overwrite: ReportOverwriteOpt = False,
     fmt: FormatOpt = OutputFormat.auto,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -62,19 +74,73 @@ def compare_command(
     chosen = load_policy(policy).with_compare_options(
         min_sqnr=min_sqnr, max_rel_rmse=max_rel_rmse, max_missing=max_missing, maps=tuple(maps or ())
     )
-    comparison = api.prepare_compare(a, b, maps=chosen.maps)
-    for note in (*comparison.a.notes, *comparison.b.notes):
+    comparisons = [api.prepare_compare(a, candidate, maps=chosen.maps) for candidate in (b, *(more or ()))]
+    if report is not None or html is not None:  # before the measuring, which may take long
+        api.refuse_report_paths([c for comparison in comparisons for c in (comparison.a, comparison.b)], [report, html], overwrite=overwrite)
+    for note in dict.fromkeys(note for c in comparisons for note in (*c.a.notes, *c.b.notes)):
         print_warning(note)
-    with progress("comparing", comparison.total_bytes, quiet) as advance:
-        api.run_compare(comparison, device=device, on_progress=advance)
-    document = comparison.to_json(chosen.gates)
-    _show(document, sink)
-    try:
-        comparison.raise_for_violations(chosen.gates)
-    except ViolationError as exc:  # one line per violation, as `diff` and linters report
-        for reason in exc.reasons:
-            print_error(reason)
-        raise typer.Exit(exc.exit_code) from None
+    with progress("comparing", sum(c.total_bytes for c in comparisons), quiet) as advance:
+        for comparison in comparisons:
+            api.run_compare(comparison, device=device, on_progress=advance)
+    documents = [comparison.to_json(chosen.gates) for comparison in comparisons]
+    if report is not None:
+        api.write_report(report, "compare", documents, overwrite=overwrite)
+    if html is not None:
+        api.write_report(html, "compare", documents, html=True, overwrite=overwrite)
+    if len(documents) == 1:
+        _show(documents[0], sink)
+    else:
+        _show_overlay(documents, sink)
+    lines = []
+    for comparison in comparisons:
+        try:
+            comparison.raise_for_violations(chosen.gates)
+        except ViolationError as exc:  # one line per violation, as `diff` and linters report
+            lines += [f"{comparison.b.path}: {reason}" if len(comparisons) > 1 else reason for reason in exc.reasons]
+    if lines:
+        for line in lines:
+            print_error(line)
+        raise typer.Exit(ViolationError.exit_code) from None
+
+
+def _show_overlay(documents: list[dict], sink: Output) -> None:
+    """Several candidates: one row per weight with each candidate's SQNR (A's order, worst of
+    the first candidate first), and one summary line per candidate."""
+    from qtool.api import overlay_document
+
+    by_name = [{w["name"]: w for w in d["weights"]} for d in documents]
+    columns = [Column("weight"), Column("shape")]
+    for index in range(len(documents)):
+        columns += [
+            Column(f"B{index + 1} scheme", human=lambda v: v or "plain"),
+            Column(f"B{index + 1} SQNR dB", human=lambda v: v if isinstance(v, str) else _number(v, ".2f"), justify="right"),
+        ]
+    rows = []
+    for w in documents[0]["weights"]:
+        row = [w["name"], w["shape"]]
+        for weights in by_name:
+            other = weights.get(w["name"])
+            if other is None:
+                row += [None, "—"]
+            else:
+                row += [other["scheme_b"], other["finding"] or ("exact" if other["exact"] else other["sqnr_db"])]
+        rows.append(row)
+    table = Rows(columns, rows, title=f"{documents[0]['a']} vs {len(documents)} candidates, worst of B1 first")
+    facts = []
+    for index, d in enumerate(documents):
+        s = d["summary"]
+        worst = s["worst"]
+        facts.append(
+            [
+                f"B{index + 1}",
+                d["b"],
+                "exact" if s["sqnr_db"] is None and s["measured"] else f"{_number(s['sqnr_db'], '.2f')} dB",
+                "—" if worst is None else f"{worst['name']} ({worst['finding'] or ('exact' if worst['exact'] else _number(worst['sqnr_db'], '.2f') + ' dB')})",
+                "OK" if d["ok"] else f"{len(d['violations'])} violations",
+            ]
+        )
+    summary = Section("Candidates", [Column("B"), Column("path"), Column("model SQNR", justify="right"), Column("worst weight"), Column("result")], facts)
+    sink.emit(overlay_document(documents), table, [summary])
 
 
 def _show(document: dict, sink: Output) -> None:

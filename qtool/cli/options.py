@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-__all__ = ["CheckpointArg", "OutputFormat", "FormatOpt", "JsonOpt", "FilterOpt", "QuietOpt"]
+__all__ = ["CheckpointArg", "OutputFormat", "FormatOpt", "JsonOpt", "FilterOpt", "QuietOpt", "HtmlOpt", "ReportOpt", "ReportOverwriteOpt"]
 
 
 class OutputFormat(str, Enum):
@@ -54,3 +54,14 @@ MaxShardOpt = Annotated[
     Optional[str],
     typer.Option("--max-shard-size", help="Split the output into shards of at most this size (5GB, 500MB). Default: follow the input's sharding."),
 ]
+
+# issue 23: report files
+HtmlOpt = Annotated[
+    Optional[str],
+    typer.Option("--html", help="Also write the HTML report (one self-contained page: error along the depth, histogram, every weight) to this file.", show_default=False),
+]
+ReportOpt = Annotated[
+    Optional[str],
+    typer.Option("--report", help="Also write the --json document to this file; HTML when it ends in .html.", show_default=False),
+]
+ReportOverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing report file (atomically, when the new one is complete).")]

@@ -11,6 +11,7 @@ from qtool.cli.options import (
     DeviceOpt,
     DryRunOpt,
     FormatOpt,
+    HtmlOpt,
     JsonOpt,
     MaxShardOpt,
     OutputFormat,
@@ -47,6 +48,7 @@ prints each tensor's type and size. An -o ending in .gguf writes one GGUF file f
 Examples:
   qtool quantize model/ -o model-w4/ --scheme W4A16
   qtool quantize model.safetensors -o out/ --scheme int8 --device cuda --report report.json
+  qtool quantize model/ -o model-w4/ --scheme W4A16 --html report.html
   qtool quantize model/ -o out/ --scheme fp8:block128x128 --ignore 're:.*lm_head' --dry-run
   qtool quantize model/ -o out/ --scheme W4A16 --tensor-scheme 're:.*down_proj.*=W8A16'
   qtool quantize model/ -o model-q4_0.gguf --scheme q4_0
@@ -79,8 +81,9 @@ def quantize_command(
         bool, typer.Option("--pure", help="With a llama.cpp file type: its default type on every tensor llama.cpp quantizes, with the row fallbacks and no promotions (llama-quantize --pure).")
     ] = False,
     report: Annotated[
-        Optional[str], typer.Option("--report", help="Also write the summary document (every quantized weight's error) to this JSON file.")
+        Optional[str], typer.Option("--report", help="Also write the summary document (every quantized weight's error) to this JSON file; HTML when it ends in .html.")
     ] = None,
+    html: HtmlOpt = None,
     dry_run: DryRunOpt = False,
     max_shard_size: MaxShardOpt = None,
     overwrite: OverwriteOpt = False,
@@ -107,6 +110,7 @@ def quantize_command(
         report=report,
         allow_incomplete_gguf=allow_incomplete_gguf,
         pure=pure,
+        html=html,
     )
     if dry_run:
         show_plan(plan, sink)

@@ -46,7 +46,7 @@ class _ErrorBoundary(TyperGroup):
 
 def _print_version(value: bool) -> None:
     if value:
-        from qtool import __version__
+        from qtool.version import __version__
 
         typer.echo(f"qtool {__version__}")
         raise typer.Exit()

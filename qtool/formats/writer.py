@@ -42,6 +42,8 @@ __all__ = [
     "write_json_atomic",
     "stage_json",
     "StagedJson",
+    "stage_file",
+    "StagedFile",
     "cleanup_stale",
     "abort_all",
     "fsync_dir",
@@ -355,17 +357,16 @@ def _write_new(path: str, data: bytes) -> None:
         os.close(fd)
 
 
-class StagedJson:
-    """A JSON document written in full beside its target (fsynced), but not yet in place:
-    `commit()` renames it there (never replacing anything that appeared meanwhile; with
+class StagedFile:
+    """A report file (JSON, HTML) written in full beside its target (fsynced), but not yet in
+    place: `commit()` renames it there (never replacing anything that appeared meanwhile; with
     `overwrite`, an existing file is replaced, never a folder), `abort()` removes it. A report is
     staged before the output is committed, so a full disk fails the run, not the report."""
 
-    def __init__(self, path: str, document: Any, *, overwrite: bool = False) -> None:
+    def __init__(self, path: str, data: bytes, *, overwrite: bool = False) -> None:
         self.shown = os.fspath(path)
         self.target = os.path.abspath(path)
         self.overwrite = overwrite
-        data = (json.dumps(document, indent=2) + "\n").encode("utf-8")  # before any file exists
         if os.path.lexists(self.target):
             if not overwrite:
                 raise UsageError(f"report {self.shown} already exists", hint="allow overwriting to replace it, or choose another path", option="overwrite")
@@ -406,9 +407,21 @@ class StagedJson:
         staging.remove_created(self.created)
 
 
+class StagedJson(StagedFile):
+    """A JSON document, staged as a `StagedFile`."""
+
+    def __init__(self, path: str, document: Any, *, overwrite: bool = False) -> None:
+        super().__init__(path, (json.dumps(document, indent=2) + "\n").encode("utf-8"), overwrite=overwrite)
+
+
 def stage_json(path: str, document: Any, *, overwrite: bool = False) -> StagedJson:
     """Write `document` beside `path`, ready to `commit()` into place (see StagedJson)."""
     return StagedJson(path, document, overwrite=overwrite)
+
+
+def stage_file(path: str, data: bytes, *, overwrite: bool = False) -> StagedFile:
+    """Write `data` beside `path`, ready to `commit()` into place (see StagedFile)."""
+    return StagedFile(path, data, overwrite=overwrite)
 
 
 def write_json_atomic(path: str, document: Any, *, overwrite: bool = False) -> None:

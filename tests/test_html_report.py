@@ -1,0 +1,270 @@
+"""The HTML report without a browser: it is written by the real CLI next to `--json` in the same
+run, and every figure it carries equals the JSON's; names from files never become markup; it
+needs no network; report paths are refused where qtool reads; the table payload round-trips.
+(`tests/test_html_browser.py` opens the pages in Chromium.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import unquote
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qtool.html_report import render_check, render_compare, render_quantize
+from qtool.html_report.table_payload import Column, decode, encode
+from tests.conftest import REPO, SAMPLES
+from tests.synthetic_reports import synthetic_comparison
+
+TINY = SAMPLES / "tiny-llama"
+PAYLOAD = re.compile(r'<script type="application/octet-stream" id="table-data">([^<]*)</script>')
+MARK = re.compile(r'<g class="mark [^"]*" data-series="(\d+)" data-layer="(\d*)" data-kind="([^"]*)" data-name="([^"]*)" data-value="([^"]*)"')
+
+
+def qtool(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "qtool", *args], cwd=cwd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
+
+
+def table_rows(page: str) -> tuple[list[dict], list[dict]]:
+    found = PAYLOAD.search(page)
+    assert found, "no table payload"
+    return decode(found.group(1))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """One folder with the real CLI's outputs: a W4A16 and an int4:g64 quantization of
+    tiny-llama (with --json and --html from the same run), a compare of each (the first with
+    --json and --html), a 3-way overlay and a failing check."""
+    folder = tmp_path_factory.mktemp("html")
+    out = qtool("quantize", str(TINY), "-o", "w4", "-q", "--json", "--html", "quantize.html", "--report", "quantize.json", cwd=folder)
+    assert out.returncode == 0, out.stderr
+    (folder / "quantize.stdout.json").write_text(out.stdout)
+    assert qtool("quantize", str(TINY), "-o", "w4g64", "-s", "int4:g64", "-q", cwd=folder).returncode == 0
+    out = qtool("compare", str(TINY), "w4", "--min-sqnr", "19.05", "--json", "--html", "compare.html", "--report", "compare.report.json", "-q", cwd=folder)
+    assert out.returncode == 1, out.stderr
+    (folder / "compare.json").write_text(out.stdout)
+    out = qtool("compare", str(TINY), "w4", "w4g64", "--min-sqnr", "19.05", "--json", "--report", "overlay.html", "-q", cwd=folder)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.splitlines()[0] == "error: w4: model.layers.0.self_attn.o_proj.weight: SQNR 19.003107 dB is below --min-sqnr 19.05"
+    (folder / "overlay.json").write_text(out.stdout)
+    out = qtool("check", "w4", "--expect-scheme", "W8A16", "--max-bits-per-weight", "6", "--json", "--html", "check.html", cwd=folder)
+    assert out.returncode == 1, out.stderr
+    (folder / "check.json").write_text(out.stdout)
+    return folder
+
+
+def _policy(page: str) -> str:
+    import html
+
+    return html.unescape(re.search(r'http-equiv="Content-Security-Policy" content="([^"]*)"', page).group(1))
+
+
+def _same(html_value, json_value) -> bool:
+    if isinstance(json_value, float) and isinstance(html_value, (int, float)):
+        return html_value == json_value
+    return html_value == json_value
+
+
+def test_quantize_html_has_the_json_figures(runs):
+    document = json.loads((runs / "quantize.stdout.json").read_text())
+    assert json.loads((runs / "quantize.json").read_text())["weights"] == document["weights"]  # --report: the same run's document
+    page = (runs / "quantize.html").read_text()
+    _, rows = table_rows(page)
+    by_name = {row["name"]: row for row in rows}
+    assert [row["name"] for row in rows] == [w["name"] for w in document["weights"]]  # worst first, as the JSON
+    for weight in document["weights"]:
+        row = by_name[weight["name"]]
+        for key in ("sqnr_db", "max_abs_err", "bytes_before", "bytes_after", "layer", "scheme"):
+            assert _same(row[key], weight[key]), (weight["name"], key)
+        assert row["kind"] == weight["kind"]
+    marks = MARK.findall(page)
+    assert {(int(layer), kind) for _, layer, kind, _, _ in marks} == {(w["layer"], w["kind"]) for w in document["weights"]}
+    for _, _, _, name, value in marks:  # each mark is the worst of its layer and kind, with the JSON's figure
+        assert float(value) == next(w["sqnr_db"] for w in document["weights"] if w["name"] == unquote(name))
+    summary = document["summary"]
+    assert f"{summary['quantized']['sqnr_db']:.2f} dB" in page
+    assert f"{document['models']['output']['bits_per_weight']:.4f} bits" in page
+    for b in summary["histogram"]["bins"]:
+        assert f"{b['from_db']}–{b['to_db']} dB: {b['weights']} weights" in page
+
+
+def test_compare_html_has_the_json_figures(runs):
+    document = json.loads((runs / "compare.json").read_text())
+    assert json.loads((runs / "compare.report.json").read_text()) == document  # --report x.json: the --json document
+    page = (runs / "compare.html").read_text()
+    _, rows = table_rows(page)
+    assert [row["name"] for row in rows] == [w["name"] for w in document["weights"]]
+    for row, weight in zip(rows, document["weights"]):
+        assert row["sqnr_db@0"] == weight["sqnr_db"] and row["max_abs_err@0"] == weight["max_abs_err"] and row["bytes_b@0"] == weight["bytes_b"]
+        assert row["status@0"] == ("exact" if weight["exact"] else "")
+    measured = [w for w in document["weights"] if w["sqnr_db"] is not None]
+    assert len(MARK.findall(page)) == len({(w["layer"], w["kind"]) for w in measured})
+    assert "gate: min SQNR 19.05 dB" in page
+    assert "✗ FAIL: 1 violations" in page
+    violation = document["violations"][0]
+    assert violation.startswith("model.layers.0.self_attn.o_proj.weight: ")
+    assert f'<a href="#weight=model.layers.0.self_attn.o_proj.weight">{violation}</a>' in page
+
+
+def test_overlay_report_is_html_by_suffix_and_json_holds_each_comparison(runs):
+    document = json.loads((runs / "overlay.json").read_text())
+    assert [c["b"] for c in document["comparisons"]] == ["w4", "w4g64"]
+    assert document["ok"] is False and document["violations"] == ["w4: model.layers.0.self_attn.o_proj.weight: SQNR 19.003107 dB is below --min-sqnr 19.05"]
+    single = json.loads((runs / "compare.json").read_text())
+    first = document["comparisons"][0]
+    assert {k: v for k, v in first.items() if k != "seconds"} == {k: v for k, v in single.items() if k != "seconds"}  # the 2-argument document, unchanged
+    page = (runs / "overlay.html").read_text()
+    assert page.startswith("<!DOCTYPE html>")
+    _, rows = table_rows(page)
+    second = {w["name"]: w for w in document["comparisons"][1]["weights"]}
+    for row in rows:
+        assert row["sqnr_db@1"] == second[row["name"]]["sqnr_db"]
+    series = {(int(s), int(layer), kind) for s, layer, kind, _, _ in MARK.findall(page)}
+    for index, comparison in enumerate(document["comparisons"]):
+        assert {(s, layer, kind) for s, layer, kind in series if s == index} == {(index, w["layer"], w["kind"]) for w in comparison["weights"] if w["sqnr_db"] is not None}
+
+
+def test_check_html_links_each_finding_to_its_row(runs):
+    document = json.loads((runs / "check.json").read_text())
+    page = (runs / "check.html").read_text()
+    _, rows = table_rows(page)
+    assert {row["name"] for row in rows} == {w["name"] for w in document["weight_rows"]}
+    flagged = {f["weight"] for f in document["findings"] if f["weight"]}
+    assert {row["name"] for row in rows[: len(flagged)]} == flagged  # rows with findings first
+    for finding in document["findings"]:
+        if finding["weight"]:
+            assert f'<a href="#weight={finding["weight"]}">{finding["rule"]}: {finding["weight"]}: ' in page
+    by_name = {w["name"]: w for w in document["weight_rows"]}
+    for row in rows:
+        assert row["bits_per_weight"] == by_name[row["name"]]["bits_per_weight"] and row["bytes"] == by_name[row["name"]]["bytes"]
+    assert document["policy"]["max_bits_per_weight"] == 6.0
+    assert "max bits per weight 6 (over the whole checkpoint)" in page
+
+
+def test_pages_need_no_network(runs):
+    for name in ("quantize.html", "compare.html", "overlay.html", "check.html"):
+        page = (runs / name).read_text()
+        assert "default-src 'none'" in _policy(page)
+        urls = set(re.findall(r"\w+://[\w.-]+", PAYLOAD.sub("", page)))
+        assert urls <= {"http://www.w3.org"}, (name, urls)  # the SVG namespace, never fetched
+        assert all(link.startswith("#") for link in re.findall(r'href="([^"]*)"', page))
+        assert " src=" not in page and "url(" not in page and "@import" not in page
+        assert not re.search(r"<(link|img|iframe|object|embed)\b", page)
+        assert page.count("<script") == 2 and page.count("<style") == 1
+
+
+def test_inline_script_and_style_match_the_policy_hashes(runs):
+    import base64
+    import hashlib
+
+    page = (runs / "quantize.html").read_text()
+    style = re.search(r"<style>(.*?)</style>", page, re.S).group(1)
+    script = re.findall(r"<script>(.*?)</script>", page, re.S)[-1]
+    for source, directive in ((style, "style-src"), (script, "script-src")):
+        digest = base64.b64encode(hashlib.sha256(source.encode()).digest()).decode()
+        assert f"{directive} 'sha256-{digest}'" in _policy(page)
+
+
+HOSTILE = ["model.layers.0.mlp.down_proj.</script><script>alert(1)</script>", 'model.layers.1.self_attn.q_proj."><img src=x onerror=alert(1)>', "model.layers.2.mlp.up_proj.\x1b[31m\u202egnp.exe\n"]
+
+
+def test_hostile_names_stay_text():
+    document = synthetic_comparison(3)
+    for weight, name in zip(document["weights"], HOSTILE):
+        weight["name"] = weight["name_b"] = name
+    document["violations"] = [f"{name}: SQNR 1 dB is below --min-sqnr 15" for name in HOSTILE]
+    document["b"] = "<b>bold</b>/"
+    page = render_compare([document])
+    assert "<script>alert" not in page and "<img" not in page and "<b>bold" not in page
+    assert "\x1b" not in page and "\u202e" not in page
+    assert "\\x1b[31m\\u202egnp.exe\\n" in page  # shown escaped, as the CLI shows it
+    _, rows = table_rows(page)
+    assert {row["name"] for row in rows} >= set(HOSTILE)  # the exact names, for the JSON comparison
+
+
+def test_thousand_and_sixty_thousand_weights_stay_small():
+    small = render_compare([synthetic_comparison(110)])
+    assert len(small.encode()) < 500_000
+    experts = synthetic_comparison(40, 500)
+    page = render_compare([experts])
+    assert len(page.encode()) < 5_000_000
+    marks = MARK.findall(page)
+    # experts aggregated: one mark per layer for all 1,500 expert weights of that layer
+    assert sum(1 for _, _, kind, _, _ in marks if kind == "experts") == 40
+    outlier = min((w for w in experts["weights"] if w["kind"] == "experts" and w["sqnr_db"] is not None), key=lambda w: w["sqnr_db"])
+    assert any(unquote(name) == outlier["name"] for _, _, _, name, _ in marks)
+    _, rows = table_rows(page)
+    assert len(rows) == len(experts["weights"])  # every row kept in the table
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.text(max_size=40), st.one_of(st.none(), st.floats(allow_nan=False, allow_infinity=False)), st.sampled_from(["a", "b", None])),
+        max_size=30,
+    )
+)
+def test_payload_round_trips(rows):
+    columns = [Column("name", "weight", "name"), Column("value", "SQNR", "db"), Column("scheme", "scheme", "text")]
+    documents = [{"name": name, "value": value, "scheme": scheme} for name, value, scheme in rows]
+    decoded_columns, decoded = decode(encode(columns, documents))
+    assert [c["key"] for c in decoded_columns] == ["name", "value", "scheme"]
+    assert decoded == documents
+
+
+def test_renderers_take_the_documents_as_they_are():
+    assert render_quantize and render_check  # the public names exist
+    with pytest.raises(ValueError):
+        render_compare([])
+
+
+def test_report_paths_are_refused_where_qtool_reads(tmp_path):
+    model = tmp_path / "model"
+    import shutil
+
+    shutil.copytree(TINY, model)
+    out = qtool("compare", "model", "model", "--html", "model/report.html", cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.splitlines()[0].startswith("error: report model/report.html lies inside the input")
+    assert not (model / "report.html").exists()
+    out = qtool("check", "model", "--html", "r.html", "--report", "r.html", cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.splitlines()[0] == "error: reports r.html and r.html are the same file"
+    out = qtool("quantize", "model", "-o", "out", "--report", "r.html", "--html", "r.html", cwd=tmp_path)
+    assert out.returncode == 2 and "are the same file" in out.stderr and not (tmp_path / "out").exists()
+    (tmp_path / "old.html").write_text("keep")
+    out = qtool("check", "model", "--html", "old.html", cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.splitlines()[0] == "error: report old.html already exists"
+    assert (tmp_path / "old.html").read_text() == "keep"
+    out = qtool("compare", "model", "model", "--report", "old.html", cwd=tmp_path)  # refused before measuring
+    assert out.returncode == 2 and out.stderr.splitlines()[0] == "error: report old.html already exists"
+    assert qtool("check", "model", "--html", "old.html", "--overwrite", cwd=tmp_path).returncode == 0
+    assert (tmp_path / "old.html").read_text().startswith("<!DOCTYPE html>")
+    assert not [p for p in os.listdir(tmp_path) if "qtool-tmp" in p]
+
+
+def test_model_revision_from_a_hub_cache_and_git(tmp_path):
+    from qtool.formats.revision import revision_of
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = tmp_path / "hub" / "models--org--name" / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot / "model.safetensors").write_bytes(b"")
+    assert revision_of(str(tmp_path / "hub" / "gone")) is None  # a path that is not there has no revision
+    assert revision_of(str(snapshot / "model.safetensors")) == {"source": "hub-cache", "repo": "org/name", "commit": commit}
+    work = tmp_path / "work"
+    (work / ".git" / "refs" / "heads").mkdir(parents=True)
+    (work / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (work / ".git" / "packed-refs").write_text(f"# pack-refs\n{commit} refs/heads/main\n")
+    (work / "models" / "m").mkdir(parents=True)
+    assert revision_of(str(work / "models" / "m")) == {"source": "git", "repo": None, "commit": commit, "ref": "refs/heads/main"}
+    (work / ".git" / "HEAD").write_text("ref: refs/heads/../../../etc/passwd\n")
+    assert revision_of(str(work / "models" / "m")) is None
+    (work / ".git" / "HEAD").write_text("x" * 10_000)
+    assert revision_of(str(work)) is None
+    assert revision_of("hf://org/name") is None
