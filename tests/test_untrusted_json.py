@@ -145,15 +145,15 @@ def test_specs_name_the_field_and_what_it_holds():
 
 
 def _specs():
-    from qtool.conventions import awq, compressed_tensors, fp8, gptq, mlx, quanto, torchao
+    from qtool.conventions import compressed_tensors, fp8, mlx, quanto, qweight_configs, torchao
 
     return {
         "compressed-tensors": compressed_tensors._CONFIG,
         "fp8": fp8._FP8_CONFIG,
         "mxfp4": fp8._MXFP4_CONFIG,
         "mlx": mlx._CONFIG,
-        "gptq": gptq._CONFIG,
-        "awq": awq._CONFIG,
+        "gptq": qweight_configs._GPTQ,
+        "awq": qweight_configs._AWQ,
         "quanto": quanto._MAP,
         "torchao record": torchao._RECORD,
         "torchao attributes": torchao._ATTRIBUTES,
