@@ -22,7 +22,22 @@ from qtool.errors import UnknownNameError
 from qtool.qtypes import QType, qtype
 from qtool.scheme import QScheme, group
 
-__all__ = ["GgmlType", "GGML_TYPES", "ggml_type", "ggml_type_named", "type_for"]
+__all__ = ["GgmlType", "GGML_TYPES", "LLAMA_FTYPES", "GGML_QUANT_VERSION", "ggml_type", "ggml_type_named", "type_for"]
+
+GGML_QUANT_VERSION = 2  # general.quantization_version, as llama-quantize stamps it
+
+# llama.cpp's `llama_ftype` (gguf-py's LlamaFileType): the number general.file_type holds. Here so
+# writing a GGUF needs no import of gguf-py (numpy and its own tables: ~1 s of a small run); a test
+# checks the table against the installed package.
+LLAMA_FTYPES = {
+    "ALL_F32": 0, "MOSTLY_F16": 1, "MOSTLY_Q4_0": 2, "MOSTLY_Q4_1": 3, "MOSTLY_Q8_0": 7, "MOSTLY_Q5_0": 8,
+    "MOSTLY_Q5_1": 9, "MOSTLY_Q2_K": 10, "MOSTLY_Q3_K_S": 11, "MOSTLY_Q3_K_M": 12, "MOSTLY_Q3_K_L": 13,
+    "MOSTLY_Q4_K_S": 14, "MOSTLY_Q4_K_M": 15, "MOSTLY_Q5_K_S": 16, "MOSTLY_Q5_K_M": 17, "MOSTLY_Q6_K": 18,
+    "MOSTLY_IQ2_XXS": 19, "MOSTLY_IQ2_XS": 20, "MOSTLY_Q2_K_S": 21, "MOSTLY_IQ3_XS": 22, "MOSTLY_IQ3_XXS": 23,
+    "MOSTLY_IQ1_S": 24, "MOSTLY_IQ4_NL": 25, "MOSTLY_IQ3_S": 26, "MOSTLY_IQ3_M": 27, "MOSTLY_IQ2_S": 28,
+    "MOSTLY_IQ2_M": 29, "MOSTLY_IQ4_XS": 30, "MOSTLY_IQ1_M": 31, "MOSTLY_BF16": 32, "MOSTLY_TQ1_0": 36,
+    "MOSTLY_TQ2_0": 37, "MOSTLY_MXFP4_MOE": 38, "MOSTLY_NVFP4": 39, "MOSTLY_Q1_0": 40,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)

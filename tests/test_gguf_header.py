@@ -137,3 +137,10 @@ def test_a_real_vocabulary_is_written_as_gguf_py_writes_it():
     assert any(len(value) > 40_000 for _, value, kind in entries if kind.startswith("ARRAY"))
     header, _, _ = gguf_header(entries, [])
     assert header.startswith(gguf_py_header(entries, [], None))
+
+
+def test_llama_ftypes_and_the_quantization_version_are_gguf_pys():
+    from qtool.ggml_types import GGML_QUANT_VERSION, LLAMA_FTYPES
+
+    assert GGML_QUANT_VERSION == gguf.GGML_QUANT_VERSION
+    assert LLAMA_FTYPES == {m.name: m.value for m in gguf.LlamaFileType if m.name != "GUESSED"}

@@ -242,13 +242,12 @@ def _stamped(entries: list[tuple[str, Any, str]], jobs: list[Job], mix: str | No
     """The entries with general.file_type (the mix's, or the commonest type's),
     general.quantization_version and general.quantized_by set in place (added at the end when
     absent), and llama.cpp's split keys dropped."""
-    from gguf import GGML_QUANT_VERSION, LlamaFileType
-
+    from qtool.ggml_types import GGML_QUANT_VERSION, LLAMA_FTYPES
     from qtool.llamacpp.mixes import MIXES
     from qtool.version import __version__
 
     stamps = {
-        "general.file_type": (int(LlamaFileType[MIXES[mix].ftype if mix is not None else _file_type(jobs)]), "UINT32"),
+        "general.file_type": (LLAMA_FTYPES[MIXES[mix].ftype if mix is not None else _file_type(jobs)], "UINT32"),
         "general.quantization_version": (GGML_QUANT_VERSION, "UINT32"),
         "general.quantized_by": (f"qtool {__version__}", "STRING"),
     }
