@@ -35,6 +35,7 @@ class ShardRecord:
     bytes_in: int
     bytes_out: int
     attempts: int
+    peak_rss_bytes: int
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -45,6 +46,7 @@ class ShardRecord:
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             "attempts": self.attempts,
+            "peak_rss_bytes": self.peak_rss_bytes,
         }
 
 
@@ -80,7 +82,7 @@ def execute_sharded(
             if problem is not None:
                 raise ShardJobError(f"shard {job.label}: the staged file does not check out: {problem}; nothing was committed", path=job.path)
             results[job.index] = result
-            records[job.index] = ShardRecord(job.label, result.node, result.worker, result.seconds, result.bytes_in, result.bytes_out, result.attempts)
+            records[job.index] = ShardRecord(job.label, result.node, result.worker, result.seconds, result.bytes_in, result.bytes_out, result.attempts, result.peak_rss_bytes)
             if options.on_progress:
                 options.on_progress(job.bytes_in)
 

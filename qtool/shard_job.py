@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+import resource
 import socket
 import time
 from dataclasses import dataclass, field
@@ -69,6 +70,7 @@ class ShardResult:
     seconds: float = 0.0
     worker: str = ""  # pid on node
     node: str = ""
+    peak_rss_bytes: int = 0  # the worker process's high-water mark so far (Linux ru_maxrss)
     attempts: int = 1  # set by the executor
 
 
@@ -218,6 +220,7 @@ def run(shard_job: ShardJob) -> ShardResult:
         seconds=time.perf_counter() - started,
         worker=str(os.getpid()),
         node=socket.gethostname(),
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     )
 
 
