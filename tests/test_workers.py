@@ -255,3 +255,35 @@ def test_a_file_is_cut_into_contiguous_slices_in_plan_order(sizes, count):
     assert [job for run in runs for job in run] == jobs
     assert len(runs) <= max(1, count)
     assert all(runs) or jobs == []
+
+
+def test_the_driver_refuses_a_staged_range_that_does_not_hold_what_its_job_wrote(tmp_path):
+    import hashlib
+
+    from qtool.pipeline import ExecOptions
+    from qtool.shard_job import ShardJob, ShardResult, verify
+
+    staged = tmp_path / "staged.bin"
+    staged.write_bytes(b"H" * 8 + b"a" * 100 + b"b" * 50)
+    job = ShardJob(0, "model.gguf (part 1 of 2)", str(staged), [], None, None, {"x": (8, 108), "y": (108, 158)}, ExecOptions())
+    result = ShardResult(0, {"x": (100, hashlib.sha256(b"a" * 100).hexdigest()), "y": (50, hashlib.sha256(b"b" * 50).hexdigest())})
+    assert verify(job, result) is None
+    with open(staged, "r+b") as handle:  # a late write of a lost attempt, a storage fault
+        handle.seek(120)
+        handle.write(b"c")
+    assert verify(job, result) == "tensor 'y' does not hold the bytes the job wrote (sha256 differs)"
+    result.tensors["x"] = (99, result.tensors["x"][1])
+    assert verify(job, result) == "tensor 'x' got 99 of its 100 bytes"
+    del result.tensors["x"]
+    assert verify(job, result) == "tensor 'x' was not written"
+
+
+def test_the_ray_node_probe_names_what_a_node_cannot_read(tmp_path):
+    pytest.importorskip("ray")
+    from qtool.ray_executor import _probe
+
+    readable = tmp_path / "a.safetensors"
+    readable.write_bytes(b"x" * 16)
+    host, problems = _probe([str(readable), str(tmp_path / "missing.safetensors")], str(tmp_path))
+    assert host and problems == [f"cannot read {tmp_path / 'missing.safetensors'}: No such file or directory"]
+    assert _probe([str(readable)], str(tmp_path))[1] == []
