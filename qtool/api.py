@@ -281,7 +281,7 @@ def run(
         from qtool.distribute import threads_per_worker
         from qtool.executors import DEFAULT_RETRIES, make_executor
 
-        if device != "cpu":
+        if device != "cpu" and (device != "auto" or resolve_device(device) != "cpu"):
             raise UsageError(f"device {device}: a run spread over workers runs on the CPU", hint="drop --workers and --executor, or use --device cpu", option="device")
         runner = make_executor(executor, workers=workers, address=ray_address, retries=DEFAULT_RETRIES if max_retries is None else max_retries, setup=worker_setup)
         if executor == "local":
