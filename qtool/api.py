@@ -251,12 +251,23 @@ def run(
     measure: bool = True,
     on_progress: Callable[[int], None] | None = None,
     overwrite: bool = False,
+    workers: int = 1,
+    executor: str = "local",
+    ray_address: str | None = None,
+    max_retries: int | None = None,
+    worker_setup: Callable[[], None] | None = None,
 ) -> "RunReport":
     """Stream a plan to its output, atomically, and write its report (if the plan names one)
     before the output is committed: on `device` (cpu, cuda, cuda:N, auto), with `threads` CPU
     threads for the kernels, each quantized weight's error measured unless `measure` is off,
     `on_progress` called with input bytes done. Imports torch unless qtool.native runs every
-    job. Changes no process state."""
+    job. Changes no process state.
+
+    `workers` > 1 runs the plan as shard jobs in that many spawned processes, `threads` divided
+    among them; `executor="ray"` on a Ray cluster (`ray_address`, else RAY_ADDRESS), each job
+    a task of `threads` CPUs (default 1). A job whose worker is lost is retried up to
+    `max_retries` times; `worker_setup` runs once in each worker process. The output is the
+    same, byte for byte, and so is the report, but for timings and its `execution` part."""
     from qtool.formats.writer import Output
     from qtool.pipeline import ExecOptions, execute, resolve_device
     from qtool.report_output import stage_report as stage
@@ -264,16 +275,36 @@ def run(
 
     if threads is not None and threads < 1:
         raise UsageError(f"threads {threads} must be at least 1", option="threads")
+    spread = executor != "local" or workers != 1
+    runner = None
+    if spread:
+        from qtool.distribute import threads_per_worker
+        from qtool.executors import DEFAULT_RETRIES, make_executor
+
+        if device != "cpu" and (device != "auto" or resolve_device(device) != "cpu"):
+            raise UsageError(f"device {device}: a run spread over workers runs on the CPU", hint="drop --workers and --executor, or use --device cpu", option="device")
+        runner = make_executor(executor, workers=workers, address=ray_address, retries=DEFAULT_RETRIES if max_retries is None else max_retries, setup=worker_setup)
+        if executor == "local":
+            threads = threads_per_worker(threads, workers)
+        else:
+            threads = threads or 1
     options = ExecOptions(device=resolve_device(device), threads=threads, measure=measure, on_progress=on_progress)
     staged: list = []
 
     if plan.output is None:
         raise UsageError("the plan names no output", hint="plan with qtool.api.prepare_quantize or prepare_dequantize", option="plan")
 
+    execution: dict[str, Any] | None = None
+
+    def stage_report_spread(measured, shards) -> None:
+        nonlocal execution
+        execution = {"executor": runner.name, "workers": runner.workers, "threads_per_worker": options.threads, "shards": [s.to_json() for s in shards]}
+        stage_report(measured)
+
     def stage_report(measured) -> None:  # written in full before the output is committed
         if plan.report is None and plan.html is None:
             return
-        document = RunReport(plan, measured, options.device).to_json()
+        document = RunReport(plan, measured, options.device, execution).to_json()
         if plan.report is not None:
             staged.append(stage(plan.report, "quantize", [document], overwrite=overwrite))  # JSON, or HTML by its suffix
         if plan.html is not None:
@@ -282,7 +313,12 @@ def run(
     output = None
     try:
         output = Output(plan.output, single_file=plan.single_file, overwrite=overwrite)
-        measured = execute(plan, output, options, before_commit=stage_report)
+        if runner is None:
+            measured = execute(plan, output, options, before_commit=stage_report)
+        else:
+            from qtool.distribute import execute_sharded
+
+            measured, _ = execute_sharded(plan, output, options, runner, before_commit=stage_report_spread)
     except BaseException:  # a Ctrl-C between the two lines above too: nothing is left
         if output is not None:
             output.abort()
@@ -293,7 +329,7 @@ def run(
         plan.source.close()
     for report in staged:
         report.commit()
-    return RunReport(plan, measured, options.device)
+    return RunReport(plan, measured, options.device, execution)
 
 
 def quantize(path, output, scheme: str = "W4A16", *, device: str = "cpu", overwrite: bool = False, threads: int | None = None, **options) -> "RunReport":

@@ -20,6 +20,7 @@ __all__ = [
     "NotQuantizedError",
     "ViolationError",
     "InternalError",
+    "ShardJobError",
     "KernelError",
     "UnknownNameError",
     "SchemeError",
@@ -52,6 +53,18 @@ class QtoolError(Exception):
 
     def __str__(self) -> str:
         return f"{self.path}: {self.message}" if self.path else self.message
+
+    def __reduce__(self):
+        """Pickled whole (hint, path, option, a subclass's fields): a shard job's error crosses
+        from a worker process or a Ray node to the driver, which reports it as its own."""
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(kind: type, args: tuple, state: dict) -> "QtoolError":
+    error = kind.__new__(kind)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
 
 
 class UsageError(QtoolError):
@@ -95,6 +108,12 @@ class InternalError(QtoolError):
 
     def __str__(self) -> str:
         return internal_error_line(super().__str__())
+
+
+class ShardJobError(QtoolError):
+    """A shard job that failed for good (its worker or node lost more times than retries
+    allow, or its staged file did not hold what it wrote): names the shard; nothing is
+    committed."""
 
 
 class UnknownNameError(UsageError, KeyError):

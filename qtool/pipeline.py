@@ -31,7 +31,7 @@ from qtool.formats.checkpoint import Checkpoint
 from qtool.formats.writer import Output
 from qtool.plan import CAST, COPY, DEQUANTIZE, QUANTIZE, Job, Piece, Plan
 
-__all__ = ["ExecOptions", "Measurements", "execute", "resolve_device", "parse_size", "parse_dtype"]
+__all__ = ["ExecOptions", "Measurements", "execute", "stream", "Runner", "kernel_threads", "resolve_device", "parse_size", "parse_dtype"]
 
 COPY_CHUNK = 32 << 20  # bytes per piece when copying a tensor through
 WRITES_IN_FLIGHT = 8
@@ -144,6 +144,14 @@ class _Runner:
         self.options = options
         self.measured = Measurements()
         self._encoders: dict[int, Any] = {}
+        # each kept weight's error in the order it was merged, where a shard job must hand
+        # them to the driver to merge in the same order (float sums: the order is the result)
+        self.kept: list[ErrorStats] | None = None
+
+    def _keep(self, stats: ErrorStats) -> None:
+        self.measured.unquantized = self.measured.unquantized.merge(stats)
+        if self.kept is not None:
+            self.kept.append(stats)
 
     def encoder(self, job: Job):
         key = id(job)
@@ -203,7 +211,7 @@ class _Runner:
             data = loaded if job.action == DEQUANTIZE else self._converted(job, loaded)
             if self.options.measure and job.action != DEQUANTIZE:
                 dtype = job.weight.data.dtype.name
-                self.measured.unquantized = self.measured.unquantized.merge(kept_error(loaded, data, dtype, job.out_dtype or dtype))
+                self._keep(kept_error(loaded, data, dtype, job.out_dtype or dtype))
             yield name, job.transform.apply(data, job.weight.shape[0]), 0
         elif job.action == DEQUANTIZE:
             yield name, loaded, 0
@@ -221,7 +229,7 @@ class _Runner:
             self.measured.bytes_read += len(data)
             piece = data if job.action == COPY else self._converted(job, data)
             if self.options.measure:
-                self.measured.unquantized = self.measured.unquantized.merge(kept_error(data, piece, stored.dtype.name, job.out_dtype or stored.dtype.name))
+                self._keep(kept_error(data, piece, stored.dtype.name, job.out_dtype or stored.dtype.name))
             yield job.outputs[0].name, piece, written
             written += memoryview(piece).nbytes
 
@@ -244,6 +252,11 @@ class _Runner:
         return tensor_bytes(values.to(storage_dtype(target).torch_dtype()))
 
 
+# what a shard job (`qtool.shard_job`) runs a slice of a plan with, as `execute` runs all of it
+Runner = _Runner
+kernel_threads = _threads
+
+
 def kept_error(original, written, source: str, target: str) -> ErrorStats:
     """The error of a float weight written unquantized (exact for a copy, a cast's rounding
     otherwise), as `ErrorStats` measures everything; nothing for dtypes numpy does not read."""
@@ -253,6 +266,26 @@ def kept_error(original, written, source: str, target: str) -> ErrorStats:
         return ErrorStats()
     x = to_float32(original, source)
     return ErrorStats().update_numpy(x, x if original is written else to_float32(written, target))
+
+
+def stream(runner: "_Runner", jobs: list[Job], write: Callable[[Job, Piece], None], on_progress: Callable[[int], None] | None = None) -> None:
+    """Run `jobs` in order through `runner`, one read ahead on a reader thread and at most
+    WRITES_IN_FLIGHT pieces handed to `write` behind, on a writer thread."""
+    with ThreadPoolExecutor(1, thread_name_prefix="qtool-read") as reader, ThreadPoolExecutor(1, thread_name_prefix="qtool-write") as writer:
+        in_flight: deque[Future] = deque()
+        ahead = reader.submit(runner.load, jobs[0]) if jobs else None
+        for index, job in enumerate(jobs):
+            loaded = ahead.result() if ahead else None
+            ahead = reader.submit(runner.load, jobs[index + 1]) if index + 1 < len(jobs) else None
+            for piece in runner.pieces(job, loaded):
+                in_flight.append(writer.submit(write, job, piece))
+                while len(in_flight) > WRITES_IN_FLIGHT:
+                    in_flight.popleft().result()
+            del loaded  # the next job's compute overlaps this one's last writes
+            if on_progress:
+                on_progress(job.bytes_in)
+        while in_flight:
+            in_flight.popleft().result()
 
 
 def execute(plan: Plan, output: Output, options: ExecOptions = ExecOptions(), *, before_commit: Callable[[Measurements], None] | None = None) -> Measurements:
@@ -267,27 +300,12 @@ def execute(plan: Plan, output: Output, options: ExecOptions = ExecOptions(), *,
             # inside the try: a file that cannot be created (no space, no permission) must
             # remove the temporary output too
             writers = {i: output.file(name, *layout.header(plan, i)) for i, name in enumerate(plan.files)}
-            with ThreadPoolExecutor(1, thread_name_prefix="qtool-read") as reader, ThreadPoolExecutor(1, thread_name_prefix="qtool-write") as writer:
-                in_flight: deque[Future] = deque()
 
-                def write(shard: int, piece: Piece) -> None:
-                    name, data, at = piece
-                    writers[shard].write(name, data, at)
+            def write(job: Job, piece: Piece) -> None:
+                name, data, at = piece
+                writers[job.shard].write(name, data, at)
 
-                jobs = plan.jobs
-                ahead = reader.submit(runner.load, jobs[0]) if jobs else None
-                for index, job in enumerate(jobs):
-                    loaded = ahead.result() if ahead else None
-                    ahead = reader.submit(runner.load, jobs[index + 1]) if index + 1 < len(jobs) else None
-                    for piece in runner.pieces(job, loaded):
-                        in_flight.append(writer.submit(write, job.shard, piece))
-                        while len(in_flight) > WRITES_IN_FLIGHT:
-                            in_flight.popleft().result()
-                    del loaded  # the next job's compute overlaps this one's last writes
-                    if options.on_progress:
-                        options.on_progress(job.bytes_in)
-                while in_flight:
-                    in_flight.popleft().result()
+            stream(runner, plan.jobs, write, options.on_progress)
             for filename, content in layout.side_files(plan).items():
                 output.side_file(filename, content)
             for source, filename in side_file_copies(plan.source, output.single_file):

@@ -32,6 +32,7 @@ class RunReport:
     plan: "Plan"
     measured: "Measurements"
     device: str
+    execution: dict[str, Any] | None = None  # a run spread over workers: the executor and each shard job (`qtool.distribute`)
 
     @property
     def errors(self) -> dict[str, ErrorStats]:
@@ -92,6 +93,7 @@ class RunReport:
             "summary": summary,
             "weights": weights,
             "models": self._models(plan),  # added for issue 23
+            **({"execution": self.execution} if self.execution is not None else {}),  # added for issue 22
         }
 
     def _models(self, plan: dict[str, Any]) -> dict[str, Any]:

@@ -18,6 +18,10 @@ from qtool.cli.options import (
     OverwriteOpt,
     QuietOpt,
     ThreadsOpt,
+    WorkersOpt,
+    ExecutorOpt,
+    RayAddressOpt,
+    MaxRetriesOpt,
 )
 from qtool.cli.output import Column, Output, Rows, Section
 from qtool.cli.plans import run_plan, show_plan
@@ -45,6 +49,10 @@ def dequantize_command(
     overwrite: OverwriteOpt = False,
     device: DeviceOpt = "cpu",
     threads: ThreadsOpt = None,
+    workers: WorkersOpt = 1,
+    executor: ExecutorOpt = "local",
+    ray_address: RayAddressOpt = None,
+    max_retries: MaxRetriesOpt = None,
     fmt: FormatOpt = OutputFormat.auto,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -56,7 +64,7 @@ def dequantize_command(
     if dry_run:
         show_plan(plan, sink)
         return
-    document = run_plan(plan, device=device, threads=threads, overwrite=overwrite, quiet=quiet, measure=False).to_json()
+    document = run_plan(plan, device=device, threads=threads, overwrite=overwrite, quiet=quiet, spread=(workers, executor, ray_address, max_retries), measure=False).to_json()
     decoded, summary = document["weights"], document["summary"]
     rows = Rows(
         [Column("weight"), Column("from"), Column("shape"), Column("dtype")],

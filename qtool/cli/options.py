@@ -65,3 +65,9 @@ ReportOpt = Annotated[
     typer.Option("--report", help="Also write the --json document to this file; HTML when it ends in .html.", show_default=False),
 ]
 ReportOverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing report file (atomically, when the new one is complete).")]
+WorkersOpt = Annotated[
+    int, typer.Option("--workers", help="Run the shard jobs in N local processes (spawned; --threads divided among them). 1: one process, as always.", min=1)
+]
+ExecutorOpt = Annotated[str, typer.Option("--executor", help="Where shard jobs run: local (--workers processes here) or ray (a Ray cluster; needs qtool[ray]).")]
+RayAddressOpt = Annotated[Optional[str], typer.Option("--ray-address", help="The Ray cluster to join with --executor ray (default: RAY_ADDRESS, else a local Ray).")]
+MaxRetriesOpt = Annotated[Optional[int], typer.Option("--max-retries", help="Retry a shard job whose worker or node was lost this many times (default 3).", min=0)]

@@ -112,14 +112,35 @@ def _keep_freed_memory() -> None:
     mallopt(m_trim_threshold, 1 << 30)
 
 
-def run_plan(plan, *, device: str, threads: int | None, overwrite: bool, quiet: bool, measure: bool):
+def worker_setup() -> None:
+    """What each worker process of a spread run sets for itself, as `run_plan` does here."""
+    _keep_freed_memory()
+
+
+def run_plan(plan, *, device: str, threads: int | None, overwrite: bool, quiet: bool, measure: bool, spread: tuple = (1, "local", None, None)):
+    """`spread`: (workers, executor, ray address, max retries), as `api.run` takes them."""
     from qtool import api
 
+    workers, executor, ray_address, max_retries = spread
     for warning in plan.warnings:
         print_warning(warning)
     _keep_freed_memory()
-    if threads and "torch" not in __import__("sys").modules:
+    if executor == "local" and workers > 1:  # spawned workers inherit it: each gets its share
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (threads or os.cpu_count() or 1) // workers))
+    elif threads and "torch" not in __import__("sys").modules:
         os.environ["OMP_NUM_THREADS"] = str(threads)  # torch sizes its pool from this if a job imports it
     total = sum(job.bytes_in for job in plan.jobs)
     with progress("writing" if not measure else "quantizing", total, quiet) as advance:
-        return api.run(plan, device=device, threads=threads, measure=measure, on_progress=advance, overwrite=overwrite)
+        return api.run(
+            plan,
+            device=device,
+            threads=threads,
+            measure=measure,
+            on_progress=advance,
+            overwrite=overwrite,
+            workers=workers,
+            executor=executor,
+            ray_address=ray_address,
+            max_retries=max_retries,
+            worker_setup=worker_setup if (workers > 1 or executor != "local") else None,
+        )

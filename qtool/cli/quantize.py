@@ -19,6 +19,10 @@ from qtool.cli.options import (
     OverwriteOpt,
     QuietOpt,
     ThreadsOpt,
+    WorkersOpt,
+    ExecutorOpt,
+    RayAddressOpt,
+    MaxRetriesOpt,
 )
 from qtool.cli.output import Column, Output, Rows, Section
 from qtool.cli.plans import run_plan, show_plan
@@ -89,6 +93,10 @@ def quantize_command(
     overwrite: OverwriteOpt = False,
     device: DeviceOpt = "cpu",
     threads: ThreadsOpt = None,
+    workers: WorkersOpt = 1,
+    executor: ExecutorOpt = "local",
+    ray_address: RayAddressOpt = None,
+    max_retries: MaxRetriesOpt = None,
     fmt: FormatOpt = OutputFormat.auto,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -115,7 +123,7 @@ def quantize_command(
     if dry_run:
         show_plan(plan, sink)
         return
-    outcome = run_plan(plan, device=device, threads=threads, overwrite=overwrite, quiet=quiet, measure=True)
+    outcome = run_plan(plan, device=device, threads=threads, overwrite=overwrite, quiet=quiet, spread=(workers, executor, ray_address, max_retries), measure=True)
     _show_summary(outcome.to_json(), sink)
 
 

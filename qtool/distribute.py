@@ -1,0 +1,132 @@
+"""The driver of a run spread over workers (`--workers N`, `--executor ray`): the plan is made
+once, here; every output file is created with its header and full size in the staging folder;
+the plan is cut into shard jobs (`qtool.shard_job`) that an executor (`qtool.executors`) runs
+where it likes; each result is checked against its staged file (sizes, and each range's sha256
+read back) as it arrives; the reports are merged in plan order, so the document is the one a
+single process writes; and the output is committed atomically, as `qtool.pipeline.execute`
+commits it. On any failure, nothing is committed and the staging (every staged file) is removed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from qtool.errors import ShardJobError
+from qtool.executors import Executor
+from qtool.formats.writer import Output
+from qtool.pipeline import ExecOptions, Measurements, side_file_copies
+from qtool.plan import Plan
+from qtool.shard_job import ShardJob, ShardResult, split, verify
+
+__all__ = ["ShardRecord", "execute_sharded", "threads_per_worker"]
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """One shard job as it ran, for the report: where, how long, how many bytes, how many tries."""
+
+    label: str
+    node: str
+    worker: str
+    seconds: float
+    bytes_in: int
+    bytes_out: int
+    attempts: int
+    peak_rss_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "shard": self.label,
+            "node": self.node,
+            "worker": self.worker,
+            "seconds": round(self.seconds, 3),
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "attempts": self.attempts,
+            "peak_rss_bytes": self.peak_rss_bytes,
+        }
+
+
+def threads_per_worker(threads: int | None, workers: int) -> int:
+    """`--threads` divided among the workers, never multiplied (default: every CPU here)."""
+    return max(1, (threads or os.cpu_count() or 1) // workers)
+
+
+def execute_sharded(
+    plan: Plan,
+    output: Output,
+    options: ExecOptions,
+    executor: Executor,
+    *,
+    before_commit: Callable[[Measurements, list[ShardRecord]], None] | None = None,
+) -> tuple[Measurements, list[ShardRecord]]:
+    """Run `plan` as shard jobs on `executor` and commit `output`; see the module docstring.
+    `options.threads` is each job's share; `options.on_progress` gets input bytes per job."""
+    started = time.perf_counter()
+    layout = plan.layout
+    records: dict[int, ShardRecord] = {}
+    results: dict[int, ShardResult] = {}
+    try:
+        executor.check_inputs(list(plan.source.files), os.path.dirname(output.target))
+        writers = [output.file(name, *layout.header(plan, i)) for i, name in enumerate(plan.files)]
+        for writer in writers:
+            writer.close()  # the jobs write through their own descriptors; commit fsyncs by path
+        job_options = replace(options, on_progress=None)
+        jobs = split(plan, [w.path for w in writers], [w.ranges for w in writers], job_options, executor.workers)
+
+        def on_result(job: ShardJob, result: ShardResult) -> None:
+            problem = verify(job, result)
+            if problem is not None:
+                raise ShardJobError(f"shard {job.label}: the staged file does not check out: {problem}; nothing was committed", path=job.path)
+            results[job.index] = result
+            records[job.index] = ShardRecord(job.label, result.node, result.worker, result.seconds, result.bytes_in, result.bytes_out, result.attempts, result.peak_rss_bytes)
+            if options.on_progress:
+                options.on_progress(job.bytes_in)
+
+        executor.run(jobs, on_result)
+        measured = _merged(plan, jobs, results)
+        for filename, content in layout.side_files(plan).items():
+            output.side_file(filename, content)
+        for source, filename in side_file_copies(plan.source, output.single_file):
+            output.copy_side_file(source, filename)
+        measured.bytes_written = sum(writer.size for writer in writers)
+        measured.seconds = time.perf_counter() - started
+        shards = [records[index] for index in sorted(records)]
+        if before_commit is not None:
+            before_commit(measured, shards)
+        plan.source.verify_unchanged()
+        _fsync_files([writer.path for writer in writers])
+        output.commit()
+    except BaseException:
+        output.abort()
+        raise
+    return measured, shards
+
+
+def _merged(plan: Plan, jobs: list[ShardJob], results: dict[int, ShardResult]) -> Measurements:
+    """The jobs' measurements merged in plan order: the same sums, in the same order, as one
+    process running the whole plan makes, so the report is the same to the last bit."""
+    measured = Measurements()
+    errors = {}
+    for job in jobs:
+        result = results[job.index]
+        errors.update(result.errors)
+        for stats in result.kept:
+            measured.unquantized = measured.unquantized.merge(stats)
+        measured.bytes_read += result.bytes_read
+    measured.errors = {job.weight.name: errors[job.weight.name] for job in plan.jobs if job.weight.name in errors}
+    return measured
+
+
+def _fsync_files(paths: list[str]) -> None:
+    """The staged files reach the disk before the rename publishes them (each job fsynced what
+    it wrote; the header is the driver's)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

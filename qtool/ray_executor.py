@@ -1,0 +1,163 @@
+"""Shard jobs on a Ray cluster (`--executor ray`, the optional extra `qtool[ray]`, Ray 2.x).
+
+One Ray task per shard job, `num_cpus` its share of threads; jobs and results travel through
+Ray's object store; staged files are written by the tasks straight into the staging folder
+beside the output, which every node must see (shared storage). Ray retries a task whose worker
+or node was lost (`max_retries`); an error the job raises itself (a `QtoolError`: a bad input)
+is not retried. On any failure, or when the driver is interrupted, every task still running is
+cancelled (force: its worker process is killed) and the driver disconnects, so the cluster
+keeps no qtool task; the driver then removes the staging.
+
+Like `qtool.executors`, this knows no file format: it moves opaque shard jobs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+from typing import Callable
+
+from qtool.errors import QtoolError, ShardJobError, UsageError
+from qtool.shard_job import ShardJob, ShardResult, run
+
+__all__ = ["RayCluster"]
+
+_setup_done = False
+
+
+def _run_task(job: ShardJob, setup: Callable[[], None] | None) -> ShardResult:
+    """In a Ray worker: the caller's process settings once per worker process, then the job."""
+    global _setup_done
+    if setup is not None and not _setup_done:
+        setup()
+        _setup_done = True
+    result = run(job)
+    import ray
+
+    result.node = f"{socket.gethostname()} ({ray.get_runtime_context().get_node_id()[:12]})"  # one host may run several nodes
+    return result
+
+
+def _probe(paths: list[str], output_parent: str) -> tuple[str, list[str]]:
+    """On one node: this node's name, and why it cannot read an input or write the output."""
+    problems = []
+    for path in paths:
+        try:
+            with open(path, "rb") as handle:
+                handle.read(8)
+        except OSError as exc:
+            problems.append(f"cannot read {path}: {exc.strerror or exc}")
+    if not os.access(output_parent, os.W_OK | os.X_OK):
+        problems.append(f"cannot write in {output_parent}")
+    return socket.gethostname(), problems
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise UsageError("--executor ray needs Ray, which is not installed", hint="pip install 'qtool[ray]'", option="executor") from None
+    return ray
+
+
+class RayCluster:
+    """The Ray cluster at `address` (else RAY_ADDRESS, else a Ray started for this run)."""
+
+    name = "ray"
+
+    def __init__(self, address: str | None, retries: int, setup: Callable[[], None] | None = None) -> None:
+        self.ray = _import_ray()
+        self.address = address
+        self.retries = retries
+        self.setup = setup
+        self.workers = 1
+        self._connected = False
+
+    def _connect(self) -> None:
+        if self._connected:
+            return
+        ray = self.ray
+        # ray.init replaces the SIGTERM handler with its own sys.exit: the caller's (the CLI's
+        # cleanup, exit 143) stays in place
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.getsignal(signal.SIGTERM) if main else None
+        try:
+            ray.init(address=self.address, log_to_driver=False, configure_logging=False)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            where = self.address or os.environ.get("RAY_ADDRESS") or "a local Ray"
+            raise UsageError(f"cannot connect to the Ray cluster at {where}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", hint="start it with `ray start --head`, or set --ray-address / RAY_ADDRESS", option="ray_address") from None
+        finally:
+            if main and previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        self._connected = True
+        self.workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+    def _disconnect(self) -> None:
+        if self._connected:
+            self._connected = False
+            self.ray.shutdown()
+
+    def check_inputs(self, paths: list[str], output_parent: str) -> None:
+        """One probe per live node, each pinned to its node: every input readable, the output's
+        folder writable; else a UsageError naming the node."""
+        self._connect()
+        ray = self.ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        try:
+            probe = ray.remote(_probe)
+            refs = {}
+            for node in ray.nodes():
+                if node.get("Alive"):
+                    strategy = NodeAffinitySchedulingStrategy(node_id=node["NodeID"], soft=False)
+                    refs[probe.options(num_cpus=0, scheduling_strategy=strategy, max_retries=0).remote(paths, output_parent)] = node.get("NodeManagerAddress", node["NodeID"])
+            for ref, address in refs.items():
+                host, problems = ray.get(ref)
+                if problems:
+                    raise UsageError(f"Ray node {host} ({address}) {problems[0]}", hint="inputs and outputs must be on storage every node mounts at the same path", option="executor")
+        except BaseException:
+            self._disconnect()
+            raise
+
+    def run(self, jobs: list[ShardJob], on_result: Callable[[ShardJob, ShardResult], None]) -> None:
+        self._connect()
+        ray = self.ray
+        refs: dict = {}
+        try:
+            task = ray.remote(_run_task)
+            for job in jobs:
+                threads = job.options.threads or 1
+                refs[task.options(num_cpus=threads, max_retries=self.retries, retry_exceptions=False, name=f"qtool shard {job.index}").remote(job, self.setup)] = job
+            while refs:
+                done, _ = ray.wait(list(refs), num_returns=1)
+                for ref in done:
+                    job = refs.pop(ref)
+                    result = self._result(ref, job)
+                    result.attempts = 0  # Ray retries out of sight: 0 means "not counted"
+                    on_result(job, result)
+        except BaseException:
+            for ref in refs:
+                try:
+                    ray.cancel(ref, force=True)
+                except Exception:  # noqa: BLE001 - finished meanwhile, or the node is gone
+                    pass
+            raise
+        finally:
+            self._disconnect()
+
+    def _result(self, ref, job: ShardJob) -> ShardResult:
+        ray = self.ray
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, QtoolError):
+                raise cause from None
+            raise
+        except (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError, ray.exceptions.ObjectLostError, ray.exceptions.TaskCancelledError) as exc:
+            raise ShardJobError(
+                f"shard {job.label}: its Ray task was lost ({type(exc).__name__}) after {self.retries} retries; nothing was committed",
+                hint="a worker or node died; raise --max-retries, or check the cluster",
+            ) from None

@@ -1,0 +1,102 @@
+"""What the `--workers` and `--executor ray` tests share: running qtool as a user does, comparing
+outputs byte for byte and reports less timings, and finding the processes that hold a staged
+file open (a shard job in the middle of its work)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+STAGING_MARK = ".qtool-tmp-"
+
+
+def qtool(
+    *args, env: dict | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "qtool", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def start_qtool(*args, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "qtool", *map(str, args)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def files_of(output: Path) -> dict[str, bytes]:
+    if output.is_file():
+        return {output.name: output.read_bytes()}
+    return {path.name: path.read_bytes() for path in sorted(output.iterdir())}
+
+
+def assert_same_output(a: Path, b: Path) -> None:
+    first, second = files_of(a), files_of(b)
+    assert sorted(first) == sorted(second)
+    for name in first:
+        assert first[name] == second[name], f"{name} differs"
+
+
+def report_less_timings(document: dict) -> dict:
+    """A run's document without what differs between two runs of one plan: timings, where the
+    jobs ran, and the output's own path."""
+    document = json.loads(json.dumps(document))
+    document.pop("seconds", None)
+    document.pop("execution", None)
+    document.pop("output", None)
+    document.get("models", {}).get("output", {}).pop("path", None)
+    return document
+
+
+def staging_left(folder: Path) -> list[str]:
+    return [name for name in os.listdir(folder) if STAGING_MARK in name]
+
+
+def processes_writing(
+    staging_parent: Path, exclude: set[int] = frozenset()
+) -> list[int]:
+    """PIDs (other than `exclude`) with a file in a staging folder of `staging_parent` open."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in exclude:
+            continue
+        try:
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                target = os.readlink(f"/proc/{entry}/fd/{fd}")
+                if target.startswith(str(staging_parent)) and STAGING_MARK in target:
+                    found.append(int(entry))
+                    break
+        except OSError:
+            continue
+    return found
+
+
+def wait_for_writer(
+    staging_parent: Path,
+    exclude: set[int],
+    process: subprocess.Popen,
+    timeout: float = 120,
+) -> int | None:
+    """The PID of a process in the middle of writing a staged file, polled until one shows."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        pids = processes_writing(staging_parent, exclude)
+        if pids:
+            return pids[0]
+        time.sleep(0.002)
+    return None

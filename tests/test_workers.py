@@ -1,0 +1,289 @@
+"""`--workers N`: a plan run as shard jobs in N spawned processes writes the same bytes, and the
+same report less timings, as one process; a lost worker's jobs are retried; a SIGTERMed driver
+leaves nothing (issue 22). Through the real CLI, on a 4-shard LLaMA-shaped model."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import wait_for_qtool_handlers
+from tests.scale_helpers import (
+    assert_same_output,
+    processes_writing,
+    qtool,
+    report_less_timings,
+    staging_left,
+    start_qtool,
+    wait_for_writer,
+)
+from tests.scale_models import llama_shaped, reshard
+
+
+@pytest.fixture(scope="module")
+def four_shards(tmp_path_factory) -> Path:
+    return reshard(tmp_path_factory.mktemp("model") / "tiny-4", shards=4)
+
+
+@pytest.fixture(scope="module")
+def slow_four_shards(tmp_path_factory) -> Path:
+    """Big enough (~60 MB bf16) that a shard job runs long enough to be killed in the middle."""
+    return llama_shaped(
+        tmp_path_factory.mktemp("model") / "llama-60mb",
+        hidden=512,
+        intermediate=1536,
+        layers=8,
+        vocab=4096,
+        shards=4,
+    )
+
+
+CASES = [  # (command, scheme or None, output name, the layout it writes)
+    pytest.param("quantize", "W4A16", "out", id="compressed-tensors"),
+    pytest.param("quantize", "nf4", "out", id="bitsandbytes"),
+    pytest.param("quantize", "Q4_K_M", "out.gguf", id="gguf-mix"),
+    pytest.param("dequantize", None, "out", id="dequantize"),
+]
+
+
+@pytest.mark.parametrize("command, scheme, name", CASES)
+def test_two_workers_write_the_bytes_and_report_of_one(
+    four_shards, tmp_path, command, scheme, name
+):
+    source = four_shards
+    if command == "dequantize":  # a quantized 4-shard input, decoded
+        source = tmp_path / "w4"
+        assert (
+            qtool(
+                "quantize", four_shards, "-o", source, "--scheme", "W4A16", "-q"
+            ).returncode
+            == 0
+        )
+    extra = ["--scheme", scheme] if scheme else []
+    one, two = tmp_path / "one" / name, tmp_path / "two" / name
+    first = qtool(command, source, "-o", one, *extra, "--json", "-q")
+    second = qtool(
+        command,
+        source,
+        "-o",
+        two,
+        *extra,
+        "--workers",
+        "2",
+        "--threads",
+        "2",
+        "--json",
+        "-q",
+    )
+    assert first.returncode == 0, first.stderr
+    assert second.returncode == 0, second.stderr
+    assert_same_output(one, two)
+    single, spread = json.loads(first.stdout), json.loads(second.stdout)
+    assert report_less_timings(single) == report_less_timings(spread)
+    assert "execution" not in single  # --workers 1 is today's path
+    execution = spread["execution"]
+    assert execution["executor"] == "local" and execution["workers"] == 2
+    assert execution["threads_per_worker"] == 1  # --threads 2 divided, not multiplied
+    assert sum(s["bytes_out"] for s in execution["shards"]) <= sum(
+        os.path.getsize(p)
+        for p in ([two] if two.is_file() else two.glob("*.safetensors"))
+    )
+    assert {s["attempts"] for s in execution["shards"]} == {1}
+    assert len({s["worker"] for s in execution["shards"]}) >= 1
+    if name.endswith(".gguf"):  # one output file, cut into parts written in place
+        assert len(execution["shards"]) >= 2 and all(
+            "part" in s["shard"] for s in execution["shards"]
+        )
+    else:
+        assert len(execution["shards"]) == 4
+
+
+def test_a_worker_killed_mid_job_is_retried_and_the_output_is_the_same(
+    slow_four_shards, tmp_path
+):
+    reference = tmp_path / "reference"
+    assert (
+        qtool(
+            "quantize", slow_four_shards, "-o", reference, "--scheme", "W4A16", "-q"
+        ).returncode
+        == 0
+    )
+    (tmp_path / "spread").mkdir()
+    out = tmp_path / "spread" / "out"
+    process = start_qtool(
+        "quantize",
+        slow_four_shards,
+        "-o",
+        out,
+        "--scheme",
+        "W4A16",
+        "--workers",
+        "2",
+        "--threads",
+        "2",
+        "--json",
+        "-q",
+    )
+    victim = wait_for_writer(tmp_path / "spread", {process.pid}, process)
+    assert victim is not None, "no worker was seen writing"
+    os.kill(victim, signal.SIGKILL)
+    stdout, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr
+    assert_same_output(reference, out)
+    assert staging_left(tmp_path / "spread") == []
+    shards = json.loads(stdout)["execution"]["shards"]
+    assert max(s["attempts"] for s in shards) == 2  # the killed worker's job ran again
+
+
+def test_sigterm_to_the_driver_commits_nothing_and_leaves_no_worker(
+    slow_four_shards, tmp_path
+):
+    (tmp_path / "spread").mkdir()
+    out = tmp_path / "spread" / "out"
+    process = start_qtool(
+        "quantize",
+        slow_four_shards,
+        "-o",
+        out,
+        "--scheme",
+        "W4A16",
+        "--workers",
+        "2",
+        "--threads",
+        "2",
+        "-q",
+    )
+    wait_for_qtool_handlers(process)
+    writer = wait_for_writer(tmp_path / "spread", {process.pid}, process)
+    assert writer is not None, "no worker was seen writing"
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 143, stderr
+    assert stderr.strip().splitlines()[-1] == "error: terminated"
+    assert not out.exists()
+    assert staging_left(tmp_path / "spread") == []
+    assert processes_writing(tmp_path / "spread") == []
+    assert (
+        not Path(f"/proc/{writer}").exists()
+        or Path(f"/proc/{writer}/status").read_text().find("State:\tZ") >= 0
+    )
+
+
+def test_without_ray_the_ray_executor_is_one_line_naming_the_extra(
+    four_shards, tmp_path
+):
+    script = "import sys; sys.modules['ray'] = None; from qtool.cli import main; sys.argv[0] = 'qtool'; main()"
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            script,
+            "quantize",
+            str(four_shards),
+            "-o",
+            str(tmp_path / "out"),
+            "--executor",
+            "ray",
+        ],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2
+    assert (
+        result.stderr.splitlines()[0]
+        == "error: --executor ray needs Ray, which is not installed"
+    )
+    assert "qtool[ray]" in result.stderr
+    assert not (tmp_path / "out").exists() and staging_left(tmp_path) == []
+
+
+def test_workers_and_a_gpu_do_not_mix(four_shards, tmp_path):
+    result = qtool(
+        "quantize",
+        four_shards,
+        "-o",
+        tmp_path / "out",
+        "--workers",
+        "2",
+        "--device",
+        "cuda",
+    )
+    assert result.returncode == 2
+    assert "runs on the CPU" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_qtool_error_crosses_processes_whole():
+    from qtool.errors import CheckpointError, ShardJobError
+
+    error = pickle.loads(
+        pickle.dumps(
+            CheckpointError("cut short", path="/m/a.safetensors", hint="fix it")
+        )
+    )
+    assert (type(error), str(error), error.hint, error.path) == (
+        CheckpointError,
+        "/m/a.safetensors: cut short",
+        "fix it",
+        "/m/a.safetensors",
+    )
+    assert pickle.loads(pickle.dumps(ShardJobError("shard x lost"))).exit_code == 2
+
+
+@settings(deadline=None)
+@given(st.lists(st.integers(0, 10**9), max_size=40), st.integers(1, 12))
+def test_a_file_is_cut_into_contiguous_slices_in_plan_order(sizes, count):
+    from qtool.shard_job import _balanced
+
+    class FakeJob:
+        def __init__(self, size):
+            self.bytes_in = size
+
+    jobs = [FakeJob(size) for size in sizes]
+    runs = _balanced(jobs, count)
+    assert [job for run in runs for job in run] == jobs
+    assert len(runs) <= max(1, count)
+    assert all(runs) or jobs == []
+
+
+def test_the_driver_refuses_a_staged_range_that_does_not_hold_what_its_job_wrote(tmp_path):
+    import hashlib
+
+    from qtool.pipeline import ExecOptions
+    from qtool.shard_job import ShardJob, ShardResult, verify
+
+    staged = tmp_path / "staged.bin"
+    staged.write_bytes(b"H" * 8 + b"a" * 100 + b"b" * 50)
+    job = ShardJob(0, "model.gguf (part 1 of 2)", str(staged), [], None, None, {"x": (8, 108), "y": (108, 158)}, ExecOptions())
+    result = ShardResult(0, {"x": (100, hashlib.sha256(b"a" * 100).hexdigest()), "y": (50, hashlib.sha256(b"b" * 50).hexdigest())})
+    assert verify(job, result) is None
+    with open(staged, "r+b") as handle:  # a late write of a lost attempt, a storage fault
+        handle.seek(120)
+        handle.write(b"c")
+    assert verify(job, result) == "tensor 'y' does not hold the bytes the job wrote (sha256 differs)"
+    result.tensors["x"] = (99, result.tensors["x"][1])
+    assert verify(job, result) == "tensor 'x' got 99 of its 100 bytes"
+    del result.tensors["x"]
+    assert verify(job, result) == "tensor 'x' was not written"
+
+
+def test_the_ray_node_probe_names_what_a_node_cannot_read(tmp_path):
+    pytest.importorskip("ray")
+    from qtool.ray_executor import _probe
+
+    readable = tmp_path / "a.safetensors"
+    readable.write_bytes(b"x" * 16)
+    host, problems = _probe([str(readable), str(tmp_path / "missing.safetensors")], str(tmp_path))
+    assert host and problems == [f"cannot read {tmp_path / 'missing.safetensors'}: No such file or directory"]
+    assert _probe([str(readable)], str(tmp_path))[1] == []
