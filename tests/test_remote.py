@@ -745,3 +745,27 @@ def test_shard_names_are_file_names_not_url_syntax(served, tmp_path):
     assert same_but_location(json.loads(result.stdout), local_json(folder))
     assert any(r["path"] == "/odd-names/model%201%252e%3Fx%23y.safetensors" for r in served.log), [r["path"] for r in served.log]
 
+
+# -- offline, the documented refusal (issue 18, item 16) ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("quantize", "REMOTE", "-o", "OUT", "--scheme", "W8A16"),
+        ("dequantize", "REMOTE", "-o", "OUT"),
+        ("check", "REMOTE", "--no-nan"),
+        ("compare", "LOCAL", "REMOTE"),
+    ],
+    ids=lambda a: a[0],
+)
+@pytest.mark.parametrize("location", ["hf://org/repo", "hf://org/repo@v1.0/sub"])
+def test_offline_commands_that_read_data_give_the_documented_refusal(tmp_path, args, location):
+    """README: commands that read tensor data refuse a remote checkpoint with exit 2 and the
+    command that downloads it. That needs no network: not "cannot reach the Hub"."""
+    offline = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1"}
+    argv = [location if a == "REMOTE" else str(tmp_path / "out") if a == "OUT" else str(SAMPLES / "tiny-llama") if a == "LOCAL" else a for a in args]
+    line = one_error(qtool(*argv, cache=tmp_path, env=offline, timeout=60))
+    download = "huggingface-cli download org/repo" + (" --revision v1.0" if "@" in location else "")
+    assert line == f"error: {location}: tensor data of a remote checkpoint is not read; download it first: {download}"
+    assert not (tmp_path / "out").exists()
