@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "open_checkpoint",
+    "refuse_remote_data",
     "inspect",
     "collect_stats",
     "prepare_quantize",
@@ -48,6 +49,15 @@ __all__ = [
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Read a checkpoint's headers and side files. No tensor data is read."""
     return _open_checkpoint(path)
+
+
+def refuse_remote_data(path: str | os.PathLike[str]) -> None:
+    """A command that reads tensor data refuses a remote location before it opens it: the same
+    refusal (and download command) as after, with no request, so offline too."""
+    if isinstance(path, str) and path.startswith(("hf://", "http://", "https://")):
+        from qtool.formats.remote_loader import refuse_remote_data as refuse
+
+        refuse(path)
 
 
 def inspect(path: str | os.PathLike[str], filter: str | None = None) -> Inspection:
@@ -95,6 +105,7 @@ def prepare_quantize(
     from qtool.selection import Selection
 
     selection = Selection.from_options(scheme, list(include), list(ignore), list(tensor_schemes), pure=pure)
+    refuse_remote_data(path)
     checkpoint = _open_checkpoint(path)
     try:
         checkpoint.require_local()
@@ -167,6 +178,7 @@ def prepare_dequantize(
     from qtool.pipeline import parse_dtype, parse_size
     from qtool.plan import Chosen, PlanOptions
 
+    refuse_remote_data(path)
     checkpoint = _open_checkpoint(path)
     output = os.fspath(output)
     try:
@@ -362,6 +374,8 @@ def prepare_compare(
     from qtool.naming import parse_rename
 
     rules = [parse_rename(text) for text in maps]
+    refuse_remote_data(a)
+    refuse_remote_data(b)
     checkpoint_a = _open_checkpoint(a)
     checkpoint_a.require_local()
     checkpoint_b = _open_checkpoint(b)
@@ -417,6 +431,8 @@ def check(
 
     rules = rules or CheckRules()
     rules.validate()
+    if rules.no_nan:
+        refuse_remote_data(path)
     checkpoint = _open_checkpoint(path)
     try:
         if any(p is not None for p in report_paths):

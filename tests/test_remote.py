@@ -9,12 +9,15 @@ import json
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 
@@ -30,11 +33,16 @@ CHUNK = 8192
 class Server:
     """A threaded loopback server. `mode` chooses how it answers range requests: ok, norange
     (200, whole body), badrange (another Content-Range), cut (closes mid-body), huge (a
-    Content-Length far over the range), long (no Content-Length, sends past the range)."""
+    Content-Length far over the range), long (no Content-Length, sends past the range),
+    trickle (the body one byte every `pace` seconds), trickle-headers (the same with the
+    headers), stall (headers, then nothing). `redirects` maps a path to a Location (302)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.mode = "ok"
+        self.pace = 0.5  # seconds between the bytes of a trickle
+        self.redirects: dict[str, str] = {}
+        self.trickling = 0  # answers that have started to trickle
         self.busy_sent = False
         self.latency = 0.0  # seconds added before each file response (benchmarks/bench_remote.py)
         self.log: list[dict] = []
@@ -90,6 +98,8 @@ class Server:
 
     def _answer(self, h, head: bool, entry: dict) -> None:
         path = h.path.split("?")[0]
+        if path in self.redirects:
+            return self._send(h, entry, 302, b"", {"Location": self.redirects[path]})
         api = re.match(r"/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?$", path)
         if api:
             return self._listing(h, entry, api.group(1), api.group(2) or "main")
@@ -101,7 +111,7 @@ class Server:
             if repo.get("cdn") is not None:  # large files live elsewhere, as on the Hub
                 return self._send(h, entry, 302, b"", {"Location": f"{repo['cdn'].url}/{resolve.group(3)}", "X-Repo-Commit": COMMIT})
             return self._file(h, entry, repo["folder"] / resolve.group(3))
-        return self._file(h, entry, self.root / path.lstrip("/"))
+        return self._file(h, entry, self.root / unquote(path).lstrip("/"))  # as a real server decodes it
 
     def _authorized(self, h, repo: dict) -> bool:
         return not repo["private"] or h.headers.get("Authorization") == f"Bearer {TOKEN}"
@@ -138,6 +148,8 @@ class Server:
             return self._send(h, entry, 503, b"busy")
         if mode == "norange":
             return self._stream(h, entry, 200, file, 0, size, {**common, "Content-Length": str(size)})
+        if mode == "trickle-headers":
+            return self._trickle(h, entry, b"HTTP/1.1 206 Partial Content\r\nX-Slow: " + b"x" * 60_000)
         content_range = f"bytes {start}-{last}/{size}"
         if mode == "badrange":
             content_range = f"bytes {start + 1}-{last + 1}/{size}"
@@ -149,7 +161,33 @@ class Server:
         if mode == "long":
             del headers["Content-Length"]
             return self._stream(h, entry, 206, file, start, size, headers)
+        if mode in ("trickle", "stall"):
+            entry["status"] = 206
+            h.send_response(206)
+            for key, value in headers.items():
+                h.send_header(key, value)
+            h.end_headers()
+            h.wfile.flush()
+            return self._trickle(h, entry, file.read_bytes()[start : last + 1] if mode == "trickle" else b"")
         self._stream(h, entry, 206, file, start, last + 1, headers, pace=False)
+
+    def _trickle(self, h, entry, data: bytes) -> None:
+        """Send `data` one byte every `pace` seconds (raw: status line and headers too, when
+        they are in it), then hold the connection open without a word, until the client goes."""
+        h.close_connection = True
+        self.trickling += 1
+        for byte in data:
+            h.wfile.write(bytes([byte]))
+            h.wfile.flush()
+            entry["sent"] += 1
+            time.sleep(self.pace)
+        while True:  # a stall: the client's deadline must end it
+            time.sleep(self.pace)
+            try:
+                if h.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                    return  # the client closed its end
+            except BlockingIOError:
+                pass
 
     def _stream(self, h, entry, status: int, file: Path, start: int, end: int, headers: dict, pace: bool = True) -> None:
         """Send bytes [start, end) of `file` in chunks, as a real server does, until the client
@@ -224,11 +262,11 @@ def _write_big(path: Path) -> None:
     write_safetensors(path, {"w": ("F32", (1024, 1024))})
 
 
-def qtool(*args: str, cache: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+def qtool(*args: str, cache: Path, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("QTOOL_", "HF_"))}
     environment.update(PYTHONPATH=str(REPO), QTOOL_CACHE=str(cache), HF_HOME=str(cache / "hf-home"), HF_HUB_DISABLE_TELEMETRY="1")
     environment.update(env or {})
-    return subprocess.run([sys.executable, "-m", "qtool", *args], capture_output=True, text=True, env=environment, cwd=REPO, timeout=120)
+    return subprocess.run([sys.executable, "-m", "qtool", *args], capture_output=True, text=True, env=environment, cwd=REPO, timeout=timeout)
 
 
 def local_json(path: Path) -> dict:
@@ -526,3 +564,208 @@ def test_a_repository_is_resolved_in_transformers_order_like_a_local_folder():
     assert _choose("hf://o/r", both, "") == "model.safetensors"
     assert _choose("hf://o/r", both[1:], "") == "model.safetensors.index.json"
     assert _choose("hf://o/r", ["adapter_model.safetensors"], "") == "adapter_model.safetensors"
+
+
+# -- stalled servers, deadlines and signals (issue 18, item 1) --------------------------------------
+
+
+def _timed(*args: str, cache: Path, env: dict, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.monotonic()
+    result = qtool(*args, cache=cache, env=env, timeout=timeout)
+    return result, time.monotonic() - started
+
+
+@pytest.mark.parametrize("mode", ["trickle", "trickle-headers", "stall"])
+def test_a_trickling_or_stalled_server_ends_at_the_request_deadline(served, tmp_path, mode):
+    """One byte every 0.5 s never trips a socket's per-read timeout; the request's deadline
+    (QTOOL_HTTP_TIMEOUT) cuts it, and the error says which limit and how to change it."""
+    served.mode, served.log[:], served.trickling = mode, [], 0
+    try:
+        url = f"{served.url}/tiny-llama/model.safetensors"
+        result, seconds = _timed("inspect", url, cache=tmp_path, env={"QTOOL_HTTP_TIMEOUT": "2"})
+    finally:
+        served.mode = "ok"
+    line = one_error(result)
+    assert line == f"error: {url}: no complete answer within 2 s (QTOOL_HTTP_TIMEOUT, the limit for one request)"
+    assert "set QTOOL_HTTP_TIMEOUT=SECONDS to wait longer" in result.stderr
+    assert seconds < 2 + 15, seconds  # the deadline, plus the interpreter's start-up on a busy machine
+    assert served.trickling == 1  # a request past its deadline is not retried
+
+
+def test_the_command_deadline_bounds_all_requests_together(served, tmp_path):
+    served.mode, served.log[:] = "trickle", []
+    try:
+        url = f"{served.url}/tiny-llama-sharded/model.safetensors.index.json"
+        result, seconds = _timed("inspect", url, cache=tmp_path, env={"QTOOL_HTTP_TIMEOUT": "30", "QTOOL_HTTP_DEADLINE": "2"})
+    finally:
+        served.mode = "ok"
+    line = one_error(result)
+    assert "remote reads took over 2 s (QTOOL_HTTP_DEADLINE, the limit for the whole command)" in line
+    assert "set QTOOL_HTTP_DEADLINE=SECONDS" in result.stderr
+    assert seconds < 2 + 15, seconds
+
+
+@pytest.mark.parametrize("variable", ["QTOOL_HTTP_TIMEOUT", "QTOOL_HTTP_DEADLINE"])
+@pytest.mark.parametrize("value", ["soon", "0", "-1", "nan", "inf"])
+def test_a_bad_timeout_setting_is_one_line(served, tmp_path, variable, value):
+    line = one_error(qtool("inspect", f"{served.url}/tiny-llama/model.safetensors", cache=tmp_path, env={variable: value}))
+    assert line == f"error: {variable}={value!r} is not a number of seconds"
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX signals")
+@pytest.mark.parametrize(("signum", "code", "says"), [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_ends_a_stalled_remote_read_at_once(served, tmp_path, signum, code, says):
+    """The read runs in a worker thread: the signal must end the command at once, not when the
+    worker's request ends (here: in 60 s, the default deadline; 91 hours without one)."""
+    from tests.conftest import wait_for_qtool_handlers
+
+    served.mode, served.log[:], served.trickling = "trickle", [], 0
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("QTOOL_", "HF_"))}
+    environment.update(PYTHONPATH=str(REPO), QTOOL_CACHE=str(tmp_path))
+    url = f"{served.url}/tiny-llama/model.safetensors"
+    process = subprocess.Popen([sys.executable, "-m", "qtool", "inspect", url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment, cwd=REPO)
+    try:
+        wait_for_qtool_handlers(process)
+        deadline = time.monotonic() + 30
+        while not served.trickling and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert served.trickling, "the request never came"
+        time.sleep(0.5)  # the worker is inside its read
+        process.send_signal(signum)
+        sent = time.monotonic()
+        _, stderr = process.communicate(timeout=20)
+        took = time.monotonic() - sent
+    finally:
+        served.mode = "ok"
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert (process.returncode, stderr) == (code, f"error: {says}\n")
+    assert took < 5, took
+
+
+# -- HTTP(S) only (issue 18, item 3) ------------------------------------------------------------------
+
+
+def test_the_opener_carries_http_and_https_handlers_only():
+    import urllib.request
+
+    from qtool.formats.http_opener import OPENER
+
+    kinds = {type(h) for h in OPENER.handlers}
+    for handler in (urllib.request.FileHandler, urllib.request.FTPHandler, urllib.request.DataHandler, urllib.request.CacheFTPHandler):
+        assert not any(issubclass(k, handler) for k in kinds), handler
+    assert set(OPENER.handle_open) - {"no"} == {"http", "https", "unknown"}  # "no": a no_proxy setting's entry, never a scheme
+
+
+@pytest.mark.parametrize("scheme", ["file", "ftp", "data"])
+def test_a_non_http_url_is_never_opened(tmp_path, scheme):
+    """urllib's default opener reads file:// (a FIFO there blocks for good) and ftp://."""
+    from qtool.errors import CheckpointError
+    from qtool.formats.remote import RemoteFile
+
+    local = tmp_path / "secret.json"
+    local.write_text('{"a": 1}')
+    url = {"file": f"file://{local}", "ftp": "ftp://127.0.0.1:9/secret.json", "data": "data:,secret"}[scheme]
+    with pytest.raises(CheckpointError) as caught:
+        RemoteFile(url).read_whole(1000)
+    assert caught.value.message == f"not read: {scheme}:// URLs are not read, only http:// and https://"
+
+
+@pytest.mark.parametrize("target", ["ftp", "file"])
+def test_a_redirect_to_a_non_http_url_is_not_followed(served, tmp_path, target):
+    local = served.root / "tiny-llama" / "model.safetensors"
+    served.redirects["/elsewhere/model.safetensors"] = f"ftp://127.0.0.1:{served.url.rsplit(':', 1)[1]}/tiny-llama/model.safetensors" if target == "ftp" else f"file://{local}"
+    try:
+        line = one_error(qtool("inspect", f"{served.url}/elsewhere/model.safetensors", cache=tmp_path, timeout=30))
+    finally:
+        served.redirects.clear()
+    assert "not read" in line and f"{target}:// URLs are not read" in line
+
+
+# -- shard names resolve under the index (issue 18, item 2) --------------------------------------------
+
+
+def _hostile_index(served, folder: str, name_for) -> str:
+    """A copy of tiny-llama-sharded whose index names its first shard `name_for(shard)`; the
+    index's URL."""
+    source = served.root / "tiny-llama-sharded"
+    target = served.root / folder
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(source, target)
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    first = "model-00001-of-00002.safetensors"
+    index["weight_map"] = {k: name_for(v) if v == first else v for k, v in index["weight_map"].items()}
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    return f"{served.url}/{folder}/model.safetensors.index.json"
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["absolute", "absolute-upper", "scheme-relative", "file", "double-slash"],
+)
+def test_a_remote_index_cannot_send_qtool_to_another_url(served, tmp_path, kind):
+    elsewhere = Server(served.root)  # another port: another origin, holding the same shards
+    try:
+        shard_dir = served.root / "tiny-llama-sharded"
+        name_for = {
+            "absolute": lambda shard: f"{elsewhere.url}/tiny-llama-sharded/{shard}",
+            "absolute-upper": lambda shard: f"HTTP://127.0.0.1:{elsewhere.url.rsplit(':', 1)[1]}/tiny-llama-sharded/{shard}",
+            "scheme-relative": lambda shard: f"//127.0.0.1:{elsewhere.url.rsplit(':', 1)[1]}/tiny-llama-sharded/{shard}",
+            "file": lambda shard: f"file://{shard_dir / shard}",
+            "double-slash": lambda shard: f"sub//{shard}",
+        }[kind]
+        url = _hostile_index(served, f"hostile-{kind}", name_for)
+        served.mode = "ok"
+        line = one_error(qtool("inspect", url, cache=tmp_path, timeout=60))
+        assert elsewhere.log == []
+    finally:
+        elsewhere.close()
+    if kind == "scheme-relative":  # also an absolute path: refused as outside the folder before it resolves
+        assert "outside its folder" in line or "is a URL or holds '//'" in line
+    else:
+        assert "is a URL or holds '//', not a file name beside the index" in line
+    assert line.startswith(f"error: {url}: index names shard ")
+
+
+def test_shard_names_are_file_names_not_url_syntax(served, tmp_path):
+    """`%` and `?` in a shard's name are part of the file name: quoted, and the URL stays in the
+    index's folder."""
+    folder = served.root / "odd-names"
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(served.root / "tiny-llama-sharded", folder)
+    odd = "model 1%2e?x#y.safetensors"
+    (folder / "model-00001-of-00002.safetensors").rename(folder / odd)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: odd if v == "model-00001-of-00002.safetensors" else v for k, v in index["weight_map"].items()}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    served.mode, served.log[:] = "ok", []
+    result = qtool("inspect", f"{served.url}/odd-names/model.safetensors.index.json", "--json", cache=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert same_but_location(json.loads(result.stdout), local_json(folder))
+    assert any(r["path"] == "/odd-names/model%201%252e%3Fx%23y.safetensors" for r in served.log), [r["path"] for r in served.log]
+
+
+# -- offline, the documented refusal (issue 18, item 16) ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("quantize", "REMOTE", "-o", "OUT", "--scheme", "W8A16"),
+        ("dequantize", "REMOTE", "-o", "OUT"),
+        ("check", "REMOTE", "--no-nan"),
+        ("compare", "LOCAL", "REMOTE"),
+    ],
+    ids=lambda a: a[0],
+)
+@pytest.mark.parametrize("location", ["hf://org/repo", "hf://org/repo@v1.0/sub"])
+def test_offline_commands_that_read_data_give_the_documented_refusal(tmp_path, args, location):
+    """README: commands that read tensor data refuse a remote checkpoint with exit 2 and the
+    command that downloads it. That needs no network: not "cannot reach the Hub"."""
+    offline = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1"}
+    argv = [location if a == "REMOTE" else str(tmp_path / "out") if a == "OUT" else str(SAMPLES / "tiny-llama") if a == "LOCAL" else a for a in args]
+    line = one_error(qtool(*argv, cache=tmp_path, env=offline, timeout=60))
+    download = "huggingface-cli download org/repo" + (" --revision v1.0" if "@" in location else "")
+    assert line == f"error: {location}: tensor data of a remote checkpoint is not read; download it first: {download}"
+    assert not (tmp_path / "out").exists()

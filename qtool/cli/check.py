@@ -76,6 +76,7 @@ def check_command(
     ).check
     rules.validate()
     if rules.no_nan:
+        api.refuse_remote_data(path)  # before the open below, which would need the network
         with api.open_checkpoint(path) as checkpoint:  # headers only: the progress bar's total
             total = sum(t.nbytes for t in checkpoint.tensors.values())
         with progress("checking", total, quiet) as advance:

@@ -11,6 +11,10 @@ read, holding the ETag the server gave. A URL that names an immutable revision (
 conditional request (`If-None-Match: <etag>`): a 304 reuses the cached bytes, anything else is
 read and checked as a fresh response. Nothing is cached that failed validation: the callers
 store only what their parsers accepted.
+
+Requests go through `http_opener.OPENER` (HTTP and HTTPS only) and each read, retries included,
+runs under a deadline (`QTOOL_HTTP_TIMEOUT`, and the command's `QTOOL_HTTP_DEADLINE`): a server
+that trickles its headers or body is cut off there, with one line that names the limit.
 """
 
 from __future__ import annotations
@@ -21,18 +25,27 @@ import json
 import os
 import re
 import tempfile
-import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from qtool.errors import CheckpointError
+from qtool.formats.http_opener import (
+    OPENER,
+    READ_TIMEOUT,
+    Deadlines,
+    RefusedURL,
+    Watch,
+    refuse_scheme,
+)
 from qtool.formats.untrusted_json import parse_json
 
 __all__ = ["RemoteFile", "RemoteCache", "display_url", "is_remote", "TIMEOUT", "TRIES", "SLACK"]
 
-TIMEOUT = 20.0  # seconds per connect and per read
+TIMEOUT = READ_TIMEOUT  # seconds per connect and per read; a whole read has its deadline
 TRIES = 3
 SLACK = 64 * 1024  # never read more than asked + this
 _BACKOFF = 0.5  # seconds before the second try; doubled before the third
@@ -52,27 +65,15 @@ def display_url(url: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
 
 
-class _Redirects(urllib.request.HTTPRedirectHandler):
-    """Follow redirects, but never carry the Authorization header to another host (the Hub
-    redirects large files to a CDN with a signed URL)."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        new = super().redirect_request(req, fp, code, msg, headers, newurl)
-        if new is not None and urlsplit(newurl).netloc != urlsplit(req.full_url).netloc:
-            new.remove_header("Authorization")
-        return new
-
-
-_OPENER = urllib.request.build_opener(_Redirects())
-
-
 class RemoteFile:
-    """One remote file, read by byte ranges. `size` and `etag` are known after the first read."""
+    """One remote file, read by byte ranges. `size` and `etag` are known after the first read.
+    `deadlines` are the command's (`http_opener.Deadlines`), shared by all its files."""
 
-    def __init__(self, url: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, url: str, headers: dict[str, str] | None = None, deadlines: Deadlines | None = None) -> None:
         self.url = url
         self.display = display_url(url)
         self.headers = dict(headers or {})
+        self.deadlines = deadlines or Deadlines.from_environment()
         self.size: int | None = None
         self.etag: str | None = None
         self.status: int | None = None  # of the last whole-file read: 200, 304 or 404
@@ -80,28 +81,50 @@ class RemoteFile:
     def fail(self, message: str, hint: str | None = None) -> CheckpointError:
         return CheckpointError(message, path=self.display, hint=hint)
 
-    def _open(self, extra: dict[str, str], method: str = "GET"):
+    @contextmanager
+    def _deadline(self) -> Iterator[Watch]:
+        """One read, its retries included, under its deadline: whatever went wrong in a read
+        that the deadline cut short (a reset, a short body), the deadline is what is reported."""
+        watch = self.deadlines.watch()
+        try:
+            yield watch
+        except Exception:
+            if watch.expired:
+                raise self.deadlines.late(watch.which, self.display) from None
+            raise
+        finally:
+            watch.close()
+
+    def _open(self, extra: dict[str, str], watch: Watch, method: str = "GET"):
         """The response, after retries; an HTTP error status raises, except 304 and 404, which
         come back as the response (its body unread)."""
         request = urllib.request.Request(self.url, method=method, headers={**self.headers, **extra})
+        request.qtool_watch = watch  # type: ignore[attr-defined]  # the opener's connections report their sockets to it
         for attempt in range(TRIES):
             last = attempt == TRIES - 1
+            if watch.expired:
+                raise self.deadlines.late(watch.which, self.display)
             try:
-                return _OPENER.open(request, timeout=TIMEOUT)
+                refuse_scheme(self.url)
+                return OPENER.open(request, timeout=max(0.001, min(TIMEOUT, watch.remaining())))
             except urllib.error.HTTPError as exc:
                 if exc.code in (304, 404):
                     return exc
                 exc.close()
                 if (exc.code == 429 or exc.code >= 500) and not last:
-                    time.sleep(_BACKOFF * 2**attempt)
+                    watch.sleep(_BACKOFF * 2**attempt)
                     continue
                 raise self._status_error(exc.code) from None
+            except RefusedURL as exc:
+                raise self.fail(f"not read: {exc.reason}", hint="qtool reads remote checkpoints over HTTP(S) only") from None
             except (urllib.error.URLError, http.client.HTTPException, OSError) as exc:
                 if not last:
-                    time.sleep(_BACKOFF * 2**attempt)
+                    watch.sleep(_BACKOFF * 2**attempt)
                     continue
                 reason = getattr(exc, "reason", None) or exc
                 raise self.fail(f"cannot connect ({reason}, {TRIES} tries)", hint="check the URL and your network") from None
+            except ValueError as exc:  # http.client.InvalidURL: a control character or a bad port
+                raise self.fail(f"is not a URL qtool can request ({exc})") from None
         raise AssertionError("unreachable")
 
     def _status_error(self, code: int) -> CheckpointError:
@@ -121,16 +144,17 @@ class RemoteFile:
         extra = {"Range": f"bytes={start}-{start + size - 1}", "Accept-Encoding": "identity"}
         if etag:
             extra["If-None-Match"] = etag
-        for attempt in range(TRIES):
-            response = self._open(extra)
-            try:
-                return self._range_body(response, start, size)
-            except _Truncated as exc:
-                if attempt == TRIES - 1:
-                    raise self.fail(f"the connection closed after {exc.got} of {exc.want} bytes ({TRIES} tries)", hint="try again later") from None
-                time.sleep(_BACKOFF * 2**attempt)
-            finally:
-                response.close()
+        with self._deadline() as watch:
+            for attempt in range(TRIES):
+                response = self._open(extra, watch)
+                try:
+                    return self._range_body(response, start, size)
+                except _Truncated as exc:
+                    if attempt == TRIES - 1 or watch.expired:
+                        raise self.fail(f"the connection closed after {exc.got} of {exc.want} bytes ({TRIES} tries)", hint="try again later") from None
+                    watch.sleep(_BACKOFF * 2**attempt)
+                finally:
+                    response.close()
         raise AssertionError("unreachable")
 
     def _range_body(self, response, start: int, size: int) -> bytes | None:
@@ -181,33 +205,35 @@ class RemoteFile:
         extra = {"Accept-Encoding": "identity"}
         if etag:
             extra["If-None-Match"] = etag
-        for attempt in range(TRIES):
-            response = self._open(extra)
-            try:
-                status = response.status if hasattr(response, "status") else response.code
-                self.status = status
-                if status in (304, 404):
-                    return None
-                if status != 200:
-                    raise self.fail(f"the server answered HTTP {status}")
-                length = response.headers.get("Content-Length")
-                if length is not None and length.strip().isdigit() and int(length) > cap:
-                    raise self.fail(f"is {int(length)} bytes, over the {cap}-byte limit for this kind of file")
+        with self._deadline() as watch:
+            for attempt in range(TRIES):
+                response = self._open(extra, watch)
                 try:
-                    data = response.read(cap + 1)
-                except http.client.IncompleteRead as exc:
-                    if attempt == TRIES - 1:
-                        raise self.fail(f"the connection closed after {len(exc.partial)} bytes ({TRIES} tries)") from None
-                    time.sleep(_BACKOFF * 2**attempt)
-                    continue
-                if len(data) > cap:
-                    raise self.fail(f"is over the {cap}-byte limit for this kind of file")
-                if length is not None and length.strip().isdigit() and len(data) != int(length):
-                    raise self.fail(f"the connection closed after {len(data)} of {length} bytes")
-                self.etag = response.headers.get("ETag")
-                return data
-            finally:
-                response.close()
+                    status = response.status if hasattr(response, "status") else response.code
+                    self.status = status
+                    if status in (304, 404):
+                        return None
+                    if status != 200:
+                        raise self.fail(f"the server answered HTTP {status}")
+                    length = response.headers.get("Content-Length")
+                    if length is not None and length.strip().isdigit() and int(length) > cap:
+                        raise self.fail(f"is {int(length)} bytes, over the {cap}-byte limit for this kind of file")
+                    try:
+                        data = response.read(cap + 1)
+                    except (http.client.HTTPException, OSError) as exc:  # IncompleteRead, a reset
+                        got = len(getattr(exc, "partial", b"") or b"")
+                        if attempt == TRIES - 1 or watch.expired:
+                            raise self.fail(f"the connection closed after {got} bytes ({TRIES} tries)") from None
+                        watch.sleep(_BACKOFF * 2**attempt)
+                        continue
+                    if len(data) > cap:
+                        raise self.fail(f"is over the {cap}-byte limit for this kind of file")
+                    if length is not None and length.strip().isdigit() and len(data) != int(length):
+                        raise self.fail(f"the connection closed after {len(data)} of {length} bytes")
+                    self.etag = response.headers.get("ETag")
+                    return data
+                finally:
+                    response.close()
         raise AssertionError("unreachable")
 
 

@@ -9,6 +9,11 @@ hf:// needs huggingface_hub (the `hub` extra), imported here only: it lists the 
 the revision (one request; the listing of a commit hash is cached), builds each file's URL
 (`hf_hub_url`, which follows HF_ENDPOINT) at the commit the listing names, and gives the token
 (`get_token()`), sent as `Authorization: Bearer` and nowhere else.
+
+The reads run in daemon threads while the calling thread waits, at most until the command's
+deadline (`http_opener.Deadlines`): Ctrl-C or SIGTERM in the main thread ends the wait at once,
+cancels the requests under way, and no exit waits for a thread stuck on a stalled server.
+Shard names from a remote index resolve under the index's own URL, or are refused.
 """
 
 from __future__ import annotations
@@ -16,20 +21,22 @@ from __future__ import annotations
 import json
 import posixpath
 import re
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
-from urllib.parse import unquote, urljoin, urlsplit
+from urllib.parse import quote, unquote, urljoin, urlsplit
 
 from qtool.errors import CheckpointError, InternalError, UsageError
 from qtool.formats.checkpoint import SIDE_FILES, SMALL_TENSOR_LIMIT, Checkpoint, StoredTensor
 from qtool.formats.gguf import NeedMore, parse_gguf_prefix
+from qtool.formats.http_opener import COMMAND_TIMEOUT_ENV, Deadlines
 from qtool.formats.remote import LOGIN_HINT, RemoteCache, RemoteFile, display_url
 from qtool.formats.safetensors import MAX_HEADER_SIZE, header_length, parse_header
 from qtool.formats.shards import check_index, index_shards, merge_files
 from qtool.formats.untrusted_json import parse_json
 
-__all__ = ["open_remote", "RemoteCheckpoint", "FIRST_READ", "INDEX_CAP", "SIDE_FILE_CAP"]
+__all__ = ["open_remote", "refuse_remote_data", "RemoteCheckpoint", "FIRST_READ", "INDEX_CAP", "SIDE_FILE_CAP"]
 
 FIRST_READ = 8 + 64 * 1024  # a safetensors file's first range: the length and most headers
 GGUF_FIRST_READ = 64 * 1024  # a GGUF file's first range, doubled until the tensor table fits
@@ -52,11 +59,7 @@ class RemoteCheckpoint(Checkpoint):
         pass  # no local files to fingerprint
 
     def require_local(self) -> None:
-        raise CheckpointError(
-            f"tensor data of a remote checkpoint is not read; download it first: {self.download}",
-            path=self.path,
-            hint="then run the command on the local copy; `qtool inspect` and header-only `qtool check` read remote checkpoints",
-        )
+        raise _not_read(self.path, self.download)
 
     def read_small(self, tensor: StoredTensor) -> bytes:
         if tensor.nbytes > SMALL_TENSOR_LIMIT:
@@ -76,14 +79,15 @@ class RemoteCheckpoint(Checkpoint):
 class _Session:
     """The requests of one open: shared headers (the token), RemoteFiles by URL, the cache."""
 
-    def __init__(self, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, deadlines: Deadlines, headers: dict[str, str] | None = None) -> None:
+        self.deadlines = deadlines
         self.headers = dict(headers or {})
         self.cache = RemoteCache()
         self.files: dict[str, RemoteFile] = {}
 
     def file(self, url: str) -> RemoteFile:
         if url not in self.files:
-            self.files[url] = RemoteFile(url, self.headers)
+            self.files[url] = RemoteFile(url, self.headers, self.deadlines)
         return self.files[url]
 
     def read_header(self, url: str, first: int, cap: int, parse: Callable[[bytes, int], Any], double: bool) -> Any:
@@ -143,7 +147,7 @@ class _Session:
         immutable = self.cache.immutable(url)
         if cached is not None and immutable:
             return None if cached[0].get("absent") else parse_json(cached[1], display_url(url))
-        remote = RemoteFile(url, self.headers)
+        remote = RemoteFile(url, self.headers, self.deadlines)
         etag = cached[0].get("etag") if cached is not None else None
         data = remote.read_whole(cap, etag=etag)
         if data is None and remote.status == 304 and cached is not None:
@@ -192,10 +196,78 @@ class _Place:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-def open_remote(location: str) -> Checkpoint:
-    """Read the headers of a remote checkpoint. No tensor data is read."""
+def _not_read(path: str, download: str) -> CheckpointError:
+    return CheckpointError(
+        f"tensor data of a remote checkpoint is not read; download it first: {download}",
+        path=path,
+        hint="then run the command on the local copy; `qtool inspect` and header-only `qtool check` read remote checkpoints",
+    )
+
+
+def refuse_remote_data(location: str) -> None:
+    """For the commands that read tensor data: refuse a remote location with the command that
+    downloads it, from the location alone (no request, so offline too)."""
     if location.startswith("hf://"):
-        place, chosen = _hub_place(location)
+        repo_id, revision, _ = _parse_hub(location)
+        raise _not_read(location, _hub_download(repo_id, revision))
+    raise _not_read(location, f"curl -LO {display_url(location)}")
+
+
+def open_remote(location: str) -> Checkpoint:
+    """Read the headers of a remote checkpoint. No tensor data is read. The reads run in daemon
+    threads; this one waits, at most until the command's deadline (`QTOOL_HTTP_DEADLINE`)."""
+    deadlines = Deadlines.from_environment()
+    shown = location if location.startswith("hf://") else display_url(location)
+    return _run_all([lambda: _open_remote(location, deadlines)], deadlines, shown, workers=1)[0]
+
+
+def _run_all(calls: list[Callable[[], Any]], deadlines: Deadlines, shown: str, workers: int = WORKERS) -> list[Any]:
+    """`calls` run on up to `workers` daemon threads: their results in order, or the first
+    failure in order. The caller waits interruptibly (a signal's exception ends the wait) and at
+    most until the command's deadline; either way the requests under way are cut. Daemon
+    threads, never joined: a thread stuck on a server holds up no exit."""
+    results: list[Any] = [None] * len(calls)
+    failures: list[BaseException | None] = [None] * len(calls)
+    pending = iter(range(len(calls)))
+    finished = [0]
+    lock = threading.Lock()
+    done = threading.Event()
+
+    def work() -> None:
+        while True:
+            with lock:
+                index = next(pending, None)
+            if index is None:
+                return
+            try:
+                results[index] = calls[index]()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                failures[index] = exc
+            with lock:
+                finished[0] += 1
+                if finished[0] == len(calls):
+                    done.set()
+
+    if not calls:
+        return []
+    for _ in range(min(workers, len(calls))):
+        threading.Thread(target=work, name="qtool-remote", daemon=True).start()
+    try:
+        while not done.wait(timeout=min(1.0, max(0.0, deadlines.command_end - time.monotonic()))):
+            if time.monotonic() >= deadlines.command_end:
+                raise deadlines.late(COMMAND_TIMEOUT_ENV, shown)
+    except BaseException:
+        deadlines.cancel()
+        raise
+    for failure in failures:
+        if failure is not None:
+            raise failure
+    return results
+
+
+def _open_remote(location: str, deadlines: Deadlines) -> Checkpoint:
+    if location.startswith("hf://"):
+        place, chosen = _hub_place(location, deadlines)
     else:
         parts = urlsplit(location)
         if not parts.netloc:
@@ -203,11 +275,11 @@ def open_remote(location: str) -> Checkpoint:
         base = location
 
         def url(name: str) -> str:
-            return urljoin(base, name)
+            return urljoin(base, quote(name, safe="/"))  # a file name, not a URL: `%` and `?` are literal
 
         shown = display_url(location)
-        place, chosen = _Place(location, url, f"curl -LO {shown}"), posixpath.basename(parts.path)
-    session = _Session(place.headers)
+        place, chosen = _Place(location, url, f"curl -LO {shown}"), unquote(posixpath.basename(parts.path))
+    session = _Session(deadlines, place.headers)
     if chosen.endswith(".index.json"):
         return _open_index(session, place, chosen)
     if chosen.endswith(".safetensors"):
@@ -226,12 +298,12 @@ def open_remote(location: str) -> Checkpoint:
 
 
 def _open_safetensors(session: _Session, place: _Place, urls: list[str], weight_map=None, shard_urls=None, index_url=None) -> Checkpoint:
-    with ThreadPoolExecutor(max_workers=min(WORKERS, len(urls) + len(SIDE_FILES))) as pool:
-        headers = [pool.submit(_safetensors_header, session, url) for url in urls]
-        side_urls = {name: place.url(name) for name in SIDE_FILES}
-        sides = {name: pool.submit(session.read_json, url, SIDE_FILE_CAP, True) for name, url in side_urls.items() if url}
-        per_file = [future.result() for future in headers]
-        side_files = {name: future.result() for name, future in sides.items()}
+    side_urls = {name: url for name, url in ((name, place.url(name)) for name in SIDE_FILES) if url}
+    calls: list[Callable[[], Any]] = [lambda url=url: _safetensors_header(session, url) for url in urls]
+    calls += [lambda url=url: session.read_json(url, SIDE_FILE_CAP, True) for url in side_urls.values()]
+    results = _run_all(calls, session.deadlines, place.display)
+    per_file = results[: len(urls)]
+    side_files = dict(zip(side_urls, results[len(urls) :]))
     tensors, metadata = merge_files(per_file)
     checkpoint = RemoteCheckpoint(
         path=place.display,
@@ -248,6 +320,29 @@ def _open_safetensors(session: _Session, place: _Place, urls: list[str], weight_
     return checkpoint
 
 
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+def _shard_url(place: _Place, index_url: str, folder: str, shard: str, shown: str) -> str:
+    """A shard's URL: its name resolved under the index's own URL (same scheme, host and port,
+    inside the index's folder). A name that is a URL (`http://elsewhere/...`, `file:///...`) or
+    holds `//` would send qtool elsewhere: refused."""
+    if _SCHEME.match(shard) or "//" in shard:
+        raise CheckpointError(
+            f"index names shard {shard!r}, which is a URL or holds '//', not a file name beside the index",
+            path=shown,
+            hint="shard names in a remote index must be relative file names; qtool reads nothing the index points to elsewhere",
+        )
+    url = place.url(posixpath.join(folder, shard) if folder else shard)
+    if url is None:
+        raise CheckpointError(f"index names shard {shard!r}, which does not exist", path=shown, hint="the repository may be incomplete")
+    resolved, base = urlsplit(url), urlsplit(index_url)
+    inside = posixpath.dirname(base.path).rstrip("/") + "/"
+    if (resolved.scheme, resolved.netloc) != (base.scheme, base.netloc) or not resolved.path.startswith(inside):
+        raise CheckpointError(f"index names shard {shard!r}, which resolves to {display_url(url)}, outside the index's folder", path=shown)
+    return url
+
+
 def _open_index(session: _Session, place: _Place, name: str) -> Checkpoint:
     index_url = place.url(name) or name
     shown = display_url(index_url)
@@ -255,28 +350,29 @@ def _open_index(session: _Session, place: _Place, name: str) -> Checkpoint:
     if not shards or not all(s.endswith(".safetensors") for s in shards):
         raise CheckpointError("remote indexes must name .safetensors shards", path=shown, hint="download PyTorch pickle checkpoints first")
     folder = posixpath.dirname(name)
-    shard_urls = {}
-    for shard in shards:
-        url = place.url(posixpath.join(folder, shard) if folder else shard)
-        if url is None:
-            raise CheckpointError(
-                f"index names shard {shard!r}, which does not exist", path=shown, hint="the repository may be incomplete"
-            )
-        shard_urls[shard] = url
+    shard_urls = {shard: _shard_url(place, index_url, folder, shard, shown) for shard in shards}
     return _open_safetensors(session, place, list(shard_urls.values()), weight_map, shard_urls, shown)
 
 
 # -- hf:// -----------------------------------------------------------------------------------------
 
 
-def _hub_place(location: str) -> tuple[_Place, str]:
-    """Resolve hf://ORG/REPO[@REVISION][/PATH] with huggingface_hub: the file to read first."""
+def _parse_hub(location: str) -> tuple[str, str | None, str]:
+    """hf://ORG/REPO[@REVISION][/PATH] as (repo id, revision or None, path)."""
     parts = location[len("hf://") :].split("/")
     if len(parts) < 2 or not parts[0] or not parts[1] or parts[1].startswith("@"):
         raise UsageError(f"{location!r} is not a Hub location", hint=f"write {_HF_FORM}")
     repo, _, revision = parts[1].partition("@")
-    repo_id, revision = f"{parts[0]}/{repo}", unquote(revision) or None
-    path = "/".join(p for p in parts[2:] if p)
+    return f"{parts[0]}/{repo}", unquote(revision) or None, "/".join(p for p in parts[2:] if p)
+
+
+def _hub_download(repo_id: str, revision: str | None) -> str:
+    return f"huggingface-cli download {repo_id}" + (f" --revision {revision}" if revision else "")
+
+
+def _hub_place(location: str, deadlines: Deadlines) -> tuple[_Place, str]:
+    """Resolve hf://ORG/REPO[@REVISION][/PATH] with huggingface_hub: the file to read first."""
+    repo_id, revision, path = _parse_hub(location)
     try:
         import huggingface_hub
     except ImportError:
@@ -284,7 +380,7 @@ def _hub_place(location: str) -> tuple[_Place, str]:
 
     token = huggingface_hub.get_token()
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    commit, files = _hub_listing(huggingface_hub, location, repo_id, revision, token)
+    commit, files = _hub_listing(huggingface_hub, location, repo_id, revision, token, deadlines.request_timeout)
     listed = set(files)
     chosen = _choose(location, files, path)
     base = posixpath.dirname(chosen)
@@ -293,11 +389,10 @@ def _hub_place(location: str) -> tuple[_Place, str]:
         full = posixpath.normpath(posixpath.join(base, name)) if base else name
         return huggingface_hub.hf_hub_url(repo_id, full, revision=commit) if full in listed else None
 
-    download = f"huggingface-cli download {repo_id}" + (f" --revision {revision}" if revision else "")
-    return _Place(location, url, download, headers), posixpath.basename(chosen)
+    return _Place(location, url, _hub_download(repo_id, revision), headers), posixpath.basename(chosen)
 
 
-def _hub_listing(hub, location: str, repo_id: str, revision: str | None, token: str | None) -> tuple[str, list[str]]:
+def _hub_listing(hub, location: str, repo_id: str, revision: str | None, token: str | None, timeout: float) -> tuple[str, list[str]]:
     """The commit and the files of a repository at a revision; a commit hash's listing comes
     from the cache when it was read before (it can't change)."""
     cache = RemoteCache()
@@ -311,7 +406,7 @@ def _hub_listing(hub, location: str, repo_id: str, revision: str | None, token: 
     from huggingface_hub import utils as errors  # where 0.20 and later all export the error types
 
     try:
-        info = hub.HfApi().model_info(repo_id, revision=revision, token=token or False)
+        info = hub.HfApi().model_info(repo_id, revision=revision, token=token or False, timeout=timeout)
     except errors.HFValidationError:
         raise UsageError(f"{repo_id!r} is not a valid repository id", hint=f"write {_HF_FORM}") from None
     except errors.GatedRepoError:
