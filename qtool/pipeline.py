@@ -309,7 +309,7 @@ def execute(plan: Plan, output: Output, options: ExecOptions = ExecOptions(), *,
             for filename, content in layout.side_files(plan).items():
                 output.side_file(filename, content)
             for source, filename in side_file_copies(plan.source, output.single_file):
-                output.copy_side_file(source, filename)
+                output.carry_side_file(filename, read_side_file(plan.source, source))
             runner.measured.bytes_written = sum(file.size for file in writers.values())
             runner.measured.seconds = time.perf_counter() - started
             if before_commit is not None:
@@ -327,3 +327,10 @@ def side_file_copies(source: Checkpoint, single_file: bool) -> list[tuple[str, s
     from qtool.side_files import carried_over
 
     return [] if single_file else carried_over(source)
+
+
+def read_side_file(source: Checkpoint, path: str) -> bytes:
+    """A side file's bytes, read through one checked descriptor; see qtool.side_files."""
+    from qtool.side_files import read_carried
+
+    return read_carried(source, path)

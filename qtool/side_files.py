@@ -9,6 +9,10 @@ A symlinked side file is followed only to a regular file inside the model folder
 Hugging Face cache snapshot (`models--org--name/snapshots/<rev>/x -> ../../blobs/<hash>`),
 inside the same repository's `blobs/`. A link anywhere else (`tokenizer.json -> /etc/passwd`)
 is skipped with a warning: its contents must never end up in an output meant for publishing.
+
+The check before the run names what is skipped; the copy itself (`read_carried`) opens each file
+once and checks the descriptor (qtool.formats.regular_files), so a file swapped for a link, a
+FIFO or a device after the check is refused, never published and never waited on.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ import fnmatch
 import os
 import stat
 
+from qtool.errors import CheckpointError
 from qtool.formats.checkpoint import Checkpoint
+from qtool.formats.regular_files import NotReadable, read_regular
 
-__all__ = ["SIDE_FILE_PATTERNS", "SIDE_FILE_LIMIT", "carried_over", "skipped_links", "linked_out"]
+__all__ = ["SIDE_FILE_PATTERNS", "SIDE_FILE_LIMIT", "carried_over", "skipped_links", "linked_out", "read_carried"]
 
 SIDE_FILE_LIMIT = 64 << 20  # a tokenizer is a few MB; anything larger is not a side file
 SIDE_FILE_PATTERNS = (
@@ -76,3 +82,23 @@ def skipped_links(source: Checkpoint) -> list[str]:
 def linked_out(path: str) -> bool:
     """Whether `path` is a link that resolves out of its folder (an HF cache's blobs aside)."""
     return os.path.islink(path) and not _inside(os.path.realpath(path), _roots(os.path.dirname(os.path.abspath(path))))
+
+
+def read_carried(source: Checkpoint, path: str) -> bytes:
+    """The bytes of side file `path` (one `carried_over` named), read through one descriptor:
+    opened without following a last link, without blocking, then checked to be a regular file
+    inside the model folder (or the cache's blobs) within SIDE_FILE_LIMIT. A file that no
+    longer passes is a CheckpointError: the output is abandoned, nothing is published."""
+    roots = tuple(_roots(source.path))
+    real = os.path.realpath(path)
+    try:
+        if not _inside(real, list(roots)):
+            raise NotReadable("it links out of the model folder")
+        content = read_regular(real, SIDE_FILE_LIMIT, follow=False, inside=roots)
+        if len(content) > SIDE_FILE_LIMIT:
+            raise NotReadable(f"it is larger than {SIDE_FILE_LIMIT} bytes")
+        return content
+    except NotReadable as exc:
+        raise CheckpointError(f"side file changed while qtool ran: {exc}; nothing was written", path=path) from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read: {exc.strerror}", path=path) from None

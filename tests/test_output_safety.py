@@ -346,7 +346,7 @@ with open(source, "w") as handle:
 out = Output(os.path.join(base, "new", "out"), single_file=False, overwrite=False)
 out.shard("model.safetensors", [OutTensor("a", "U8", (1,))], None).write("a", b"x")
 out.side_file("config.json", {})
-out.copy_side_file(source, "tokenizer.json")
+out.carry_side_file("tokenizer.json", open(source, "rb").read())
 out.commit()
 one = Output(os.path.join(base, "one.safetensors"), single_file=True, overwrite=False)
 one.shard("model.safetensors", [OutTensor("a", "U8", (1,))], None).write("a", b"x")

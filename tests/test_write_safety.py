@@ -193,6 +193,47 @@ def test_links_inside_the_model_and_a_hugging_face_cache_repo_are_followed(tmp_p
     assert not (tmp_path / "out" / "tokenizer.json").is_symlink()
 
 
+SWAP_DURING_COPY = r"""
+import os, sys
+import qtool.formats.writer as writer
+from qtool.cli import main
+model, out, outside, how = sys.argv[1:5]
+write_new = writer._write_new
+
+def swap_after_merges(path, data):
+    write_new(path, data)
+    if os.path.basename(path) == "merges.txt":  # vocab.json was checked; it is copied next
+        victim = os.path.join(model, "vocab.json")
+        os.unlink(victim)
+        if how == "fifo":
+            os.mkfifo(victim)
+        else:
+            os.symlink(outside if how == "link" else "/dev/zero", victim)
+
+writer._write_new = swap_after_merges
+sys.argv = ["qtool", "quantize", model, "-o", out, "-q"]
+main()
+"""
+
+
+@pytest.mark.parametrize("how", ["link", "fifo", "zero"])
+def test_a_side_file_swapped_during_the_copy_is_never_published_nor_waited_on(tmp_path, model, how):
+    """Issue 18 #4: side files were checked, then opened again by path, following links, with
+    no size cap; a swap while an earlier one is copied published a file from outside the model,
+    a FIFO hung the run and /dev/zero grew memory without limit."""
+    (tmp_path / "outside.txt").write_text("SECRET")
+    (model / "merges.txt").write_text("#version: 0.2\n" + "a b\n" * 100_000)
+    (model / "vocab.json").write_text('{"a": 0}')
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    args = [model, tmp_path / "out", tmp_path / "outside.txt", how]
+    done = subprocess.run([sys.executable, "-c", SWAP_DURING_COPY, *map(str, args)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {model}/vocab.json: side file changed while qtool ran"), done.stderr
+    assert not (tmp_path / "out").exists()
+    assert sorted(os.listdir(tmp_path)) == ["m", "outside.txt"]  # no staging folder left either
+
+
 # -- the inputs must not change while they are read --------------------------------------------------
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from qtool.errors import CheckpointError
 from qtool.formats.checkpoint import SIDE_FILES, Checkpoint
+from qtool.formats.regular_files import NotReadable, read_regular
 from qtool.formats.safetensors import read_safetensors_file
 from qtool.formats.shards import check_index, index_shards, merge_files
 from qtool.formats.untrusted_json import MAX_JSON_BYTES, parse_json
@@ -278,9 +279,10 @@ def _read_side_files(base_dir: str) -> dict[str, Any]:
 
 def _read_json(path: str) -> Any:
     """A side file's or an index's JSON, read with qtool.formats.untrusted_json's limits."""
-    try:
-        with open(path, "rb") as handle:
-            raw = handle.read(MAX_JSON_BYTES + 1)  # one byte over: parse_json says it is too large
+    try:  # one checked descriptor: a FIFO swapped in cannot hang the run, nor /dev/zero grow it
+        raw = read_regular(path, MAX_JSON_BYTES)  # one byte over: parse_json says it is too large
+    except NotReadable as exc:
+        raise CheckpointError(f"cannot read: {exc}", path=path) from None
     except OSError as exc:
         raise CheckpointError(f"cannot read: {exc.strerror}", path=path) from None
     return parse_json(raw, path)

@@ -270,12 +270,13 @@ class Output:
         except OSError as exc:
             raise write_error(path, exc) from None
 
-    def copy_side_file(self, source: str, filename: str) -> None:
-        """Carry a small file (tokenizer, generation config) over unchanged."""
+    def carry_side_file(self, filename: str, content: bytes) -> None:
+        """Carry a small file (tokenizer, generation config) over unchanged: its bytes, read by
+        the caller through one checked descriptor (qtool.side_files.read_carried), never
+        opened here again by a path that may have been swapped meanwhile."""
         path = self._path(filename)
         try:
-            with open(source, "rb") as handle:
-                _write_new(path, handle.read())
+            _write_new(path, content)
         except OSError as exc:
             raise write_error(path, exc) from None
 

@@ -27,13 +27,13 @@ import contextlib
 import hashlib
 import logging
 import os
-import shutil
 import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
 from qtool.errors import CheckpointError, UsageError
+from qtool.formats.regular_files import NotReadable, read_regular
 from qtool.side_files import SIDE_FILE_LIMIT, linked_out
 
 __all__ = ["tokenizer_entries", "llama_hf_tokens", "refuse_or_note", "BPE_PRE_TOKENIZERS"]
@@ -339,10 +339,16 @@ def _staged(folder: str) -> Iterator[Path]:
                 continue
             if linked_out(path) or not stat.S_ISREG(info.st_mode) or info.st_size > SIDE_FILE_LIMIT:
                 continue
-            try:
-                shutil.copyfile(path, os.path.join(staged, name))
+            try:  # one descriptor, the inode just checked: a swap meanwhile is refused, a FIFO never waited on
+                content = read_regular(path, SIDE_FILE_LIMIT, expect=info)
+            except NotReadable as exc:
+                raise CheckpointError(f"cannot read: {exc}", path=path) from None
             except OSError as exc:
                 raise CheckpointError(f"cannot read: {exc.strerror}", path=path) from None
+            if len(content) > SIDE_FILE_LIMIT:
+                continue
+            with open(os.path.join(staged, name), "wb") as handle:
+                handle.write(content)
         yield Path(staged)
 
 
