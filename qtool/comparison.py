@@ -10,6 +10,11 @@ by chunk with `ErrorStats`:
     max abs error  max |a - b|
     cosine         sum a * b / sqrt(sum a^2 * sum b^2)
 
+Integer and boolean tensors (position_ids, masks) have no float value to measure and would
+swamp the signal: they are compared for equality only, counted apart (`summary.integer`), and a
+difference is a finding. The model-wide figures cover the float weights, as `qtool quantize`'s
+`all_weights` does.
+
 Memory stays bounded as in quantize: one pair (two weights) at a time, never two models. A
 plain weight is streamed in chunks with pread (no mmap pages linger); a quantized one is
 decoded into one float tensor, and its members' pages are released after its pair. The
@@ -64,6 +69,10 @@ class Pair:
     stats: ErrorStats | None = None
     finding: str | None = None  # why this pair could not be measured, or what is wrong with it
     notes: list[str] = field(default_factory=list)
+    # integer or boolean data (position_ids, masks): compared for equality, never in an error
+    # figure, whose signal its values would inflate (MiniLM's 0..511 added 27.55 dB)
+    integer: bool = False
+    equal: bool | None = None
 
     @property
     def nbytes(self) -> int:
@@ -75,10 +84,14 @@ class Pair:
 
     @property
     def exact(self) -> bool:
+        if self.integer:
+            return self.finding is None and bool(self.equal)
         return self.stats is not None and self.finding is None and self.stats.noise == 0
 
     def sort_key(self) -> tuple[int, float]:
-        """Worst first: findings, then SQNR ascending, exact matches last."""
+        """Worst first: findings, then SQNR ascending, exact matches last (equal integers too)."""
+        if self.integer and self.exact:
+            return (1, math.inf)
         if self.finding is not None or self.stats is None or math.isnan(self.sqnr_db):
             return (0, 0.0)
         return (1, self.sqnr_db)
@@ -101,6 +114,7 @@ class Pair:
             "parameters": self.a.parameters,
             "bytes_a": self.a.nbytes,
             "bytes_b": self.b.nbytes,
+            "integer": self.integer,  # added (issue 18): compared for equality, outside the error figures
         }
 
 
@@ -133,7 +147,12 @@ class Comparison:
 
     @property
     def measured(self) -> list[Pair]:
-        return [p for p in self.pairs if p.stats is not None and p.finding is None]
+        """The float pairs with error figures: integer and boolean data are compared apart."""
+        return [p for p in self.pairs if p.stats is not None and p.finding is None and not p.integer]
+
+    @property
+    def integers(self) -> list[Pair]:
+        return [p for p in self.pairs if p.integer]
 
     def model_error(self) -> ErrorStats:
         total = ErrorStats()
@@ -194,6 +213,8 @@ class Comparison:
                 **self.model_error().to_json(),
                 "worst": None if worst is None else {"name": worst.name, "sqnr_db": worst.to_json()["sqnr_db"], "exact": worst.exact, "finding": worst.finding},
                 "histogram": self.histogram(),
+                # added (issue 18): integer and boolean tensors, compared for equality only
+                "integer": {"compared": len(self.integers), "equal": sum(1 for p in self.integers if p.exact)},
             },
             "weights": [pair.to_json() for pair in sorted(self.pairs, key=Pair.sort_key)],
             "only_in_a": list(self.only_a),
@@ -342,9 +363,38 @@ def _measure(chunks_x: Iterator[Any], chunks_y: Iterator[Any]) -> tuple[ErrorSta
     return stats, bad_x, bad_y
 
 
+def _is_integer(weight: Weight) -> bool:
+    """Plain integer or boolean data: a count, an index, a mask; no float value to measure."""
+    return not weight.quantized and (weight.data.dtype.is_integer or weight.data.dtype.kind == "bool")
+
+
+def _compare_integers(comparison: Comparison, pair: Pair, device: str) -> None:
+    """Equality, value by value (I32 against I64 compares the numbers), streamed in chunks."""
+    import torch
+
+    pair.integer = True
+    if not (_is_integer(pair.a) and _is_integer(pair.b)):
+        float_side = "A" if not _is_integer(pair.a) else "B"
+        pair.finding = f"not comparable: {float_side} is float, the other integer ({pair.a.data.dtype.name} / {pair.b.data.dtype.name})"
+        return
+    x, y = pair.a.data, pair.b.data
+    if x.numel != y.numel:
+        pair.finding = f"not comparable: A has {x.numel} values, B {y.numel}"
+        return
+    differing = 0
+    for chunk_x, chunk_y in zip(_chunks(comparison.a, x, device), _chunks(comparison.b, y, device)):
+        differing += int((chunk_x.to(torch.int64) != chunk_y.to(torch.int64)).sum())
+    pair.equal = differing == 0
+    if differing:
+        pair.finding = f"integer values differ: {differing} of {x.numel}"
+
+
 def _measure_pair(comparison: Comparison, pair: Pair, device: str) -> None:
     x = y = None
     try:
+        if _is_integer(pair.a) or _is_integer(pair.b):
+            _compare_integers(comparison, pair, device)
+            return
         x = _source(comparison.a, pair.a, device, pair.rope_heads if pair.rope_side == "a" else None)
         y = _source(comparison.b, pair.b, device, pair.rope_heads if pair.rope_side == "b" else None)
         if pair.rope_heads:

@@ -15,6 +15,7 @@ dimensions; leading dimensions (MoE experts, say) get 1.
     granularity   block for [out, in]   resolved for [4096, 11008]
     tensor        (None, None)          (4096, 11008)
     channel       (1, None)             (1, 11008)
+    channel axis1 (None, 1)             (4096, 1)      a scale per column, "channel(axis=1)"
     group g128    (1, 128)              (1, 128)
     block         (128, 128)            (128, 128)
 """
@@ -121,11 +122,24 @@ class QScheme:
         *lead, last = self.block
         if all(b is None for b in self.block):
             return "tensor"
-        if last is None and all(b == 1 for b in lead):
+        if self.channel_axis is not None:
             return "channel"
         if last is not None and all(b == 1 for b in lead):
             return "group"
         return "block"
+
+    @property
+    def channel_axis(self) -> int | None:
+        """The block dimension that has one scale per index, for a per-channel scheme; else None.
+        (1, None) is per output channel (axis 0); (None, 1), as PyTorch's per_channel_affine with
+        axis=1 stores it, is one scale per input column (axis 1)."""
+        *lead, last = self.block
+        if last is None and lead and all(b == 1 for b in lead):
+            return len(self.block) - 2
+        ones = [axis for axis, b in enumerate(self.block) if b == 1]
+        if len(self.block) >= 2 and len(ones) == 1 and all(b is None for axis, b in enumerate(self.block) if axis != ones[0]):
+            return ones[0]
+        return None
 
     @property
     def group_size(self) -> int | None:
@@ -167,6 +181,8 @@ class QScheme:
             return f"g{self.group_size}"
         if gran == "block":
             return "block" + "x".join("*" if b is None else str(b) for b in self.block)
+        if gran == "channel" and self.block[-1] is not None:
+            return f"channel(axis={self.channel_axis})"  # not the usual one scale per output row
         return gran
 
     @property

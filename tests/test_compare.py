@@ -322,3 +322,58 @@ def test_table_tsv_and_json(w4, tmp_path):
     document = json.loads(run("compare", TINY, w4, "--json").stdout)
     assert document["schema_version"] == 1 and document["ok"] and document["violations"] == []
     assert set(document) >= {"a", "b", "device", "summary", "weights", "only_in_a", "only_in_b", "gates"}
+
+
+# -- integer and boolean tensors (issue 18 #11) ---------------------------------------------------
+
+
+def _with_buffers(folder, ids, mask):
+    shutil.copytree(TINY, folder)
+    tensors = load_file(str(TINY / "model.safetensors"))
+    tensors["model.position_ids"], tensors["model.mask"] = ids, mask
+    save_file(tensors, folder / "model.safetensors")
+    return folder
+
+
+def test_integer_and_bool_tensors_are_compared_for_equality_outside_the_sqnr(w4, tmp_path):
+    """An int64 0..511 buffer next to small float weights would add dB to the model figure."""
+    ids, mask = torch.arange(512, dtype=torch.int64).reshape(1, 512), torch.tensor([True, False, True])
+    a = _with_buffers(tmp_path / "a", ids, mask)
+    b = tmp_path / "b"
+    shutil.copytree(w4, b)
+    tensors = load_file(str(b / "model.safetensors"))
+    tensors["model.position_ids"], tensors["model.mask"] = ids.to(torch.int32), mask
+    save_file(tensors, b / "model.safetensors")
+    plain = qtool.compare(TINY, w4)
+    with_buffers = qtool.compare(a, b)
+    assert with_buffers.model_error().sqnr_db == pytest.approx(plain.model_error().sqnr_db, rel=1e-12)
+    document = with_buffers.to_json()
+    assert document["ok"] and document["summary"]["integer"] == {"compared": 2, "equal": 2}
+    assert document["summary"]["measured"] == plain.to_json()["summary"]["measured"]
+    by_name = {w["name"]: w for w in document["weights"]}
+    assert by_name["model.position_ids"]["integer"] and by_name["model.position_ids"]["exact"]
+    assert by_name["model.position_ids"]["sqnr_db"] is None
+    # a changed integer value is a finding: exit 1 at the CLI
+    tensors["model.position_ids"] = ids.clone().index_fill_(1, torch.tensor([7]), 8)
+    save_file(tensors, b / "model.safetensors")
+    result = run("compare", a, b, "--json")
+    assert result.exit_code == 1, result.output
+    assert "model.position_ids: integer values differ: 1 of 512" in json.loads(result.stdout)["violations"]
+
+
+def test_minilm_compare_agrees_with_the_quantize_report(tmp_path):
+    """all-MiniLM-L6-v2 holds an int64 position_ids: compare's model SQNR is the quantize
+    report's all-weights figure (issue 18: it was 48.86 dB against 21.31 dB)."""
+    import sys
+
+    sys.path.insert(0, str(SAMPLES))
+    from real_models import Unavailable, minilm
+
+    try:
+        source = minilm()
+    except Unavailable as exc:
+        pytest.skip(str(exc))
+    report = qtool.quantize(source, tmp_path / "minilm-w4", "W4A16")
+    comparison = qtool.compare(source, tmp_path / "minilm-w4")
+    assert comparison.model_error().sqnr_db == pytest.approx(report.all_weights_error().sqnr_db, rel=1e-9)
+    assert comparison.to_json()["summary"]["integer"] == {"compared": 1, "equal": 1}

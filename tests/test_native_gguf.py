@@ -27,6 +27,8 @@ TYPES = {
     "Q5_K": (256, 176, [0, 2]),
     "Q6_K": (256, 210, [208]),
     "IQ4_NL": (32, 18, [0]),
+    "MXFP4": (32, 17, []),  # every e8m0 and ue4m3 byte is valid (2^127 * 12 is inf on both paths)
+    "NVFP4": (64, 36, []),
 }
 DTYPES = {0: (torch.float32, np.float32, np.uint32), 1: (torch.float16, np.float16, np.uint16), 2: (torch.bfloat16, None, np.uint16)}
 # halves worth meeting: zeros, subnormals, the largest, ones, values whose products round

@@ -51,8 +51,10 @@ def test_torch_dtypes_resolve_where_torch_has_them():
         (CHANNEL, "channel", (1, 11008), "int4 sym channel"),
         (group(128), "group", (1, 128), "int4 sym g128"),
         ((128, 128), "block", (128, 128), "int4 sym block128x128"),
+        ((None, 1), "channel", (4096, 1), "int4 sym channel(axis=1)"),
+        ((None, 128), "block", (4096, 128), "int4 sym block*x128"),
     ],
-    ids=["per-tensor", "per-channel", "per-group", "2d-block"],
+    ids=["per-tensor", "per-channel", "per-group", "2d-block", "per-channel-axis1", "column-block"],
 )
 def test_granularity_is_a_block_shape(block, granularity, resolved, label):
     scheme = QScheme(qtype("int4"), block)

@@ -167,6 +167,10 @@ def test_native_quantized_tensors_are_weights_with_their_scheme():
     assert channel.bits_per_weight == (8 * 16 + 8 * 8 + 8 * 8) * 8 / 128  # int8 + f64 scales + i64 zero points
     axis1 = found["q.axis1"]
     assert axis1.scheme.block == (None, 1) and dict(axis1.provenance.details)["axis"] == "1"
+    # one scale per column: channel-wise along axis 1, not a block of every row by one column
+    assert (axis1.scheme.granularity, axis1.scheme.channel_axis) == ("channel", 1)
+    assert axis1.scheme.label == "int8 asym channel(axis=1)"  # qint8, zero points in [-4, 4)
+    assert channel.scheme.channel_axis == 0
     embedding = found["emb.weight"]
     assert dict(embedding.provenance.details)["qscheme"] == "per_channel_affine_float_qparams"
     assert embedding.scheme.label == "uint8 asym channel"

@@ -31,7 +31,7 @@ runner = CliRunner()
 EXPECTED = {
     "int8.weight": ("int8 sym channel", "Int8Tensor", (32 * 64 + 32 * 4 + 32) * 8 / (32 * 64)),
     "fp8.weight": ("fp8_e4m3 channel", "Float8Tensor", (32 * 64 + 32 * 4) * 8 / (32 * 64)),
-    "intx4.weight": ("int4 asym g32", "IntxUnpackedToInt8Tensor", (32 * 64 + 32 * 2 * 2 + 32 * 2) * 8 / (32 * 64)),
+    "intx4.weight": ("int4 sym g32", "IntxUnpackedToInt8Tensor", (32 * 64 + 32 * 2 * 2 + 32 * 2) * 8 / (32 * 64)),
     "int4.weight": ("int4 asym g32", "Int4Tensor", (32 * 32 + 2 * 32 * 2 * 2) * 8 / (32 * 64)),
 }
 
@@ -137,6 +137,21 @@ def test_live_torchao_round_trip(tmp_path, kind, dtype):
         out = decode_all(tmp_path / fixture)["0.weight"]
         assert out.dtype == reference.dtype
         assert torch.equal(float_bits(out), float_bits(reference)), fixture
+        scheme = {w.name: w.scheme for w in qtool.inspect(tmp_path / fixture).weights}["0.weight"]
+        assert scheme.symmetric == (kind != "intx2_asym"), (fixture, scheme.label)  # intx4: all zero points 0
+
+
+def test_intx_with_a_nonzero_zero_point_is_asymmetric(tmp_path):
+    """IntxUnpackedToInt8Tensor always stores zero points: their values say the grid, not their presence."""
+    data = load_file(FIXTURES / "model.safetensors")
+    with open(FIXTURES / "model.safetensors", "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    zero = next(k for k in data if k.startswith("intx4.") and k.endswith("zero_point"))
+    assert not data[zero].any()
+    data[zero].view(-1)[0] = 1
+    save_file(data, tmp_path / "model.safetensors", metadata=header["__metadata__"])
+    found = {w.name: w for w in qtool.inspect(tmp_path / "model.safetensors").weights}
+    assert found["intx4.weight"].scheme.label == "int4 asym g32"
 
 
 def test_without_torchao_the_pickle_error_says_so(tmp_path):

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from qtool.conventions.base import Pool, metadata_json, plain_weights, require_convention, unusable_scale, unusable_zero_point
 from qtool.dtypes import WEIGHT_FLOATS, decoded_dtype, float_dtype_named
 from qtool.errors import CheckpointError, JsonTypeError
-from qtool.formats.checkpoint import Checkpoint, StoredTensor
+from qtool.formats.checkpoint import SMALL_TENSOR_LIMIT, Checkpoint, StoredTensor
 from qtool.formats.untrusted_json import Anything, Integer, ListOf, Record, String
 from qtool.qtypes import qtype
 from qtool.scheme import QScheme
@@ -84,7 +84,7 @@ class Torchao:
 
     def detect(self, checkpoint: Checkpoint, pool: Pool) -> list[Weight]:
         entries = _pickle_entries(checkpoint, pool) if checkpoint.format == "torch" else _safetensors_entries(checkpoint, pool)
-        return [weight for entry in entries for weight in _weights(entry)]
+        return [weight for entry in entries for weight in _weights(checkpoint, entry)]
 
     def decode(self, checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu") -> torch.Tensor:
         return decode(checkpoint, weight, device)
@@ -163,7 +163,7 @@ def _unwrap(value: Any) -> Any:
 # -- building weights ----------------------------------------------------------------------------
 
 
-def _weights(entry: _Entry) -> list[Weight]:
+def _weights(checkpoint: Checkpoint, entry: _Entry) -> list[Weight]:
     members = {_ROLES.get(k, k): v for k, v in entry.members.items()}
     if entry.problem:
         return plain_weights(entry.members, f"torchao record {entry.name}: {entry.problem}; left plain")
@@ -175,7 +175,7 @@ def _weights(entry: _Entry) -> list[Weight]:
     if problem:
         return plain_weights(entry.members, f"looks like a torchao {entry.type_name}, but {problem}; left plain")
     try:
-        (scheme, provenance), shape, notes = _scheme(entry, members)
+        (scheme, provenance), shape, notes = _scheme(checkpoint, entry, members)
     except _Misfit as misfit:
         return plain_weights(entry.members, f"looks like a torchao {entry.type_name}, but {misfit}; left plain")
     dtype = float_dtype_named(str(entry.dtype or ""))
@@ -189,7 +189,7 @@ class _Misfit(ValueError):
     pass
 
 
-def _scheme(entry: _Entry, members: dict[str, StoredTensor]) -> tuple[tuple[QScheme, Provenance], tuple[int, ...], list[str]]:
+def _scheme(checkpoint: Checkpoint, entry: _Entry, members: dict[str, StoredTensor]) -> tuple[tuple[QScheme, Provenance], tuple[int, ...], list[str]]:
     data, scale = members[DATA], members["scale"]
     zero = members.get("zero_point")
     kind = entry.type_name
@@ -229,7 +229,18 @@ def _scheme(entry: _Entry, members: dict[str, StoredTensor]) -> tuple[tuple[QSch
     if parts is None:
         raise _Misfit(f"target_dtype {target[:40]!r} is not int1..int8 or uint1..uint8")
     value = qtype(f"{parts[1]}int{parts[2]}")
-    return _make(value, block, zero is None, scale, zero is not None, f"{target} values unpacked, one an int8", kind), shape, notes
+    symmetric = zero is None or _all_zero(checkpoint, zero, notes)
+    return _make(value, block, symmetric, scale, zero is not None, f"{target} values unpacked, one an int8", kind), shape, notes
+
+
+def _all_zero(checkpoint: Checkpoint, zero: StoredTensor, notes: list[str]) -> bool:
+    """Whether every zero point is 0: IntxUnpackedToInt8Tensor stores one even under a symmetric
+    config (MappingType.SYMMETRIC), so its values, not its presence, say which grid it is.
+    A zero point too large to read at inspect is labelled asymmetric, with a note."""
+    if zero.nbytes > SMALL_TENSOR_LIMIT:
+        notes.append(f"zero_point is {zero.nbytes} bytes, too large to read at inspect: labelled asym (zero points are applied either way)")
+        return False
+    return not any(bytes(checkpoint.read_bytes(zero)))
 
 
 def _make(value, block, symmetric: bool, scale: StoredTensor, zero_point: bool, packing: str | None, kind: str) -> tuple[QScheme, Provenance]:

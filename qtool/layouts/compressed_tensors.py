@@ -99,6 +99,8 @@ def _quant_args(scheme: QScheme) -> _QuantArgs:
     float_scale = kind == "auto" or scheme.scale_dtype.upper() in WEIGHT_FLOATS
     e8m0, e4m3 = kind == "e8m0" or scheme.scale_dtype.upper() == "U8", kind == "e4m3"
     strategy = gran  # qtool's granularity names are compressed-tensors' strategy names
+    if gran == "channel" and scheme.block[-1] is not None:
+        raise _usage(f"compressed-tensors stores one scale per output channel, not {scheme.granularity_label}")
     group_size = scheme.group_size if gran == "group" else None
     block = None
     if gran == "block":

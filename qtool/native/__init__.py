@@ -140,7 +140,7 @@ def decode_gguf(type_name: str, src, blocks: int, block_size: int, out_dtype: st
     return out
 
 
-_GGML_NAMES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "MXFP4", "IQ4_NL")
+_GGML_NAMES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "MXFP4", "NVFP4", "IQ4_NL")
 _gguf_types: frozenset[str] | None = None
 
 

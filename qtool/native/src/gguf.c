@@ -210,6 +210,54 @@ QT_INLINE void dq_iq4_nl(const uint8_t *restrict x, float *restrict y) {
     }
 }
 
+/* e2m1 values doubled, as ggml's kvalues_mxfp4; the e8m0 and ue4m3 scales are halved to match */
+static const int8_t e2m1_x2_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+QT_INLINE float e8m0_half(uint8_t e) { /* ggml_e8m0_to_fp32_half: 2^(e-127) / 2, exact, e = 0 and 1 too */
+    const uint32_t bits = e < 2 ? (uint32_t)(e + 1) * 0x00200000u : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* MXFP4: [e8m0][16 B e2m1 codes: value j low nibble, j + 16 high]; every product is exact */
+QT_INLINE void dq_mxfp4(const uint8_t *restrict x, float *restrict y) {
+    const float d = e8m0_half(x[0]);
+    const uint8_t *q = x + 1;
+    for (int j = 0; j < 16; j++) {
+        y[j] = (float)e2m1_x2_values[q[j] & 0x0F] * d;
+        y[j + 16] = (float)e2m1_x2_values[q[j] >> 4] * d;
+    }
+}
+
+QT_INLINE float ue4m3_half(uint8_t x) { /* ggml's ue4m3 scale times 0.5 (the doubled table); 0 and 0x7F read 0 */
+    if (x == 0 || x == 0x7F) return 0.0f;
+    const int exp = (x >> 3) & 0x0F;
+    const float man = (float)(x & 0x07);
+    float raw;
+    if (exp == 0) {
+        raw = man * 0x1p-9f;
+    } else {
+        const uint32_t bits = (uint32_t)(exp - 7 + 127) << 23;
+        float power;
+        memcpy(&power, &bits, 4);
+        raw = (1.0f + man / 8.0f) * power;
+    }
+    return raw * 0.5f;
+}
+
+/* NVFP4: [4 ue4m3 scales, one per 16][32 B: per 8 bytes, 8 low nibbles then their 8 high ones] */
+QT_INLINE void dq_nvfp4(const uint8_t *restrict x, float *restrict y) {
+    const uint8_t *q = x + 4;
+    for (int s = 0; s < 4; s++) {
+        const float d = ue4m3_half(x[s]);
+        for (int j = 0; j < 8; j++) {
+            y[16 * s + j] = (float)e2m1_x2_values[q[8 * s + j] & 0x0F] * d;
+            y[16 * s + 8 + j] = (float)e2m1_x2_values[q[8 * s + j] >> 4] * d;
+        }
+    }
+}
+
 /* -- block loops ------------------------------------------------------------------------------ */
 
 /* Decodes blocks [b0, b1): float32 straight into out, else 256 values at a time through a
@@ -246,6 +294,8 @@ QT_GGUF_LOOP(q4_k, 256, 144)
 QT_GGUF_LOOP(q5_k, 256, 176)
 QT_GGUF_LOOP(q6_k, 256, 210)
 QT_GGUF_LOOP(iq4_nl, 32, 18)
+QT_GGUF_LOOP(mxfp4, 32, 17)
+QT_GGUF_LOOP(nvfp4, 64, 36)
 
 typedef void (*qt_gguf_run)(const uint8_t *, void *, int, Py_ssize_t, Py_ssize_t);
 
@@ -265,6 +315,8 @@ static const struct {
     {"Q5_K", 256, 176, q5_k_run},
     {"Q6_K", 256, 210, q6_k_run},
     {"IQ4_NL", 32, 18, iq4_nl_run},
+    {"MXFP4", 32, 17, mxfp4_run},
+    {"NVFP4", 64, 36, nvfp4_run},
 };
 #define QT_GGUF_TYPES ((int)(sizeof qt_gguf_types / sizeof qt_gguf_types[0]))
 
