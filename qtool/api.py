@@ -96,15 +96,18 @@ def prepare_quantize(
     allow_incomplete_gguf: bool = False,
     pure: bool = False,
     html: str | os.PathLike[str] | None = None,
+    observer: str | None = None,
 ) -> "Plan":
     """Plan a quantization: which weights, which scheme and layout, every output tensor.
     Writes nothing; refuses an impossible job (and every unsafe output path) here.
     A GGUF from a Hugging Face checkpoint must be a model llama.cpp runs (llama, mistral, qwen2,
     with its tokenizer) unless `allow_incomplete_gguf`. `pure` gives every tensor a llama.cpp
-    file type quantizes its default type, with the row fallbacks (`llama-quantize --pure`)."""
+    file type quantizes its default type, with the row fallbacks (`llama-quantize --pure`).
+    `observer` ("minmax" or "mse") chooses the scales of `scheme` and of every tensor scheme
+    that names none (a scheme string may also end in `:mse`)."""
     from qtool.selection import Selection
 
-    selection = Selection.from_options(scheme, list(include), list(ignore), list(tensor_schemes), pure=pure)
+    selection = Selection.from_options(scheme, list(include), list(ignore), list(tensor_schemes), pure=pure, observer=observer)
     refuse_remote_data(path)
     checkpoint = _open_checkpoint(path)
     try:

@@ -83,6 +83,7 @@ class IntRows:
     bits: int
     group: int
     symmetric: bool
+    observer: str = "minmax"  # how the scales are chosen: "minmax" or "mse" (qtool.kernels.mse)
 
 
 @dataclass(frozen=True)

@@ -48,8 +48,9 @@ Granularity = Literal["tensor", "channel", "group", "block"]
 
 AUTO = "auto"  # scale dtype: the weight's own dtype, as compressed-tensors stores it
 
-# how scales are chosen (compressed-tensors' observer names); "minmax" is the range of the block
-OBSERVERS = ("minmax",)
+# how scales are chosen (compressed-tensors' observer names): "minmax" is the range of the block,
+# "mse" the search of qtool.kernels.mse for the scale (and zero point) of least squared error
+OBSERVERS = ("minmax", "mse")
 
 # the spellings of the scale types that are not plain storage dtypes, by family
 SCALE_SPELLINGS = {"E8M0": "e8m0", "F8_E8M0": "e8m0", "E4M3": "e4m3", "UE4M3": "e4m3", "F8_E4M3": "e4m3"}
@@ -105,6 +106,9 @@ class QScheme:
             )
         if self.observer not in OBSERVERS:
             raise SchemeError(f"unknown observer {self.observer!r}", hint=f"known: {', '.join(OBSERVERS)}")
+        if self.observer == "mse" and (self.qtype.kind != "int" or self.rule is not None):
+            what = f"{self.rule} is a GGUF block type with llama.cpp's own block math" if self.rule else f"{self.qtype.name} scales are chosen by min-max"
+            raise SchemeError(f"the mse observer searches int scales only: {what}", hint="use observer mse with int2..int8 schemes (e.g. int4:g128:mse), or minmax here")
         if not self.symmetric and self.qtype.kind != "int":
             raise SchemeError(f"{self.qtype.name} is symmetric only", hint="asymmetric (zero point) schemes need an int value type")
         if self.rule is not None and (not isinstance(self.rule, str) or not self.rule):
@@ -192,6 +196,8 @@ class QScheme:
         if self.qtype.kind == "int":
             parts.append("sym" if self.symmetric else "asym")
         parts.append(self.granularity_label)
+        if self.observer != "minmax":
+            parts.append(self.observer)  # "int4 sym g128 mse": min-max stays unsaid, the default
         if self.rule and self.rule.lower() != self.family:
             parts.insert(0, self.rule)  # "Q4_K uint4 asym g256": the name llama.cpp users know
         return " ".join(parts)

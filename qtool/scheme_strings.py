@@ -1,6 +1,7 @@
 """The scheme strings users type, and the QScheme each one is: compressed-tensors' preset names
 where they exist (`W4A16`, `FP8_BLOCK`, `NVFP4A16`, ...), and a short form
 `<type>[:<granularity>][:sym|asym]`, granularity being tensor | channel | g<N> | block<H>x<W>.
+Any of them may end in `:mse` or `:minmax`, the observer that chooses the scales (`W4A16:mse`).
 Presets and words such as "channel" and "g128" become a block shape here, once. llama.cpp's
 block types in lowercase (`q8_0`, `q4_k`, ...) are the rows of `qtool.ggml_types`.
 
@@ -15,7 +16,7 @@ import re
 from qtool.errors import SchemeError
 from qtool.ggml_types import ggml_type_named
 from qtool.qtypes import qtype
-from qtool.scheme import AUTO, CHANNEL, TENSOR, Block, QScheme, group
+from qtool.scheme import AUTO, CHANNEL, OBSERVERS, TENSOR, Block, QScheme, group
 
 __all__ = ["PRESETS", "SHORT_FORMS", "parse_scheme", "scheme_names"]
 
@@ -64,8 +65,18 @@ def scheme_names() -> list[str]:
 
 
 def parse_scheme(text: str) -> QScheme:
-    """A preset name or short form -> QScheme. The SchemeError lists the valid names and a close match."""
-    name = text.strip()
+    """A preset name or short form, optionally ending in `:<observer>` -> QScheme. The
+    SchemeError lists the valid names and a close match."""
+    from dataclasses import replace
+
+    head, sep, tail = text.strip().rpartition(":")
+    if sep and head and tail.lower() in OBSERVERS:
+        return replace(_parse_plain(head, text), observer=tail.lower())
+    return _parse_plain(text, text)
+
+
+def _parse_plain(name: str, text: str) -> QScheme:
+    name = name.strip()
     for preset, (scheme, _) in PRESETS.items():
         if name.upper() == preset:
             return scheme
@@ -93,7 +104,7 @@ def parse_scheme(text: str) -> QScheme:
             rows, cols = mod[5:].split("x")
             block = (int(rows), int(cols))
         else:
-            raise _unknown(text, f"unknown part {mod!r}: use tensor, channel, g<N>, block<H>x<W>, sym or asym")
+            raise _unknown(text, f"unknown part {mod!r}: use tensor, channel, g<N>, block<H>x<W>, sym or asym; an observer (mse, minmax) comes last")
     if not symmetric and value.startswith(("fp8", "nf4")):
         raise _unknown(text, f"{value} is symmetric only")
     if value == "nf4":

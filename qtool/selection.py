@@ -25,7 +25,7 @@ from qtool.errors import SchemeError, UsageError
 from qtool.formats.checkpoint import Checkpoint
 from qtool.patterns import compile_pattern
 from qtool.plan import Chosen
-from qtool.scheme import QScheme
+from qtool.scheme import OBSERVERS, QScheme
 from qtool.scheme_strings import parse_scheme
 from qtool.weight import Weight
 
@@ -78,10 +78,25 @@ class Selection:
     mix: Mix | None = None  # a llama.cpp file type (qtool.llamacpp.mixes.MIXES)
 
     @classmethod
-    def from_options(cls, scheme: str, include: list[str], ignore: list[str], tensor_schemes: list[str], *, pure: bool = False) -> "Selection":
+    def from_options(
+        cls, scheme: str, include: list[str], ignore: list[str], tensor_schemes: list[str], *, pure: bool = False, observer: str | None = None
+    ) -> "Selection":
         """`pure`: a llama.cpp file type's default type on every tensor llama.cpp quantizes,
-        with its row fallbacks and none of its promotions (`llama-quantize --pure`)."""
+        with its row fallbacks and none of its promotions (`llama-quantize --pure`).
+        `observer` ("minmax", "mse"): how the scales of `scheme` and of every tensor scheme that
+        names no observer of its own (`int8:channel:minmax`) are chosen."""
         from dataclasses import replace
+
+        if observer is not None and observer not in OBSERVERS:
+            raise UsageError(f"unknown observer {observer!r}", hint=f"known: {', '.join(OBSERVERS)}", option="observer")
+
+        def observed(parsed: QScheme, text: str, what: str) -> QScheme:
+            if observer is None or text.strip().rpartition(":")[2].lower() in OBSERVERS:
+                return parsed
+            try:
+                return replace(parsed, observer=observer)
+            except SchemeError as exc:
+                raise SchemeError(f"{what} {text!r} with observer {observer}: {exc.message}", hint=exc.hint, option="observer") from None
 
         from qtool.llamacpp.mixes import mix_named
 
@@ -92,7 +107,7 @@ class Selection:
                 raise UsageError(f"tensor scheme {item!r} is not PATTERN=SCHEME", hint="e.g. 're:.*down_proj.*=int8'", option="tensor_schemes")
             compile_pattern(pattern)  # a bad regex fails here, with its own message
             try:
-                overrides.append((pattern, parse_scheme_option(value, "tensor scheme")))
+                overrides.append((pattern, observed(parse_scheme_option(value, "tensor scheme"), value, "tensor scheme")))
             except SchemeError:
                 if mix_named(value.strip().upper()) is None:
                     raise
@@ -104,6 +119,12 @@ class Selection:
         for pattern in (*include, *ignore):
             compile_pattern(pattern)
         mix = mix_named(scheme)
+        if mix is not None and observer not in (None, "minmax"):
+            raise SchemeError(
+                f"observer {observer}: {scheme} is a llama.cpp file type, GGUF block types with llama.cpp's own block math",
+                hint="drop --observer for GGUF output, or quantize to an int scheme (e.g. W4A16)",
+                option="observer",
+            )
         if mix is not None:
             return cls(None, tuple(include), tuple(ignore), tuple(overrides), replace(mix, pure=True) if pure else mix)
         if pure:
@@ -112,7 +133,7 @@ class Selection:
                 hint="a lowercase GGUF type (q4_k) is already one type on the weights qtool selects",
                 option="pure",
             )
-        return cls(parse_scheme_option(scheme), tuple(include), tuple(ignore), tuple(overrides))
+        return cls(observed(parse_scheme_option(scheme), scheme, "scheme"), tuple(include), tuple(ignore), tuple(overrides))
 
     def _matchers(self) -> tuple[list[Matcher], list[Matcher], list[tuple[Matcher, QScheme]]]:
         return (

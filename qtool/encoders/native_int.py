@@ -30,7 +30,7 @@ class NativeIntEncoder:
     def encode(self, raw) -> Iterator[Piece]:
         job, encoding = self.job, self.encoding
         rows, cols = job.weight.shape
-        encoded = native.encode_int(raw, job.weight.dtype, rows, cols, encoding.group, encoding.bits, symmetric=encoding.symmetric)
+        encoded = native.encode_int(raw, job.weight.dtype, rows, cols, encoding.group, encoding.bits, symmetric=encoding.symmetric, observer=encoding.observer)
         if encoded.errors is None:  # inf or NaN
             yield from self._handed_on(raw)
             return

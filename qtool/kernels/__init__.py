@@ -1,6 +1,7 @@
 """The math, in torch: the same code on CPU and CUDA, vectorized, knowing no file format.
 
     affine    choose_qparams / quantize / dequantize over a block shape (every granularity)
+    mse       choose_qparams_mse: the `mse` observer's search for int scales and zero points
     floats    fp8 casts, fp4 e2m1 and fp6 e2m3 codes, e8m0 exponents, 4-bit codebooks
     packing   bit packing with an explicit axis and order for every layout qtool writes
     gguf_blocks  GGML block types (Q8_0 .. Q6_K, IQ4, TQ, MXFP4, NVFP4) to float32: the
@@ -37,6 +38,7 @@ from qtool.kernels.floats import (
     round_to_power_2,
     to_float8,
 )
+from qtool.kernels.mse import choose_qparams_mse
 from qtool.kernels.packing import pack_fp6, pack_int32, pack_nibbles, unpack_fp6, unpack_int32, unpack_nibbles
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "grid_shape",
     "choose_qparams",
     "choose_global_scale",
+    "choose_qparams_mse",
     "quantize",
     "dequantize",
     "scale_to_float",

@@ -54,6 +54,7 @@ class _QuantArgs:
     block_structure: tuple[int, int] | None = None
     scale_dtype: str | None = None  # the config's torch dtype string, only where the preset sets one
     activations: str | None = None  # "token" | "group128": dynamic fp8 input activations
+    observer: str = "minmax"  # how the scales were chosen; recorded when not the default min-max
 
     def weights_args(self) -> dict[str, Any]:
         """`QuantizationArgs.model_dump()` as compressed-tensors serializes it: unset
@@ -70,6 +71,8 @@ class _QuantArgs:
             args["block_structure"] = list(self.block_structure)
         if self.scale_dtype is not None:
             args["scale_dtype"] = self.scale_dtype
+        if self.observer != "minmax":  # llm-compressor records its observer here ("mse")
+            args["observer"] = self.observer
         return args
 
     def input_args(self) -> dict[str, Any] | None:
@@ -113,7 +116,7 @@ def _quant_args(scheme: QScheme) -> _QuantArgs:
             raise _usage(f"compressed-tensors stores signed ints: use int{qt.bits} (with :asym for a zero point), not {qt.name}")
         if not float_scale:
             raise _usage(f"compressed-tensors stores int scales as the weight's float dtype, not {scheme.scale_dtype}")
-        return _QuantArgs("pack-quantized", qt.bits, "int", strategy, scheme.symmetric, group_size, block)
+        return _QuantArgs("pack-quantized", qt.bits, "int", strategy, scheme.symmetric, group_size, block, observer=scheme.observer)
     if not scheme.symmetric:
         raise _usage(f"compressed-tensors quantizes {qt.name} symmetrically only")
     if qt.name == "fp8_e4m3" and float_scale:
@@ -214,8 +217,8 @@ def encoded_layout(name: str, shape: tuple[int, ...], dtype: str, scheme: QSchem
     return [(f"{module}.weight_packed", "U8", (rows, cols // 2)), (f"{module}.weight_scale", "U8", grid)]
 
 
-def row_group_int_layout(scheme: QScheme, shape: tuple[int, ...], dtype: str) -> tuple[int, int, bool] | None:
-    """(bits, group, symmetric) when this weight is written as pack-quantized ints with one
+def row_group_int_layout(scheme: QScheme, shape: tuple[int, ...], dtype: str) -> tuple[int, int, bool, str] | None:
+    """(bits, group, symmetric, observer) when this weight is written as pack-quantized ints with one
     scale (and zero point) per row group, the scale stored in the weight's own dtype: the
     layouts qtool.native encodes. None for every other layout (torch encodes those)."""
     from qtool.errors import QtoolError
@@ -231,13 +234,14 @@ def row_group_int_layout(scheme: QScheme, shape: tuple[int, ...], dtype: str) ->
     group = shape[1] if args.strategy == "channel" else args.group_size
     if not group or shape[1] % group:
         return None
-    return args.num_bits, group, args.symmetric
+    return args.num_bits, group, args.symmetric, args.observer
 
 
 def encode(name: str, weight: torch.Tensor, scheme: QScheme) -> dict[str, torch.Tensor]:
     """The stored tensors of one Linear weight, exactly as compressed-tensors 0.20.1 writes
     them after min-max calibration (its `calculate_qparams` / `generate_gparam`) and
-    `compress_model`. Computes on weight's device, in weight's dtype where the package does."""
+    `compress_model`; int schemes with the mse observer take their scales (and zero points)
+    from qtool.kernels.mse instead. Computes on weight's device, in weight's dtype where the package does."""
     import torch
 
     from qtool import kernels
@@ -254,7 +258,8 @@ def encode(name: str, weight: torch.Tensor, scheme: QScheme) -> dict[str, torch.
     out: dict[str, torch.Tensor] = {}
     if args.format == "pack-quantized":
         value_type = qtype(f"int{args.num_bits}")
-        scale, zero_point = kernels.choose_qparams(weight, block, value_type, args.symmetric, _scale_storage(scheme, dtype))
+        observe = kernels.choose_qparams_mse if args.observer == "mse" else kernels.choose_qparams
+        scale, zero_point = observe(weight, block, value_type, args.symmetric, _scale_storage(scheme, dtype))
         values = kernels.quantize(weight, scale, zero_point, block, value_type)
         offset = 1 << (args.num_bits - 1)  # stored as q + 2^(b-1): in uint8, v + offset wraps to exactly that
         unsigned = values.view(torch.uint8).add_(offset)

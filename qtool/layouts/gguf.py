@@ -48,6 +48,8 @@ _SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
 
 def gguf_type_for(scheme: QScheme) -> GgmlType:
     """The GGML type that writes `scheme`, or a SchemeError naming what the layout writes."""
+    if scheme.observer != "minmax":
+        raise SchemeError(f"GGUF block types have their own block math (llama.cpp's); the {scheme.observer} observer does not apply", hint="drop the observer for GGUF output, or write compressed-tensors")
     gtype = type_for(scheme)
     if gtype is None:
         raise SchemeError(

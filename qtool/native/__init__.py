@@ -106,13 +106,17 @@ class Encoded:
     errors: ErrorStats | None  # None when the rows hold inf or NaN: use torch for this weight
 
 
-def encode_int(src, dtype: str, rows: int, cols: int, group: int, bits: int, symmetric: bool = True) -> Encoded:
-    """Quantize `rows` rows of `cols` values (row-major `dtype` bytes in `src`)."""
+def encode_int(src, dtype: str, rows: int, cols: int, group: int, bits: int, symmetric: bool = True, observer: str = "minmax") -> Encoded:
+    """Quantize `rows` rows of `cols` values (row-major `dtype` bytes in `src`); `observer`
+    "minmax" or "mse" (qtool.kernels.mse's search, in the same pass)."""
+    if observer not in ("minmax", "mse"):
+        raise KernelError(f"encode_int: unknown observer {observer!r}")
     groups = cols // group
     packed = allocate(rows * cols * bits // 8)
     scale = allocate(rows * groups * (storage_dtype(dtype).bits // 8))
     zero_point = None if symmetric else allocate(rows * groups)
-    parts = _run(_kernels.encode_int, _split(rows), src, DTYPE_CODES[dtype], cols, group, packed, scale, zero_point, bits)
+    kernel = _kernels.encode_int if observer == "minmax" else (lambda *args: _kernels.encode_int(*args, True))
+    parts = _run(kernel, _split(rows), src, DTYPE_CODES[dtype], cols, group, packed, scale, zero_point, bits)
     if not all(part[4] for part in parts):
         return Encoded(packed, scale, None, None)
     packed_zero_point = None

@@ -18,7 +18,8 @@
  *                 x^ = dt((q - zp) * scale)                              the decoded value
  *
  * min and max include 0. Symmetric codes take the same arithmetic with zp = 0 (adding and
- * subtracting 0 is exact), so one kernel serves both. decode_int is the reverse:
+ * subtracting 0 is exact), so one kernel serves both. With `mse` set, each group's scale and
+ * zero point come from the search of mse.c instead, in the same pass. decode_int is the reverse:
  * out = out_dtype(logical_dtype((q - zp) * scale)). Zero points are stored as compressed-
  * tensors does: zp + 2^(b-1) in int32 words packed along the rows (pack_zero_points).
  */
@@ -226,9 +227,9 @@ PyObject *qt_py_encode_int(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer src, packed, scale, zp = {0};
     PyObject *zp_object;
-    int dt, bits;
+    int dt, bits, mse = 0;
     Py_ssize_t cols, group, row0, row1;
-    if (!PyArg_ParseTuple(args, "y*innw*w*Oinn", &src, &dt, &cols, &group, &packed, &scale, &zp_object, &bits, &row0, &row1)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*innw*w*Oinn|p", &src, &dt, &cols, &group, &packed, &scale, &zp_object, &bits, &row0, &row1, &mse)) return NULL;
     PyObject *result = NULL;
     Py_ssize_t groups = group > 0 ? cols / group : 0;
     if (!qt_check_dtype(dt, "encode_int") || !check_layout(cols, group, bits, row0, row1) ||
@@ -240,10 +241,13 @@ PyObject *qt_py_encode_int(PyObject *self, PyObject *args) {
     float *x = malloc((size_t)cols * sizeof(float));
     float *decoded = malloc((size_t)cols * sizeof(float));
     int8_t *q = malloc((size_t)cols);
-    if (!x || !decoded || !q) {
+    /* the mse search's scratch: a trial's codes and the best so far, as floats */
+    float *trial_q = mse ? malloc((size_t)group * 2 * sizeof(float)) : NULL;
+    if (!x || !decoded || !q || (mse && !trial_q)) {
         free(x);
         free(decoded);
         free(q);
+        free(trial_q);
         PyErr_NoMemory();
         goto done;
     }
@@ -263,7 +267,12 @@ PyObject *qt_py_encode_int(PyObject *self, PyObject *args) {
                 break;
             }
             float s, z = 0.0f;
-            if (zps) {
+            if (mse) {
+                float lo, hi;
+                min_max(xg, group, &lo, &hi);
+                qt_mse_group(xg, group, dt, qmin, qmax, zps == NULL, lo, hi, &s, &z, trial_q, trial_q + group);
+                if (zps) zps[r * groups + g] = (int8_t)(int32_t)z;
+            } else if (zps) {
                 float lo, hi;
                 min_max(xg, group, &lo, &hi);
                 s = qt_round_to(qt_round_to(hi - lo, dt) / (qmax - qmin), dt);
@@ -287,6 +296,7 @@ PyObject *qt_py_encode_int(PyObject *self, PyObject *args) {
     free(x);
     free(decoded);
     free(q);
+    free(trial_q);
     result = Py_BuildValue("ddddO", sums.xx, sums.xe, sums.ee, sums.max_err, sums.finite ? Py_True : Py_False);
 done:
     PyBuffer_Release(&src);

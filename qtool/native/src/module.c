@@ -36,7 +36,7 @@ int qt_check_dtype(int dt, const char *what) {
 
 static PyMethodDef methods[] = {
     {"encode_int", qt_py_encode_int, METH_VARARGS,
-     "encode_int(src, dtype, cols, group, packed, scale, zero_point|None, bits, row0, row1) -> (xx, xe, ee, max_abs_err, finite)"},
+     "encode_int(src, dtype, cols, group, packed, scale, zero_point|None, bits, row0, row1, mse=False) -> (xx, xe, ee, max_abs_err, finite)"},
     {"pack_zero_points", qt_py_pack_zero_points, METH_VARARGS, "pack_zero_points(zero_point, rows, groups, bits, out)"},
     {"decode_int", qt_py_decode_int, METH_VARARGS,
      "decode_int(packed, scale, scale_dtype, zero_point|None, logical_dtype, out, out_dtype, cols, group, bits, rows, row0, row1)"},

@@ -113,6 +113,11 @@ PyObject *qt_py_decode_gguf(PyObject *self, PyObject *args);
 PyObject *qt_py_encode_gguf(PyObject *self, PyObject *args);
 PyObject *qt_py_gguf_encoders(PyObject *self, PyObject *args);
 
+/* The mse observer's scale and zero point of one group (mse.c): x holds n values of dtype dt
+ * widened, lo <= 0 <= hi its min and max; scratch holds 2n floats. */
+void qt_mse_group(const float *x, Py_ssize_t n, int dt, float qmin, float qmax, int symmetric, float lo, float hi, float *scale_out,
+                  float *zp_out, float *q, float *best_q);
+
 /* Blocks [0, blocks) of GGUF `type_name` into float32 `out` (gguf.c's decoders); 0 if the type
  * has no decoder. No GIL needed. */
 int qt_gguf_decode_f32(const char *type_name, const uint8_t *src, float *out, Py_ssize_t blocks);
