@@ -86,14 +86,24 @@ def prepare_quantize(
     allow_incomplete_gguf: bool = False,
     pure: bool = False,
     html: str | os.PathLike[str] | None = None,
+    calibrate: str | os.PathLike[str] | None = None,
+    algorithm: str | None = None,
+    samples: int = 128,
+    seq_len: int = 512,
+    seed: int = 0,
 ) -> "Plan":
     """Plan a quantization: which weights, which scheme and layout, every output tensor.
     Writes nothing; refuses an impossible job (and every unsafe output path) here.
     A GGUF from a Hugging Face checkpoint must be a model llama.cpp runs (llama, mistral, qwen2,
     with its tokenizer) unless `allow_incomplete_gguf`. `pure` gives every tensor a llama.cpp
-    file type quantizes its default type, with the row fallbacks (`llama-quantize --pure`)."""
+    file type quantizes its default type, with the row fallbacks (`llama-quantize --pure`).
+    `calibrate` (a .txt, a .jsonl with a "text" field, or a folder of them) makes it a
+    calibrated quantization: `algorithm` gptq (the default) or rtn, on `samples` windows of
+    `seq_len` tokens drawn with `seed`; checked here, run by `run` before the executor."""
     from qtool.selection import Selection
 
+    if calibrate is None and algorithm is not None:
+        raise UsageError("an algorithm needs calibration text", hint="give the text to calibrate on", option="algorithm")
     selection = Selection.from_options(scheme, list(include), list(ignore), list(tensor_schemes), pure=pure)
     checkpoint = _open_checkpoint(path)
     try:
@@ -105,6 +115,10 @@ def prepare_quantize(
 
             _refuse([], [plan.report, os.fspath(html)])
             plan = replace(plan, html=os.fspath(html))
+        if calibrate is not None:
+            from qtool.calibration.request import prepare
+
+            plan = replace(plan, calibration=prepare(plan, os.fspath(calibrate), algorithm or "gptq", samples, seq_len, seed))
         return plan
     except BaseException:
         checkpoint.close()  # `run` closes it after a plan; nothing does after a refusal
@@ -251,12 +265,14 @@ def run(
     measure: bool = True,
     on_progress: Callable[[int], None] | None = None,
     overwrite: bool = False,
+    on_layer: Callable[[Any, int], None] | None = None,
 ) -> "RunReport":
     """Stream a plan to its output, atomically, and write its report (if the plan names one)
     before the output is committed: on `device` (cpu, cuda, cuda:N, auto), with `threads` CPU
     threads for the kernels, each quantized weight's error measured unless `measure` is off,
     `on_progress` called with input bytes done. Imports torch unless qtool.native runs every
-    job. Changes no process state."""
+    job. A calibrated plan calibrates first (`on_layer(layer result, layers)` after each
+    decoder layer), then streams. Changes no process state."""
     from qtool.formats.writer import Output
     from qtool.pipeline import ExecOptions, execute, resolve_device
     from qtool.report_output import stage_report as stage
@@ -281,6 +297,10 @@ def run(
 
     output = None
     try:
+        if plan.calibration is not None and not isinstance(plan.calibration, dict):
+            from qtool.calibration.request import apply
+
+            plan.calibration = apply(plan, plan.calibration, options.device, threads, on_layer)
         output = Output(plan.output, single_file=plan.single_file, overwrite=overwrite)
         measured = execute(plan, output, options, before_commit=stage_report)
     except BaseException:  # a Ctrl-C between the two lines above too: nothing is left

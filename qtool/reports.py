@@ -92,6 +92,7 @@ class RunReport:
             "summary": summary,
             "weights": weights,
             "models": self._models(plan),  # added for issue 23
+            **({"calibration": plan["calibration"]} if "calibration" in plan else {}),  # added for issue 20
         }
 
     def _models(self, plan: dict[str, Any]) -> dict[str, Any]:
