@@ -97,6 +97,11 @@ def prepare_quantize(
     pure: bool = False,
     html: str | os.PathLike[str] | None = None,
     observer: str | None = None,
+    calibrate: str | os.PathLike[str] | None = None,
+    algorithm: str | None = None,
+    samples: int = 128,
+    seq_len: int = 512,
+    seed: int = 0,
 ) -> "Plan":
     """Plan a quantization: which weights, which scheme and layout, every output tensor.
     Writes nothing; refuses an impossible job (and every unsafe output path) here.
@@ -104,9 +109,14 @@ def prepare_quantize(
     with its tokenizer) unless `allow_incomplete_gguf`. `pure` gives every tensor a llama.cpp
     file type quantizes its default type, with the row fallbacks (`llama-quantize --pure`).
     `observer` ("minmax" or "mse") chooses the scales of `scheme` and of every tensor scheme
-    that names none (a scheme string may also end in `:mse`)."""
+    that names none (a scheme string may also end in `:mse`).
+    `calibrate` (a .txt, a .jsonl with a "text" field, or a folder of them) makes it a
+    calibrated quantization: `algorithm` gptq (the default) or rtn, on `samples` windows of
+    `seq_len` tokens drawn with `seed`; checked here, run by `run` before the executor."""
     from qtool.selection import Selection
 
+    if calibrate is None and algorithm is not None:
+        raise UsageError("an algorithm needs calibration text", hint="give the text to calibrate on", option="algorithm")
     selection = Selection.from_options(scheme, list(include), list(ignore), list(tensor_schemes), pure=pure, observer=observer)
     refuse_remote_data(path)
     checkpoint = _open_checkpoint(path)
@@ -119,6 +129,10 @@ def prepare_quantize(
 
             _refuse([], [plan.report, os.fspath(html)])
             plan = replace(plan, html=os.fspath(html))
+        if calibrate is not None:
+            from qtool.calibration.request import prepare
+
+            plan = replace(plan, calibration=prepare(plan, os.fspath(calibrate), algorithm or "gptq", samples, seq_len, seed))
         return plan
     except BaseException:
         checkpoint.close()  # `run` closes it after a plan; nothing does after a refusal
@@ -271,6 +285,7 @@ def run(
     ray_address: str | None = None,
     max_retries: int | None = None,
     worker_setup: Callable[[], None] | None = None,
+    on_layer: Callable[[Any, int], None] | None = None,
 ) -> "RunReport":
     """Stream a plan to its output, atomically, and write its report (if the plan names one)
     before the output is committed: on `device` (cpu, cuda, cuda:N, auto), with `threads` CPU
@@ -282,7 +297,10 @@ def run(
     among them; `executor="ray"` on a Ray cluster (`ray_address`, else RAY_ADDRESS), each job
     a task of `threads` CPUs (default 1). A job whose worker is lost is retried up to
     `max_retries` times; `worker_setup` runs once in each worker process. The output is the
-    same, byte for byte, and so is the report, but for timings and its `execution` part."""
+    same, byte for byte, and so is the report, but for timings and its `execution` part.
+
+    A calibrated plan calibrates first (`on_layer(layer result, layers)` after each decoder
+    layer), in this process, then streams."""
     from qtool.formats.writer import Output
     from qtool.pipeline import ExecOptions, execute, resolve_device
     from qtool.report_output import stage_report as stage
@@ -291,6 +309,8 @@ def run(
     if threads is not None and threads < 1:
         raise UsageError(f"threads {threads} must be at least 1", option="threads")
     spread = executor != "local" or workers != 1
+    if spread and plan.calibration is not None:
+        raise UsageError("a calibrated quantization runs layer by layer in one process", hint="drop --workers and --executor with --calibrate", option="workers")
     runner = None
     if spread:
         from qtool.distribute import threads_per_worker
@@ -327,6 +347,10 @@ def run(
 
     output = None
     try:
+        if plan.calibration is not None and not isinstance(plan.calibration, dict):
+            from qtool.calibration.request import apply
+
+            plan.calibration = apply(plan, plan.calibration, options.device, threads, on_layer)
         output = Output(plan.output, single_file=plan.single_file, overwrite=overwrite)
         if runner is None:
             measured = execute(plan, output, options, before_commit=stage_report)

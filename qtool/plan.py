@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "QUANTIZE", "DEQUANTIZE", "COPY", "CAST",
-    "Chosen", "Piece", "OutputTensor", "Transform", "IntRows", "GgmlBlocks", "Encoding", "Job", "PlanOptions", "Plan",
+    "Chosen", "Piece", "OutputTensor", "Transform", "IntRows", "GgmlBlocks", "Precomputed", "Encoding", "Job", "PlanOptions", "Plan",
 ]  # fmt: skip
 
 QUANTIZE, DEQUANTIZE, COPY, CAST = "quantize", "dequantize", "copy", "cast"
@@ -93,7 +93,17 @@ class GgmlBlocks:
     type: str
 
 
-Encoding = IntRows | GgmlBlocks
+@dataclass(frozen=True)
+class Precomputed:
+    """Tensors encoded before the run, by a stage that needs more than the weight to choose its
+    codes (calibration: GPTQ): the layout's own tensors for this weight, by output name, on the
+    CPU. The executor writes them as they are and measures them against the weight."""
+
+    tensors: dict[str, Any] = field(hash=False, compare=False)
+    algorithm: str = "gptq"
+
+
+Encoding = IntRows | GgmlBlocks | Precomputed
 
 
 @dataclass
@@ -146,6 +156,7 @@ class Plan:
     report: str | None = None  # where the report document is written, if anywhere (HTML by a .html suffix)
     html: str | None = None  # where the HTML report is written, if anywhere
     warnings: tuple[str, ...] = ()  # for the user: requantizing, side files left behind, the notes
+    calibration: Any = None  # a qtool.calibration request, run before the executor; then its document
 
     def to_json(self) -> dict[str, Any]:
         """The `--dry-run` document: what each weight becomes, and the sizes before and after."""
@@ -184,4 +195,5 @@ class Plan:
             ],
             "notes": list(self.notes),
             **({"output": self.output} if self.output is not None else {}),
+            **({"calibration": self.calibration if isinstance(self.calibration, dict) else self.calibration.to_json()} if self.calibration is not None else {}),
         }

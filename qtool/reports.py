@@ -94,6 +94,7 @@ class RunReport:
             "weights": weights,
             "models": self._models(plan),  # added for issue 23
             **({"execution": self.execution} if self.execution is not None else {}),  # added for issue 22
+            **({"calibration": plan["calibration"]} if "calibration" in plan else {}),  # added for issue 20
         }
 
     def _models(self, plan: dict[str, Any]) -> dict[str, Any]:

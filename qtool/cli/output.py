@@ -164,6 +164,12 @@ def print_warning(message: str) -> None:
     sys.stderr.write(f"warning: {escape(message)}\n")
 
 
+def print_status(message: str, quiet: bool = False) -> None:
+    """One line of progress on stderr (a calibrated layer done); nothing when quiet."""
+    if not quiet:
+        sys.stderr.write(f"{escape(message)}\n")
+
+
 @contextlib.contextmanager
 def progress(description: str, total: int, quiet: bool = False) -> Iterator[Callable[[int], None]]:
     """A Rich progress bar on stderr, advanced by the callback it yields. Silent when stderr is

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from qtool.cli.output import Column, Output, Rows, Section, print_warning, progress
+from qtool.cli.output import Column, Output, Rows, Section, print_status, print_warning, progress
 from qtool.cli.text import human_bytes
 
 
@@ -130,6 +130,10 @@ def run_plan(plan, *, device: str, threads: int | None, overwrite: bool, quiet: 
     elif threads and "torch" not in __import__("sys").modules:
         os.environ["OMP_NUM_THREADS"] = str(threads)  # torch sizes its pool from this if a job imports it
     total = sum(job.bytes_in for job in plan.jobs)
+
+    def layer_done(layer, layers: int) -> None:
+        print_status(f"calibrated layer {layer.index + 1}/{layers} in {layer.seconds:.1f} s, output relative MSE {layer.output_error:.3g}", quiet)
+
     with progress("writing" if not measure else "quantizing", total, quiet) as advance:
         return api.run(
             plan,
@@ -138,6 +142,7 @@ def run_plan(plan, *, device: str, threads: int | None, overwrite: bool, quiet: 
             measure=measure,
             on_progress=advance,
             overwrite=overwrite,
+            on_layer=layer_done,
             workers=workers,
             executor=executor,
             ray_address=ray_address,

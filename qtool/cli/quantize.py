@@ -61,6 +61,11 @@ Examples:
   qtool quantize model-f16.gguf -o model-q4_k_m.gguf --scheme Q4_K_M --tensor-scheme 're:.*ffn_down.*=q6_k'
   qtool quantize model-f16.gguf -o model-q2_k.gguf --scheme Q2_K --pure
   qtool quantize model-q8_0.gguf -o model-q4_0.gguf --scheme Q4_0 --allow-requantize
+  qtool quantize model/ -o model-gptq/ --scheme W4A16 --calibrate text.txt --samples 128 --seq-len 512
+
+Calibrated (--calibrate TEXT): GPTQ, one decoder layer in memory at a time, the model's own
+tokenizer and transformers' architecture (pip install 'qtool[calibrate]'); the report adds
+each layer's time and output error on the calibration samples.
 """
 
 
@@ -97,6 +102,13 @@ def quantize_command(
         Optional[str], typer.Option("--report", help="Also write the summary document (every quantized weight's error) to this JSON file; HTML when it ends in .html.")
     ] = None,
     html: HtmlOpt = None,
+    calibrate: Annotated[
+        Optional[str], typer.Option("--calibrate", help="Calibrate on this text (.txt, .jsonl with a \"text\" field, or a folder of them): GPTQ by default, compressed-tensors int schemes.")
+    ] = None,
+    algorithm: Annotated[Optional[str], typer.Option("--algorithm", help="With --calibrate: gptq (default) or rtn.")] = None,
+    samples: Annotated[int, typer.Option("--samples", help="With --calibrate: how many token windows to calibrate on.")] = 128,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="With --calibrate: tokens per window.")] = 512,
+    seed: Annotated[int, typer.Option("--seed", help="With --calibrate: which windows are drawn.")] = 0,
     dry_run: DryRunOpt = False,
     max_shard_size: MaxShardOpt = None,
     overwrite: OverwriteOpt = False,
@@ -129,6 +141,11 @@ def quantize_command(
         pure=pure,
         html=html,
         observer=observer,
+        calibrate=calibrate,
+        algorithm=algorithm,
+        samples=samples,
+        seq_len=seq_len,
+        seed=seed,
     )
     if dry_run:
         show_plan(plan, sink)

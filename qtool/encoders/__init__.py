@@ -3,6 +3,7 @@
 kernel) is one entry in `_BACKENDS`.
 
     backend        writes                                   where
+    precomputed    the tensors a calibration stage encoded before the run (`Precomputed`)   any device
     native-int     compressed-tensors pack-quantized int2/4/8 rows (`IntRows`), fused   CPU, float input
     native-gguf    GGML blocks qtool's C kernels have (Q8_0 ... Q6_K, IQ4_NL)            CPU; any device for the
                                                                                           types only they write
@@ -20,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
-from qtool.plan import QUANTIZE, GgmlBlocks, IntRows, Job, Piece
+from qtool.plan import QUANTIZE, GgmlBlocks, IntRows, Job, Piece, Precomputed
 
 if TYPE_CHECKING:
     from qtool.error_measures import ErrorStats
@@ -47,6 +48,16 @@ class _Backend:
     name: str
     can: Callable[[Any, Job, str | None], bool]  # (layout, job, device or None for any) -> capable
     build: Callable[[Any, Job, str, bool], WeightEncoder]  # (layout, job, device, measure)
+
+
+def _precomputed(layout, job: Job, device: str | None) -> bool:
+    return isinstance(job.encoding, Precomputed) and hasattr(layout, "reconstruct")
+
+
+def _build_precomputed(layout, job: Job, device: str, measure: bool) -> WeightEncoder:
+    from qtool.encoders.precomputed import PrecomputedEncoder
+
+    return PrecomputedEncoder(layout, job, measure)
 
 
 def _native_int(layout, job: Job, device: str | None) -> bool:
@@ -103,6 +114,7 @@ def _build_torch(layout, job: Job, device: str, measure: bool) -> WeightEncoder:
 
 
 _BACKENDS = (
+    _Backend("precomputed", _precomputed, _build_precomputed),
     _Backend("native-int", _native_int, _build_native_int),
     _Backend("native-gguf", _native_gguf, _build_ggml_blocks(native=True)),
     _Backend("gguf-py", _gguf_py, _build_ggml_blocks(native=False)),

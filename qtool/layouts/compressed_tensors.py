@@ -30,7 +30,7 @@ from qtool.weight import Weight
 if TYPE_CHECKING:  # torch is imported where data is touched, never at import time
     import torch
 
-__all__ = ["CT_VERSION", "CompressedTensors", "encoded_layout", "encode", "config_for", "row_group_int_layout"]
+__all__ = ["CT_VERSION", "CompressedTensors", "encoded_layout", "encode", "pack_int_codes", "config_for", "row_group_int_layout", "scale_storage"]
 
 
 def _usage(message: str, hint: str | None = None) -> SchemeError:
@@ -159,7 +159,7 @@ def _check_shape(name: str, shape: tuple[int, ...], args: _QuantArgs) -> tuple[i
     return rows, cols
 
 
-def _scale_storage(scheme: QScheme, dtype: str) -> str:
+def scale_storage(scheme: QScheme, dtype: str) -> str:
     """The stored dtype of a float scale: the weight's dtype for "auto", as compressed-tensors
     does (float16 for a weight that is not a float), else the dtype the scheme names."""
     scale = scheme.scale_dtype.upper()
@@ -196,7 +196,7 @@ def encoded_layout(name: str, shape: tuple[int, ...], dtype: str, scheme: QSchem
     bits = args.num_bits
     if args.format == "pack-quantized":
         layout = [(f"{module}.weight_packed", "I32", (rows, math.ceil(cols * bits / 32)))]
-        layout.append((f"{module}.weight_scale", _scale_storage(scheme, dtype), grid))
+        layout.append((f"{module}.weight_scale", scale_storage(scheme, dtype), grid))
         if not args.symmetric:
             if args.strategy in ("group", "channel"):  # packed along dim 0, as the package does
                 layout.append((f"{module}.weight_zero_point", "I32", (math.ceil(rows * bits / 32), grid[1])))
@@ -205,7 +205,7 @@ def encoded_layout(name: str, shape: tuple[int, ...], dtype: str, scheme: QSchem
         layout.append((f"{module}.weight_shape", "I64", (2,)))
         return layout
     if args.format == "float-quantized":
-        return [(f"{module}.weight", "F8_E4M3", (rows, cols)), (f"{module}.weight_scale", _scale_storage(scheme, dtype), grid)]
+        return [(f"{module}.weight", "F8_E4M3", (rows, cols)), (f"{module}.weight_scale", scale_storage(scheme, dtype), grid)]
     if args.format == "mxfp8-quantized":
         return [(f"{module}.weight", "F8_E4M3", (rows, cols)), (f"{module}.weight_scale", "U8", grid)]
     if args.format == "nvfp4-pack-quantized":
@@ -229,7 +229,7 @@ def row_group_int_layout(scheme: QScheme, shape: tuple[int, ...], dtype: str) ->
         return None
     if args.format != "pack-quantized" or args.strategy not in ("channel", "group"):
         return None
-    if len(shape) != 2 or dtype not in WEIGHT_FLOATS or _scale_storage(scheme, dtype) != dtype:
+    if len(shape) != 2 or dtype not in WEIGHT_FLOATS or scale_storage(scheme, dtype) != dtype:
         return None
     group = shape[1] if args.strategy == "channel" else args.group_size
     if not group or shape[1] % group:
@@ -259,20 +259,12 @@ def encode(name: str, weight: torch.Tensor, scheme: QScheme) -> dict[str, torch.
     if args.format == "pack-quantized":
         value_type = qtype(f"int{args.num_bits}")
         observe = kernels.choose_qparams_mse if args.observer == "mse" else kernels.choose_qparams
-        scale, zero_point = observe(weight, block, value_type, args.symmetric, _scale_storage(scheme, dtype))
+        scale, zero_point = observe(weight, block, value_type, args.symmetric, scale_storage(scheme, dtype))
         values = kernels.quantize(weight, scale, zero_point, block, value_type)
-        offset = 1 << (args.num_bits - 1)  # stored as q + 2^(b-1): in uint8, v + offset wraps to exactly that
-        unsigned = values.view(torch.uint8).add_(offset)
-        out[names[0]] = kernels.pack_int32(unsigned, args.num_bits, dim=-1, check=False)
-        out[names[1]] = scale.reshape(grid)
-        if zero_point is not None:
-            if args.strategy in ("group", "channel"):
-                zero_point = kernels.pack_int32(zero_point.reshape(grid).to(torch.int32) + offset, args.num_bits, dim=0)
-            out[names[2]] = zero_point.reshape(layout[2][2])
-        out[names[-1]] = torch.tensor(list(shape), dtype=torch.int64, device=weight.device)
+        return pack_int_codes(name, values, scale, zero_point, scheme, dtype)
     elif args.format == "float-quantized":
         value_type = qtype("fp8_e4m3")
-        scale, _ = kernels.choose_qparams(weight, block, value_type, True, _scale_storage(scheme, dtype))
+        scale, _ = kernels.choose_qparams(weight, block, value_type, True, scale_storage(scheme, dtype))
         out[names[0]] = kernels.quantize(weight, scale, None, block, value_type)
         out[names[1]] = scale.reshape(grid)
     elif args.format == "mxfp8-quantized":
@@ -293,6 +285,34 @@ def encode(name: str, weight: torch.Tensor, scheme: QScheme) -> dict[str, torch.
         scale = _mx_scale(weight, block, value_type)
         out[names[0]] = kernels.pack_nibbles(kernels.quantize(weight, scale, None, block, value_type))
         out[names[1]] = scale
+    return {key: tensor.contiguous() for key, tensor in out.items()}
+
+
+def pack_int_codes(name: str, values: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, scheme: QScheme, dtype: str) -> dict[str, torch.Tensor]:
+    """The pack-quantized tensors of int codes already chosen (by min-max rounding in `encode`,
+    or by a calibrated algorithm such as GPTQ): `values` [out, in] int8 in qmin..qmax, `scale`
+    and `zero_point` (int8, or None) of the scale grid's numel; `dtype` the weight's float dtype.
+    Modifies `values` in place."""
+    import torch
+
+    from qtool import kernels
+
+    layout = encoded_layout(name, tuple(values.shape), dtype, scheme)
+    args = _quant_args(scheme)
+    if args.format != "pack-quantized":
+        raise _usage(f"{name}: {scheme.label} is not stored as pack-quantized ints")
+    grid = _scale_shape(args, (values.shape[0], values.shape[1]))
+    names = [entry[0] for entry in layout]
+    out: dict[str, torch.Tensor] = {}
+    offset = 1 << (args.num_bits - 1)  # stored as q + 2^(b-1): in uint8, v + offset wraps to exactly that
+    unsigned = values.view(torch.uint8).add_(offset)
+    out[names[0]] = kernels.pack_int32(unsigned, args.num_bits, dim=-1, check=False)
+    out[names[1]] = scale.reshape(grid)
+    if zero_point is not None:
+        if args.strategy in ("group", "channel"):
+            zero_point = kernels.pack_int32(zero_point.reshape(grid).to(torch.int32) + offset, args.num_bits, dim=0)
+        out[names[2]] = zero_point.reshape(layout[2][2])
+    out[names[-1]] = torch.tensor(list(values.shape), dtype=torch.int64, device=values.device)
     return {key: tensor.contiguous() for key, tensor in out.items()}
 
 

@@ -1,0 +1,130 @@
+"""The model's structure from transformers, its weights from qtool's readers.
+
+`Skeleton.build` makes the architecture's causal LM on the `meta` device from config.json (no
+weight allocated) and finds its stack of decoder layers: one `nn.ModuleList` of
+`num_hidden_layers` modules of one class. `materialize(module, prefix)` gives one part real
+tensors on the device, read from the checkpoint by name when its turn comes; `release` sends it
+back to `meta`, so one layer is in memory at a time. Buffers transformers computes at init
+(rotary frequencies) are rebuilt by constructing that module again from the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from qtool.errors import CheckpointError, UsageError
+
+if TYPE_CHECKING:
+    import torch
+
+    from qtool.formats.checkpoint import Checkpoint
+    from qtool.weight import Weight
+
+__all__ = ["Skeleton"]
+
+
+def _config(checkpoint: "Checkpoint"):
+    from transformers import AutoConfig
+
+    raw = dict(checkpoint.config)
+    model_type = raw.pop("model_type", None)
+    if not isinstance(model_type, str):
+        raise UsageError(f"{checkpoint.path}: config.json names no model_type, so transformers cannot build the model", option="calibrate")
+    raw.pop("quantization_config", None)
+    try:
+        config = AutoConfig.for_model(model_type, **raw)
+    except (ValueError, KeyError):
+        raise UsageError(f"{checkpoint.path}: architecture {model_type!r} is not known to this transformers", option="calibrate") from None
+    except Exception as exc:  # a config transformers rejects (a bad field, a bad value)
+        raise CheckpointError(f"config.json is refused by transformers' {model_type} config: {type(exc).__name__}: {str(exc)[:200]}", path=checkpoint.path) from None
+    config._attn_implementation = "sdpa"
+    return config
+
+
+@dataclass
+class Skeleton:
+    model: Any  # the causal LM, on meta until a part is materialized
+    config: Any
+    base: Any  # the module whose forward embeds and runs the layers (LlamaModel, ...)
+    base_prefix: str  # its name in the checkpoint ("model")
+    layers: Any  # the nn.ModuleList of decoder layers
+    layers_prefix: str  # "model.layers"
+
+    @classmethod
+    def build(cls, checkpoint: "Checkpoint") -> "Skeleton":
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        config = _config(checkpoint)
+        try:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+        except ValueError:
+            raise UsageError(f"{checkpoint.path}: transformers has no causal LM for architecture {config.model_type!r}", option="calibrate") from None
+        count = getattr(config, "num_hidden_layers", None)
+        found = None
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.ModuleList) and len(module) == count and len({type(m) for m in module}) == 1:
+                found = (name, module)
+                break
+        if found is None:
+            raise UsageError(f"{checkpoint.path}: architecture {config.model_type!r} is not a stack of {count} decoder layers of one class", option="calibrate")
+        layers_prefix, layers = found
+        base_prefix = layers_prefix.rpartition(".")[0]
+        base = model.get_submodule(base_prefix) if base_prefix else model
+        return cls(model, config, base, base_prefix, layers, layers_prefix)
+
+    def materialize(self, module, prefix: str, weights: dict[str, "Weight"], checkpoint: "Checkpoint", device: str, *, skip: str | None = None) -> None:
+        """Give `module` (named `prefix` in the checkpoint) real float32 tensors on `device`,
+        read by name; the submodule named `skip` stays on meta. A parameter the checkpoint
+        lacks is a one-line error."""
+        for name, child in list(module.named_children()):
+            if name == skip:
+                continue
+            self._materialize_tree(child, f"{prefix}.{name}" if prefix else name, weights, checkpoint, device)
+        for name, param in list(module.named_parameters(recurse=False)):
+            self._load(module, name, f"{prefix}.{name}" if prefix else name, weights, checkpoint, device)
+
+    def _materialize_tree(self, module, prefix: str, weights, checkpoint, device: str) -> None:
+        buffers = dict(module.named_buffers(recurse=False))
+        if any(b.is_meta for b in buffers.values()) and not any(True for _ in module.parameters(recurse=False)):
+            self._rebuild(module, prefix, device)
+        for name, child in list(module.named_children()):
+            self._materialize_tree(child, f"{prefix}.{name}", weights, checkpoint, device)
+        for name, _ in list(module.named_parameters(recurse=False)):
+            self._load(module, name, f"{prefix}.{name}", weights, checkpoint, device)
+
+    def _rebuild(self, module, prefix: str, device: str) -> None:
+        """A parameterless module with computed buffers (rotary frequencies): built again from
+        the config on the device."""
+        import torch
+
+        try:
+            with torch.device(device):
+                fresh = type(module)(config=self.config)
+        except TypeError:
+            raise UsageError(f"{prefix}: qtool cannot rebuild {type(module).__name__} outside transformers' loader", option="calibrate") from None
+        for name, buffer in fresh.named_buffers(recurse=False):
+            module._buffers[name] = buffer
+
+    def _load(self, module, name: str, full: str, weights: dict[str, "Weight"], checkpoint: "Checkpoint", device: str) -> None:
+        import torch
+
+        from qtool.buffers import tensor_from_bytes
+
+        weight = weights.get(full)
+        if weight is None:
+            raise CheckpointError(f"has no tensor {full}, which the {self.config.model_type} architecture needs", path=checkpoint.path)
+        param = module._parameters[name]
+        if tuple(weight.shape) != tuple(param.shape):
+            raise CheckpointError(f"{full} has shape {list(weight.shape)}, the {self.config.model_type} architecture expects {list(param.shape)}", path=checkpoint.path)
+        if weight.quantized:
+            raise UsageError(f"{checkpoint.path} is already quantized ({full}); calibration needs float weights", option="calibrate")
+        values = tensor_from_bytes(checkpoint.read_bytes(weight.data), weight.data.dtype, tuple(weight.data.shape))
+        module._parameters[name] = torch.nn.Parameter(values.to(device=device, dtype=torch.float32), requires_grad=False)
+
+    @staticmethod
+    def release(module) -> None:
+        """Back to meta: the tensors are freed."""
+        module.to("meta")

@@ -1,0 +1,154 @@
+"""The sequential calibration runner on tiny random-weight models that transformers builds from
+its own configs (2 layers, small hidden sizes), checked against transformers running the whole
+model: the Hessian of a Linear is X^T X of the inputs transformers' own model gives it; the
+second layer sees the QUANTIZED first layer's outputs (not the float ones); every family's
+output loads in transformers with compressed-tensors, generates, and decompresses to exactly
+what `qtool dequantize` gives."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+from qtool import api  # noqa: E402
+from tests.conftest import SAMPLES  # noqa: E402
+
+TINY = SAMPLES / "tiny-llama"
+TEXT = (
+    "The for statement is used to iterate over the elements of a sequence (such as a string, tuple "
+    "or list) or other iterable object. The expression list is evaluated once; it should yield an "
+    "iterable object. An iterator is created for the result of that iterable. "
+) * 8
+
+FAMILIES = {
+    "llama": "LlamaConfig",
+    "qwen2": "Qwen2Config",
+    "mistral": "MistralConfig",
+    "qwen3": "Qwen3Config",
+}
+
+
+def tiny_model(folder, family: str, dtype=torch.bfloat16):
+    """A 2-layer random-weight model of `family`, hidden 64, with tiny-llama's tokenizer."""
+    config = getattr(transformers, FAMILIES[family])(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY / name, folder / name)
+    return folder
+
+
+def text_file(tmp_path, text=TEXT):
+    path = tmp_path / "text.txt"
+    path.write_text(text)
+    return path
+
+
+def captured_inputs(model_folder, module_name: str, tokens):
+    """X^T X of the inputs transformers' own float32 model gives `module_name` on `tokens`."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32)
+    module = model.get_submodule(module_name)
+    total = torch.zeros((module.in_features, module.in_features), dtype=torch.float64)
+
+    def hook(module, args):
+        nonlocal total
+        x = args[0].reshape(-1, args[0].shape[-1]).double()
+        total += x.T @ x
+
+    module.register_forward_pre_hook(hook)
+    with torch.no_grad():
+        for row in tokens:
+            model(input_ids=row.unsqueeze(0))
+    return total
+
+
+def calibrate_plan(model, out, text, scheme="int4:g32", samples=4, seq_len=32):
+    return api.prepare_quantize(model, out, scheme, calibrate=text, samples=samples, seq_len=seq_len)
+
+
+def test_the_hessian_is_xtx_of_the_inputs_transformers_gives_the_linear(tmp_path):
+    from qtool.calibration.runner import RunnerOptions, calibrate
+
+    plan = calibrate_plan(TINY, tmp_path / "out", text_file(tmp_path))
+    seen = {}
+    calibrate(
+        plan.source, [j.weight for j in plan.jobs], {j.weight.name: j.scheme for j in plan.jobs if j.scheme is not None},
+        plan.layout, plan.calibration.tokens, RunnerOptions(),
+        on_statistics=lambda index, hessians, hidden: seen.update({name: h.clone() for name, h in hessians.items()}) if index == 0 else None,
+    )  # fmt: skip
+    plan.source.close()
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"):
+        expected = captured_inputs(TINY, name, plan.calibration.tokens)
+        torch.testing.assert_close(seen[name + ".weight"].double(), expected, rtol=1e-4, atol=1e-3 * float(expected.abs().max()))
+
+
+def test_the_second_layer_sees_the_quantized_first_layers_outputs(tmp_path):
+    """Layer 1's Hessian is the one transformers computes with layer 0's weights as written
+    (dequantized), and is far from the one with layer 0's float weights."""
+    from qtool.calibration.runner import RunnerOptions, calibrate
+
+    out, plain = tmp_path / "out", tmp_path / "dequantized"
+    plan = calibrate_plan(TINY, out, text_file(tmp_path), scheme="int2:g32")  # a coarse scheme: a clear difference
+    tokens = plan.calibration.tokens
+    api.run(plan)
+    api.dequantize(out, plain, dtype="f32")
+    seen = {}
+    plan = calibrate_plan(TINY, tmp_path / "again", text_file(tmp_path), scheme="int2:g32")
+    calibrate(
+        plan.source, [j.weight for j in plan.jobs], {j.weight.name: j.scheme for j in plan.jobs if j.scheme is not None},
+        plan.layout, tokens, RunnerOptions(),
+        on_statistics=lambda index, hessians, hidden: seen.update({name: h.clone() for name, h in hessians.items()}) if index == 1 else None,
+    )  # fmt: skip
+    plan.source.close()
+    name = "model.layers.1.self_attn.q_proj"
+    ours = seen[name + ".weight"].double()
+    quantized = captured_inputs(plain, name, tokens)
+    float_ = captured_inputs(TINY, name, tokens)
+    to_quantized = float((ours - quantized).norm() / quantized.norm())
+    to_float = float((ours - float_).norm() / float_.norm())
+    assert to_quantized < 1e-3 < to_float / 10, (to_quantized, to_float)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("scheme", ["int4:g32", "int4:g32:asym"], ids=["sym", "asym"])
+def test_each_family_end_to_end_loads_in_transformers_and_decodes_as_qtool_does(tmp_path, family, scheme):
+    from safetensors.torch import load_file
+
+    model = tiny_model(tmp_path / family, family)
+    out, plain = tmp_path / "out", tmp_path / "plain"
+    report = api.run(calibrate_plan(model, out, text_file(tmp_path), scheme=scheme))
+    document = report.to_json()
+    assert [layer["layer"] for layer in document["calibration"]["layers"]] == [0, 1]
+    assert all(len(layer["weights"]) == 7 for layer in document["calibration"]["layers"])
+    assert document["summary"]["quantized_weights"] == 14
+    api.dequantize(out, plain)
+    ours = load_file(str(plain / "model.safetensors"))
+
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.bfloat16, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False)
+    )
+    linears = {n: m for n, m in loaded.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+    assert len(linears) == 14
+    for name, module in linears.items():
+        assert torch.equal(module.weight.detach(), ours[name + ".weight"]), name
+    generated = loaded.generate(torch.tensor([[1, 5, 9]]), max_new_tokens=3, do_sample=False)
+    assert generated.shape == (1, 6)
+
+    from qtool.inspection import inspect_checkpoint
+    from qtool.formats import open_checkpoint
+
+    checkpoint = open_checkpoint(out)
+    try:
+        labels = {w.scheme.label for w in inspect_checkpoint(checkpoint).weights if w.quantized}
+    finally:
+        checkpoint.close()
+    assert labels == {"int4 sym g32" if scheme == "int4:g32" else "int4 asym g32"}
