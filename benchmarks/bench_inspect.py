@@ -610,7 +610,9 @@ def run(args: argparse.Namespace, root: Path) -> int:
             print(f"{MODELS[key].title:<12} {variant:<17} {med[job]:>9.3f} {pt:>7} {npy:>7}  {runs}")
     if ("7b", "qtool") in med and ("70b", "qtool") in med:
         print(f"qtool 70B/7B: {ratio(('70b', 'qtool'), ('7b', 'qtool'))}")
-    cpu = {job: statistics.median(CPU_TIMES[tuple(command(job[1], dirs[job[0]]))]) for job in med}
+    # the .pt variants ran on another path than dirs[...]: their CPU times are not keyed here
+    timed = {job: CPU_TIMES.get(tuple(command(job[1], dirs[job[0]]))) for job in med}
+    cpu = {job: statistics.median(t) for job, t in timed.items() if t}
     print("CPU seconds (user + sys), median: " + "; ".join(
         f"{MODELS[k].title} " + ", ".join(f"{v} {cpu[k, v]:.3f}" for v in VARIANTS if (k, v) in cpu) for k in args.models
     ))
