@@ -122,4 +122,7 @@ def run_plan(plan, *, device: str, threads: int | None, overwrite: bool, quiet: 
         os.environ["OMP_NUM_THREADS"] = str(threads)  # torch sizes its pool from this if a job imports it
     total = sum(job.bytes_in for job in plan.jobs)
     with progress("writing" if not measure else "quantizing", total, quiet) as advance:
-        return api.run(plan, device=device, threads=threads, measure=measure, on_progress=advance, overwrite=overwrite)
+        outcome = api.run(plan, device=device, threads=threads, measure=measure, on_progress=advance, overwrite=overwrite)
+    for name, value in sorted(outcome.measured.non_finite.items()):
+        print_warning(f"{name} holds {value} values: encoded as its toolchain does, no error figure (see `qtool check --no-nan`)")
+    return outcome
