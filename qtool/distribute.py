@@ -111,13 +111,16 @@ def _merged(plan: Plan, jobs: list[ShardJob], results: dict[int, ShardResult]) -
     process running the whole plan makes, so the report is the same to the last bit."""
     measured = Measurements()
     errors = {}
+    non_finite: dict[str, str] = {}
     for job in jobs:
         result = results[job.index]
         errors.update(result.errors)
+        non_finite.update(result.non_finite)
         for stats in result.kept:
             measured.unquantized = measured.unquantized.merge(stats)
         measured.bytes_read += result.bytes_read
     measured.errors = {job.weight.name: errors[job.weight.name] for job in plan.jobs if job.weight.name in errors}
+    measured.non_finite = {job.weight.name: non_finite[job.weight.name] for job in plan.jobs if job.weight.name in non_finite}
     return measured
 
 

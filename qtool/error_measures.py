@@ -113,8 +113,9 @@ class ErrorStats:
         max_abs = self.max_abs
         for start in range(0, x.size, _CPU_SLICE):
             xs = x[start : start + _CPU_SLICE].astype(np.float64)
-            es = xs - y[start : start + _CPU_SLICE].astype(np.float64)
-            part_xx, part_xe, part_ee, high, low = _cpu_sums(xs, es)
+            with np.errstate(invalid="ignore", over="ignore"):  # inf - inf is NaN: the sums say so, no numpy warning
+                es = xs - y[start : start + _CPU_SLICE].astype(np.float64)
+                part_xx, part_xe, part_ee, high, low = _cpu_sums(xs, es)
             xx, xe, ee = xx + part_xx, xe + part_xe, ee + part_ee
             max_abs = max(max_abs, high, -low)
         part = ErrorStats.from_sums(xx, xe, ee, max_abs, x.size)
@@ -138,11 +139,20 @@ class ErrorStats:
 
     @property
     def sqnr_db(self) -> float:
+        """inf for no error; NaN where the sums hold NaN (or inf against inf): no figure, never
+        an exception (an infinite noise made log10(0) raise "math domain error": exit 70)."""
+        if math.isnan(self.signal) or math.isnan(self.noise):
+            return math.nan
         if self.noise == 0:
             return math.inf
-        if self.signal == 0:
+        ratio = self.signal / self.noise
+        if math.isnan(ratio):  # inf / inf
+            return math.nan
+        if ratio == 0:  # no signal, or an infinite noise
             return -math.inf
-        return 10 * math.log10(self.signal / self.noise)
+        if math.isinf(ratio):
+            return math.inf
+        return 10 * math.log10(ratio)
 
     @property
     def rel_rmse(self) -> float:
@@ -152,7 +162,10 @@ class ErrorStats:
 
     @property
     def cosine(self) -> float:
-        denominator = math.sqrt(self.signal * self.recon)
+        product = self.signal * self.recon
+        if math.isnan(product):  # NaN sums: no figure
+            return math.nan
+        denominator = math.sqrt(max(product, 0.0))  # sum x_hat^2 is formed from differences: it may round below 0
         if denominator == 0:
             return 1.0 if self.signal == self.recon else 0.0
         return self.dot / denominator

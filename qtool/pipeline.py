@@ -16,6 +16,7 @@ The executor changes no process state: threads come in `ExecOptions` and are res
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,10 +27,10 @@ from qtool import encoders, native_decoders
 from qtool.buffers import tensor_bytes, tensor_from_bytes
 from qtool.dtypes import float_dtype_named, storage_dtype
 from qtool.error_measures import ErrorStats
-from qtool.errors import UsageError
+from qtool.errors import SchemeError, UsageError
 from qtool.formats.checkpoint import Checkpoint
 from qtool.formats.writer import Output
-from qtool.plan import CAST, COPY, DEQUANTIZE, QUANTIZE, Job, Piece, Plan
+from qtool.plan import CAST, COPY, DEQUANTIZE, QUANTIZE, GgmlBlocks, Job, Piece, Plan
 
 __all__ = ["ExecOptions", "Measurements", "execute", "stream", "Runner", "kernel_threads", "resolve_device", "parse_size", "parse_dtype"]
 
@@ -53,6 +54,7 @@ class Measurements:
     the float weights written unquantized (exact copies, or a cast's rounding); time and bytes."""
 
     errors: dict[str, ErrorStats] = field(default_factory=dict)
+    non_finite: dict[str, str] = field(default_factory=dict)  # quantized weight -> "NaN" | "inf" it held
     unquantized: ErrorStats = field(default_factory=ErrorStats)
     seconds: float = 0.0
     bytes_read: int = 0
@@ -205,6 +207,7 @@ class _Runner:
             encoder = self.encoder(job)
             yield from encoder.encode(loaded)
             if self.options.measure and encoder.errors is not None:
+                self._check_finite(job, encoder.errors)
                 self.measured.errors[job.weight.name] = encoder.errors
             del self._encoders[id(job)]
         elif job.transform is not None:  # a whole weight, changed as the plan says (GGUF's rotary order)
@@ -217,6 +220,19 @@ class _Runner:
             yield name, loaded, 0
         else:
             yield from self._stream(job)
+
+    def _check_finite(self, job: Job, errors: ErrorStats) -> None:
+        """One rule for every encoder, read from the weight's error sums (float64, so a finite
+        float32 input never overflows sum x^2): a finite weight must come back finite, else the
+        run is refused (a scale that overflows its type: Q8_0's f16 block scale past 65504 * 127);
+        a weight holding inf or NaN is encoded as its toolchain does, and reported."""
+        if not math.isfinite(errors.signal):
+            self.measured.non_finite[job.weight.name] = "NaN" if math.isnan(errors.signal) else "inf"
+        elif not math.isfinite(errors.noise):
+            raise SchemeError(
+                f"{job.weight.name}: its values are finite but too large for {_scheme_name(job)}: a scale overflows its type, and the output would hold inf or NaN",
+                hint="leave this weight unquantized (--ignore), or rescale it",
+            )
 
     def _stream(self, job: Job) -> Iterator[Piece]:
         """COPY and CAST, in pieces of at most COPY_CHUNK bytes."""
@@ -320,6 +336,12 @@ def execute(plan: Plan, output: Output, options: ExecOptions = ExecOptions(), *,
             output.abort()
             raise
     return runner.measured
+
+
+def _scheme_name(job: Job) -> str:
+    if isinstance(job.encoding, GgmlBlocks):
+        return job.encoding.type
+    return job.scheme.label() if job.scheme is not None else "its scheme"
 
 
 def side_file_copies(source: Checkpoint, single_file: bool) -> list[tuple[str, str]]:

@@ -69,6 +69,7 @@ class RunReport:
                         # added for issue 23 (the HTML report)
                         **weight_position(name).to_json(),
                         "parameters": _parameters(entry["shape"]),
+                        "non_finite_input": self.measured.non_finite.get(name),  # added for issue 18: "NaN", "inf" or null
                     }
                 )
             weights.sort(key=lambda w: (w["sqnr_db"] is None, w["sqnr_db"] if w["sqnr_db"] is not None else 0.0))
@@ -78,6 +79,7 @@ class RunReport:
                 "quantized": self.model_error().to_json(),
                 "all_weights": self.all_weights_error().to_json(),
                 "histogram": sqnr_histogram(stats.sqnr_db for stats in self.measured.errors.values()),  # added for issue 23
+                "non_finite_weights": sorted(self.measured.non_finite),  # added for issue 18: inputs holding inf/NaN
             }
         else:
             weights = [w for w in plan["weights"] if w["action"] == "dequantize"]

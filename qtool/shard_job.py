@@ -64,6 +64,7 @@ class ShardResult:
     tensors: dict[str, tuple[int, str]]  # output tensor -> (bytes written, sha256 hex)
     errors: list[tuple[str, ErrorStats]] = field(default_factory=list)
     kept: list[ErrorStats] = field(default_factory=list)
+    non_finite: dict[str, str] = field(default_factory=dict)  # quantized weight -> "NaN" | "inf" it held
     bytes_read: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
@@ -214,6 +215,7 @@ def run(shard_job: ShardJob) -> ShardResult:
         tensors=digests,
         errors=list(measured.errors.items()),
         kept=runner.kept,
+        non_finite=dict(measured.non_finite),
         bytes_read=measured.bytes_read,
         bytes_in=shard_job.bytes_in,
         bytes_out=sum(end - begin for begin, end in shard_job.ranges.values()),

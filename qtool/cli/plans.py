@@ -135,7 +135,7 @@ def run_plan(plan, *, device: str, threads: int | None, overwrite: bool, quiet: 
         print_status(f"calibrated layer {layer.index + 1}/{layers} in {layer.seconds:.1f} s, output relative MSE {layer.output_error:.3g}", quiet)
 
     with progress("writing" if not measure else "quantizing", total, quiet) as advance:
-        return api.run(
+        outcome = api.run(
             plan,
             device=device,
             threads=threads,
@@ -149,3 +149,6 @@ def run_plan(plan, *, device: str, threads: int | None, overwrite: bool, quiet: 
             max_retries=max_retries,
             worker_setup=worker_setup if (workers > 1 or executor != "local") else None,
         )
+    for name, value in sorted(outcome.measured.non_finite.items()):
+        print_warning(f"{name} holds {value} values: encoded as its toolchain does, no error figure (see `qtool check --no-nan`)")
+    return outcome

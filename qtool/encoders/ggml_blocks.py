@@ -59,10 +59,12 @@ class GgmlBlockEncoder:
                 return encoded.data
             if encoded.complete:  # rows with inf/NaN, encoded as llama.cpp does; measured below
                 return self._measured(part, dtype, rows, cols, encoded.data)
+        import numpy as np
         from gguf import GGMLQuantizationType, quants
 
         values = self._values(part, dtype, rows, cols)
-        encoded = quants.quantize(values, GGMLQuantizationType[self.gtype.name])
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # inf/NaN: the executor's one warning says so
+            encoded = quants.quantize(values, GGMLQuantizationType[self.gtype.name])
         return self._measured(part, dtype, rows, cols, memoryview(encoded).cast("B"), values)
 
     @staticmethod

@@ -15,6 +15,10 @@ Bounded, whatever the bytes:
   created (4M by default: a few hundred MB at worst; a torch state dict needs about 16 per
   tensor), and an integer takes at most `MAX_INT_BYTES` bytes. The caller caps the pickle's
   size, which bounds the rest (stack slots of shared objects, 8 bytes each).
+- References (`max_references`, when the caller asks): a memo reference costs the pickle 2-5
+  bytes but may cost its reader a record per reference (a state dict naming one memoized
+  tensor 1.2M times). The caller may allow `max_references` of them plus `REFERENCES_PER_CALL`
+  per call (a torch tensor needs about 5), so such a pickle stops early, not after minutes.
 - Dicts and sets are `PDict` / `PSet`: lists of entries, never hashed, so crafted keys with one
   hash can't make insertion quadratic. A key set twice keeps both entries; readers take the last.
 
@@ -30,11 +34,13 @@ from typing import Any, Protocol
 
 from qtool.gcpause import paused_gc
 
-__all__ = ["PickleError", "Truncated", "PDict", "PSet", "Hooks", "interpret", "MAX_INT_BYTES"]
+__all__ = ["PickleError", "Truncated", "OverLimit", "PDict", "PSet", "Hooks", "interpret", "MAX_INT_BYTES", "REFERENCES_PER_CALL"]
 
 MAX_INT_BYTES = 256  # LONG1/LONG4 payloads; a tensor checkpoint needs 8
+REFERENCES_PER_CALL = 16  # memo references each REDUCE allows, under `max_references`
 _MAX_LINE = 1 << 16  # text opcodes (GLOBAL names, protocol 0 numbers and strings)
 _MAX_MEMO_INDEX = 1 << 32
+_TOO_MANY_REFERENCES = "the pickle refers back to earlier objects more often than qtool reads (one object under many names)"
 
 
 class PickleError(ValueError):
@@ -45,6 +51,10 @@ class PickleError(ValueError):
 
 class Truncated(PickleError):
     pass
+
+
+class OverLimit(PickleError):
+    """A well-formed pickle that asks more of its reader than the caller allows."""
 
 
 class PDict:
@@ -99,21 +109,22 @@ _UNPACK_Q = struct.Struct("<Q").unpack_from
 _UNPACK_D = struct.Struct(">d").unpack_from
 
 
-def interpret(data: bytes, hooks: Hooks, *, start: int = 0, max_objects: int = 4_000_000) -> tuple[Any, int]:
+def interpret(data: bytes, hooks: Hooks, *, start: int = 0, max_objects: int = 4_000_000, max_references: int | None = None) -> tuple[Any, int]:
     """The object the pickle at `data[start:]` describes, and the offset just past its STOP.
 
     The cyclic garbage collector is paused meanwhile: millions of new containers would make it
     walk all of them again and again (as pickle's own C unpickler avoids by not tracking)."""
     with paused_gc():
-        return _Machine(data, hooks, start, max_objects).run()
+        return _Machine(data, hooks, start, max_objects, max_references).run()
 
 
 class _Machine:
-    def __init__(self, data: bytes, hooks: Hooks, start: int, max_objects: int) -> None:
+    def __init__(self, data: bytes, hooks: Hooks, start: int, max_objects: int, max_references: int | None = None) -> None:
         self.data = data
         self.hooks = hooks
         self.pos = start
         self.budget = max_objects
+        self.references = len(data) if max_references is None else max_references  # a get reads >= 2 bytes: never reached
         self.stack: list[Any] = []
         self.marks: list[list[Any]] = []
         self.memo: dict[int, Any] = {}
@@ -160,6 +171,9 @@ class _Machine:
         return self.stack[-1]
 
     def _memo_get(self, index: int) -> Any:
+        self.references -= 1
+        if self.references < 0:
+            raise OverLimit(_TOO_MANY_REFERENCES, self.pos)
         try:
             return self.memo[index]
         except KeyError:
@@ -228,6 +242,7 @@ class _Machine:
         pos = self.pos
         stack = self.stack
         memo = self.memo
+        references = self.references
         unpack_ui, unpack_h, unpack_i = _UNPACK_UI, _UNPACK_H, _UNPACK_I
         try:
             while True:
@@ -243,6 +258,9 @@ class _Machine:
                 elif op == 0x68:  # BINGET
                     stack.append(memo[data[pos]])
                     pos += 1
+                    references -= 1
+                    if references < 0:
+                        raise OverLimit(_TOO_MANY_REFERENCES, at)
                 elif op == 0x28:  # MARK
                     self.marks.append(stack)
                     stack = []
@@ -268,6 +286,7 @@ class _Machine:
                     func = stack.pop()
                     self.pos = pos
                     stack.append(self._call(func, args))
+                    references += REFERENCES_PER_CALL
                 elif op == 0x51:  # BINPERSID
                     pid = stack.pop()
                     self.budget -= 1
@@ -327,12 +346,15 @@ class _Machine:
                 elif op == 0x6A:  # LONG_BINGET
                     stack.append(memo[unpack_ui(data, pos)[0]])
                     pos += 4
+                    references -= 1
+                    if references < 0:
+                        raise OverLimit(_TOO_MANY_REFERENCES, at)
                 else:
-                    self.pos, self.stack = pos, stack
+                    self.pos, self.stack, self.references = pos, stack, references
                     done = self._cold(op, at)
                     if done is not None:
                         return done[0], self.pos
-                    pos, stack = self.pos, self.stack
+                    pos, stack, references = self.pos, self.stack, self.references
                 if self.budget < 0:
                     raise PickleError("the pickle builds more objects than qtool's limit", at)
         except (IndexError, struct.error):

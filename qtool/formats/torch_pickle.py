@@ -47,13 +47,13 @@ from __future__ import annotations
 
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from qtool.dtypes import DTYPES, StorageDType
 from qtool.errors import CheckpointError
 from qtool.formats.checkpoint import SMALL_TENSOR_LIMIT, Checkpoint, StoredTensor
-from qtool.formats.pickle_machine import PDict, PickleError, PSet, Truncated, interpret
+from qtool.formats.pickle_machine import OverLimit, PDict, PickleError, PSet, Truncated, interpret
 from qtool.formats.torch_unpickle import (
     ITEMSIZE,
     DType,
@@ -78,6 +78,10 @@ PICKLE_LIMIT = 32 << 20  # bytes of pickle (data.pkl): some 250,000 tensors (abo
 MAX_DEPTH = 64
 _METADATA_TEXT_LIMIT = 200
 _METADATA_ENTRIES = 10_000
+# Names of a tensor already listed (tied weights: a few; ALBERT's shared layers: hundreds). A
+# memoized tensor costs 7 bytes a name in the pickle and a stored-tensor record in memory, so a
+# 32 MB pickle could name one tensor 4.5M times: past this many, the file is refused.
+MAX_ALIASES = 65_536
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LEGACY_PROTOCOL = 1001
 _GATHER_LIMIT = 1 << 30  # a broadcast view's bytes, materialized, beyond what its storage holds
@@ -321,6 +325,8 @@ def _open_archive(path: str) -> _Archive:
                 path=path,
                 hint=f"the file holds {exc.package} tensor subclasses, which only {exc.package}'s classes describe",
             ) from None
+        except OverLimit as exc:
+            raise CheckpointError(f"is over qtool's limits: {exc}", path=path, hint="save each tensor once (tied weights under a few names are fine)") from None
         except PickleError as exc:
             raise CheckpointError(f"has a malformed pickle: {exc}", path=path, hint=_HINT) from None
         except OSError as exc:
@@ -384,7 +390,7 @@ def _read_zip(fd: int, archive: _Archive) -> None:
         storages[(key, dtype)] = storage
         return storage
 
-    archive.root, end = interpret(data, TorchHooks(storage_for))
+    archive.root, end = interpret(data, TorchHooks(storage_for), max_references=MAX_ALIASES)
     if end != len(data):
         raise PickleError(f"data.pkl holds {len(data) - end} bytes after the pickle's STOP")
 
@@ -466,7 +472,7 @@ class _LegacyReader:
                 more = os.pread(self.fd, min(want, self.size, PICKLE_LIMIT) - len(self.buffer), len(self.buffer))
                 self.buffer += more
             try:
-                value, end = interpret(self.buffer, hooks or _NoGlobals(), start=self.position)
+                value, end = interpret(self.buffer, hooks or _NoGlobals(), start=self.position, max_references=MAX_ALIASES)
             except Truncated:
                 if len(self.buffer) >= min(self.size, PICKLE_LIMIT):
                     if len(self.buffer) >= PICKLE_LIMIT:
@@ -604,13 +610,20 @@ class _Describer:
         self.subclasses: dict[str, Subclass] = {}
         self.metadata: dict[str, str] = {}
         self._seen: dict[int, str] = {}
+        self._described: dict[int, tuple[Any, str]] = {}  # id(record) -> (record, its first name)
+        self._aliases = 0
 
     def walk(self, root: Any) -> None:
         self._walk(root, "", 0)
 
     def _walk(self, value: Any, name: str, depth: int) -> None:
         if isinstance(value, _TENSORS):
-            self._tensor(name or "tensor", value)
+            first = self._described.get(id(value))
+            if first is None:
+                self._described[id(value)] = (value, name or "tensor")  # the record is kept: its id stays its own
+                self._tensor(name or "tensor", value)
+            else:
+                self._alias(name or "tensor", value, first[1])
             return
         if isinstance(value, (list, tuple)) and not self.reach(value):
             self._meta(name or "value", value)
@@ -632,6 +645,25 @@ class _Describer:
         else:
             for index, item in enumerate(value):
                 self._walk(item, f"{name}.{index}" if name else str(index), depth + 1)
+
+    def _alias(self, name: str, record: Any, first: str) -> None:
+        """Another name of a tensor record already described, at most MAX_ALIASES per pickle.
+        A plain tensor's entries are copied under the new name, not checked again."""
+        self._aliases += 1
+        if self._aliases > MAX_ALIASES:
+            raise CheckpointError(
+                f"names already-listed tensors more than {MAX_ALIASES} times (one tensor under many names), more than qtool reads",
+                path=self.path,
+                hint="save each tensor once (tied weights under a few names are fine)",
+            )
+        if type(record) is not TensorRecord or first not in self.tensors:  # quantized, subclass, or skipped: described again
+            self._tensor(name, record)
+            return
+        if name in self.tensors:
+            raise CheckpointError(f"holds two tensors named {name!r}", path=self.path)
+        self.tensors[name] = replace(self.tensors[first], name=name)
+        if first in self.gathers:
+            self.gathers[name] = self.gathers[first]
 
     def note(self, name: str, value: Any) -> None:
         """A value beside the state dict, as metadata."""

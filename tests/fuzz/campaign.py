@@ -47,6 +47,7 @@ class Case:
     mutations: list[str]
     files: dict[str, bytes]  # every file of in/, mutated or not
     number: int = 0
+    env: dict[str, str] = field(default_factory=dict)  # for the child (QTOOL_FUZZ_SWAP: runner._swap_during_copy)
 
     def write(self, folder: Path, result: Result | None = None, extra: dict | None = None) -> Path:
         if folder.exists():
@@ -57,6 +58,8 @@ class Case:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
         document = {"container": self.container, "seed": self.seed, "target": self.target, "argv": self.argv, "mutations": self.mutations, "number": self.number}
+        if self.env:
+            document["env"] = self.env
         if result is not None:
             document |= {
                 "outcome": result.outcome,
@@ -74,7 +77,7 @@ class Case:
     def read(cls, folder: Path) -> Case:
         document = json.loads((folder / "case.json").read_text())
         files = {str(p.relative_to(folder / "in")): p.read_bytes() for p in sorted((folder / "in").rglob("*")) if p.is_file()}
-        return cls(document["container"], document["seed"], document["target"], document["argv"], document["mutations"], files, document.get("number", 0))
+        return cls(document["container"], document["seed"], document["target"], document["argv"], document["mutations"], files, document.get("number", 0), document.get("env", {}))
 
 
 def _seed_files(seed: Seed) -> dict[str, bytes]:
@@ -298,13 +301,14 @@ def replay(folders: list[Path], workdir: Path, limits: Limits | None = None, job
             case = Case.read(folder)
             scratch = workdir / folder.name
             case.write(scratch)
-            result = runner.run(_argv(case, scratch), scratch)
+            result = runner.run(_argv(case, scratch), scratch, case.env)
+            result.outcome = _expected(folder, result)
             entry = {"case": str(folder), "outcome": result.outcome, "exit_code": result.exit_code, "seconds": round(result.seconds, 3),
                      "peak_rss_growth_mib": round(result.peak_rss_growth / 2**20, 1), "argv": case.argv, "container": case.container}
             if result.outcome not in ACCEPTED:
                 debug = None
                 if result.outcome not in ("timeout", "memory", "signal"):
-                    debug = runner.run(_argv(case, scratch), scratch, {"QTOOL_DEBUG": "1"}).stderr
+                    debug = runner.run(_argv(case, scratch), scratch, {**case.env, "QTOOL_DEBUG": "1"}).stderr
                 entry["signature"] = list(signature_of(result, debug))
                 entry["stderr"] = result.stderr[-1500:]
                 entry["reproducer"] = reproducer(folder, case)
@@ -315,6 +319,20 @@ def replay(folders: list[Path], workdir: Path, limits: Limits | None = None, job
     finally:
         runner.close()
     return results
+
+
+def _expected(folder: Path, result: Result) -> str:
+    """A handmade case may say more than "accepted": `expect.outcome` (exit 0 is no success
+    when the run should refuse) and `expect.stderr` (the exact stderr lines, e.g. one warning
+    and no numpy RuntimeWarning). A miss is the outcome "unexpected"."""
+    expect = json.loads((folder / "case.json").read_text()).get("expect")
+    if not expect or result.outcome not in ACCEPTED:
+        return result.outcome
+    if "outcome" in expect and result.outcome != expect["outcome"]:
+        return "unexpected"
+    if "stderr" in expect and result.stderr.splitlines() != expect["stderr"]:
+        return "unexpected"
+    return result.outcome
 
 
 def case_folders(roots: list[Path]) -> list[Path]:

@@ -8,10 +8,22 @@ into the regression corpus as ordinary cases (the same runner, the same outcome 
 - pt_legacy/handmade-billion-laughs: the same in the legacy (non-zip) format.
 - gguf/handmade-dims-overflow-*: a tensor with dims [0, 64, 2^62], through `inspect --stats`
   and `check --no-nan` (size arithmetic that overflows).
+
+Issue 18 (#4-#7):
+
+- pt/handmade-aliased-*, pt_legacy/handmade-aliased: one memoized tensor under 70,000 names
+  (7 bytes a name; 1.2M names took 174 s and 2 GB), and 65,538 beside 10 tensors (the describer's
+  own cap, past the machine's allowance).
+- gguf/handmade-scale-overflow-*: a finite 3e38 through `quantize` at Q8_0, Q4_0, Q4_K_M and
+  q6_k (the f16 block scale overflows: exit 2, or finite output); handmade-nan-*/inf-*:
+  non-finite inputs, encoded and reported.
+- side_json/handmade-side-swap-*: a model folder whose vocab.json becomes a link out of the
+  folder, a FIFO or /dev/zero once merges.txt is copied (runner._swap_during_copy).
 """
 
 from __future__ import annotations
 
+import json
 import struct
 import sys
 import tempfile
@@ -58,6 +70,46 @@ def gguf_dims_overflow(path: Path) -> None:
     path.write_bytes(head + bytes(-len(head) % 32) + bytes(data[old_data:]))
 
 
+def aliased(path: Path, names: int, legacy: bool = False, beside: int = 0) -> None:
+    import torch
+
+    one = torch.zeros(2)
+    state = {f"t{index}": torch.zeros(1) for index in range(beside)}
+    state.update({index: one for index in range(names)})
+    torch.save(state, path, _use_new_zipfile_serialization=not legacy)
+
+
+def gguf_holding(path: Path, value: float) -> None:
+    """One 16x256 F32 weight (one K-quant block a row), gaussian, with `value` at one place."""
+    import gguf
+    import numpy as np
+
+    x = np.random.default_rng(0).standard_normal((16, 256)).astype(np.float32)
+    x[3, 5] = value
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("blk.0.attn_q.weight", x)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def side_swap_model() -> dict[str, bytes]:
+    """A llama folder with one 8x128 weight, merges.txt and vocab.json: the files of a swap case."""
+    import numpy as np
+
+    from tests.fuzz.seeds import SAMPLES, safetensors_bytes
+
+    weight = np.linspace(-1, 1, 8 * 128, dtype=np.float32).tobytes()
+    return {
+        "m/config.json": (SAMPLES / "tiny-llama" / "config.json").read_bytes(),
+        "m/model.safetensors": safetensors_bytes({"model.layers.0.self_attn.q_proj.weight": ("F32", [8, 128], weight)}),
+        "m/merges.txt": b"#version: 0.2\n" + b"a b\n" * 1000,
+        "m/vocab.json": b'{"a": 0, "b": 1}',
+    }
+
+
 def write_all(regressions: Path) -> list[Path]:
     written = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -71,11 +123,45 @@ def write_all(regressions: Path) -> list[Path]:
             ("gguf", "handmade-dims-overflow-stats", "model.gguf", ["inspect", "{in}", "--stats"], "model.gguf", "dims [0, 64, 2^62]", "readers"),
             ("gguf", "handmade-dims-overflow-no-nan", "model.gguf", ["check", "{in}", "--no-nan"], "model.gguf", "dims [0, 64, 2^62]", "readers"),
         ]
+        aliased(scratch / "aliased.pt", 70_000)
+        aliased(scratch / "aliased-legacy.pt", 70_000, legacy=True)
+        aliased(scratch / "aliased-beside.pt", 65_538, beside=10)  # 10 calls: past the machine's allowance, not the describer's
+        cases += [
+            ("pt", "handmade-aliased", "model.pt", ["inspect", "{in}"], "aliased.pt", "one tensor under 70,000 names", "torchpt"),
+            ("pt_legacy", "handmade-aliased", "model.pt", ["inspect", "{in}"], "aliased-legacy.pt", "one tensor under 70,000 names, legacy format", "torchpt"),
+            ("pt", "handmade-aliased-beside-tensors", "model.pt", ["inspect", "{in}"], "aliased-beside.pt", "one tensor under 65,538 names beside 10 tensors", "torchpt"),
+        ]
+        for label, value in (("scale-overflow", 3e38), ("nan", float("nan")), ("inf", float("inf"))):
+            gguf_holding(scratch / f"{label}.gguf", value)
+        expect: dict[str, dict] = {name: {"outcome": "exit2-one-line"} for _, name, *_ in cases if "aliased" in name}
+        warning = "warning: blk.0.attn_q.weight holds {} values: encoded as its toolchain does, no error figure (see `qtool check --no-nan`)"
+        for label, scheme, wanted in (
+            ("scale-overflow", "Q8_0", {"outcome": "exit2-one-line"}),
+            ("scale-overflow", "Q4_0", {"outcome": "exit2-one-line"}),
+            ("scale-overflow", "Q4_K_M", {"outcome": "exit2-one-line"}),
+            ("scale-overflow", "q6_k", {"outcome": "exit0", "stderr": []}),  # finite scales: 3e38 is lost, the SQNR says so
+            ("nan", "Q8_0", {"outcome": "exit0", "stderr": [warning.format("NaN")]}),
+            ("nan", "q6_k", {"outcome": "exit0", "stderr": [warning.format("NaN")]}),
+            ("inf", "Q4_K_M", {"outcome": "exit0", "stderr": [warning.format("inf")]}),
+        ):
+            argv = ["quantize", "{in}", "-o", "{out}.gguf", "--scheme", scheme, "--json", "-q"]
+            name = f"handmade-{label}-{scheme.lower()}"
+            cases.append(("gguf", name, "model.gguf", argv, f"{label}.gguf", f"{label} weight at {scheme}", "encoders"))
+            expect[name] = wanted
         for container, name, target, argv, source, what, area in cases:
             case = Case(container, "handmade", target, argv, [f"handmade: {what}"], {target: (scratch / source).read_bytes()})
             folder = regressions / container / name
-            case.write(folder, extra={"area": area, "signature": ["handmade", what, area]})
+            extra = {"area": area, "signature": ["handmade", what, area]} | ({"expect": expect[name]} if name in expect else {})
+            case.write(folder, extra=extra)
             written.append(folder)
+    model = side_swap_model()
+    for kind, to in (("link-out", "/etc/passwd"), ("fifo", "fifo"), ("dev-zero", "/dev/zero")):
+        swap = {"after": "merges.txt", "path": "in/m/vocab.json", "to": to}
+        what = f"vocab.json swapped for {to} while merges.txt is copied"
+        case = Case("side_json", "handmade", "m", ["quantize", "{in}", "-o", "{out}", "-q"], [f"handmade: {what}"], model, env={"QTOOL_FUZZ_SWAP": json.dumps(swap)})
+        folder = regressions / "side_json" / f"handmade-side-swap-{kind}"
+        case.write(folder, extra={"area": "side_files", "signature": ["handmade", what, "side_files"], "expect": {"outcome": "exit2-one-line"}})
+        written.append(folder)
     return written
 
 

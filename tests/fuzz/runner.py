@@ -15,6 +15,7 @@ Memory is measured as growth: a forked child starts with the parent's pages coun
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import resource
 import signal
@@ -63,6 +64,7 @@ FINDING_CLASSES = (
     "timeout",
     "memory",
     "other-exit",
+    "unexpected",  # a handmade case whose case.json `expect`s another accepted outcome or stderr (campaign._expected)
 )
 
 
@@ -182,6 +184,8 @@ def _child(argv: list[str], cwd: Path, out: Path, err: Path, env: dict[str, str]
         os.chdir(cwd)
         os.environ.update(env)
         sys.argv = ["qtool", *argv]
+        if "QTOOL_FUZZ_SWAP" in env:
+            _swap_during_copy(json.loads(env["QTOOL_FUZZ_SWAP"]))
         from qtool.cli import main
 
         try:
@@ -202,6 +206,26 @@ def _child(argv: list[str], cwd: Path, out: Path, err: Path, env: dict[str, str]
         except BaseException:  # noqa: BLE001, S110 - the exit code matters more
             pass
         os._exit(code)
+
+
+def _swap_during_copy(swap: dict[str, str]) -> None:
+    """A side-file race, made deterministic: once the output's file `after` is written, `path`
+    (relative to the case folder) is replaced by `to`: "fifo", or a symlink to that target."""
+    from qtool.formats import writer
+
+    write_new = writer._write_new
+
+    def write_then_swap(path: str, data: bytes) -> None:
+        write_new(path, data)
+        if os.path.basename(path) == swap["after"]:
+            victim = os.path.abspath(swap["path"])
+            os.unlink(victim)
+            if swap["to"] == "fifo":
+                os.mkfifo(victim)
+            else:
+                os.symlink(swap["to"], victim)
+
+    writer._write_new = write_then_swap
 
 
 @dataclass

@@ -1,0 +1,104 @@
+"""One rule for every encoder (issue 18 #6, #7, #10): a finite weight never comes back inf or
+NaN (a value whose scale overflows the scale type, 3e38 at Q8_0's f16 block scale, is refused
+in one line, exit 2); a weight holding inf or NaN is encoded as its toolchain does and
+reported, by name, in one warning line and in `--json`; numpy's RuntimeWarnings stay inside."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from qtool import native
+from qtool.error_measures import ErrorStats
+from tests.conftest import REPO
+
+NAME = "blk.0.attn_q.weight"
+
+
+def gguf_holding(path, value) -> None:
+    x = np.random.default_rng(0).standard_normal((256, 512)).astype(np.float32)
+    x[3, 5] = value
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor(NAME, x)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+
+
+def quantize(*args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("QTOOL_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "qtool", "quantize", *map(str, args)], capture_output=True, text=True, env=env, check=False)
+
+
+def needs(gtype: str) -> None:
+    if gtype in ("Q4_K", "Q6_K") and gtype not in native.gguf_encode_types():
+        pytest.skip("native K-quant encoders not built")
+
+
+SUMS = st.one_of(st.floats(min_value=0, allow_infinity=True), st.sampled_from([math.nan, math.inf]))
+
+
+@given(SUMS, SUMS, st.floats(allow_nan=True, allow_infinity=True))
+def test_error_figures_of_any_sums_are_numbers_never_exceptions(signal, noise, xe):
+    """sqnr_db raised "math domain error" on an infinite noise (exit 70)."""
+    stats = ErrorStats.from_sums(signal, xe, noise, 0.0, 1)
+    for value in (stats.sqnr_db, stats.rel_rmse, stats.cosine):
+        assert isinstance(value, float)
+    document = stats.to_json()
+    assert document["sqnr_db"] is None or math.isfinite(document["sqnr_db"])
+
+
+def test_sqnr_of_an_infinite_noise_is_minus_infinity_and_of_nan_is_nan():
+    assert ErrorStats(signal=1.0, noise=math.inf).sqnr_db == -math.inf
+    assert math.isnan(ErrorStats(signal=1.0, noise=math.nan).sqnr_db)
+    assert math.isnan(ErrorStats(signal=math.inf, noise=math.inf).sqnr_db)
+    assert ErrorStats(signal=100.0, noise=1.0).sqnr_db == pytest.approx(20.0)
+
+
+@pytest.mark.parametrize("scheme, gtype", [("Q8_0", "Q8_0"), ("Q4_0", "Q4_0"), ("q4_k", "Q4_K"), ("Q4_K_M", "Q4_K")])
+def test_a_finite_weight_whose_scale_overflows_is_refused_in_one_line(tmp_path, scheme, gtype):
+    """3e38 is a finite float32; Q8_0's f16 block scale is 3e38 / 127, past 65504: the output
+    held inf/NaN (exit 0 at Q4_K_M, exit 70 from sqnr_db elsewhere)."""
+    needs(gtype)
+    source, out = tmp_path / "big.gguf", tmp_path / "out.gguf"
+    gguf_holding(source, 3e38)
+    done = quantize(source, "-o", out, "--scheme", scheme, "-q")
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[0] == f"error: {NAME}: its values are finite but too large for {gtype}: a scale overflows its type, and the output would hold inf or NaN"
+    assert all(line.startswith("hint: ") for line in lines[1:]) and "Traceback" not in done.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("value, word", [(np.nan, "NaN"), (np.inf, "inf")])
+@pytest.mark.parametrize("scheme, gtype", [("Q8_0", "Q8_0"), ("Q4_0", "Q4_0"), ("q6_k", "Q6_K"), ("Q4_K_M", "Q4_K")])
+def test_a_weight_holding_inf_or_nan_is_reported_by_name_once(tmp_path, value, word, scheme, gtype):
+    """Such weights exited 0 silently (q6_k even turns a NaN row finite), or with four lines of
+    numpy RuntimeWarning from gguf-py (#10). Now: qtool's own warning line, and --json says so."""
+    needs(gtype)
+    source, out = tmp_path / "odd.gguf", tmp_path / "out.gguf"
+    gguf_holding(source, value)
+    done = quantize(source, "-o", out, "--scheme", scheme, "--json")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [f"warning: {NAME} holds {word} values: encoded as its toolchain does, no error figure (see `qtool check --no-nan`)"]
+    document = json.loads(done.stdout)
+    assert document["summary"]["non_finite_weights"] == [NAME]
+    assert [w["non_finite_input"] for w in document["weights"]] == [word]
+
+
+def test_a_finite_weight_reports_no_non_finite_input(tmp_path):
+    source, out = tmp_path / "fine.gguf", tmp_path / "out.gguf"
+    gguf_holding(source, 1.5)
+    done = quantize(source, "-o", out, "--scheme", "Q8_0", "--json")
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    document = json.loads(done.stdout)
+    assert document["summary"]["non_finite_weights"] == [] and document["weights"][0]["non_finite_input"] is None
