@@ -245,7 +245,8 @@ def check_paths(checkpoint: Checkpoint, output: str, report: str | None, *, cont
         raise UsageError(f"a GGUF output is one file: {output} should end in .gguf", hint="e.g. model-q4_0.gguf")
     if container != "gguf" and output.endswith(".gguf"):
         raise UsageError(f"{output} ends in .gguf, but this writes {container}", hint="name a folder or a .safetensors file, or quantize to a GGUF scheme (q8_0, q4_0, ...)")
-    _refuse_linked_config(checkpoint)
+    if not single_file:  # only a folder output gets config.json copied into it
+        _refuse_linked_config(checkpoint)
     if report is not None:
         clash(report, "report")
         real_out, real_report = os.path.realpath(output), os.path.realpath(report)

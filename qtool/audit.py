@@ -32,8 +32,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from qtool.error_measures import count_non_finite
-from qtool.errors import CheckpointError, QtoolError, ViolationError
+from qtool.errors import CheckpointError, QtoolError, UsageError, ViolationError
 from qtool.formats.checkpoint import Checkpoint
+from qtool.message_text import counted, shorten
 from qtool.model_summary import describe_model
 from qtool.naming import gguf_to_hf
 from qtool.patterns import compile_pattern, matches_any
@@ -74,7 +75,7 @@ class CheckRules:
     def validate(self) -> None:
         """Bad schemes and regexes fail here, before anything is read (exit 2)."""
         if self.expect_scheme is not None:
-            parse_scheme_option(self.expect_scheme, "--expect-scheme")
+            parse_scheme_option(self.expect_scheme, "expect_scheme")
         for pattern in (*self.require_quantized, *self.allow_plain):
             compile_pattern(pattern)
 
@@ -137,7 +138,7 @@ class Audit:
                 counts[finding.rule] = counts.get(finding.rule, 0) + 1
             summary = ", ".join(f"{rule} ×{n}" for rule, n in counts.items())
             raise ViolationError(
-                f"{len(self.findings)} findings break the policy ({summary})",
+                f"{counted(len(self.findings), 'finding')} {'breaks' if len(self.findings) == 1 else 'break'} the policy ({summary})",
                 reasons=[f.line() for f in self.findings],
                 hint="the findings are listed on stdout; --json gives them as data",
                 path=self.path,
@@ -189,7 +190,9 @@ def audit(
     logical = (lambda name: gguf_to_hf(name)) if checkpoint.format == "gguf" else (lambda name: name)
     allow = [compile_pattern(p) for p in rules.allow_plain]
     require = [(p, compile_pattern(p)) for p in rules.require_quantized]
-    expected = parse_scheme_option(rules.expect_scheme, "--expect-scheme") if rules.expect_scheme else None
+    expected = parse_scheme_option(rules.expect_scheme, "expect_scheme") if rules.expect_scheme else None
+    _refuse_unmatched(checkpoint, weights, require)
+    notes = [f"allow_plain pattern '{shorten(p)}' matches no weight" for p, match in zip(rules.allow_plain, allow) if not any(match(w.name) for w in weights)]
     if require:
         applied.append("require-quantized")
     if expected is not None:
@@ -236,7 +239,20 @@ def audit(
     if rules.no_nan:
         applied.append("no-nan")
         findings.extend(_no_nan(checkpoint, weights, device, on_progress))
-    return Audit(checkpoint.path, len(weights), applied, findings, policy=rules.to_json(), container=checkpoint.format, listed=weights)
+    return Audit(checkpoint.path, len(weights), applied, findings, notes, policy=rules.to_json(), container=checkpoint.format, listed=weights)
+
+
+def _refuse_unmatched(checkpoint: Checkpoint, weights: list[Weight], require: list[tuple[str, Callable[[str], bool]]]) -> None:
+    """A gate whose pattern matches no weight checks nothing: a typo in a CI policy would pass
+    every model, so it is a usage error naming the pattern, before anything is read."""
+    for pattern, match in require:
+        if not any(match(weight.name) for weight in weights):
+            raise UsageError(
+                f"require_quantized pattern '{shorten(pattern)}' matches no weight",
+                hint="patterns match weight names as `qtool inspect` lists them: a glob the whole name, re: a regex anchored at the start",
+                path=checkpoint.path,
+                option="require_quantized",
+            )
 
 
 def _coverage(checkpoint: Checkpoint, weights: list[Weight], allow, logical) -> list[Finding] | None:

@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterator, Sequence
 from qtool.error_measures import ErrorStats, count_non_finite
 from qtool.errors import UsageError, ViolationError
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
+from qtool.message_text import counted
 from qtool.model_summary import describe_model  # issue 23: the report's header facts
 from qtool.naming import Rename, gguf_to_hf, rename, rope_heads
 from qtool.sqnr_histogram import HISTOGRAM_BIN_DB, sqnr_histogram
@@ -190,7 +191,7 @@ class Comparison:
     def raise_for_violations(self, gates: Gates = Gates()) -> None:
         lines = self.violations(gates)
         if lines:
-            raise ViolationError(f"{len(lines)} violations: {lines[0]}", reasons=lines)
+            raise ViolationError(f"{counted(len(lines), 'violation')}: {lines[0]}", reasons=lines)
 
     def to_json(self, gates: Gates = Gates()) -> dict[str, Any]:
         worst = self.worst()

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["RunReport", "REPORT_SCHEMA_VERSION"]
 
 REPORT_SCHEMA_VERSION = 1
+_PAST = {"quantize": "quantized", "dequantize": "dequantized", "copy": "copied", "cast": "cast"}
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,15 @@ class RunReport:
     @property
     def seconds(self) -> float:
         return self.measured.seconds
+
+    def __repr__(self) -> str:
+        """One line for a REPL: the dataclass's own repr spells out every plan job (40 KB)."""
+        actions: dict[str, int] = {}
+        for job in self.plan.jobs:
+            actions[job.action] = actions.get(job.action, 0) + 1
+        done = ", ".join(f"{count} {_PAST.get(action, action)}" for action, count in sorted(actions.items()))
+        figure = f", all-weights SQNR {self.all_weights_error().sqnr_db:.2f} dB" if actions.get(QUANTIZE) else ""
+        return f"<RunReport {self.plan.source.path} -> {self.plan.output} ({self.plan.layout.name}): {done}{figure}, {self.measured.seconds:.2f} s>"
 
     def model_error(self) -> ErrorStats:
         """Over the quantized weights only."""

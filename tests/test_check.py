@@ -303,3 +303,40 @@ def test_the_readme_ci_example_runs_with_the_documented_exit_codes(tmp_path):
     assert re.findall(r"exit=(\d)", result.stdout) == [str(code) for _, code in codes], result.stdout + result.stderr
     compare = json.loads((tmp_path / "compare.json").read_text())
     assert compare["ok"] and compare["gates"]["min_sqnr"] == 15.0 and compare["gates"]["max_missing"] == 0
+
+
+# -- patterns that match nothing, hints, counts (issue 18 #12, #16) ---------------------------------
+
+
+def test_a_require_quantized_pattern_that_matches_nothing_is_exit_2_naming_it(w4):
+    """A typo in a CI gate would pass every model: the CLI, through a real process."""
+    pattern = "re:.*\\.experts\\..*"
+    result = subprocess.run(
+        [sys.executable, "-m", "qtool", "check", str(w4), "--require-quantized", LINEAR, "--require-quantized", pattern],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    shown = pattern.replace("\\", "\\\\")  # the error line escapes backslashes, as it does every name
+    assert lines[0] == f"error: {w4}: require_quantized pattern '{shown}' matches no weight"
+    assert lines[1].startswith("hint: patterns match weight names") and lines[1].endswith("(--require-quantized)")
+    assert len(lines) == 2 and result.stdout == ""
+
+
+def test_an_allow_plain_pattern_that_matches_nothing_warns(w4):
+    result = runner.invoke(app, ["check", str(w4), "--allow-plain", "nomatch*", "--json"])
+    assert result.exit_code == 0, result.output
+    assert "warning: allow_plain pattern 'nomatch*' matches no weight" in result.stderr
+
+
+def test_the_expect_scheme_hint_names_its_flag_once(w4):
+    result = runner.invoke(app, ["check", str(w4), "--expect-scheme", "W5A16"])
+    assert result.exit_code == 2
+    assert "(--expect-scheme)" in result.stderr and "----" not in result.stderr
+
+
+def test_one_finding_is_singular(w4):
+    result = runner.invoke(app, ["check", str(w4), "--require-quantized", "lm_head.weight", "-f", "table"])
+    assert result.exit_code == 1
+    assert result.stderr.splitlines()[0] == f"error: {w4}: 1 finding breaks the policy (require-quantized ×1)"
+    assert "1 finding" in result.stdout and "1 findings" not in result.stdout

@@ -42,3 +42,21 @@ def test_schemes_prints_in_every_format(fmt):
         assert result.stdout.splitlines()[:2] == ["W8A16", "W4A16"]
     elif fmt == "tsv":
         assert result.stdout.splitlines()[0] == "name\tscheme\tbits/weight\twrites\twhat it is"
+
+
+def test_the_help_says_what_qtool_does_and_where_quantize_writes():
+    """Issue 18 #16: the top-level help spoke only of inspecting; -o's help never named .gguf."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    env = {**os.environ, "COLUMNS": "300", "NO_COLOR": "1"}
+    top = subprocess.run([sys.executable, "-m", "qtool", "--help"], capture_output=True, text=True, cwd=REPO, env=env, timeout=120).stdout
+    summary = top.split("Options")[0]
+    for verb in ("Inspect", "quantize", "dequantize", "compare", "check"):
+        assert verb in summary, verb
+    quantize = subprocess.run([sys.executable, "-m", "qtool", "quantize", "--help"], capture_output=True, text=True, cwd=REPO, env=env, timeout=120).stdout
+    output_line = next(line for line in quantize.splitlines() if "--output" in line)
+    assert ".gguf" in output_line and ".safetensors" in output_line

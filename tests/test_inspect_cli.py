@@ -170,6 +170,15 @@ def test_filter_glob_and_regex():
     assert run("inspect", TINY, "-f", "names", "--filter", "re:lm_head").stdout.split() == ["lm_head.weight"]
 
 
+def test_a_filter_that_matches_nothing_warns():
+    """A typo in -k lists nothing, exit 0 (it is a listing, not a gate), and says so on stderr."""
+    result = subprocess.run([sys.executable, "-m", "qtool", "inspect", str(TINY), "-k", "nomatch*", "--json"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == f"warning: -k 'nomatch*' matches no weight in {TINY}\n"
+    assert json.loads(result.stdout)["weights"] == []
+    assert run("inspect", TINY, "-k", "*.q_proj.*").stderr == ""
+
+
 def test_a_filtered_summary_is_the_filtered_weights(tmp_path):
     from tests.conftest import write_safetensors
 

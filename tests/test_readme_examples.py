@@ -293,6 +293,14 @@ def test_the_python_api_example_runs_as_written(tmp_path):
     block = next(m.group(2) for m in FENCE.finditer(README.read_text()) if m.group(1).strip() == "python")
     (tmp_path / "sample_models").symlink_to(SAMPLES)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env["TMPDIR"] = str(scratch)
     done = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
-    assert (tmp_path / "tiny-w4" / "model.safetensors").is_file() and (tmp_path / "tiny-back.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sample_models", "scratch"]  # nothing left in the current folder
+    (out,) = scratch.iterdir()
+    assert (out / "tiny-w4" / "model.safetensors").is_file() and (out / "tiny-back.safetensors").is_file()
+    # the dequantize result prints as one short line, not its whole plan (40 KB)
+    line = done.stdout.strip()
+    assert "\n" not in line and len(line) < 300 and line.startswith("<RunReport ") and "14 dequantized" in line

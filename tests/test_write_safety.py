@@ -94,6 +94,19 @@ def test_a_config_linking_out_of_the_model_is_never_published(tmp_path, model):
     (model / "config.json").symlink_to(tmp_path / "private.json")
     one_error_line(run("quantize", model, "-o", tmp_path / "out"), "config.json", "links out of the model folder")
     assert not (tmp_path / "out").exists()
+    one_error_line(run("dequantize", model, "-o", tmp_path / "out-folder"), "config.json", "links out of the model folder")
+
+
+def test_a_linked_config_does_not_stop_a_single_file_output(tmp_path, model):
+    """A folder of links to shared storage: nothing is published beside one .safetensors file."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "config.json").write_bytes((model / "config.json").read_bytes())
+    (model / "config.json").unlink()
+    (model / "config.json").symlink_to(shared / "config.json")
+    result = subprocess.run([sys.executable, "-m", "qtool", "dequantize", str(model), "-o", str(tmp_path / "back.safetensors"), "-q"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "back.safetensors").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["back.safetensors", "m", "shared"]
 
 
 def test_an_input_rewritten_in_place_with_its_mtime_restored_is_caught(tmp_path, model, monkeypatch):

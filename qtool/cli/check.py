@@ -9,6 +9,7 @@ import typer
 
 from qtool.cli.options import CheckpointArg, DeviceOpt, FormatOpt, HtmlOpt, JsonOpt, OutputFormat, QuietOpt, ReportOpt, ReportOverwriteOpt
 from qtool.cli.output import Column, Output, Rows, Section, print_warning, progress
+from qtool.message_text import counted
 
 __all__ = ["HELP", "PolicyOpt", "check_command"]
 
@@ -102,7 +103,7 @@ def check_command(
             ["checkpoint", result.path],
             ["weights", str(result.weights)],
             ["rules", ", ".join(result.rules) or "none (no rule given and no quantization_config)"],
-            ["result", "OK" if result.ok else f"{len(result.findings)} findings"],
+            ["result", "OK" if result.ok else counted(len(result.findings), "finding")],
         ],
         show_header=False,
     )

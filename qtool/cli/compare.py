@@ -11,6 +11,7 @@ from qtool.cli.check import PolicyOpt
 from qtool.cli.options import DeviceOpt, FormatOpt, HtmlOpt, JsonOpt, OutputFormat, QuietOpt, ReportOpt, ReportOverwriteOpt
 from qtool.cli.output import Column, Output, Rows, Section, print_error, print_warning, progress
 from qtool.errors import ViolationError
+from qtool.message_text import counted
 
 __all__ = ["HELP", "compare_command"]
 
@@ -136,7 +137,7 @@ def _show_overlay(documents: list[dict], sink: Output) -> None:
                 d["b"],
                 "exact" if s["sqnr_db"] is None and s["measured"] else f"{_number(s['sqnr_db'], '.2f')} dB",
                 "—" if worst is None else f"{worst['name']} ({worst['finding'] or ('exact' if worst['exact'] else _number(worst['sqnr_db'], '.2f') + ' dB')})",
-                "OK" if d["ok"] else f"{len(d['violations'])} violations",
+                "OK" if d["ok"] else counted(len(d['violations']), "violation"),
             ]
         )
     summary = Section("Candidates", [Column("B"), Column("path"), Column("model SQNR", justify="right"), Column("worst weight"), Column("result")], facts)
@@ -179,7 +180,7 @@ def _show(document: dict, sink: Output) -> None:
             ["model rel RMSE", _number(summary["rel_rmse"], ".4f")],
             ["worst weight", "—" if worst is None else f"{worst['name']} ({worst['finding'] or ('exact' if worst['exact'] else _number(worst['sqnr_db'], '.2f') + ' dB')})"],
             ["time", f"{document['seconds']:.1f} s on {document['device']}"],
-            ["result", "OK" if document["ok"] else f"{len(document['violations'])} violations"],
+            ["result", "OK" if document["ok"] else counted(len(document['violations']), "violation")],
         ],
         show_header=False,
     )

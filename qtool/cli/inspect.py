@@ -52,6 +52,8 @@ def inspect_command(
         report = api.inspect(path, filter=filter_)
         for note in report.checkpoint.notes:
             print_warning(note)
+        if filter_ is not None and not report.weights:  # a typo lists nothing, and says so
+            print_warning(f"-k {filter_!r} matches no weight in {path}")
         if stats:
             total = sum(w.nbytes for w in report.weights if not w.quantized)
             with progress("reading", total, quiet) as advance:

@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-__all__ = ["CheckpointArg", "OutputFormat", "FormatOpt", "JsonOpt", "FilterOpt", "QuietOpt", "HtmlOpt", "ReportOpt", "ReportOverwriteOpt"]
+__all__ = ["CheckpointArg", "OutputFormat", "FormatOpt", "JsonOpt", "FilterOpt", "OutputPathOpt", "QuantizeOutputOpt", "QuietOpt", "HtmlOpt", "ReportOpt", "ReportOverwriteOpt"]
 
 
 class OutputFormat(str, Enum):
@@ -45,6 +45,15 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar."
 OutputPathOpt = Annotated[
     Path,
     typer.Option("--output", "-o", help="Where to write: a folder, or a path ending in .safetensors for one file.", show_default=False),
+]
+QuantizeOutputOpt = Annotated[
+    Path,
+    typer.Option(
+        "--output",
+        "-o",
+        help="Where to write: a folder, a path ending in .safetensors for one file, or one ending in .gguf for a GGUF file (llama.cpp).",
+        show_default=False,
+    ),
 ]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N, or auto (CUDA when present).")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads for the math, torch's and qtool's native kernels' (default: every CPU).", min=1)]

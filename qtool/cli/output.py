@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from qtool.cli.collapse import collapse_rows
 from qtool.cli.text import escape
+from qtool.message_text import message_line
 
 __all__ = ["FORMATS", "Column", "Rows", "Section", "Output", "print_error", "print_warning", "progress"]
 
@@ -154,14 +155,15 @@ def _rich_table(title: str | None, columns: list[Column], rows: list[list[Any]],
 
 
 def print_error(message: str, hint: str | None = None) -> None:
-    sys.stderr.write(f"error: {escape(message)}\n")
+    """One `error:` line and a `hint:` line; names from files in them cut (qtool.message_text)."""
+    sys.stderr.write(f"error: {message_line(message)}\n")
     if hint:
-        sys.stderr.write(f"hint: {escape(hint)}\n")
+        sys.stderr.write(f"hint: {message_line(hint)}\n")
     sys.stderr.flush()
 
 
 def print_warning(message: str) -> None:
-    sys.stderr.write(f"warning: {escape(message)}\n")
+    sys.stderr.write(f"warning: {message_line(message)}\n")
 
 
 def print_status(message: str, quiet: bool = False) -> None:

@@ -15,7 +15,7 @@ from qtool.cli.options import (
     JsonOpt,
     MaxShardOpt,
     OutputFormat,
-    OutputPathOpt,
+    QuantizeOutputOpt,
     OverwriteOpt,
     QuietOpt,
     ThreadsOpt,
@@ -71,7 +71,7 @@ each layer's time and output error on the calibration samples.
 
 def quantize_command(
     path: CheckpointArg,
-    output_path: OutputPathOpt,
+    output_path: QuantizeOutputOpt,
     scheme: Annotated[str, typer.Option("--scheme", "-s", help="A preset (W4A16, FP8_BLOCK, ...), a short form (int4:g64:asym, q4_k) or a llama.cpp file type (Q4_K_M).")] = "W4A16",
     include: Annotated[Optional[List[str]], typer.Option("--include", help="Quantize only names matching (glob, or re:regex). Repeatable.")] = None,
     ignore: Annotated[Optional[List[str]], typer.Option("--ignore", help="Never quantize names matching (glob, or re:regex). Repeatable.")] = None,

@@ -57,7 +57,7 @@ def _root(
         False, "--version", help="Print the version and exit.", is_eager=True, callback=_print_version
     ),
 ) -> None:
-    """See inside model checkpoints: every weight's shape, dtype and quantization scheme."""
+    """See inside model checkpoints, quantize and dequantize them, compare two and check one against a policy."""
 
 
 def build_app(only: str | None = None) -> typer.Typer:
@@ -69,7 +69,8 @@ def build_app(only: str | None = None) -> typer.Typer:
     built = typer.Typer(
         name="qtool",
         cls=_ErrorBoundary,
-        help="See inside model checkpoints: every weight's shape, dtype and quantization scheme.",
+        help="Inspect, quantize, dequantize and compare model checkpoints (safetensors, GGUF, PyTorch pickles), and check "
+        "one against a policy: every weight's shape, dtype and quantization scheme, in the layouts real loaders accept.",
         epilog="Exit codes: 0 ok, 1 a check found a violation, 2 bad usage or unreadable input, "
         "70 a bug in qtool, 130 interrupted, 143 terminated. Set QTOOL_DEBUG=1 for tracebacks.",
         no_args_is_help=True,

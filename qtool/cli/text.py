@@ -2,27 +2,9 @@
 
 from __future__ import annotations
 
+from qtool.message_text import escape  # the one escape, shared with the HTML report
+
 __all__ = ["escape", "human_bytes", "human_count"]
-
-_ESCAPES = {"\t": "\\t", "\n": "\\n", "\r": "\\r", "\\": "\\\\"}
-
-
-def escape(text: str) -> str:
-    """Escape control and non-printable characters, so a tensor name from a file can't move the
-    cursor, clear the screen or fake a line of output (as gguf_dump's `sanitize_name` does)."""
-    if text.isprintable() and "\\" not in text:
-        return text
-    out = []
-    for char in text:
-        if char in _ESCAPES:
-            out.append(_ESCAPES[char])
-        elif char.isprintable():
-            out.append(char)
-        else:
-            code = ord(char)
-            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
-    return "".join(out)
-
 
 def human_bytes(count: int) -> str:
     value = float(count)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import html
 import math
 
+from qtool.message_text import escape
 from qtool.weight_position import KINDS
 
 __all__ = ["text", "attr", "shown", "display", "nice_ticks", "fmt_db", "fmt_bytes", "fmt_number", "kind_class", "MARKERS", "marker_for", "kind_label"]
@@ -29,7 +30,6 @@ MARKERS = {
     "pentagon": "M0-1.05L1 -.3L.62 .9H-.62L-1-.3Z",
 }
 _SHAPES = list(MARKERS)
-_ESCAPES = {"\t": "\\t", "\n": "\\n", "\r": "\\r", "\\": "\\\\"}  # as the CLI's qtool.cli.text.escape
 _LABELS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "qkv": "qkv (fused)", "kv": "kv (MLA)", "gate": "gate_proj",
            "up": "up_proj", "gate_up": "gate_up (fused)", "down": "down_proj", "experts": "experts (worst per layer)",
            "router": "router", "norm": "norm", "embed": "embedding", "lm_head": "lm_head", "bias": "bias", "other": "other"}  # fmt: skip
@@ -53,18 +53,7 @@ def shown(name: str) -> str:
 def display(name: str) -> str:
     """Control and invisible characters (bidi overrides too) written as escapes, as the CLI's
     tables do, so a name can't reorder or hide what the page shows."""
-    if not (name.isprintable() and "\\" not in name):
-        out = []
-        for char in name:
-            if char in _ESCAPES:
-                out.append(_ESCAPES[char])
-            elif char.isprintable():
-                out.append(char)
-            else:
-                code = ord(char)
-                out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
-        name = "".join(out)
-    return name
+    return escape(name)
 
 
 def kind_class(kind: str | None) -> str:

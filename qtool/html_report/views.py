@@ -14,6 +14,7 @@ from qtool.html_report.bar_charts import bits_by_scheme_chart, sqnr_histogram_ch
 from qtool.html_report.depth_chart import Axis, Mark, depth_chart
 from qtool.html_report.svg import attr, display, fmt_bytes, fmt_db, fmt_number, shown, text
 from qtool.html_report.table_payload import Column
+from qtool.message_text import counted
 from qtool.weight_position import KINDS
 
 __all__ = ["Page", "quantize_page", "compare_page", "check_page"]
@@ -159,7 +160,7 @@ def compare_page(documents: Sequence[dict[str, Any]]) -> Page:
     names = [d["b"] for d in documents]
     gates = first["gates"]
     failed = [d for d in documents if not d["ok"]]
-    verdict_text = "PASS" if not failed else "FAIL: " + ", ".join(f"{len(d['violations'])} violations" + (f" in {d['b']}" if overlay else "") for d in failed)
+    verdict_text = "PASS" if not failed else "FAIL: " + ", ".join(counted(len(d['violations']), "violation") + (f" in {d['b']}" if overlay else "") for d in failed)
     gate_text = " · ".join(
         part
         for part in (
@@ -306,7 +307,7 @@ def check_page(document: dict[str, Any]) -> Page:
     return Page(
         kind="check",
         title=f"qtool check: {document['path']}",
-        verdict=("PASS" if document["ok"] else f"FAIL: {len(findings)} findings", document["ok"]),
+        verdict=("PASS" if document["ok"] else f"FAIL: {counted(len(findings), 'finding')}", document["ok"]),
         models=[("checkpoint", model)] if model else [],
         facts=facts,
         problems_title="Findings",

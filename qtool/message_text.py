@@ -1,0 +1,53 @@
+"""Text from files as a message shows it: control characters escaped, overlong names cut.
+
+Names in checkpoints come from strangers. A tensor name that swallowed the tensor table is
+16 KB; echoed whole, one error line fills the terminal and buries what went wrong. Messages
+(errors, hints, warnings) show such a name cut to `NAME_LIMIT` characters with "…"; data
+outputs (tables, JSON, reports) keep names whole.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["escape", "shorten", "message_line", "counted", "NAME_LIMIT", "LINE_LIMIT"]
+
+NAME_LIMIT = 200  # characters of one name (a run without spaces) in a message
+LINE_LIMIT = 2000  # characters of one message line, whatever it holds
+_ESCAPES = {"\t": "\\t", "\n": "\\n", "\r": "\\r", "\\": "\\\\"}
+_LONG_WORD = re.compile(r"\S{%d,}" % (NAME_LIMIT + 1))
+
+
+def escape(text: str) -> str:
+    """Escape control and non-printable characters (bidi overrides too), so a tensor name from a
+    file can't move the cursor, clear the screen, fake a line of output or reorder what a page
+    shows (as gguf_dump's `sanitize_name` does)."""
+    if text.isprintable() and "\\" not in text:
+        return text
+    out = []
+    for char in text:
+        if char in _ESCAPES:
+            out.append(_ESCAPES[char])
+        elif char.isprintable():
+            out.append(char)
+        else:
+            code = ord(char)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+    return "".join(out)
+
+
+def shorten(text: str, limit: int = NAME_LIMIT) -> str:
+    """`text` if it fits in `limit` characters, else its first `limit - 1` and "…"."""
+    return text if len(text) <= limit else text[: max(limit - 1, 0)] + "…"
+
+
+def message_line(text: str) -> str:
+    """One message line: escaped, every run of more than NAME_LIMIT non-space characters (a
+    name, quoted or not) shortened, and the whole cut at LINE_LIMIT. Linear in the text."""
+    line = _LONG_WORD.sub(lambda found: shorten(found.group()), escape(text))
+    return shorten(line, LINE_LIMIT)
+
+
+def counted(count: int, noun: str, plural: str | None = None) -> str:
+    """"1 finding", "2 findings": a count and its noun in the number it takes."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
