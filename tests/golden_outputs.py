@@ -115,6 +115,10 @@ def _cases() -> list[Case]:
     add(Case("tiny", "quantize", "out", "int8", {"include": ["*proj*", "lm_head.weight"], "ignore": ["*k_proj*"]}))
     add(Case("sharded", "quantize", "out", "W4A16"))
     add(Case("sharded", "quantize", "out", "FP8_BLOCK"))
+    # the mse observer (issue 19): C (int2/4/8) and torch (int3) searches
+    for scheme in ("W4A16:mse", "W4A16_ASYM:mse", "int8:channel:mse", "int3:g64:asym:mse", "int2:g64:asym:mse"):
+        add(Case("tiny", "quantize", "out", scheme))
+    add(Case("tiny", "quantize", "out", "W4A16", {"observer": "mse", "tensor_schemes": ["re:.*down_proj.*=W8A16:minmax"]}))
     # bitsandbytes
     for scheme in ("nf4:g64", "nf4:g128", "nf4:g32"):
         add(Case("tiny", "quantize", "out", scheme))
@@ -145,7 +149,7 @@ def _cases() -> list[Case]:
         add(Case(source, "dequantize", "back.safetensors", options={"dtype": "f32"}))
     add(Case("tiny", "dequantize", "out", options={"dtype": "f16"}))
     # a real weight set: all-MiniLM-L6-v2 (BERT: GGUF only as an incomplete file)
-    for scheme in ("W4A16", "W4A16_ASYM", "int8", "int2:g64:asym", "FP8_BLOCK", "NVFP4A16", "MXFP4A16", "nf4:g64"):
+    for scheme in ("W4A16", "W4A16_ASYM", "int8", "int2:g64:asym", "FP8_BLOCK", "NVFP4A16", "MXFP4A16", "nf4:g64", "W4A16:mse"):
         add(Case("minilm", "quantize", "out", scheme))
     for scheme in ("q8_0", "Q4_K_M", "Q2_K"):
         add(Case("minilm", "quantize", "out.gguf", scheme, {"allow_incomplete_gguf": True}))

@@ -5,7 +5,8 @@
  *   symmetric   scale_k = dt(f32(amax * p_k) / ((qmax - qmin) / 2)),  p_k = f32(1 - k / 100), k < 40
  *               (the shrink search of GPTQ's find_params(mse=True) / llm-compressor's `mse`
  *               observer, which stops at 20 steps)
- *   asymmetric  lo_i = dt(min * p_i), hi_j = dt(max * p_j), p_i = f32(1 - i / 20), i, j < 7, then
+ *   asymmetric  lo_i = dt(min * p_i), hi_j = dt(max * p_j), p_i = f32(1 - i * step), i, j < 7,
+ *               step 0.05, 0.1 for int2 (qmax 1), then
  *               min-max's scale and zero point on (lo_i, hi_j)
  *   refit x2    scale = dt(f32(sum(x * w) / sum(w * w))), w = q - zp, codes and zp fixed
  *               (llama.cpp's make_qkx2_quants refit, ggml-quants.c), kept if the error falls
@@ -121,10 +122,11 @@ void qt_mse_group(const float *x, Py_ssize_t n, int dt, float qmin, float qmax, 
         }
     } else {
         int first = 1;
+        const double step = qmax < 2.0f ? 0.1 : 0.05;
         for (int i = 0; i < GRID_STEPS; i++) {
-            const float low = qt_round_to(lo * (float)(1.0 - i * 0.05), dt);
+            const float low = qt_round_to(lo * (float)(1.0 - i * step), dt);
             for (int j = 0; j < GRID_STEPS; j++) {
-                const float high = qt_round_to(hi * (float)(1.0 - j * 0.05), dt);
+                const float high = qt_round_to(hi * (float)(1.0 - j * step), dt);
                 float s, z;
                 asym_params(low, high, qmin, qmax, dt, &s, &z);
                 const double err = trial(x, n, s, z, qmin, qmax, dt, first ? best_q : q);
