@@ -14,9 +14,14 @@ import sys
 
 
 def _exit_at_once(signum: int, frame: object) -> None:
-    """Until `qtool.cli.main` installs the real handlers nothing is written, so exit at once."""
-    os.write(2, b"error: interrupted\n" if signum == signal.SIGINT else b"error: terminated\n")
-    os._exit(130 if signum == signal.SIGINT else 143)
+    """Until `qtool.cli.main` installs the real handlers nothing is written, so exit at once,
+    with the line and code those handlers give (qtool.cli: 130, 143, 128 + the number)."""
+    if signum == signal.SIGINT:
+        os.write(2, b"error: interrupted\n")
+        os._exit(130)
+    name = "" if signum == signal.SIGTERM else f" by {signal.Signals(signum).name}"
+    os.write(2, f"error: terminated{name}\n".encode())
+    os._exit(128 + signum)
 
 
 def _started_as_the_command() -> bool:
@@ -29,7 +34,10 @@ def _started_as_the_command() -> bool:
 # 130, never a traceback (before it, only the interpreter's own start-up remains).
 if _started_as_the_command() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
     signal.signal(signal.SIGINT, _exit_at_once)
-    signal.signal(signal.SIGTERM, _exit_at_once)
+    for _name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM"):  # qtool.cli's _TERMINATING
+        if hasattr(signal, _name) and signal.getsignal(getattr(signal, _name)) is not signal.SIG_IGN:  # `nohup`: stays ignored
+            signal.signal(getattr(signal, _name), _exit_at_once)
+    del _name
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~2 ms before the CLI's signal handlers)
 

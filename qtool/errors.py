@@ -2,7 +2,9 @@
 
 Exit codes are a contract with CI scripts (see README "Exit codes and errors"):
 0 success, 1 a check or comparison found a violation, 2 bad usage or unreadable input,
-70 a bug in qtool (never 1, which CI reads as a failed gate), 130 Ctrl-C, 143 SIGTERM.
+70 a bug in qtool (never 1, which CI reads as a failed gate), 130 Ctrl-C, 143 SIGTERM, 129
+SIGHUP (128 + the signal's number for the other signals that end a run: SIGQUIT, SIGUSR1/2,
+SIGALRM).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ __all__ = [
     "EXIT_SOFTWARE",
     "EXIT_INTERRUPTED",
     "EXIT_TERMINATED",
+    "EXIT_HANGUP",
     "QtoolError",
     "UsageError",
     "CheckpointError",
@@ -37,6 +40,7 @@ EXIT_USAGE = 2
 EXIT_SOFTWARE = 70  # EX_SOFTWARE in sysexits.h: an internal error
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 EXIT_TERMINATED = 143  # 128 + SIGTERM
+EXIT_HANGUP = 129  # 128 + SIGHUP: the terminal closed, the ssh connection dropped
 
 
 class QtoolError(Exception):

@@ -180,3 +180,60 @@ def test_a_signal_as_the_output_is_created_leaves_no_staging_folder(tmp_path, si
     assert (result.returncode, result.stderr) == (code, line + "\n")
     assert not (tmp_path / "out").exists()
     assert _staging(tmp_path) == []
+
+
+# -- SIGHUP and the other signals that end a run (issue 18, item 9) ---------------------------------
+
+ENDING = [
+    (signal.SIGHUP, 129, "error: terminated by SIGHUP"),
+    (signal.SIGQUIT, 131, "error: terminated by SIGQUIT"),
+    (signal.SIGUSR1, 138, "error: terminated by SIGUSR1"),
+    (signal.SIGUSR2, 140, "error: terminated by SIGUSR2"),
+    (signal.SIGALRM, 142, "error: terminated by SIGALRM"),
+]
+
+
+@posix_only
+@pytest.mark.parametrize(("signum", "code", "line"), ENDING, ids=[s.name for s, _, _ in ENDING])
+def test_a_closed_terminal_or_another_ending_signal_cleans_up_like_sigterm(tmp_path, signum, code, line):
+    """A closed terminal or a dropped ssh (SIGHUP) killed quantize and left its staging folder
+    until the next run; SIGQUIT, SIGUSR1/2 and SIGALRM the same. Each is now SIGTERM's path:
+    cleanup, one line, exit 128 + the signal's number (129 for SIGHUP)."""
+    result = _quantize_and_signal(tmp_path, signum, lambda staging: True)
+    assert "Traceback" not in result.stderr, result.stderr
+    assert (result.returncode, result.stderr) == (code, line + "\n")
+    assert not (tmp_path / "out").exists()
+    assert _staging(tmp_path) == []
+
+
+@posix_only
+def test_sighup_while_quantize_writes_removes_the_output(tmp_path):
+    result = _quantize_and_signal(tmp_path, signal.SIGHUP, lambda staging: any(staging.iterdir()))
+    assert (result.returncode, result.stderr) == (129, "error: terminated by SIGHUP\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+@posix_only
+@pytest.mark.parametrize("delay", [0.05, 0.3, 0.75])
+def test_sighup_at_any_moment_of_inspect_exits_129(delay):
+    result = _signal_at(delay, signal.SIGHUP, "inspect", str(TINY), "--stats", "-q")
+    assert "Traceback" not in result.stderr, result.stderr
+    assert (result.returncode, result.stderr) in ((129, "error: terminated by SIGHUP\n"), (0, "")), delay
+
+
+@posix_only
+def test_sighup_stays_ignored_under_nohup():
+    """`nohup qtool ...` ignores SIGHUP: qtool keeps it ignored and finishes."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "qtool", "inspect", str(TINY), "--stats", "-q"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_environment(), cwd=REPO,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),
+    )
+    wait_for_qtool_handlers(process)
+    for _ in range(5):
+        time.sleep(0.1)
+        if process.poll() is None:
+            process.send_signal(signal.SIGHUP)
+    stdout, stderr = process.communicate(timeout=120)
+    assert (process.returncode, stderr) == (0, ""), stderr
+    assert stdout

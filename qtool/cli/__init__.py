@@ -7,7 +7,11 @@ Every way out of the process is decided here, in `main`:
 - any other exception is a bug: one line, `error: internal error: <Type>: <message> (...)`,
   and exit 70 (EX_SOFTWARE), never 1, which CI reads as a failed gate;
 - Ctrl-C prints `error: interrupted` and exits 130, SIGTERM `error: terminated` and 143, both
-  after every `finally` and `except BaseException` cleanup has run;
+  after every `finally` and `except BaseException` cleanup has run; SIGHUP (a closed terminal,
+  a dropped ssh), SIGQUIT, SIGUSR1, SIGUSR2 and SIGALRM are handled as SIGTERM is, with
+  `error: terminated by SIGHUP` and exit 128 + the signal's number (129 for SIGHUP); a signal
+  the parent set to be ignored (`nohup`) stays ignored. After a signal the process ends with
+  `os._exit` once the outputs are cleaned up: no exit waits for a worker thread;
 - QTOOL_DEBUG=1 adds the traceback.
 
 This module imports nothing heavy: `main` installs the signal handlers first, then imports
@@ -24,7 +28,6 @@ import sys
 from qtool.errors import (
     EXIT_INTERRUPTED,
     EXIT_SOFTWARE,
-    EXIT_TERMINATED,
     Interrupted,
     QtoolError,
     Terminated,
@@ -49,10 +52,31 @@ def debug() -> bool:
 
 
 # -- signals ---------------------------------------------------------------------------------------
-# The first SIGINT or SIGTERM becomes an exception in the main thread (Interrupted, a
+# The first SIGINT or terminating signal becomes an exception in the main thread (Interrupted, a
 # KeyboardInterrupt, or Terminated), so cleanup runs as the stack unwinds. A later one is only
 # counted: a second signal must not cut that cleanup short or print a traceback from inside
 # it. A third, should the cleanup hang, exits at once.
+
+# Signals whose default action ends the process: each is handled as SIGTERM is (cleanup, one
+# line, exit 128 + its number), so none leaves a staging folder behind.
+_TERMINATING = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM")
+
+
+def _handled_signals() -> tuple[int, ...]:
+    return (signal.SIGINT, *(getattr(signal, name) for name in _TERMINATING if hasattr(signal, name)))
+
+
+def signal_exit_code(signum: int) -> int:
+    """130 for SIGINT, 143 for SIGTERM, 129 for SIGHUP: 128 + the number, as shells report."""
+    return EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + signum
+
+
+def _signal_line(signum: int) -> str:
+    if signum == signal.SIGINT:
+        return "interrupted"
+    if signum == signal.SIGTERM:
+        return "terminated"
+    return f"terminated by {signal.Signals(signum).name}"
 
 
 class _Signals:
@@ -81,13 +105,12 @@ def _on_signal(signum: int, frame: Any) -> None:
         if _importing(frame):  # clean up here and leave, rather than unwind through an import
             _ignore_signals_from_now_on()
             _abort_outputs()
-            interrupted = signum == signal.SIGINT
-            os.write(2, b"error: interrupted\n" if interrupted else b"error: terminated\n")
-            os._exit(EXIT_INTERRUPTED if interrupted else EXIT_TERMINATED)
+            os.write(2, f"error: {_signal_line(signum)}\n".encode())
+            os._exit(signal_exit_code(signum))
         raise Interrupted if signum == signal.SIGINT else Terminated
     _Signals.later += 1
     if _Signals.later >= 2:
-        code = EXIT_INTERRUPTED if (_Signals.raised or signum) == signal.SIGINT else EXIT_TERMINATED
+        code = signal_exit_code(_Signals.raised or signum)
         try:  # os.write: the main thread may be inside a write to sys.stderr right now
             os.write(2, b"error: stopped again; exiting without cleanup\n")
         except OSError:
@@ -96,7 +119,7 @@ def _on_signal(signum: int, frame: Any) -> None:
 
 
 def _install_signal_handlers() -> None:
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in _handled_signals():
         try:
             if signal.getsignal(signum) is signal.SIG_IGN:  # `nohup`, or `cmd &` in a script: keep ignoring
                 continue
@@ -139,7 +162,7 @@ def stopped(exc: BaseException | None = None) -> int:
     signum = _Signals.raised
     if signum is None:
         signum = signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
-    code = EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_TERMINATED
+    code = signal_exit_code(signum)
     if _Signals.raised is not None:
         if _Signals.reported:
             return code
@@ -147,7 +170,7 @@ def stopped(exc: BaseException | None = None) -> int:
     _abort_outputs()
     from qtool.cli.output import print_error
 
-    print_error("interrupted" if signum == signal.SIGINT else "terminated")
+    print_error(_signal_line(signum))
     return code
 
 
@@ -234,8 +257,23 @@ def main() -> NoReturn:
         # Typer turns a KeyboardInterrupt during parsing into a silent exit 130, and a command
         # may have swallowed the exception: a signalled run never reports success.
         code = stopped()
+        _ignore_signals_from_now_on()
+        _leave_now(code)
     _ignore_signals_from_now_on()
     sys.exit(code)
+
+
+def _leave_now(code: int) -> NoReturn:
+    """After a signal, once the outputs are cleaned up: exit without the interpreter's shutdown,
+    which joins every non-daemon thread (a pool's worker blocked on a stalled read or a slow
+    disk would hold the exit for as long as it takes)."""
+    _abort_outputs()  # again: a worker may have staged a file since
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more to say
+            pass
+    os._exit(code)
 
 
 def __getattr__(name: str) -> Any:

@@ -4,9 +4,9 @@ qtool and torch, so a case costs a fork instead of an interpreter start and a to
 The child redirects stdout and stderr to files, limits its data segment (RLIMIT_DATA: RLIMIT_AS
 is useless with torch, which reserves large address ranges), calls `qtool.cli.main()` with the
 case's arguments and leaves with `os._exit`. The parent polls its children: one running past
-the time limit, or whose resident memory grows past the memory limit, first gets SIGUSR1 (the
+the time limit, or whose resident memory grows past the memory limit, first gets SIGVTALRM (the
 child's faulthandler then dumps every thread's stack to stderr, which names where it hung) and
-is killed a moment later.
+is killed a moment later. (Not SIGUSR1: qtool's CLI handles that one, cleaning up and exiting.)
 
 Memory is measured as growth: a forked child starts with the parent's pages counted in its RSS
 (and in `ru_maxrss`), so the limit applies to `peak RSS - RSS at fork`.
@@ -180,7 +180,7 @@ def _child(argv: list[str], cwd: Path, out: Path, err: Path, env: dict[str, str]
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         resource.setrlimit(resource.RLIMIT_DATA, (_vm_data_bytes() + memory + 256 * MiB,) * 2)
         faulthandler.enable(file=sys.stderr, all_threads=True)
-        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+        faulthandler.register(signal.SIGVTALRM, file=sys.stderr, all_threads=True)
         os.chdir(cwd)
         os.environ.update(env)
         sys.argv = ["qtool", *argv]
@@ -296,7 +296,7 @@ class Runner:
             reason = "memory"
         if reason:
             run.killed_for = reason
-            _kill(run.pid, signal.SIGUSR1)  # faulthandler: where it is
+            _kill(run.pid, signal.SIGVTALRM)  # faulthandler: where it is
             run.kill_at = now + 0.5
 
     def _result(self, run: _Running, status: int, usage, now: float) -> Result:
