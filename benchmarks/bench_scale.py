@@ -8,9 +8,9 @@ and starts a local two-node Ray cluster (`ray start --head --block` and a second
 --address --block`, one CPU each, on 127.0.0.1, stopped by PID at the end). Then, round-robin,
 `--repeats` times, each a whole child process with this interpreter:
 
-  W1   python -m qtool quantize MODEL -o OUT --scheme W4A16 --threads 2 --workers 1 -q --json
-  W2   ... --workers 2   (each worker 1 thread: --threads divided)
-  RAY  ... --executor ray against the local cluster (a task per shard, 1 CPU each)
+  W1   python -m qtool quantize MODEL -o OUT --scheme W4A16 -q --json --workers 1 --threads 2
+  W2   ... --workers 2 --threads 2   (each worker 1 thread: --threads divided)
+  RAY  ... --executor ray against the local cluster (a task per shard job, 1 CPU each)
 
 Before every run the output is removed, `sync` is called, and the input is read once with
 `cat > /dev/null`, so each run starts from a warm page cache. It records whole-process wall
@@ -127,7 +127,7 @@ def main() -> int:
     nodes = []
     out_root = Path(tempfile.mkdtemp(prefix="bench-scale-", dir=model.parent))
     try:
-        configs = {"W1": ["--workers", "1"], "W2": ["--workers", "2"]}
+        configs = {"W1": ["--workers", "1", "--threads", "2"], "W2": ["--workers", "2", "--threads", "2"]}
         if not args.no_ray:
             temp = tempfile.mkdtemp(prefix="qr", dir="/tmp")
             gcs, client, dashboard = _free_ports(3)
@@ -144,7 +144,7 @@ def main() -> int:
                 out = out_root / name
                 subprocess.run(["rm", "-rf", str(out)], check=True)
                 warm(model)
-                cmd = [sys.executable, "-m", "qtool", "quantize", str(model), "-o", str(out), "--scheme", "W4A16", "--threads", "2", "-q", "--json", *extra]
+                cmd = [sys.executable, "-m", "qtool", "quantize", str(model), "-o", str(out), "--scheme", "W4A16", "-q", "--json", *extra]
                 result = measure(cmd, log_stem=out_root / f"{name}-{round_}", cwd=REPO, env=env, timeout_s=3600)
                 if not result.ok:
                     print(f"{name} failed: {result.stderr_tail()}")

@@ -1,8 +1,9 @@
 """The driver of a run spread over workers (`--workers N`, `--executor ray`): the plan is made
 once, here; every output file is created with its header and full size in the staging folder;
 the plan is cut into shard jobs (`qtool.shard_job`) that an executor (`qtool.executors`) runs
-where it likes; each result is checked against its staged file (sizes, and each range's sha256
-read back) as it arrives; the reports are merged in plan order, so the document is the one a
+where it likes; each result is checked against its staged file as it arrives (every range's
+size; on a cluster's shared storage also each range's sha256, read back, against the one its job
+computed as it wrote: a lost attempt's late write, or storage that lost a write, fails the run); the reports are merged in plan order, so the document is the one a
 single process writes; and the output is committed atomically, as `qtool.pipeline.execute`
 commits it. On any failure, nothing is committed and the staging (every staged file) is removed.
 """
@@ -76,6 +77,8 @@ def execute_sharded(
             writer.close()  # the jobs write through their own descriptors; commit fsyncs by path
         job_options = replace(options, on_progress=None)
         jobs = split(plan, [w.path for w in writers], [w.ranges for w in writers], job_options, executor.workers)
+        for job in jobs:
+            job.hashed = executor.shared_storage
 
         def on_result(job: ShardJob, result: ShardResult) -> None:
             problem = verify(job, result)

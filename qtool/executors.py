@@ -33,6 +33,7 @@ OnResult = Callable[[ShardJob, ShardResult], None]
 class Executor(Protocol):
     name: str
     workers: int  # how many jobs run at once, for cutting a plan into enough of them
+    shared_storage: bool  # jobs write from other machines: the driver checks each range's hash
 
     def check_inputs(self, paths: list[str], output_parent: str) -> None:
         """Raise UsageError naming the worker (node) that cannot read an input or write beside
@@ -81,6 +82,7 @@ class LocalProcesses:
     """`workers` spawned processes on this machine, each running one job at a time."""
 
     name = "local"
+    shared_storage = False  # one page cache, and a lost worker is dead: sizes suffice
 
     def __init__(self, workers: int, retries: int, setup: Callable[[], None] | None = None) -> None:
         self.workers = workers

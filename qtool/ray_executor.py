@@ -54,6 +54,20 @@ def _probe(paths: list[str], output_parent: str) -> tuple[str, list[str]]:
     return socket.gethostname(), problems
 
 
+def _reachable(address: str | None, timeout: float = 10.0) -> None:
+    """A `host:port` cluster address that does not answer is a one-line error in seconds;
+    ray.init would retry for minutes, deaf to signals."""
+    if not address or address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        raise UsageError(f"Ray address {address!r} is not host:port", option="ray_address")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise UsageError(f"cannot connect to the Ray cluster at {address}: {exc.strerror or exc}", hint="start it with `ray start --head`, or set --ray-address / RAY_ADDRESS", option="ray_address") from None
+
+
 def _import_ray():
     try:
         import ray
@@ -66,6 +80,7 @@ class RayCluster:
     """The Ray cluster at `address` (else RAY_ADDRESS, else a Ray started for this run)."""
 
     name = "ray"
+    shared_storage = True
 
     def __init__(self, address: str | None, retries: int, setup: Callable[[], None] | None = None) -> None:
         self.ray = _import_ray()
@@ -73,6 +88,7 @@ class RayCluster:
         self.retries = retries
         self.setup = setup
         self.workers = 1
+        self.largest_node = 0
         self._connected = False
 
     def _connect(self) -> None:
@@ -81,6 +97,7 @@ class RayCluster:
         ray = self.ray
         # ray.init replaces the SIGTERM handler with its own sys.exit: the caller's (the CLI's
         # cleanup, exit 143) stays in place
+        _reachable(self.address or os.environ.get("RAY_ADDRESS"))
         main = threading.current_thread() is threading.main_thread()
         previous = signal.getsignal(signal.SIGTERM) if main else None
         try:
@@ -93,6 +110,7 @@ class RayCluster:
                 signal.signal(signal.SIGTERM, previous)
         self._connected = True
         self.workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        self.largest_node = max((int(node.get("Resources", {}).get("CPU", 0)) for node in ray.nodes() if node.get("Alive")), default=0)
 
     def _disconnect(self) -> None:
         if self._connected:
@@ -127,6 +145,9 @@ class RayCluster:
         refs: dict = {}
         try:
             task = ray.remote(_run_task)
+            wanted = max(job.options.threads or 1 for job in jobs) if jobs else 1
+            if wanted > self.largest_node:  # Ray would wait for such a node for ever
+                raise UsageError(f"each shard job asks for {wanted} CPUs, and no node of the Ray cluster has more than {self.largest_node}", hint="lower --threads (under Ray, the CPUs of one task)", option="threads")
             for job in jobs:
                 threads = job.options.threads or 1
                 refs[task.options(num_cpus=threads, max_retries=self.retries, retry_exceptions=False, name=f"qtool shard {job.index}").remote(job, self.setup)] = job

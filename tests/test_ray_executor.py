@@ -162,3 +162,10 @@ def test_sigterm_to_the_ray_driver_commits_nothing_and_leaves_no_task_writing(cl
     while processes_writing(tmp_path / "ray") and time.monotonic() < deadline:
         time.sleep(0.2)
     assert processes_writing(tmp_path / "ray") == []
+
+
+def test_a_task_no_node_can_hold_is_refused_not_left_waiting(cluster, four_shards, tmp_path):
+    result = qtool("quantize", four_shards, "-o", tmp_path / "out", "--executor", "ray", "--threads", "4", env=cluster, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines()[0] == "error: each shard job asks for 4 CPUs, and no node of the Ray cluster has more than 1"
+    assert not (tmp_path / "out").exists() and staging_left(tmp_path) == []

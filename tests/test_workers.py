@@ -287,3 +287,16 @@ def test_the_ray_node_probe_names_what_a_node_cannot_read(tmp_path):
     host, problems = _probe([str(readable), str(tmp_path / "missing.safetensors")], str(tmp_path))
     assert host and problems == [f"cannot read {tmp_path / 'missing.safetensors'}: No such file or directory"]
     assert _probe([str(readable)], str(tmp_path))[1] == []
+
+
+def test_a_ray_address_that_does_not_answer_is_one_line_in_seconds(four_shards, tmp_path):
+    pytest.importorskip("ray")
+    import socket
+
+    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    result = qtool("quantize", four_shards, "-o", tmp_path / "out", "--executor", "ray", "--ray-address", f"127.0.0.1:{port}", timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[0] == f"error: cannot connect to the Ray cluster at 127.0.0.1:{port}: Connection refused"
+    assert not (tmp_path / "out").exists() and staging_left(tmp_path) == []
