@@ -18,7 +18,7 @@ from typing import Any, Callable
 from qtool.errors import ShardJobError
 from qtool.executors import Executor
 from qtool.formats.writer import Output
-from qtool.pipeline import ExecOptions, Measurements, side_file_copies
+from qtool.pipeline import ExecOptions, Measurements, write_side_files
 from qtool.plan import Plan
 from qtool.shard_job import ShardJob, ShardResult, split, verify
 
@@ -91,10 +91,7 @@ def execute_sharded(
 
         executor.run(jobs, on_result)
         measured = _merged(plan, jobs, results)
-        for filename, content in layout.side_files(plan).items():
-            output.side_file(filename, content)
-        for source, filename in side_file_copies(plan.source, output.single_file):
-            output.copy_side_file(source, filename)
+        write_side_files(plan, layout, output)
         measured.bytes_written = sum(writer.size for writer in writers)
         measured.seconds = time.perf_counter() - started
         shards = [records[index] for index in sorted(records)]

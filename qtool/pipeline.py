@@ -322,10 +322,7 @@ def execute(plan: Plan, output: Output, options: ExecOptions = ExecOptions(), *,
                 writers[job.shard].write(name, data, at)
 
             stream(runner, plan.jobs, write, options.on_progress)
-            for filename, content in layout.side_files(plan).items():
-                output.side_file(filename, content)
-            for source, filename in side_file_copies(plan.source, output.single_file):
-                output.carry_side_file(filename, read_side_file(plan.source, source))
+            write_side_files(plan, layout, output)
             runner.measured.bytes_written = sum(file.size for file in writers.values())
             runner.measured.seconds = time.perf_counter() - started
             if before_commit is not None:
@@ -342,6 +339,15 @@ def _scheme_name(job: Job) -> str:
     if isinstance(job.encoding, GgmlBlocks):
         return job.encoding.type
     return job.scheme.label() if job.scheme is not None else "its scheme"
+
+
+def write_side_files(plan: Plan, layout, output: Output) -> None:
+    """The layout's own side files (config.json, ...) and the source's carried-over ones, into
+    the output; the same for one process and for a driver of shard jobs."""
+    for filename, content in layout.side_files(plan).items():
+        output.side_file(filename, content)
+    for source, filename in side_file_copies(plan.source, output.single_file):
+        output.carry_side_file(filename, read_side_file(plan.source, source))
 
 
 def side_file_copies(source: Checkpoint, single_file: bool) -> list[tuple[str, str]]:
