@@ -107,7 +107,7 @@ def test_compare_html_has_the_json_figures(runs):
     measured = [w for w in document["weights"] if w["sqnr_db"] is not None]
     assert len(MARK.findall(page)) == len({(w["layer"], w["kind"]) for w in measured})
     assert "gate: min SQNR 19.05 dB" in page
-    assert "✗ FAIL: 1 violations" in page
+    assert "✗ FAIL: 1 violation" in page and "1 violations" not in page
     violation = document["violations"][0]
     assert violation.startswith("model.layers.0.self_attn.o_proj.weight: ")
     assert f'<a href="#weight=model.layers.0.self_attn.o_proj.weight">{violation}</a>' in page

@@ -39,6 +39,10 @@ model only with --allow-incomplete-gguf. Every quantized weight's
 error (SQNR, relative RMSE, max abs error, cosine) is measured on the way; the worst 10 are
 shown. Run `qtool schemes` for the schemes.
 
+Loaders: in transformers 5.24 with compressed-tensors 0.20.1, W4A16_ASYM does not load (nor
+does compressed-tensors' own output of it) and NVFP4A16 / MXFP4A16 run only with
+dtype=torch.bfloat16 (compressed-tensors#839 fixes that later). README: "Loading the output".
+
 GGUF: a .gguf input keeps all its key-values, tensor order and alignment. Lowercase q8_0,
 q4_0, q4_k ... is one block type on the weights qtool selects; CAPITALS are llama.cpp's file
 types, with llama.cpp's own choice of tensors and types: Q4_K_M, Q5_K_M, Q3_K_M, Q2_K, Q6_K,
