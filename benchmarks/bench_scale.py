@@ -76,12 +76,14 @@ def start_node(args: list[str], env: dict) -> subprocess.Popen:
     command = [str(RAY), "start", *args, "--block", "--num-cpus", "1", "--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
     command += ["--dashboard-agent-listen-port", str(agent), "--dashboard-agent-grpc-port", str(grpc), "--runtime-env-agent-port", str(runtime_env), "--metrics-export-port", str(metrics)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    deadline = time.monotonic() + 300
+    deadline, seen = time.monotonic() + 300, []
     while time.monotonic() < deadline and process.poll() is None:
-        if select.select([process.stdout], [], [], 1)[0] and "Ray runtime started" in process.stdout.readline():
-            return process
+        if select.select([process.stdout], [], [], 1)[0]:
+            seen.append(process.stdout.readline())
+            if "Ray runtime started" in seen[-1]:
+                return process
     stop_node(process)
-    raise SystemExit("ray start did not come up")
+    raise SystemExit("ray start did not come up:\n" + "".join(seen[-15:]))
 
 
 def stop_node(process: subprocess.Popen) -> None:
@@ -137,6 +139,7 @@ def main() -> int:
             configs["RAY"] = ["--executor", "ray"]
         times: dict[str, list[float]] = {name: [] for name in configs}
         rss: dict[str, list[int]] = {name: [] for name in configs}
+        cpu: dict[str, list[float]] = {name: [] for name in configs}  # user + system, the driver and the children it reaped
         worker_rss: dict[str, list[int]] = {name: [] for name in configs}
         shard_rates: list[float] = []
         for round_ in range(args.repeats):
@@ -151,22 +154,25 @@ def main() -> int:
                     return 1
                 times[name].append(result.wall_s)
                 rss[name].append(result.peak_rss_bytes)
+                cpu[name].append(result.cpu_s)
                 document = json.loads(result.stdout_path.read_text())
                 for shard in document.get("execution", {}).get("shards", []):
                     worker_rss[name].append(shard["peak_rss_bytes"])
                     if name == "W2" and shard["seconds"] > 0:
                         shard_rates.append(shard["bytes_in"] / shard["seconds"])  # one CPU each
-                print(f"round {round_ + 1} {name}: {result.wall_s:.1f} s, driver peak RSS {result.peak_rss_bytes / 2**20:.0f} MiB")
+                print(f"round {round_ + 1} {name}: {result.wall_s:.1f} s wall, {result.cpu_s:.1f} s CPU, peak RSS {result.peak_rss_bytes / 2**20:.0f} MiB")
         print()
-        print("| run | median wall | driver peak RSS | worker peak RSS (max) |")
-        print("|---|---|---|---|")
+        print("| run | median wall | median CPU (driver + local workers) | peak RSS of the process (wait4: with the workers it reaped) | worker peak RSS (max, from --json) |")
+        print("|---|---|---|---|---|")
         for name in configs:
-            worst = max(worker_rss[name]) / 2**20 if worker_rss[name] else 0
-            print(f"| {name} | {statistics.median(times[name]):.1f} s | {max(rss[name]) / 2**20:.0f} MiB | {worst:.0f} MiB |")
+            worst = f"{max(worker_rss[name]) / 2**20:.0f} MiB" if worker_rss[name] else "—"
+            print(f"| {name} | {statistics.median(times[name]):.1f} s | {statistics.median(cpu[name]):.1f} s | {max(rss[name]) / 2**20:.0f} MiB | {worst} |")
+        print("per-round W2/W1: " + ", ".join(f"{b / a:.3f}" for a, b in zip(times["W1"], times["W2"])))
         w2_over_w1 = statistics.median(b / a for a, b in zip(times["W1"], times["W2"]))
         print(f"\nW2 / W1: median ratio {w2_over_w1:.3f} (target <= 1.10): {'PASS' if w2_over_w1 <= 1.10 else 'FAIL'}")
         overhead = 0.0
         if "RAY" in configs:
+            print("per-round RAY/W2: " + ", ".join(f"{c / b:.3f}" for b, c in zip(times["W2"], times["RAY"])))
             ray_over_w2 = statistics.median(c / b for b, c in zip(times["W2"], times["RAY"]))
             print(f"RAY / W2: median ratio {ray_over_w2:.3f} (target <= 1.15): {'PASS' if ray_over_w2 <= 1.15 else 'FAIL'}")
             overhead = max(0.0, statistics.median(times["RAY"]) - statistics.median(times["W2"]))
