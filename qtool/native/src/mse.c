@@ -29,21 +29,30 @@ static inline float round_bf16_finite(float f) {
 static inline float round_f16(float f) { return qt_f16_to_f32(qt_f32_to_f16(f)); }
 static inline float round_f32(float f) { return f; }
 
-/* sum (x - x^)^2 in double of one trial, codes into q (as floats) */
+/* sum (x - x^)^2 in double of one trial, codes into q (as floats). A trial stops early once
+ * its partial sum exceeds `bound` (the best so far; returned as is then): the terms are >= 0
+ * and rounding is monotone, so such a trial could not have won, and the choice is the same. */
 #define TRIAL(NAME, ROUND)                                                                               \
-    static QT_HOT double NAME(const float *x, Py_ssize_t n, float scale, float zp, float qmin, float qmax, float *q) { \
+    static QT_HOT double NAME(const float *x, Py_ssize_t n, float scale, float zp, float qmin, float qmax, float *q, \
+                              double bound) {                                                            \
         double lanes[MSE_LANES] = {0};                                                                   \
         Py_ssize_t j = 0;                                                                                \
-        for (; j + MSE_LANES <= n; j += MSE_LANES)                                                       \
-            for (int k = 0; k < MSE_LANES; k++) {                                                        \
-                float v = ROUND(ROUND(x[j + k] / scale) + zp);                                           \
-                v = v < qmin ? qmin : v;                                                                 \
-                v = v > qmax ? qmax : v;                                                                 \
-                v = rne(v);                                                                              \
-                q[j + k] = v;                                                                            \
-                double e = (double)x[j + k] - (double)ROUND((v - zp) * scale);                           \
-                lanes[k] += e * e;                                                                       \
-            }                                                                                            \
+        while (j + MSE_LANES <= n) {                                                                     \
+            const Py_ssize_t stop = j + 4 * MSE_LANES <= n ? j + 4 * MSE_LANES : n - (n - j) % MSE_LANES; \
+            for (; j < stop; j += MSE_LANES)                                                             \
+                for (int k = 0; k < MSE_LANES; k++) {                                                    \
+                    float v = ROUND(ROUND(x[j + k] / scale) + zp);                                       \
+                    v = v < qmin ? qmin : v;                                                             \
+                    v = v > qmax ? qmax : v;                                                             \
+                    v = rne(v);                                                                          \
+                    q[j + k] = v;                                                                        \
+                    double e = (double)x[j + k] - (double)ROUND((v - zp) * scale);                       \
+                    lanes[k] += e * e;                                                                   \
+                }                                                                                        \
+            double partial = 0;                                                                          \
+            for (int k = 0; k < MSE_LANES; k++) partial += lanes[k];                                     \
+            if (partial > bound) return partial;                                                         \
+        }                                                                                                \
         for (; j < n; j++) {                                                                             \
             float v = ROUND(ROUND(x[j] / scale) + zp);                                                   \
             v = v < qmin ? qmin : v;                                                                     \
@@ -62,10 +71,10 @@ TRIAL(trial_bf16, round_bf16_finite)
 TRIAL(trial_f16, round_f16)
 TRIAL(trial_f32, round_f32)
 
-static double trial(const float *x, Py_ssize_t n, float scale, float zp, float qmin, float qmax, int dt, float *q) {
-    if (dt == QT_BF16) return trial_bf16(x, n, scale, zp, qmin, qmax, q);
-    if (dt == QT_F16) return trial_f16(x, n, scale, zp, qmin, qmax, q);
-    return trial_f32(x, n, scale, zp, qmin, qmax, q);
+static double trial(const float *x, Py_ssize_t n, float scale, float zp, float qmin, float qmax, int dt, float *q, double bound) {
+    if (dt == QT_BF16) return trial_bf16(x, n, scale, zp, qmin, qmax, q, bound);
+    if (dt == QT_F16) return trial_f16(x, n, scale, zp, qmin, qmax, q, bound);
+    return trial_f32(x, n, scale, zp, qmin, qmax, q, bound);
 }
 
 /* sum(x * w) and sum(w * w) in double, w = q - zp (exact products) */
@@ -113,7 +122,7 @@ void qt_mse_group(const float *x, Py_ssize_t n, int dt, float qmin, float qmax, 
             const float factor = (float)(1.0 - k * 0.01);
             float s = qt_round_to((amax * factor) / half, dt);
             if (s == 0.0f) s = EPS_BY_DT[dt];
-            const double err = trial(x, n, s, 0.0f, qmin, qmax, dt, k == 0 ? best_q : q);
+            const double err = trial(x, n, s, 0.0f, qmin, qmax, dt, k == 0 ? best_q : q, k == 0 ? __builtin_inf() : best);
             if (k == 0 || err < best) {
                 best = err;
                 best_scale = s;
@@ -129,7 +138,7 @@ void qt_mse_group(const float *x, Py_ssize_t n, int dt, float qmin, float qmax, 
                 const float high = qt_round_to(hi * (float)(1.0 - j * step), dt);
                 float s, z;
                 asym_params(low, high, qmin, qmax, dt, &s, &z);
-                const double err = trial(x, n, s, z, qmin, qmax, dt, first ? best_q : q);
+                const double err = trial(x, n, s, z, qmin, qmax, dt, first ? best_q : q, first ? __builtin_inf() : best);
                 if (first || err < best) {
                     best = err;
                     best_scale = s;
@@ -146,7 +155,7 @@ void qt_mse_group(const float *x, Py_ssize_t n, int dt, float qmin, float qmax, 
         if (!(ww > 0)) continue;
         const float s = qt_round_to((float)(xw / ww), dt);
         if (!(s > 0) || s == __builtin_inff()) continue;
-        const double err = trial(x, n, s, best_zp, qmin, qmax, dt, q);
+        const double err = trial(x, n, s, best_zp, qmin, qmax, dt, q, best);
         if (err < best) {
             best = err;
             best_scale = s;
