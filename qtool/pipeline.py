@@ -338,7 +338,7 @@ def execute(plan: Plan, output: Output, options: ExecOptions = ExecOptions(), *,
 def _scheme_name(job: Job) -> str:
     if isinstance(job.encoding, GgmlBlocks):
         return job.encoding.type
-    return job.scheme.label() if job.scheme is not None else "its scheme"
+    return job.scheme.label if job.scheme is not None else "its scheme"
 
 
 def write_side_files(plan: Plan, layout, output: Output) -> None:

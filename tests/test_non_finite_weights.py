@@ -102,3 +102,34 @@ def test_a_finite_weight_reports_no_non_finite_input(tmp_path):
     assert done.returncode == 0 and done.stderr == "", done.stderr
     document = json.loads(done.stdout)
     assert document["summary"]["non_finite_weights"] == [] and document["weights"][0]["non_finite_input"] is None
+
+
+def safetensors_holding(folder, value) -> None:
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from tests.conftest import SAMPLES
+
+    folder.mkdir()
+    weight = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+    weight[3, 5] = value
+    save_file({"model.layers.0.self_attn.q_proj.weight": weight, "model.norm.weight": torch.ones(256)}, str(folder / "model.safetensors"))
+    shutil.copy(SAMPLES / "tiny-llama" / "config.json", folder / "config.json")
+
+
+def test_the_rule_holds_for_the_safetensors_encoders_too(tmp_path):
+    """MXFP4's E8M0 block scale of a 3e38 weight overflows (it was an exit 70, a scheme label
+    called as a function); a NaN weight at W4A16 (the fused int encoder) is reported."""
+    big, odd = tmp_path / "big", tmp_path / "odd"
+    safetensors_holding(big, 3e38)
+    safetensors_holding(odd, math.nan)
+    done = quantize(big, "-o", tmp_path / "big-out", "--scheme", "MXFP4A16", "-q")
+    assert done.returncode == 2 and done.stderr.splitlines()[0] == (
+        "error: model.layers.0.self_attn.q_proj.weight: its values are finite but too large for mxfp4 g32: a scale overflows its type, and the output would hold inf or NaN"
+    ), done.stderr
+    assert not (tmp_path / "big-out").exists()
+    done = quantize(odd, "-o", tmp_path / "odd-out", "--scheme", "W4A16", "-q")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == ["warning: model.layers.0.self_attn.q_proj.weight holds NaN values: encoded as its toolchain does, no error figure (see `qtool check --no-nan`)"]

@@ -9,6 +9,7 @@ so the caller sees a file over the limit (or one growing past it meanwhile) with
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
@@ -42,7 +43,7 @@ def read_regular(path: str, limit: int, *, follow: bool = True, expect: os.stat_
     try:
         fd = os.open(path, flags)
     except OSError as exc:
-        raise NotReadable("it is a link" if exc.errno == getattr(os, "ELOOP", -1) and not follow else exc.strerror or "cannot open") from None
+        raise NotReadable("it is a link" if exc.errno == errno.ELOOP and not follow else exc.strerror or "cannot open") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
