@@ -118,6 +118,12 @@ def _f16_gguf(target: Path) -> None:
     module.write_model(str(target), dict(layers=2, hidden=256, heads=4, kv=4, ffn=512, tied=False, dtype="F16"), seed=0)
 
 
+def _prose() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics))[:20000]
+
+
 def _renamed(source: Path, target: Path, old: str, new: str) -> None:
     """A copy of a one-file safetensors folder with `old` replaced by `new` in tensor names: the
     header is rewritten, the data bytes are the same."""
@@ -175,6 +181,8 @@ class Placeholders:
             "model.gguf": lambda: self._qtool("quantize model/ -o model.gguf --scheme q4_0 -q", "model"),
             "model-q4_0.gguf": lambda: self._qtool("quantize model/ -o model-q4_0.gguf --scheme q4_0 -q", "model"),
             "model-f16.gguf": lambda: _f16_gguf(store / "model-f16.gguf"),
+            # `--calibrate calibration.txt`: English prose, CPython's language reference topics
+            "calibration.txt": lambda: (store / "calibration.txt").write_text(_prose()),
             # `compare a/ b/ --map 're:^transformer\.h\.=model.layers.'`: GPT-2 style names in A
             "a": lambda: _renamed(TINY, store / "a", "model.layers.", "transformer.h."),
             "b": lambda: self._qtool("quantize model/ -o b/ --scheme W8A16 -q", "model"),

@@ -1,0 +1,99 @@
+"""`qtool quantize --calibrate` through a real process: a run writes a calibrated
+compressed-tensors checkpoint and reports each layer; every bad input is one `error:` line,
+exit 2, no traceback and nothing written."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tests.conftest import REPO, SAMPLES  # noqa: E402
+
+TINY = SAMPLES / "tiny-llama"
+TEXT = "An iterator is created for the result of the expression list. " * 40
+
+
+def run_qtool(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "QTOOL_DEBUG"}
+    return subprocess.run([sys.executable, "-m", "qtool", *map(str, args)], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+
+
+def test_a_calibrated_run_reports_each_layer(tmp_path):
+    text = tmp_path / "text.jsonl"
+    text.write_text("\n".join(json.dumps({"text": TEXT[i::3]}) for i in range(3)) + "\n")
+    out = tmp_path / "out"
+    result = run_qtool("quantize", TINY, "-o", out, "--scheme", "int4:g64:asym", "--calibrate", text, "--samples", "4", "--seq-len", "32", "--threads", "1", "--json")
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["calibration"]["algorithm"] == "gptq"
+    assert (document["calibration"]["samples"], document["calibration"]["seq_len"]) == (4, 32)
+    assert [layer["layer"] for layer in document["calibration"]["layers"]] == [0, 1]
+    assert "calibrated layer 2/2" in result.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] == 64
+
+
+def _no_tokenizer(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(TINY / name, folder / name)
+    return folder
+
+
+def _unknown_architecture(tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(TINY, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "nosucharch"
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _gguf(tmp_path):
+    path = tmp_path / "model.gguf"
+    result = run_qtool("quantize", TINY, "-o", path, "--scheme", "q8_0", "-q")
+    assert result.returncode == 0, result.stderr
+    return path
+
+
+CASES = {
+    # id: (model maker, text, extra args, the error line's words)
+    "empty text": (None, "", (), "the calibration text is empty"),
+    "too few tokens": (None, "a few words", ("--samples", "4", "--seq-len", "512"), "the calibration text has 18 tokens, fewer than samples x seq_len = 4 x 512 = 2048"),
+    "no tokenizer": (_no_tokenizer, TEXT, (), "has no tokenizer"),
+    "unknown architecture": (_unknown_architecture, TEXT, (), "architecture 'nosucharch' is not known to this transformers"),
+    "gguf input": (_gguf, TEXT, ("--allow-requantize",), "is a gguf checkpoint; calibration reads a Hugging Face model folder"),
+    "quantized input": (lambda tmp_path: SAMPLES / "tiny-llama-w4a16", TEXT, ("--allow-requantize",), "calibration needs float weights"),
+    "unknown algorithm": (None, TEXT, ("--algorithm", "awq"), "algorithm 'awq' is not one of gptq, rtn"),
+    "float scheme": (None, TEXT, ("--scheme", "FP8"), "GPTQ calibrates int2..int8 per channel or per group, not fp8_e4m3"),
+    "no such text": (None, None, (), "no such calibration text"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_inputs_are_one_line_exit_2_and_write_nothing(tmp_path, case):
+    make, text, extra, words = CASES[case]
+    model = make(tmp_path) if make else TINY
+    text_path = tmp_path / "text.txt"
+    if text is not None:
+        text_path.write_text(text)
+    out = tmp_path / "out"
+    result = run_qtool("quantize", model, "-o", out, "--calibrate", text_path, "--samples", "4", "--seq-len", "32", *extra)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and words in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert not out.exists()
+
+
+def test_an_algorithm_without_text_is_refused(tmp_path):
+    result = run_qtool("quantize", TINY, "-o", tmp_path / "out", "--algorithm", "gptq")
+    assert result.returncode == 2 and "an algorithm needs calibration text" in result.stderr
