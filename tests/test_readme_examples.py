@@ -182,7 +182,7 @@ class Placeholders:
             "model-q4_0.gguf": lambda: self._qtool("quantize model/ -o model-q4_0.gguf --scheme q4_0 -q", "model"),
             "model-f16.gguf": lambda: _f16_gguf(store / "model-f16.gguf"),
             # `--calibrate calibration.txt`: English prose, CPython's language reference topics
-            "calibration.txt": lambda: (store / "calibration.txt").write_text(_prose()),
+            "calibration.txt": lambda: (store.mkdir(parents=True, exist_ok=True), (store / "calibration.txt").write_text(_prose())),
             # `compare a/ b/ --map 're:^transformer\.h\.=model.layers.'`: GPT-2 style names in A
             "a": lambda: _renamed(TINY, store / "a", "model.layers.", "transformer.h."),
             "b": lambda: self._qtool("quantize model/ -o b/ --scheme W8A16 -q", "model"),
