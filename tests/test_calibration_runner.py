@@ -7,6 +7,7 @@ what `qtool dequantize` gives."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -42,9 +43,31 @@ def tiny_model(folder, family: str, dtype=torch.bfloat16):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
     model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TINY / name, folder / name)
+    if family in BYTE_LEVEL_TOKENIZER:  # transformers gives these their own tokenizer class, whatever the files say
+        _byte_level_tokenizer(folder)
+    else:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(TINY / name, folder / name)
     return folder
+
+
+BYTE_LEVEL_TOKENIZER = ("qwen2", "qwen3")
+
+
+def _byte_level_tokenizer(folder) -> None:
+    """A Qwen2-style byte-level BPE with no merges: the 256 byte symbols are the vocabulary
+    (ids 0-255, inside the tiny model's vocab_size), as GPT-2's bytes_to_unicode maps them."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    codes, extra = list(printable), 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            codes.append(256 + extra)
+            extra += 1
+    vocab = {chr(code): byte for byte, code in zip(printable, codes)}
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "Qwen2Tokenizer", "model_max_length": 256}))
 
 
 def text_file(tmp_path, text=TEXT):
