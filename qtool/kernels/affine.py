@@ -42,6 +42,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from qtool.dtypes import WEIGHT_FLOATS, decoded_dtype, weight_float_of
 from qtool.errors import KernelError
 from qtool.kernels import floats
 from qtool.qtypes import QType
@@ -58,10 +59,8 @@ __all__ = [
 ]
 
 BlockLike = Sequence["int | None"]
-_FLOAT_SCALES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _E4M3_SCALES = ("E4M3", "F8_E4M3", "UE4M3")
 _E8M0_SCALES = ("E8M0", "F8_E8M0", "U8")
-_TORCH_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
 def _qtype(qtype: QType | str) -> QType:
@@ -127,17 +126,17 @@ def _block_dims(ndim: int) -> tuple[int, ...]:
 def _scale_kind(scale_dtype: str | torch.dtype, x: torch.Tensor) -> tuple[str, torch.dtype | None]:
     """("float", dtype) | ("e4m3", None) | ("e8m0", None). "auto" = x's dtype, as compressed-tensors."""
     if isinstance(scale_dtype, torch.dtype):
-        scale_dtype = _TORCH_NAMES.get(scale_dtype, str(scale_dtype))
+        scale_dtype = weight_float_of(scale_dtype) or str(scale_dtype)
     name = str(scale_dtype).upper()
     if name == "AUTO":
-        return "float", x.dtype if x.dtype in _TORCH_NAMES else torch.float16
-    if name in _FLOAT_SCALES:
-        return "float", _FLOAT_SCALES[name]
+        return "float", x.dtype if weight_float_of(x.dtype) else torch.float16
+    if name in WEIGHT_FLOATS:
+        return "float", decoded_dtype(name)
     if name in _E4M3_SCALES:
         return "e4m3", None
     if name in _E8M0_SCALES:
         return "e8m0", None
-    known = " ".join([*_FLOAT_SCALES, "E4M3", "E8M0", "auto"])
+    known = " ".join([*WEIGHT_FLOATS, "E4M3", "E8M0", "auto"])
     raise KernelError(f"unknown scale dtype {scale_dtype!r} (known: {known})")
 
 
@@ -341,9 +340,9 @@ def dequantize(
     """(q - zero_point) * scale per block, in float32, cast once to `dtype`. `qtype` is needed
     for uint8 codes (fp4, fp6, codebooks); int and float8 data speak for themselves."""
     if isinstance(dtype, str):
-        if dtype.upper() not in _FLOAT_SCALES:
+        if dtype.upper() not in WEIGHT_FLOATS:
             raise KernelError(f"dequantize to F32, F16 or BF16, not {dtype!r}")
-        dtype = _FLOAT_SCALES[dtype.upper()]
+        dtype = decoded_dtype(dtype.upper())
     qt = _qtype(qtype) if qtype is not None else None
     values = _values(q, qt)
     resolved = resolve_block(values.shape, block)

@@ -46,7 +46,6 @@ SHRINK_STEPS, SHRINK_STEP = 40, 0.01  # symmetric: p_k = 1 - k * 0.01
 GRID_STEPS, GRID_STEP, GRID_STEP_INT2 = 7, 0.05, 0.1  # asymmetric: p_i = 1 - i * step at each end
 REFITS = 2
 
-_FLOAT_SCALES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def shrink_factors() -> list[float]:
