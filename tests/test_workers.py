@@ -300,3 +300,35 @@ def test_a_ray_address_that_does_not_answer_is_one_line_in_seconds(four_shards, 
     assert result.returncode == 2
     assert result.stderr.splitlines()[0] == f"error: cannot connect to the Ray cluster at 127.0.0.1:{port}: Connection refused"
     assert not (tmp_path / "out").exists() and staging_left(tmp_path) == []
+
+
+def test_the_progress_bar_counts_shard_jobs_beside_bytes(monkeypatch):
+    """A spread run's bar says how many shard jobs are done; a plain run's bar is unchanged."""
+    import io
+
+    import rich.progress
+
+    from qtool.cli import output
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    descriptions: list[str] = []
+    update = rich.progress.Progress.update
+
+    def recording_update(self, task_id, **fields):
+        if "description" in fields:
+            descriptions.append(fields["description"])
+        return update(self, task_id, **fields)
+
+    monkeypatch.setattr(rich.progress.Progress, "update", recording_update)
+    monkeypatch.setattr("sys.stderr", Terminal())
+    with output.progress("quantizing", 300, count="shard jobs") as advance:
+        for _ in range(3):
+            advance(100)
+    assert descriptions == ["quantizing (1 shard jobs done)", "quantizing (2 shard jobs done)", "quantizing (3 shard jobs done)"]
+    descriptions.clear()
+    with output.progress("quantizing", 300) as advance:
+        advance(300)
+    assert descriptions == []

@@ -173,9 +173,10 @@ def print_status(message: str, quiet: bool = False) -> None:
 
 
 @contextlib.contextmanager
-def progress(description: str, total: int, quiet: bool = False) -> Iterator[Callable[[int], None]]:
+def progress(description: str, total: int, quiet: bool = False, count: str | None = None) -> Iterator[Callable[[int], None]]:
     """A Rich progress bar on stderr, advanced by the callback it yields. Silent when stderr is
-    not a terminal, or when quiet."""
+    not a terminal, or when quiet. With `count` ("shard jobs"), each call is also one of those
+    done, counted in the description."""
     if quiet or not sys.stderr.isatty():
         yield lambda _advance: None
         return
@@ -193,4 +194,14 @@ def progress(description: str, total: int, quiet: bool = False) -> Iterator[Call
     )
     with bar:
         task = bar.add_task(description, total=total)
-        yield lambda advance: bar.advance(task, advance)
+        if count is None:
+            yield lambda advance: bar.advance(task, advance)
+            return
+        done = 0
+
+        def advance_counted(advance: int) -> None:
+            nonlocal done
+            done += 1
+            bar.update(task, advance=advance, description=f"{description} ({done} {count} done)")
+
+        yield advance_counted

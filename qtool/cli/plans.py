@@ -134,7 +134,8 @@ def run_plan(plan, *, device: str, threads: int | None, overwrite: bool, quiet: 
     def layer_done(layer, layers: int) -> None:
         print_status(f"calibrated layer {layer.index + 1}/{layers} in {layer.seconds:.1f} s, output relative MSE {layer.output_error:.3g}", quiet)
 
-    with progress("writing" if not measure else "quantizing", total, quiet) as advance:
+    spread_out = workers > 1 or executor != "local"  # then each progress call is one shard job done
+    with progress("writing" if not measure else "quantizing", total, quiet, count="shard jobs" if spread_out else None) as advance:
         outcome = api.run(
             plan,
             device=device,
