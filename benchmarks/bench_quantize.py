@@ -19,6 +19,8 @@ It then runs, each as a whole child process with this interpreter:
      not embed_tokens, lm_head or norms), the rest copied, `save_file`; the compressed-tensors
      int-quantized names (`X.weight` int8, `X.weight_scale`)
   C  python -m qtool quantize MODEL -o C --scheme W4A16 -q
+  M  python -m qtool quantize MODEL -o M --scheme W4A16 --observer mse -q  (issue 19: what the
+     mse scale search costs against C's min-max, whole process)
   D  compressed-tensors' own W4A16 (pack-quantized) through its public API: `load_file` the
      shards, an nn.Module tree built from the names and shapes (nn.Linear for each weight),
      `apply_quantization_config` with the W4A16 preset (lm_head ignored), scales from
@@ -43,7 +45,8 @@ baselines. Each run's first output is checked in a separate, untimed child: tens
 dtypes, and the relative error of layers.0.q_proj decoded (compressed-tensors' own decompressor
 for pack-quantized) against the input.
 
-Targets, as ratios of medians in this run: B/A >= 2.5, D/C >= 2.5, F/E >= 3, H/G >= 2.5; peak RSS
+Targets, as ratios of medians in this run: B/A >= 2.5, D/C >= 2.5, F/E >= 3, H/G >= 2.5, M/C <= 2
+(the median of the rounds' M/C ratios; <= 1.5 would make mse the default for 4 bits); peak RSS
 of A, C, E and G under 1 GB for the ~2 GB model and under 1.2 GB for a model of 3 GB or more (`--scale 2`).
 GB here is 10^9 bytes. A qtool run that fails is reported as FAILED with its stderr tail; the
 baselines are still run and reported. Exit status is 0 whatever the result, unless --strict.
@@ -75,6 +78,7 @@ BF16_BYTES = 2
 MAX_SHARD_BYTES = 1 * GB
 
 TARGET_SPEEDUPS = (("B", "A", 2.5), ("D", "C", 2.5), ("F", "E", 3.0), ("H", "G", 2.5))
+TARGET_SLOWDOWNS = (("M", "C", 2.0),)  # at most this many times the other's wall, per round
 RSS_RUNS = ("A", "C", "E", "G")
 RSS_LIMIT_SMALL = 1.0 * GB  # the ~2 GB model
 RSS_LIMIT_LARGE = 1.2 * GB  # the doubled model
@@ -522,6 +526,7 @@ RUNS = {
         Run("A", "qtool quantize --scheme int8", True, "model", "int8", "A"),
         Run("B", "baseline: load_file + torch int8 + save_file", False, "model", "int8", "B"),
         Run("C", "qtool quantize --scheme W4A16", True, "model", "int4", "C"),
+        Run("M", "qtool quantize --scheme W4A16 --observer mse", True, "model", "int4", "M"),
         Run("D", "compressed-tensors W4A16 (pack-quantized)", False, "model", "int4", "D"),
         Run("E", "qtool dequantize A --dtype bf16", True, "A", "float", "E.safetensors"),
         Run("F", "baseline: reverse of B to bf16", False, "B", "float", "F"),
@@ -537,6 +542,7 @@ def command(run: Run, src: Path, dst: Path) -> list[str]:
         "A": [py, "-m", "qtool", "quantize", str(src), "-o", str(dst), "--scheme", "int8", "-q"],
         "B": [py, "-c", B_CODE, str(src), str(dst)],
         "C": [py, "-m", "qtool", "quantize", str(src), "-o", str(dst), "--scheme", "W4A16", "-q"],
+        "M": [py, "-m", "qtool", "quantize", str(src), "-o", str(dst), "--scheme", "W4A16", "--observer", "mse", "-q"],
         "D": [py, "-c", D_CODE, str(src), str(dst)],
         "E": [py, "-m", "qtool", "dequantize", str(src), "-o", str(dst), "--dtype", "bf16", "-q"],
         "F": [py, "-c", F_CODE, str(src), str(dst)],
@@ -603,7 +609,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "whole-process wall time and peak RSS, median of --repeats runs.",
         epilog="Runs: " + "; ".join(f"{r.key} = {r.what}" for r in RUNS.values()),
     )
-    p.add_argument("--runs", default=",".join(RUNS), help="comma list of runs (default A,B,C,D,E,F,G,H)")
+    p.add_argument("--runs", default=",".join(RUNS), help="comma list of runs (default A,B,C,M,D,E,F,G,H)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each (default 3); the median is reported")
     p.add_argument("--size-gb", type=float, default=2.0,
                    help="model size before --scale, in GB (10^9 bytes); default 2 (4 layers, 2.14 GB)")
@@ -802,6 +808,17 @@ def run(args: argparse.Namespace, root: Path) -> int:
             missing = " and ".join(k for k in (base_key, qtool_key) if k not in med)
             verdict(False if qtool_key not in med else None,
                     f"{base_key}/{qtool_key} >= {target}x: {missing} FAILED")
+    for slow_key, base_key, limit in TARGET_SLOWDOWNS:
+        if slow_key not in selected or base_key not in selected:
+            continue
+        if slow_key in med and base_key in med:
+            pairs = zip(records[slow_key].walls, records[base_key].walls)
+            ratios = [slow / base for slow, base in pairs]
+            ratio = statistics.median(ratios)
+            verdict(ratio <= limit, f"{slow_key}/{base_key} = {ratio:.2f}x, the median of the rounds' ratios "
+                    f"({', '.join(f'{r:.2f}' for r in ratios)})  (target <= {limit}x)")
+        else:
+            verdict(False, f"{slow_key}/{base_key} <= {limit}x: {slow_key if slow_key not in med else base_key} FAILED")
     for key in RSS_RUNS:
         if key not in selected:
             continue

@@ -20,6 +20,7 @@ from qtool.inspection import Inspection, inspect_checkpoint
 if TYPE_CHECKING:
     from qtool.audit import Audit, CheckRules
     from qtool.comparison import Comparison
+    from qtool.formats.imatrix import Imatrix
     from qtool.plan import Plan
     from qtool.policy import Policy
     from qtool.reports import RunReport
@@ -29,6 +30,9 @@ __all__ = [
     "refuse_remote_data",
     "inspect",
     "collect_stats",
+    "read_imatrix",
+    "imatrix_of",
+    "imatrix",
     "prepare_quantize",
     "prepare_dequantize",
     "run",
@@ -67,6 +71,30 @@ def inspect(path: str | os.PathLike[str], filter: str | None = None) -> Inspecti
     return inspect_checkpoint(_open_checkpoint(path), filter=filter)
 
 
+def read_imatrix(path: str | os.PathLike[str]) -> "Imatrix":
+    """A llama.cpp importance-matrix file (GGUF or legacy .dat), every entry checked: what
+    `quantize(..., imatrix=path)` reads, and `qtool inspect` shows."""
+    from qtool.formats.imatrix import read_imatrix as _read
+
+    refuse_remote_data(path)
+    return _read(path)
+
+
+def imatrix_of(path: str | os.PathLike[str], inspection: Inspection | None = None) -> "Imatrix | None":
+    """The importance matrix `path` holds, or None when it is a model: a legacy `.dat` file, or
+    a GGUF whose header (`inspection`'s, when given: nothing is read twice) says it is one."""
+    from qtool.formats.imatrix import is_imatrix_gguf
+
+    if inspection is None:
+        if os.fspath(path).endswith(".dat") and os.path.isfile(path):
+            return read_imatrix(path)
+        return None
+    checkpoint = inspection.checkpoint
+    if checkpoint.format == "gguf" and is_imatrix_gguf(checkpoint.metadata, checkpoint.tensors):
+        return read_imatrix(checkpoint.files[0])
+    return None
+
+
 def collect_stats(inspection: Inspection, on_bytes: Callable[[int], None] | None = None) -> Inspection:
     """A new Inspection with the value stats of every plain weight it reports, streamed from
     the data; the checkpoint is closed afterwards. Reads with numpy; never imports torch."""
@@ -102,6 +130,8 @@ def prepare_quantize(
     samples: int = 128,
     seq_len: int = 512,
     seed: int = 0,
+    actorder: str | None = None,
+    imatrix: str | os.PathLike[str] | None = None,
 ) -> "Plan":
     """Plan a quantization: which weights, which scheme and layout, every output tensor.
     Writes nothing; refuses an impossible job (and every unsafe output path) here.
@@ -111,35 +141,58 @@ def prepare_quantize(
     `observer` ("minmax" or "mse") chooses the scales of `scheme` and of every tensor scheme
     that names none (a scheme string may also end in `:mse`).
     `calibrate` (a .txt, a .jsonl with a "text" field, or a folder of them) makes it a
-    calibrated quantization: `algorithm` gptq (the default) or rtn, on `samples` windows of
-    `seq_len` tokens drawn with `seed`; checked here, run by `run` before the executor."""
+    calibrated quantization: `algorithm` gptq (the default), awq or rtn, on `samples` windows of
+    `seq_len` tokens drawn with `seed`, GPTQ's columns in activation order with `actorder`
+    ("weight" or its alias "static"); checked here, run by `run` before the executor; with a
+    GGUF output it computes llama.cpp's importance matrix instead.
+    `imatrix` (a llama.cpp importance matrix, GGUF or legacy .dat; GGUF output only) weighs the
+    GGUF quantizers as `llama-quantize --imatrix` does, and is recorded in the output."""
     from qtool.selection import Selection
 
     if calibrate is None and algorithm is not None:
         raise UsageError("an algorithm needs calibration text", hint="give the text to calibrate on", option="algorithm")
+    if calibrate is None and actorder is not None:
+        raise UsageError("an activation order needs calibration text (it orders GPTQ's columns)", hint="give the text to calibrate on", option="actorder")
     selection = Selection.from_options(scheme, list(include), list(ignore), list(tensor_schemes), pure=pure, observer=observer)
     refuse_remote_data(path)
     checkpoint = _open_checkpoint(path)
     try:
         checkpoint.require_local()
-        plan = _plan_quantize(checkpoint, path, os.fspath(output), selection, layout, dtype, max_shard_size, allow_requantize, report, allow_incomplete_gguf)
+        importance = read_imatrix(imatrix) if imatrix is not None else None
+        to_gguf = layout == "gguf" or (layout in (None, "auto") and (os.fspath(output).endswith(".gguf") or selection.mix is not None))
+        if calibrate is not None and imatrix is not None:
+            raise UsageError("give either an importance matrix or calibration text, not both", hint="--calibrate computes the importance matrix --imatrix would read", option="imatrix")
+        calibrated_gguf = calibrate is not None and to_gguf
+        if calibrated_gguf and algorithm not in (None, "imatrix"):
+            raise UsageError(f"algorithm {algorithm!r}: a calibrated GGUF is weighed by llama.cpp's importance matrix", hint="drop the algorithm, or write compressed-tensors for gptq", option="algorithm")
+        plan = _plan_quantize(
+            checkpoint, path, os.fspath(output), selection, layout, dtype, max_shard_size, allow_requantize, report, allow_incomplete_gguf,
+            importance, os.fspath(imatrix) if imatrix is not None else "", has_imatrix=importance is not None or calibrated_gguf,
+        )  # fmt: skip
         if html is not None:  # checked as the JSON report is, and never the same file
             check_paths(checkpoint, plan.output, os.fspath(html), container=plan.layout.container)
             from qtool.report_output import refuse_report_paths as _refuse
 
             _refuse([], [plan.report, os.fspath(html)])
             plan = replace(plan, html=os.fspath(html))
-        if calibrate is not None:
+        if calibrated_gguf:  # llama.cpp's importance matrix, computed before the executor runs
+            from qtool.calibration.imatrix import prepare_request
+
+            plan = replace(plan, calibration=prepare_request(plan, os.fspath(calibrate), samples, seq_len))
+        elif calibrate is not None:
             from qtool.calibration.request import prepare
 
-            plan = replace(plan, calibration=prepare(plan, os.fspath(calibrate), algorithm or "gptq", samples, seq_len, seed))
+            plan = replace(plan, calibration=prepare(plan, os.fspath(calibrate), algorithm or "gptq", samples, seq_len, seed, actorder=actorder))
         return plan
     except BaseException:
         checkpoint.close()  # `run` closes it after a plan; nothing does after a refusal
         raise
 
 
-def _plan_quantize(checkpoint: Checkpoint, path, output: str, selection, layout, dtype, max_shard_size, allow_requantize, report, allow_incomplete_gguf=False) -> "Plan":
+def _plan_quantize(
+    checkpoint: Checkpoint, path, output: str, selection, layout, dtype, max_shard_size, allow_requantize, report, allow_incomplete_gguf=False,
+    imatrix=None, imatrix_name: str = "", *, has_imatrix: bool = False,
+) -> "Plan":  # fmt: skip
     from qtool.errors import SchemeError
     from qtool.layouts import choose_layout
     from qtool.pipeline import parse_dtype, parse_size
@@ -158,7 +211,7 @@ def _plan_quantize(checkpoint: Checkpoint, path, output: str, selection, layout,
                 option="allow_requantize",
             )
         warnings.append(f"requantizing {len(quantized)} already-quantized weights: they are dequantized first, and errors compound")
-    chosen = selection.choose(checkpoint, weights, allow_incomplete_gguf=allow_incomplete_gguf)
+    chosen = selection.choose(checkpoint, weights, allow_incomplete_gguf=allow_incomplete_gguf, has_imatrix=has_imatrix)
     if not chosen.schemes and chosen.mix is None:
         raise UsageError(
             f"no weight of {path} matches the selection",
@@ -169,7 +222,15 @@ def _plan_quantize(checkpoint: Checkpoint, path, output: str, selection, layout,
     if chosen.mix is not None and requested != "gguf":
         raise SchemeError(f"{chosen.mix} is a llama.cpp file type, which only the gguf layout writes", hint="write a .gguf file, or name one scheme for another layout")
     chosen_layout = choose_layout(chosen.distinct, requested)
+    if imatrix is not None and chosen_layout.container != "gguf":
+        raise UsageError(
+            f"an importance matrix weighs llama.cpp's GGUF quantizers; this writes {chosen_layout.name}",
+            hint="write a .gguf file with a GGUF type or mix (q4_k, Q4_K_M ...), or drop the imatrix",
+            option="imatrix",
+        )
     single_file = check_paths(checkpoint, output, report, container=chosen_layout.container)
+    if imatrix is not None and os.path.realpath(output) == os.path.realpath(imatrix.path):
+        raise UsageError(f"output {output} is the importance matrix {imatrix.path}", hint="write to a new path; qtool never modifies its input")
     if max_shard_size and chosen_layout.container == "gguf":
         raise UsageError("a GGUF output is one file and is not split into shards", option="max_shard_size")
     options = PlanOptions(
@@ -178,6 +239,9 @@ def _plan_quantize(checkpoint: Checkpoint, path, output: str, selection, layout,
         max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
         file_name=os.path.basename(output) if single_file else "model.safetensors",
         allow_incomplete_gguf=allow_incomplete_gguf,
+        imatrix=imatrix,
+        imatrix_name=imatrix_name,
+        imatrix_pending=has_imatrix and imatrix is None,
     )
     plan = chosen_layout.plan(checkpoint, weights, chosen, options)
     return replace(plan, output=output, single_file=single_file, report=report, warnings=tuple(warnings + plan.notes + _side_file_warnings(checkpoint, single_file)))
@@ -349,9 +413,11 @@ def run(
     output = None
     try:
         if plan.calibration is not None and not isinstance(plan.calibration, dict):
+            from qtool.calibration.imatrix import ImatrixRequest, apply_request
             from qtool.calibration.request import apply
 
-            plan.calibration = apply(plan, plan.calibration, options.device, threads, on_layer)
+            apply_it = apply_request if isinstance(plan.calibration, ImatrixRequest) else apply
+            plan.calibration = apply_it(plan, plan.calibration, options.device, threads, on_layer)
         output = Output(plan.output, single_file=plan.single_file, overwrite=overwrite)
         if runner is None:
             measured = execute(plan, output, options, before_commit=stage_report)
@@ -380,6 +446,76 @@ def quantize(path, output, scheme: str = "W4A16", *, device: str = "cpu", overwr
 def dequantize(path, output, *, dtype: str | None = None, device: str = "cpu", overwrite: bool = False, threads: int | None = None) -> "RunReport":
     """Decode every quantized weight of a checkpoint to float, into `output`."""
     return run(prepare_dequantize(path, output, dtype=dtype), device=device, threads=threads, measure=False, overwrite=overwrite)
+
+
+# -- the importance matrix ---------------------------------------------------------------------
+
+
+def imatrix(
+    path: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    calibrate: str | os.PathLike[str],
+    *,
+    chunks: int | None = None,
+    chunk_size: int = 512,
+    device: str = "cpu",
+    threads: int | None = None,
+    overwrite: bool = False,
+    allow_incomplete_gguf: bool = False,
+    on_layer: Callable[[Any, int], None] | None = None,
+) -> dict[str, Any]:
+    """llama.cpp's importance matrix of a Hugging Face model on a calibration text, written to
+    `output` (.gguf) in llama-imatrix's GGUF format, with GGUF tensor names as qtool's GGUF
+    conversion names them, so `llama-quantize --imatrix` (and `quantize(..., imatrix=)`) take
+    it: `chunks` chunks of `chunk_size` tokens from the start of the text (all, by default),
+    as llama-imatrix -c chunk_size --chunks N cuts them. Returns the `--json` document."""
+    from qtool.calibration.imatrix import as_imatrix, chunk_tokens, collect_imatrix, statistics_entries
+    from qtool.calibration.samples import load_tokenizer, read_text
+    from qtool.calibration.skeleton import Skeleton
+    from qtool.formats.imatrix import imatrix_gguf_bytes
+    from qtool.formats.writer import stage_file
+    from qtool.llamacpp.names import tensor_names
+    from qtool.pipeline import resolve_device
+
+    output, text = os.fspath(output), os.fspath(calibrate)
+    if not output.endswith(".gguf"):
+        raise UsageError(f"{output}: an importance matrix is written as GGUF and its name should end in .gguf", hint="e.g. imatrix.gguf", option="output")
+    if threads is not None and threads < 1:
+        raise UsageError(f"threads {threads} must be at least 1", option="threads")
+    refuse_remote_data(path)
+    checkpoint = _open_checkpoint(path)
+    try:
+        checkpoint.require_local()
+        if checkpoint.format != "safetensors":
+            raise UsageError(f"{path} is a {checkpoint.format} checkpoint; the importance matrix is computed from a Hugging Face model folder (safetensors, config.json, tokenizer)", option="path")
+        check_paths(checkpoint, output, None, container="gguf")
+        if os.path.realpath(output) == os.path.realpath(text) or os.path.realpath(text).startswith(os.path.realpath(output) + os.sep):
+            raise UsageError(f"output {output} is the calibration text", hint="write to a new path")
+        if os.path.lexists(output) and not overwrite:
+            raise UsageError(f"output {output} already exists", hint="allow overwriting to replace it, or choose another path", option="overwrite")
+        names = tensor_names(checkpoint, allow_incomplete_gguf)
+        weights = inspect_checkpoint(checkpoint).weights
+        quantized = [w.name for w in weights if w.quantized]
+        if quantized:
+            raise UsageError(f"{path} is already quantized ({quantized[0]}); the importance matrix needs float weights", option="path")
+        folder = checkpoint.path if os.path.isdir(checkpoint.path) else os.path.dirname(os.path.abspath(checkpoint.path))
+        Skeleton.build(checkpoint)
+        tokens = chunk_tokens(read_text(text), load_tokenizer(folder), chunk_size, chunks, text)
+        import torch
+
+        previous = torch.get_num_threads()
+        if threads:
+            torch.set_num_threads(threads)
+        try:
+            stats = collect_imatrix(checkpoint, weights, names.tensor_name, tokens, resolve_device(device), on_layer)
+        finally:
+            torch.set_num_threads(previous)
+    finally:
+        checkpoint.close()
+    staged = stage_file(output, imatrix_gguf_bytes(statistics_entries(stats), [text], stats.chunks, stats.chunk_size), overwrite=overwrite)
+    staged.commit()
+    document = as_imatrix(stats, output, text).to_json()
+    return {**document, "text": text, "seconds": round(stats.seconds, 3), "layers": [layer.to_json() for layer in stats.layers]}
 
 
 # -- compare and check -------------------------------------------------------------------------

@@ -28,6 +28,7 @@ __all__ = [
     "UnknownNameError",
     "SchemeError",
     "JsonTypeError",
+    "ImatrixError",
     "ClaimConflict",
     "Interrupted",
     "Terminated",
@@ -137,6 +138,11 @@ class JsonTypeError(CheckpointError):
         self.where, self.shown, self.expected = where, shown, expected
         said = f"{where} is" if where else "holds"  # "" is the whole document
         super().__init__(f"{said} {shown}, expected {expected}", path=path, hint=hint or "fix or remove the file")
+
+
+class ImatrixError(CheckpointError):
+    """An importance-matrix file (llama.cpp's imatrix) that cannot be read, is invalid, or does
+    not fit the model it is used on: one line naming the file, exit 2."""
 
 
 class ClaimConflict(InternalError):

@@ -5,7 +5,6 @@ without it, such as musl's mallopt), and callers then keep the portable behaviou
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 
 __all__ = ["function"]
@@ -16,8 +15,19 @@ def function(name: str, argtypes: tuple, restype=ctypes.c_int):
     if not sys.platform.startswith("linux"):
         return None
     try:
-        found = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True), name)
+        found = getattr(_libc(), name)
     except (OSError, AttributeError):
         return None
     found.argtypes, found.restype = argtypes, restype
     return found
+
+
+def _libc() -> ctypes.CDLL:
+    """glibc's libc.so.6 by its name; else whatever `find_library` finds, which runs
+    `ldconfig -p` in a subprocess (~20-50 ms of every start, so only where the name fails)."""
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        from ctypes.util import find_library
+
+        return ctypes.CDLL(find_library("c") or "libc.so.6", use_errno=True)

@@ -88,9 +88,13 @@ class IntRows:
 
 @dataclass(frozen=True)
 class GgmlBlocks:
-    """GGML blocks of one type (`qtool.ggml_types`), row after row."""
+    """GGML blocks of one type (`qtool.ggml_types`), row after row. `importance`, where an
+    importance matrix covers the weight (llama.cpp's `--imatrix`), is a float32 array of one
+    weight per input column (shape [columns], or [experts, columns] for a 3-D expert tensor),
+    handed to the kernels as llama.cpp's `quant_weights`; None quantizes without one."""
 
     type: str
+    importance: Any = field(default=None, hash=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,9 @@ class PlanOptions:
     max_shard_size: int | None = None
     file_name: str = "model.safetensors"
     allow_incomplete_gguf: bool = False  # GGUF: write a model llama.cpp cannot run (no architecture or tokenizer)
+    imatrix: Any = None  # GGUF: a qtool.formats.imatrix.Imatrix whose importance the quantizers weigh
+    imatrix_name: str = ""  # the imatrix path as the user gave it (quantize.imatrix.file)
+    imatrix_pending: bool = False  # GGUF: an importance matrix is computed after planning (--calibrate)
 
 
 @dataclass

@@ -142,11 +142,12 @@ class Selection:
             [(compile_pattern(p), s) for p, s in self.overrides],
         )
 
-    def choose(self, checkpoint: Checkpoint, weights: list[Weight], *, allow_incomplete_gguf: bool = False) -> Chosen:
-        """Each weight's scheme (weights left out are kept)."""
+    def choose(self, checkpoint: Checkpoint, weights: list[Weight], *, allow_incomplete_gguf: bool = False, has_imatrix: bool = False) -> Chosen:
+        """Each weight's scheme (weights left out are kept). `has_imatrix`: an importance matrix
+        comes with the run, which changes some of llama.cpp's rules for a mix."""
         include, ignore, overrides = self._matchers()
         if self.mix is not None:
-            return _mix_choice(self.mix, checkpoint, weights, include, ignore, overrides, allow_incomplete_gguf)
+            return _mix_choice(self.mix, checkpoint, weights, include, ignore, overrides, allow_incomplete_gguf, has_imatrix)
         chosen: dict[str, QScheme] = {}
         for weight in weights:
             override = next((s for match, s in overrides if match(weight.name)), None)
@@ -165,6 +166,7 @@ def _mix_choice(
     ignore: list[Matcher],
     overrides: list[tuple[Matcher, QScheme]],
     allow_incomplete: bool,
+    has_imatrix: bool = False,
 ) -> Chosen:
     """llama.cpp's rules for a file type (`llama_tensor_get_type`, on the GGUF names), as one
     GGML type's scheme per quantized weight and a float type where a row fits no block."""
@@ -190,7 +192,7 @@ def _mix_choice(
                 raise SchemeError(f"GGUF has no block type for {override.label}", hint="--tensor-scheme under a llama.cpp mix names one GGUF type, e.g. q6_k")
             override_type = gtype.name
         tensors.append(MixTensor(out_name, tuple(weight.shape), stored, candidate, override_type))
-    by_out = choose_types(mix, tensors, _model_facts(checkpoint))
+    by_out = choose_types(mix, tensors, _model_facts(checkpoint), has_imatrix=has_imatrix)
     schemes: dict[str, QScheme] = {}
     keep_as: dict[str, str] = {}
     notes = []

@@ -72,9 +72,12 @@ CASES = {
     "unknown architecture": (_unknown_architecture, TEXT, (), "architecture 'nosucharch' is not known to this transformers"),
     "gguf input": (_gguf, TEXT, ("--allow-requantize",), "is a gguf checkpoint; calibration reads a Hugging Face model folder"),
     "quantized input": (lambda tmp_path: SAMPLES / "tiny-llama-w4a16", TEXT, ("--allow-requantize",), "calibration needs float weights"),
-    "unknown algorithm": (None, TEXT, ("--algorithm", "awq"), "algorithm 'awq' is not one of gptq, rtn"),
-    "float scheme": (None, TEXT, ("--scheme", "FP8"), "GPTQ calibrates int2..int8 per channel or per group, not fp8_e4m3"),
+    "unknown algorithm": (None, TEXT, ("--algorithm", "smoothquant"), "algorithm 'smoothquant' is not one of gptq, awq, rtn"),
+    "float scheme": (None, TEXT, ("--scheme", "FP8"), "GPTQ and AWQ calibrate int2..int8 per channel or per group, not fp8_e4m3"),
     "no such text": (None, None, (), "no such calibration text"),
+    "actorder group": (None, TEXT, ("--actorder", "group"), "activation order 'group' (columns regrouped, a weight_g_idx per weight) is gone from compressed-tensors"),
+    "unknown actorder": (None, TEXT, ("--actorder", "sideways"), "activation order 'sideways' is not one of weight, static"),
+    "actorder with awq": (None, TEXT, ("--actorder", "weight", "--algorithm", "awq"), "--actorder orders GPTQ's columns; awq has none to order"),
 }
 
 
@@ -97,3 +100,38 @@ def test_bad_inputs_are_one_line_exit_2_and_write_nothing(tmp_path, case):
 def test_an_algorithm_without_text_is_refused(tmp_path):
     result = run_qtool("quantize", TINY, "-o", tmp_path / "out", "--algorithm", "gptq")
     assert result.returncode == 2 and "an algorithm needs calibration text" in result.stderr
+
+
+def test_actorder_is_recorded_in_the_config_and_changes_the_codes(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    outs = {}
+    for order in ("weight", None):
+        out = outs[order] = tmp_path / f"out-{order}"
+        extra = ("--actorder", order) if order else ()
+        result = run_qtool("quantize", TINY, "-o", out, "--scheme", "int4:g32", "--calibrate", text, "--samples", "4", "--seq-len", "32", "--threads", "1", "-q", *extra)
+        assert result.returncode == 0, result.stderr
+    weights = json.loads((outs["weight"] / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"]
+    assert weights["actorder"] == "weight"
+    assert "actorder" not in json.loads((outs[None] / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"]
+    from safetensors.torch import load_file
+
+    ordered, plain = load_file(str(outs["weight"] / "model.safetensors")), load_file(str(outs[None] / "model.safetensors"))
+    assert set(ordered) == set(plain)  # the same tensors: no weight_g_idx
+    name = "model.layers.0.self_attn.q_proj.weight_packed"
+    assert not ordered[name].equal(plain[name])
+    # compressed-tensors (through transformers) reads the recorded order and decompresses the
+    # weights exactly as qtool does
+    import torch
+    import transformers
+
+    plain_out = tmp_path / "dequantized"
+    assert run_qtool("dequantize", outs["weight"], "-o", plain_out, "-q").returncode == 0
+    ours = load_file(str(plain_out / "model.safetensors"))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(outs["weight"], dtype=torch.bfloat16, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False))
+    from compressed_tensors.quantization import QuantizationConfig
+
+    config = QuantizationConfig.model_validate(json.loads((outs["weight"] / "config.json").read_text())["quantization_config"])
+    assert config.config_groups["group_0"].weights.actorder == "weight"
+    for module in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        assert torch.equal(loaded.get_submodule(module).weight.detach(), ours[module + ".weight"]), module

@@ -5,6 +5,8 @@ beat round-to-nearest on the objective it minimises, ||(W - Q) X^T||^2."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -69,6 +71,56 @@ def test_gptq_gives_the_papers_codes(seed, bits, group, symmetric, block):
         assert torch.equal(result.zero_point, expected_zp)
 
 
+def paper_gptq_ordered(weight, inputs, bits, group, symmetric, dampening=0.01):
+    """The same elimination over the columns in decreasing order of H's diagonal, each with its
+    own group's scale, observed first on the original weight (llm-compressor's actorder weight)."""
+    W = weight.double().clone()
+    H = inputs.double().T @ inputs.double()
+    rows, cols = W.shape
+    order = torch.argsort(torch.diagonal(H), descending=True, stable=True)
+    scale, zero_point = observe(W.reshape(-1, group), bits, symmetric, torch.float64)
+    scale = scale.reshape(rows, cols // group)
+    zero_point = None if zero_point is None else zero_point.reshape(rows, cols // group)
+    W, H = W[:, order], H[order][:, order]
+    dead = torch.diagonal(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    H += dampening * torch.mean(torch.diagonal(H)) * torch.eye(cols, dtype=torch.float64)
+    H_inv = torch.linalg.inv(H)
+    codes = torch.zeros((rows, cols), dtype=torch.int8)
+    for q in range(cols):
+        g = int(order[q]) // group
+        code, value = quantize_column(W[:, q], scale[:, g], None if zero_point is None else zero_point[:, g], bits)
+        codes[:, int(order[q])] = code
+        error = (W[:, q] - value) / H_inv[q, q]
+        W[:, q:] -= error.unsqueeze(1) * H_inv[q, q:].unsqueeze(0)
+        H_inv = H_inv - H_inv[:, q : q + 1] @ H_inv[q : q + 1, :] / H_inv[q, q]
+    return codes, scale, zero_point
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    bits=st.sampled_from([2, 4, 8]),
+    group=st.sampled_from([8, 16, 48]),
+    symmetric=st.booleans(),
+    block=st.sampled_from([16, 128]),
+    actorder=st.sampled_from(["weight", "static"]),
+)
+def test_gptq_in_activation_order_gives_the_papers_codes_in_that_order(seed, bits, group, symmetric, block, actorder):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(6, 48, generator=generator, dtype=torch.float64)
+    inputs = torch.randn(80, 48, generator=generator, dtype=torch.float64) * torch.linspace(0.1, 3, 48, dtype=torch.float64)[torch.randperm(48, generator=generator)]
+    inputs[:, 7] = 0
+    expected_codes, expected_scale, expected_zp = paper_gptq_ordered(weight, inputs, bits, group, symmetric)
+    result = gptq(weight, inputs.T @ inputs, bits=bits, group_size=group, symmetric=symmetric, scale_dtype=torch.float64, block=block, actorder=actorder)
+    assert torch.equal(result.codes, expected_codes)
+    torch.testing.assert_close(result.scale, expected_scale, rtol=0, atol=0)
+    assert (result.zero_point is None) if symmetric else torch.equal(result.zero_point, expected_zp)
+    plain = gptq(weight, inputs.T @ inputs, bits=bits, group_size=group, symmetric=symmetric, scale_dtype=torch.float64, block=block)
+    assert bits == 8 or not torch.equal(plain.codes, result.codes)  # the order matters
+
+
 @pytest.mark.parametrize("group", [32, None], ids=["g32", "channel"])
 def test_gptq_beats_rounding_on_the_layer_output(group):
     generator = torch.Generator().manual_seed(0)
@@ -105,3 +157,71 @@ def test_bad_shapes_are_a_kernel_error():
         gptq(torch.zeros(4, 64), torch.eye(64), bits=4, group_size=5, symmetric=True, scale_dtype=torch.float32)
     with pytest.raises(KernelError, match="hessian"):
         gptq(torch.zeros(4, 64), torch.eye(32), bits=4, group_size=None, symmetric=True, scale_dtype=torch.float32)
+
+
+native = pytest.importorskip("qtool.native")
+
+
+@pytest.mark.skipif(not native.available(), reason="qtool's C kernels are not built")
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    bits=st.sampled_from([2, 3, 4, 8]),
+    group=st.sampled_from([16, 48, 64, None]),
+    symmetric=st.booleans(),
+    actorder=st.sampled_from([None, "static"]),
+    rows=st.sampled_from([1, 5, 40]),
+    threads=st.sampled_from([1, 3]),
+)
+def test_the_c_sweep_is_the_torch_sweep_bit_for_bit(seed, bits, group, symmetric, actorder, rows, threads):
+    """float32 on the CPU goes through qtool.native's sweep; QTOOL_NATIVE=0 through the torch ops:
+    the same codes, scales and zero points, whatever the split of rows over threads."""
+    generator = torch.Generator().manual_seed(seed)
+    cols = 192
+    weight = torch.randn(rows, cols, generator=generator)
+    inputs = torch.randn(300, cols, generator=generator) @ torch.randn(cols, cols, generator=generator) * torch.rand(cols, generator=generator)
+    inputs[:, 3] = 0
+    hessian = inputs.T @ inputs
+    previous = native.threads()
+    native.set_threads(threads)
+    try:
+        fast = gptq(weight, hessian, bits=bits, group_size=group, symmetric=symmetric, scale_dtype=torch.bfloat16, actorder=actorder)
+    finally:
+        native.set_threads(previous)
+    os.environ["QTOOL_NATIVE"] = "0"
+    try:
+        reference = gptq(weight, hessian, bits=bits, group_size=group, symmetric=symmetric, scale_dtype=torch.bfloat16, actorder=actorder)
+    finally:
+        del os.environ["QTOOL_NATIVE"]
+    assert torch.equal(fast.codes, reference.codes)
+    assert torch.equal(fast.scale, reference.scale)
+    assert (fast.zero_point is None) if symmetric else torch.equal(fast.zero_point, reference.zero_point)
+
+
+def test_the_sweep_is_not_a_no_op_either_way(monkeypatch):
+    """Both paths spread the error: their codes differ from rounding each column alone."""
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(16, 128, generator=generator)
+    inputs = torch.randn(400, 128, generator=generator) @ torch.randn(128, 128, generator=generator)
+    for flag in ("1", "0"):
+        monkeypatch.setenv("QTOOL_NATIVE", flag)
+        result = gptq(weight, inputs.T @ inputs, bits=4, group_size=32, symmetric=True, scale_dtype=torch.float32)
+        assert not torch.equal(result.dequantized(), torch.cat([quantize_column_block(weight[:, s : s + 32]) for s in range(0, 128, 32)], dim=1))
+
+
+@pytest.mark.parametrize("actorder", [None, "static"])
+def test_a_shared_factor_gives_what_the_hessian_gives(actorder):
+    from qtool.calibration.gptq import factor
+    from qtool.errors import KernelError
+
+    generator = torch.Generator().manual_seed(2)
+    inputs = torch.randn(200, 64, generator=generator) * torch.rand(64, generator=generator)
+    hessian = inputs.T @ inputs
+    prepared = factor(hessian, dtype=torch.float32, actorder=actorder)
+    for rows in (8, 24):
+        weight = torch.randn(rows, 64, generator=generator)
+        alone = gptq(weight, hessian, bits=4, group_size=16, symmetric=False, scale_dtype=torch.float32, actorder=actorder)
+        shared = gptq(weight, None, bits=4, group_size=16, symmetric=False, scale_dtype=torch.float32, actorder=actorder, prepared=prepared)
+        assert torch.equal(alone.codes, shared.codes) and torch.equal(alone.scale, shared.scale)
+    with pytest.raises(KernelError, match="does not fit"):
+        gptq(torch.zeros(4, 64), None, bits=4, group_size=16, symmetric=True, scale_dtype=torch.float32, actorder="static" if actorder is None else None, prepared=prepared)

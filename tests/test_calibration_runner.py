@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -31,14 +32,26 @@ FAMILIES = {
     "qwen2": "Qwen2Config",
     "mistral": "MistralConfig",
     "qwen3": "Qwen3Config",
+    "gemma2": "Gemma2Config",
+    "gemma3": "Gemma3TextConfig",
+    "phi3": "Phi3Config",
 }
+# a sliding window shorter than the calibration windows, alternating with global attention, so a
+# layer given another layer's mask (or Gemma 3's other rotary embedding) computes other values
+SLIDING = {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
+EXTRA = {
+    "gemma2": SLIDING,
+    "gemma3": SLIDING,
+    "phi3": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},  # its defaults lie outside the tiny vocabulary
+}
+LINEARS_PER_LAYER = {"phi3": 4}  # fused qkv_proj and gate_up_proj; the others 7
 
 
 def tiny_model(folder, family: str, dtype=torch.bfloat16):
     """A 2-layer random-weight model of `family`, hidden 64, with tiny-llama's tokenizer."""
     config = getattr(transformers, FAMILIES[family])(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False, **EXTRA.get(family, {}),
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
@@ -109,23 +122,32 @@ def test_the_hessian_is_xtx_of_the_inputs_transformers_gives_the_linear(tmp_path
         on_statistics=lambda index, hessians, hidden: seen.update({name: h.clone() for name, h in hessians.items()}) if index == 0 else None,
     )  # fmt: skip
     plan.source.close()
-    for name in ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"):
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj", "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"):
         expected = captured_inputs(TINY, name, plan.calibration.tokens)
         torch.testing.assert_close(seen[name + ".weight"].double(), expected, rtol=1e-4, atol=1e-3 * float(expected.abs().max()))
+    # Linears on one input share its X^T X (and GPTQ's factor of it): equal bit for bit
+    layer = "model.layers.0."
+    assert torch.equal(seen[layer + "self_attn.q_proj.weight"], seen[layer + "self_attn.k_proj.weight"])
+    assert torch.equal(seen[layer + "self_attn.q_proj.weight"], seen[layer + "self_attn.v_proj.weight"])
+    assert torch.equal(seen[layer + "mlp.gate_proj.weight"], seen[layer + "mlp.up_proj.weight"])
+    assert not torch.equal(seen[layer + "self_attn.q_proj.weight"], seen[layer + "self_attn.o_proj.weight"])
 
 
-def test_the_second_layer_sees_the_quantized_first_layers_outputs(tmp_path):
+@pytest.mark.parametrize("family", ["tiny-llama", "gemma2", "gemma3"])
+def test_the_second_layer_sees_the_quantized_first_layers_outputs(tmp_path, family):
     """Layer 1's Hessian is the one transformers computes with layer 0's weights as written
-    (dequantized), and is far from the one with layer 0's float weights."""
+    (dequantized), and is far from the one with layer 0's float weights. In Gemma 2/3 layer 1
+    attends globally and layer 0 through a sliding window: layer 1 gets its own mask."""
     from qtool.calibration.runner import RunnerOptions, calibrate
 
+    model = TINY if family == "tiny-llama" else tiny_model(tmp_path / family, family, dtype=torch.float32)
     out, plain = tmp_path / "out", tmp_path / "dequantized"
-    plan = calibrate_plan(TINY, out, text_file(tmp_path), scheme="int2:g32")  # a coarse scheme: a clear difference
+    plan = calibrate_plan(model, out, text_file(tmp_path), scheme="int2:g32")  # a coarse scheme: a clear difference
     tokens = plan.calibration.tokens
     api.run(plan)
     api.dequantize(out, plain, dtype="f32")
     seen = {}
-    plan = calibrate_plan(TINY, tmp_path / "again", text_file(tmp_path), scheme="int2:g32")
+    plan = calibrate_plan(model, tmp_path / "again", text_file(tmp_path), scheme="int2:g32")
     calibrate(
         plan.source, [j.weight for j in plan.jobs], {j.weight.name: j.scheme for j in plan.jobs if j.scheme is not None},
         plan.layout, tokens, RunnerOptions(),
@@ -135,10 +157,24 @@ def test_the_second_layer_sees_the_quantized_first_layers_outputs(tmp_path):
     name = "model.layers.1.self_attn.q_proj"
     ours = seen[name + ".weight"].double()
     quantized = captured_inputs(plain, name, tokens)
-    float_ = captured_inputs(TINY, name, tokens)
+    float_ = captured_inputs(model, name, tokens)
     to_quantized = float((ours - quantized).norm() / quantized.norm())
     to_float = float((ours - float_).norm() / float_.norm())
     assert to_quantized < 1e-3 < to_float / 10, (to_quantized, to_float)
+    # o_proj's inputs are layer 1's attention outputs: its mask and rotary embedding count
+    # (layer 1's weights float, as when its Hessians are taken; layer 0's as written)
+    from safetensors.torch import load_file, save_file
+
+    hybrid = tmp_path / "hybrid"
+    shutil.copytree(plain, hybrid)
+    tensors = load_file(str(plain / "model.safetensors"))
+    original = load_file(str(Path(model) / "model.safetensors"))
+    tensors.update({k: v.float() for k, v in original.items() if k.startswith("model.layers.1.")})
+    save_file(tensors, str(hybrid / "model.safetensors"), metadata={"format": "pt"})
+    name = "model.layers.1.self_attn.o_proj"
+    expected = captured_inputs(hybrid, name, tokens)
+    ours = seen[name + ".weight"].double()
+    assert float((ours - expected).norm() / expected.norm()) < 1e-3
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -151,8 +187,9 @@ def test_each_family_end_to_end_loads_in_transformers_and_decodes_as_qtool_does(
     report = api.run(calibrate_plan(model, out, text_file(tmp_path), scheme=scheme))
     document = report.to_json()
     assert [layer["layer"] for layer in document["calibration"]["layers"]] == [0, 1]
-    assert all(len(layer["weights"]) == 7 for layer in document["calibration"]["layers"])
-    assert document["summary"]["quantized_weights"] == 14
+    per_layer = LINEARS_PER_LAYER.get(family, 7)
+    assert all(len(layer["weights"]) == per_layer for layer in document["calibration"]["layers"])
+    assert document["summary"]["quantized_weights"] == 2 * per_layer
     api.dequantize(out, plain)
     ours = load_file(str(plain / "model.safetensors"))
 
@@ -160,7 +197,7 @@ def test_each_family_end_to_end_loads_in_transformers_and_decodes_as_qtool_does(
         out, dtype=torch.bfloat16, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False)
     )
     linears = {n: m for n, m in loaded.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
-    assert len(linears) == 14
+    assert len(linears) == 2 * per_layer
     for name, module in linears.items():
         assert torch.equal(module.weight.detach(), ours[name + ".weight"]), name
     generated = loaded.generate(torch.tensor([[1, 5, 9]]), max_new_tokens=3, do_sample=False)
@@ -175,3 +212,21 @@ def test_each_family_end_to_end_loads_in_transformers_and_decodes_as_qtool_does(
     finally:
         checkpoint.close()
     assert labels == {"int4 sym g32" if scheme == "int4:g32" else "int4 asym g32"}
+
+
+@pytest.mark.parametrize("config_name", ["MixtralConfig", "Qwen3MoeConfig"])
+def test_mixture_of_experts_is_refused_in_one_line_naming_the_architecture(tmp_path, config_name):
+    from qtool.errors import UsageError
+
+    config = getattr(transformers, config_name)(
+        vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    folder = tmp_path / "moe"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY / name, folder / name)
+    with pytest.raises(UsageError, match=f"architecture '{config.model_type}' has mixture-of-experts layers"):
+        calibrate_plan(folder, tmp_path / "out", text_file(tmp_path))
+    assert not (tmp_path / "out").exists()

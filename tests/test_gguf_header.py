@@ -144,3 +144,73 @@ def test_llama_ftypes_and_the_quantization_version_are_gguf_pys():
 
     assert GGML_QUANT_VERSION == gguf.GGML_QUANT_VERSION
     assert LLAMA_FTYPES == {m.name: m.value for m in gguf.LlamaFileType if m.name != "GUESSED"}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.binary(max_size=12), max_size=20))
+def test_a_string_array_read_from_a_file_is_its_items_and_is_written_back_as_they_would_be(items):
+    """A GGUF input's string arrays (a vocabulary) are read as one `StringArray` and written back
+    from its bytes: equal to the items, pickled whole (shard jobs), and the header bytes are those
+    of the same items packed one by one."""
+    import pickle
+    import struct
+
+    from qtool.formats.gguf import StringArray, _Cursor
+
+    raw = b"".join(struct.pack("<Q", len(item)) + item for item in items)
+    cursor = _Cursor(b"pad" + raw, 3 + len(raw), "x.gguf")
+    cursor.pos = 3
+    array = cursor.string_array(len(items), "the array")
+    assert cursor.pos == 3 + len(raw) and array.raw == raw
+    assert array == items and list(array) == items and len(array) == len(items)
+    assert pickle.loads(pickle.dumps(array)) == array
+    as_read, _, _ = gguf_header([("tokenizer.ggml.tokens", array, "ARRAY:STRING")], [])
+    as_items, _, _ = gguf_header([("tokenizer.ggml.tokens", list(items), "ARRAY:STRING")], [])
+    assert as_read == as_items
+
+
+def test_a_string_array_cut_short_is_one_error():
+    import struct
+
+    from qtool.formats.gguf import _Cursor
+
+    raw = struct.pack("<Q", 5) + b"abcde" + struct.pack("<Q", 9) + b"abc"
+    with pytest.raises(CheckpointError, match="cut short"):
+        _Cursor(raw, len(raw), "x.gguf").string_array(2, "the array 'tokens'")
+
+
+def test_a_vocabulary_walked_by_the_listing_is_not_walked_again_until_the_file_changes(tmp_path, monkeypatch):
+    """Planning a GGUF requantize reads the header twice (listing, then key-values): the second
+    read takes each string array's end from the first walk, keyed by the file's identity, so
+    another version of the file is walked afresh."""
+    from qtool.formats import gguf as reader
+
+    path = tmp_path / "v.gguf"
+
+    def write(tokens):
+        writer = gguf.GGUFWriter(str(path), "llama")
+        writer.add_token_list(tokens)
+        writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+
+    first = [f"t{i}" * (i % 3 + 1) for i in range(20)]  # longer than the listing shows in full
+    write(first)
+    monkeypatch.setattr(reader, "_walked", {})
+    reader.read_gguf_file(str(path))
+    assert [key[-1] for key in reader._walked] == [20]
+    lengths_read, real = [], reader._U64
+
+    class Counting:
+        @staticmethod
+        def unpack_from(buf, pos):
+            lengths_read.append(pos)
+            return real.unpack_from(buf, pos)
+
+    monkeypatch.setattr(reader, "_U64", Counting)
+    entries = reader._read_key_values(str(path))
+    monkeypatch.setattr(reader, "_U64", real)
+    assert lengths_read == []  # not walked again
+    assert list(dict((key, value) for key, value, _ in entries)["tokenizer.ggml.tokens"]) == [t.encode() for t in first]
+    second = [f"u{i}" for i in range(20)]  # the same count at the same offset, another file
+    write(second)
+    entries = reader._read_key_values(str(path))
+    assert list(dict((key, value) for key, value, _ in entries)["tokenizer.ggml.tokens"]) == [t.encode() for t in second]

@@ -24,21 +24,29 @@ CASES = [(model, mix) for model, entry in reference()["models"].items() for mix 
 
 
 def mix_of(key: str):
-    """The mix a reference key names: "Q4_K_M", or "Q2_K --pure" (llama-quantize --pure)."""
+    """The mix a reference key names: "Q4_K_M", "Q2_K --pure" (llama-quantize --pure) or
+    "IQ4_XS --imatrix" (llama-quantize --imatrix); and whether there is an imatrix."""
     name, _, flag = key.partition(" ")
-    return replace(MIXES[name], pure=True) if flag == "--pure" else MIXES[name]
+    return (replace(MIXES[name], pure=True) if flag == "--pure" else MIXES[name]), flag == "--imatrix"
+
+
+IMATRIX_MIXES = ["Q4_0", "IQ4_XS", "Q4_K_M", "IQ3_S", "IQ3_M"]
 
 
 def test_the_table_was_made_from_the_commit_the_rules_name():
     assert reference()["llama_cpp_commit"] == LLAMA_CPP_COMMIT
-    assert {mix for _, mix in CASES} == set(MIXES) | {f"{name} --pure" for name, mix in MIXES.items() if not mix.pure}
+    plain = {name for name, mix in MIXES.items() if not mix.imatrix}  # llama-quantize refuses the rest without an imatrix
+    pure = {f"{name} --pure" for name in plain if not MIXES[name].pure}
+    imatrix = {f"{name} --imatrix" for name in IMATRIX_MIXES + [name for name, mix in MIXES.items() if mix.imatrix]}
+    assert {mix for _, mix in CASES} == plain | pure | imatrix
 
 
 @pytest.mark.parametrize("model, mix", CASES, ids=[f"{m}-{x}" for m, x in CASES])
 def test_every_tensor_gets_the_type_llama_quantize_gave_it(model, mix):
     entry = reference()["models"][model]
     tensors = [MixTensor(name, tuple(shape), dtype) for name, shape, dtype in entry["tensors"]]
-    chosen = choose_types(mix_of(mix), tensors, ModelFacts(**entry["facts"]))
+    rules, has_imatrix = mix_of(mix)
+    chosen = choose_types(rules, tensors, ModelFacts(**entry["facts"]), has_imatrix=has_imatrix)
     assert {name: choice.type for name, choice in chosen.items()} == entry["mixes"][mix]
 
 
@@ -52,6 +60,17 @@ def test_the_reference_exercises_promotions_and_fallbacks():
     assert models["gqa8_320"]["mixes"]["Q4_K_M"]["token_embd.weight"] == "Q8_0"  # tied, 320 % 256
     assert models["odd4_272"]["mixes"]["Q8_0"]["blk.0.attn_q.weight"] == "F16"
     assert models["moe8"]["mixes"]["Q4_K_M"]["blk.1.attn_v.weight"] == "Q8_0"
+    # an importance matrix changes a few rules: IQ4_XS keeps the first ffn_down layers, Q4_0 gives them Q4_1
+    assert deep["blk.0.ffn_down.weight"] == "Q6_K"
+    assert models["deep33"]["mixes"]["IQ4_XS"]["blk.0.ffn_down.weight"] == "Q5_K"
+    assert models["deep33"]["mixes"]["IQ4_XS --imatrix"]["blk.0.ffn_down.weight"] == "IQ4_XS"
+    assert models["deep33"]["mixes"]["Q4_0 --imatrix"]["blk.3.ffn_down.weight"] == "Q4_1"
+    assert models["deep33"]["mixes"]["Q4_0 --imatrix"]["blk.4.ffn_down.weight"] == "Q4_0"
+    assert models["deep33"]["mixes"]["IQ3_M"]["blk.0.attn_v.weight"] == "Q4_K"
+    assert models["gqa8_320"]["mixes"]["IQ3_S"]["blk.0.attn_q.weight"] == "IQ4_NL"  # 320 % 256: the IQ fallback
+    iq2 = models["deep33"]["mixes"]["IQ2_M --imatrix"]
+    assert iq2["token_embd.weight"] == "IQ3_S" and iq2["output.weight"] == "Q5_K" and iq2["blk.0.ffn_down.weight"] == "IQ3_S"
+    assert models["deep33"]["mixes"]["IQ3_XXS --imatrix"]["blk.0.attn_q.weight"] == "IQ2_S"
 
 
 def test_llama_order_sorts_by_layer_number_then_name():
@@ -123,8 +142,11 @@ def test_schemes_lists_gguf_types_with_true_bits_and_the_mixes():
         if published:  # llama-quantize's own file size for the mix on Llama-3-8B, in GiB
             size = entry["bits_per_weight"] * llama3_8b_parameters / 8 / 2**30
             assert abs(size - float(published.group(1))) < 0.02, (mix, size, published.group(1))
-        else:  # pure: the type's own bits, a little more where rows fall back
+        elif MIXES[mix].pure:  # pure: the type's own bits, a little more where rows fall back
             assert entry["bits_per_weight"] >= by_name[(mix.lower(), "scheme")]["bits_per_weight"]
+        else:  # the IQ mixes: llama-quantize quotes their main type's bits per weight, the mix has a little more
+            nominal = float(re.search(r"(\d+\.\d+) bpw", entry["description"]).group(1))
+            assert nominal <= entry["bits_per_weight"] < nominal + 0.6, (mix, entry["bits_per_weight"])
     assert "pure" in by_name[("Q4_K", "gguf mix")]["description"]
     assert "Llama-3-8B" in by_name[("Q4_K_M", "gguf mix")]["description"]
 

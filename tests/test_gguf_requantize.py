@@ -112,9 +112,9 @@ def test_lowercase_q8_0_is_one_type_on_qtools_selection_and_uppercase_is_llama_c
     assert lower["blk.0.ffn_down.weight"] == upper["blk.0.ffn_down.weight"] == "Q8_0"
 
 
-LLAMA_ARGS = {mix: ([], mix) for mix in MIXES} | {"Q3_K": (["--pure"], "Q3_K_M"), "Q4_K": (["--pure"], "Q4_K_M"), "Q5_K": (["--pure"], "Q5_K_M")}
+LLAMA_ARGS = {mix: ([], mix) for mix in MIXES if not MIXES[mix].imatrix} | {"Q3_K": (["--pure"], "Q3_K_M"), "Q4_K": (["--pure"], "Q4_K_M"), "Q5_K": (["--pure"], "Q5_K_M")}
 # qtool's --pure on every file type is llama-quantize's --pure
-LLAMA_ARGS |= {f"{mix} --pure": (["--pure"], mix) for mix, entry in MIXES.items() if not entry.pure}
+LLAMA_ARGS |= {f"{mix} --pure": (["--pure"], mix) for mix, entry in MIXES.items() if not entry.pure and not entry.imatrix}
 
 
 def k_quant_encoders() -> bool:

@@ -282,3 +282,38 @@ def test_requantized_gguf_runs_in_llama_cpp(tmp_path, scheme):
     llm = load(out)
     assert llm.tokenize(b"Hello world", add_bos=True) == load(source).tokenize(b"Hello world", add_bos=True)
     assert_runs(llm, b"Hello")
+
+
+# -- quantized with an importance matrix (issue 21) ------------------------------------------------
+
+IMATRIX_MIXES = ["Q4_K_M", "Q3_K_M", "Q2_K", "Q4_0", "IQ4_XS", "IQ3_S", "IQ3_M", "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS"]
+
+
+@pytest.fixture(scope="module")
+def imatrices(tmp_path_factory) -> dict[str, Path]:
+    """tiny-llama's importance matrix as llama-imatrix made it (the fixture) and as `qtool
+    imatrix` makes it on 4 chunks of 128 tokens of pydoc's topics."""
+    from pydoc_data import topics
+
+    from qtool import api
+    from tests.imatrix_files import TINY_GGUF
+
+    folder = tmp_path_factory.mktemp("imatrix")
+    text = folder / "topics.txt"
+    text.write_text("\n\n".join(topics.topics[key] for key in sorted(topics.topics))[:60000])
+    ours = folder / "qtool-imatrix.gguf"
+    api.imatrix(TINY, ours, text, chunks=4, chunk_size=128)
+    return {"llama-imatrix": TINY_GGUF, "qtool imatrix": ours}
+
+
+@pytest.mark.parametrize("made_by", ["llama-imatrix", "qtool imatrix"])
+@pytest.mark.parametrize("mix", IMATRIX_MIXES)
+def test_imatrix_quantized_gguf_runs_in_llama_cpp(tmp_path, imatrices, made_by, mix):
+    import gguf
+
+    llama_cpp()
+    out = tmp_path / "out.gguf"
+    qtool.quantize(TINY, out, mix, imatrix=imatrices[made_by])
+    types = {t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors}
+    assert types - {"F32", "F16", "BF16"}, types  # something was quantized
+    assert_runs(load(out), b"Hello")

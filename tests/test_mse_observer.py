@@ -108,7 +108,7 @@ needs_native = pytest.mark.skipif(not native.available(), reason="qtool's C kern
 @given(
     seed=st.integers(0, 2**31 - 1),
     tail=st.floats(0.0, 2.0),
-    bits=st.sampled_from([2, 4, 8]),
+    bits=st.sampled_from([2, 3, 4, 8]),
     symmetric=st.booleans(),
     dtype=st.sampled_from(list(DTYPES)),
     group=st.sampled_from([32, 64, 128]),
@@ -123,8 +123,40 @@ def test_native_mse_is_the_torch_search_bit_for_bit(seed, tail, bits, symmetric,
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_native_mse_is_the_torch_search_on_real_rows(dtype):
     for weight in _minilm_weights():
-        for bits, group, symmetric in [(4, 128, True), (4, 128, False), (2, 64, False), (8, 384, True)]:
+        for bits, group, symmetric in [(4, 128, True), (4, 128, False), (3, 128, False), (2, 64, False), (8, 384, True)]:
             _native_vs_torch(weight.to(DTYPES[dtype]), dtype, bits, group, symmetric)
+
+
+def _encode_bytes(x: torch.Tensor, dtype: str, bits: int, group: int, symmetric: bool) -> tuple[bytes, bytes, bytes]:
+    rows, cols = x.shape
+    raw = x.contiguous().view(torch.uint8).numpy().tobytes()
+    encoded = native.encode_int(raw, dtype, rows, cols, group, bits, symmetric=symmetric, observer="mse")
+    return bytes(encoded.packed), bytes(encoded.scale), bytes(encoded.zero_point or b"")
+
+
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    tail=st.floats(0.0, 3.0),
+    magnitude=st.sampled_from([1.0, 1e-3, 1e-30, 1e4]),
+    bits=st.sampled_from([2, 3, 4, 8]),
+    symmetric=st.booleans(),
+    dtype=st.sampled_from(list(DTYPES)),
+    group=st.sampled_from([8, 12, 36, 64, 128, 256]),
+)
+def test_native_mse_avx2_kernels_are_the_portable_ones(seed, tail, magnitude, bits, symmetric, dtype, group):
+    """mse.c's AVX2 trials (x * 1/scale for bf16 and f16, a table for bf16 codes of <= 4 bits,
+    F16C roundings, float32 differences) choose exactly what its portable kernels choose."""
+    x = (_heavy_tailed(seed, 6, 2304, tail) * magnitude).to(DTYPES[dtype])
+    x[0, :group] = 0
+    x[1, :group] = x[1, 0]
+    try:
+        native._kernels.mse_set_x86(False)
+        portable = _encode_bytes(x, dtype, bits, group, symmetric)
+    finally:
+        native._kernels.mse_set_x86(True)
+    assert _encode_bytes(x, dtype, bits, group, symmetric) == portable
 
 
 def test_minmax_candidate_is_min_max_itself():

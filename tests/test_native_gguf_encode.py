@@ -306,8 +306,8 @@ def test_the_kernel_table_is_gguf_py_s():
 
 def test_bad_arguments_are_value_errors():
     src = bytes(4 * 64 * 2)
-    with pytest.raises(ValueError, match="no native GGUF encoder for 'IQ2_XS'"):
-        native.encode_gguf("IQ2_XS", src, "BF16", 4, 64)
+    with pytest.raises(ValueError, match="no native GGUF encoder for 'IQ1_S'"):
+        native.encode_gguf("IQ1_S", src, "BF16", 4, 64)
     with pytest.raises(ValueError, match="dtype 'F64'"):
         native.encode_gguf("Q8_0", src, "F64", 4, 64)
     with pytest.raises(ValueError, match="cols must be a multiple of 32"):
@@ -329,7 +329,7 @@ def test_the_kernel_checks_every_size_itself():
     src, out = bytes(4 * 64 * 2), bytearray(4 * 2 * 34)
     _kernels.encode_gguf("Q8_0", src, 2, 64, out, 0, 4)  # the sizes that fit
     calls = {
-        "no native encoder for GGUF IQ2_XS": ("IQ2_XS", src, 2, 64, out, 0, 4),
+        "no native encoder for GGUF IQ1_S": ("IQ1_S", src, 2, 64, out, 0, 4),
         "unknown dtype code 3": ("Q8_0", src, 3, 64, out, 0, 4),
         "a multiple of 32": ("Q8_0", src, 2, 48, out, 0, 4),
         "bad layout: cols -64": ("Q8_0", src, 2, -64, out, 0, 4),

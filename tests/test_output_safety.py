@@ -645,3 +645,17 @@ def test_a_real_full_disk_leaves_nothing(tiny_disk):
         out.shard("model.safetensors", [OutTensor("a", "U8", (1 << 20,))], None)
     out.abort()
     assert os.listdir(tiny_disk) == []
+
+
+def test_the_host_tag_of_staging_names_is_unchanged_without_the_socket_module():
+    """Staging names carry a tag of the host and pid namespace, which a later run matches to
+    clean up stale ones: read by uname now (issue 18 #14, the socket module cost ~10 ms of every
+    start), it must be the tag gethostname() made."""
+    import hashlib
+    import socket
+
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    assert staging._host_tag() == hashlib.sha1(f"{socket.gethostname()}\0{namespace}".encode()).hexdigest()[:8]

@@ -10,10 +10,23 @@ chosen by the min-max observer when the sweep reaches the group's first column, 
 as they are then (earlier columns' errors already spread into them), so the scales follow the
 updated weights rather than the original ones.
 
+With activation ordering (`actorder` "weight", compressed-tensors' alias "static"; llm-compressor's
+`actorder`), the columns are swept in decreasing order of the Hessian's diagonal (the inputs
+with the most energy first, while the most columns remain to absorb their error), each still in
+its own group: the group scales are then chosen up front on the original weight, since a group's
+columns are spread over the sweep. The output format is unchanged (no `g_idx`).
+
 Shapes: weight [out, in]; hessian [in, in]; codes [out, in] int8 (signed, zero point added:
 what compressed-tensors packs); scale [out, in // group] in the scale dtype; zero_point the same
 shape, int8, or None when symmetric. The sweep computes in the weight's dtype (float32 for real
 runs; float64 in the tests that compare it with the paper's equations).
+
+Where the time goes: inside a block the sweep is sequential in the columns, ~12 small ops per
+column in torch, whose dispatch (not their arithmetic) was most of a layer's GPTQ time. Each row
+is independent of the others, so for float32 on the CPU the in-block sweep is qtool.native's
+`gptq_sweep` (C, rows split over the kernels' threads, bit for bit these torch ops; `_sweep_torch`
+is the reference and the path on CUDA and in float64); the lazy updates between blocks are one
+matmul each. Linears that share an input (q/k/v, gate/up) share the Hessian's `factor`.
 """
 
 from __future__ import annotations
@@ -27,10 +40,11 @@ from qtool.errors import KernelError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["GptqResult", "gptq", "DAMPENING", "BLOCK"]
+__all__ = ["GptqResult", "Factor", "factor", "gptq", "DAMPENING", "BLOCK", "ACTORDERS"]
 
 DAMPENING = 0.01  # llm-compressor's dampening_frac
 BLOCK = 128  # llm-compressor's block_size: columns per lazy batch
+ACTORDERS = ("weight", "static")  # compressed-tensors' names; "static" is its alias of "weight"
 
 
 @dataclass
@@ -38,7 +52,7 @@ class GptqResult:
     codes: "torch.Tensor"  # [out, in] int8, qmin..qmax
     scale: "torch.Tensor"  # [out, groups]
     zero_point: "torch.Tensor | None"  # [out, groups] int8, or None (symmetric)
-    loss: float  # the paper's sum of err^2 / [H^-1]_qq, the objective's estimate
+    loss: float  # the paper's sum of err^2 / [H^-1]_qq / 2, the objective's estimate
 
     def dequantized(self, dtype=None) -> "torch.Tensor":
         """(codes - zero_point) * scale, as compressed-tensors decompresses, [out, in]."""
@@ -86,9 +100,45 @@ def quantize_column(column: "torch.Tensor", scale: "torch.Tensor", zero_point: "
     return codes.to(torch.int8), values
 
 
+@dataclass
+class Factor:
+    """What GPTQ needs of a Hessian, whatever the weight: the column order (None: as they are),
+    the dead inputs (never seen) in that order, and U, the upper Cholesky factor of the damped
+    H^-1 in that order. Linears that read the same input (q/k/v, gate/up) share one."""
+
+    order: "torch.Tensor | None"
+    dead: "torch.Tensor"
+    U: "torch.Tensor"
+    dampening: float
+    actorder: str | None
+
+
+def factor(hessian: "torch.Tensor", *, dtype: "torch.dtype", dampening: float = DAMPENING, actorder: str | None = None) -> Factor:
+    """The `Factor` of `hessian` [in, in] for weights of `dtype`."""
+    import torch
+
+    if hessian.dim() != 2 or hessian.shape[0] != hessian.shape[1]:
+        raise KernelError(f"gptq needs a square hessian, got {list(hessian.shape)}")
+    if actorder is not None and actorder not in ACTORDERS:
+        raise KernelError(f"gptq: activation order {actorder!r} is not one of {', '.join(ACTORDERS)}")
+    H = hessian.to(dtype).clone()
+    order = None
+    if actorder is not None:
+        order = torch.argsort(torch.diagonal(H), descending=True, stable=True)
+        H = H[order][:, order]
+    dead = torch.diagonal(H) == 0  # inputs never seen: their columns carry no error
+    H[dead, dead] = 1
+    damp = dampening * torch.mean(torch.diagonal(H))
+    H.diagonal().add_(damp)
+    factor = torch.linalg.cholesky(H)
+    H_inv = torch.cholesky_inverse(factor)
+    U = torch.linalg.cholesky(H_inv, upper=True)  # rows of U: the elimination's H^-1 rows, scaled
+    return Factor(order, dead, U, dampening, actorder)
+
+
 def gptq(
     weight: "torch.Tensor",
-    hessian: "torch.Tensor",
+    hessian: "torch.Tensor | None",
     *,
     bits: int,
     group_size: int | None,
@@ -96,64 +146,114 @@ def gptq(
     scale_dtype: "torch.dtype",
     dampening: float = DAMPENING,
     block: int = BLOCK,
+    actorder: str | None = None,
+    prepared: Factor | None = None,
 ) -> GptqResult:
     """GPTQ codes of `weight` [out, in] given `hessian` [in, in] (X^T X of the inputs; any
-    positive multiple gives the same codes). `group_size` None: one scale per row (channel)."""
+    positive multiple gives the same codes), or its `prepared` factor (`factor`, made with the
+    same dampening and order; `hessian` then unused). `group_size` None: one scale per row
+    (channel). `actorder` "weight"/"static": sweep the columns by decreasing H diagonal."""
     import torch
 
-    if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
-        raise KernelError(f"gptq needs weight [out, in] and hessian [in, in], got {list(weight.shape)} and {list(hessian.shape)}")
+    cols_expected = weight.shape[1] if weight.dim() == 2 else -1
+    if prepared is None and (hessian is None or hessian.shape != (cols_expected, cols_expected)):
+        raise KernelError(f"gptq needs weight [out, in] and hessian [in, in], got {list(weight.shape)} and {None if hessian is None else list(hessian.shape)}")
+    if prepared is not None and (tuple(prepared.U.shape) != (cols_expected, cols_expected) or prepared.dampening != dampening or prepared.actorder != actorder):
+        raise KernelError(f"gptq: the prepared factor ({list(prepared.U.shape)}, dampening {prepared.dampening}, order {prepared.actorder}) does not fit weight {list(weight.shape)} (dampening {dampening}, order {actorder})")
     if not 2 <= bits <= 8:
         raise KernelError(f"gptq quantizes to int2..int8, not int{bits}")
     rows, cols = weight.shape
     group = group_size or cols
     if cols % group:
         raise KernelError(f"gptq: group size {group} does not divide in_features {cols}")
+    if actorder is not None and actorder not in ACTORDERS:
+        raise KernelError(f"gptq: activation order {actorder!r} is not one of {', '.join(ACTORDERS)}")
     if block % group and group % block:  # a group starts only at a block's start or inside it
         block = math.gcd(block, group)
     dtype = weight.dtype
-    W = weight.clone()
-    H = hessian.to(dtype).clone()
-    dead = torch.diagonal(H) == 0  # inputs never seen: their columns carry no error
-    H[dead, dead] = 1
-    W[:, dead] = 0
-    damp = dampening * torch.mean(torch.diagonal(H))
-    H.diagonal().add_(damp)
-    factor = torch.linalg.cholesky(H)
-    H_inv = torch.cholesky_inverse(factor)
-    U = torch.linalg.cholesky(H_inv, upper=True)  # rows of U: the elimination's H^-1 rows, scaled
-    del H, H_inv, factor
+    if prepared is None:
+        prepared = factor(hessian, dtype=dtype, dampening=dampening, actorder=actorder)
+    order, U = prepared.order, prepared.U.to(dtype)
+    W = weight.clone() if order is None else weight[:, order]
+    W[:, prepared.dead] = 0
 
     codes = torch.empty((rows, cols), dtype=torch.int8, device=W.device)
     scales = torch.empty((rows, cols // group), dtype=scale_dtype, device=W.device)
     zero_points = None if symmetric else torch.empty((rows, cols // group), dtype=torch.int8, device=W.device)
-    loss = torch.zeros((), dtype=dtype, device=W.device)
-    scale = zero_point = None
+    # the scales and zero points as the sweep uses them: in the weight's dtype, as quantize_column converts them
+    scale_values = torch.empty((rows, cols // group), dtype=dtype, device=W.device)
+    zero_values = None if symmetric else torch.empty_like(scale_values)
+    if order is not None:  # each group's scale chosen up front on the original weight (llm-compressor's observer)
+        scale_all, zero_all = observe(weight.reshape(-1, group), bits, symmetric, scale_dtype)
+        scales.copy_(scale_all.reshape(rows, -1))
+        scale_values.copy_(scales)
+        if zero_points is not None:
+            zero_points.copy_(zero_all.reshape(rows, -1))
+            zero_values.copy_(zero_points)
+        columns = order
+    else:
+        columns = torch.arange(cols, device=W.device)
+    group_of = (columns // group).to(torch.int32)  # each swept column's group
+    sweep = _sweep_native if _native_sweep(W) else _sweep_torch
+    loss = 0.0
     for start in range(0, cols, block):
         end = min(start + block, cols)
         W_block = W[:, start:end].clone()
+        U_block = U[start:end, start:end].contiguous()
         errors = torch.zeros_like(W_block)
-        U_block = U[start:end, start:end]
-        for i in range(end - start):
+        block_codes = torch.empty((rows, end - start), dtype=torch.int8, device=W.device)
+        groups = group_of[start:end].contiguous()
+        i = 0
+        while i < end - start:
             column = start + i
-            if column % group == 0:
-                # the group's values as they are now: this block's columns carry the in-block
-                # updates; a group reaching past the block starts at its first column, where
-                # the lazy updates of every earlier block are already in W
-                current = W_block[:, i : i + group]
-                if column + group > end:
-                    current = torch.cat([current, W[:, end : column + group]], dim=1)
-                scale, zero_point = observe(current, bits, symmetric, scale_dtype)
-                scales[:, column // group] = scale
-                if zero_points is not None:
-                    zero_points[:, column // group] = zero_point
-            w = W_block[:, i]
-            d = U_block[i, i]
-            q, values = quantize_column(w, scale, zero_point, bits)
-            codes[:, column] = q
-            error = (w - values) / d
-            loss += (error**2).sum()
-            W_block[:, i:] -= error.unsqueeze(1) * U_block[i, i:].unsqueeze(0)
-            errors[:, i] = error
+            stop = end - start
+            if order is None:  # plain order: a group's scale is chosen when the sweep reaches its first column
+                stop = min(stop, (column // group + 1) * group - start)
+                if column % group == 0:
+                    # the group's values as they are now: this block's columns carry the in-block
+                    # updates; a group reaching past the block starts at its first column, where
+                    # the lazy updates of every earlier block are already in W
+                    current = W_block[:, i : i + group]
+                    if column + group > end:
+                        current = torch.cat([current, W[:, end : column + group]], dim=1)
+                    scale, zero_point = observe(current, bits, symmetric, scale_dtype)
+                    scales[:, column // group] = scale
+                    scale_values[:, column // group] = scale
+                    if zero_points is not None:
+                        zero_points[:, column // group] = zero_point
+                        zero_values[:, column // group] = zero_point
+            sweep(W_block, U_block, scale_values, zero_values, groups, bits, block_codes, errors, i, stop)
+            i = stop
+        codes[:, columns[start:end]] = block_codes
+        loss += float((errors**2).sum())
         W[:, end:] -= errors @ U[start:end, end:]  # the lazy batch update of the columns after the block
-    return GptqResult(codes, scales, zero_points, float(loss) / 2)
+    return GptqResult(codes, scales, zero_points, loss / 2)
+
+
+def _native_sweep(W) -> bool:
+    """The C sweep (qtool.native) for float32 weights on the CPU, where it is built."""
+    import torch
+
+    from qtool import native
+
+    return W.dtype == torch.float32 and W.device.type == "cpu" and native.available()
+
+
+def _sweep_native(W_block, U_block, scale_values, zero_values, groups, bits, codes, errors, col0: int, col1: int) -> None:
+    from qtool import native
+
+    native.gptq_sweep(W_block, U_block, scale_values, zero_values, groups, bits, codes, errors, col0, col1)
+
+
+def _sweep_torch(W_block, U_block, scale_values, zero_values, groups, bits, codes, errors, col0: int, col1: int) -> None:
+    """GPTQ's sweep of block columns [col0, col1), in place: each column rounded with its group's
+    scale and zero point, its error (scaled by the factor's diagonal) spread over the block's
+    later columns. The reference the C sweep reproduces bit for bit."""
+    for i in range(col0, col1):
+        index = int(groups[i])
+        w = W_block[:, i]
+        q, values = quantize_column(w, scale_values[:, index], None if zero_values is None else zero_values[:, index], bits)
+        codes[:, i] = q
+        error = (w - values) / U_block[i, i]
+        W_block[:, i:] -= error.unsqueeze(1) * U_block[i, i:].unsqueeze(0)
+        errors[:, i] = error

@@ -17,7 +17,22 @@ if TYPE_CHECKING:
 
     from qtool.plan import Plan
 
-__all__ = ["CalibrationRequest", "prepare", "apply"]
+__all__ = ["CalibrationRequest", "Replaced", "prepare", "apply"]
+
+
+@dataclass(frozen=True)
+class Replaced:
+    """A float tensor calibration changed (AWQ's smoothed norm), written in place of the
+    stored values: a `qtool.plan.Transform` of a copied or cast job."""
+
+    values: Any  # torch.Tensor, float32, the weight's shape
+    dtype: str  # the written dtype's name
+
+    def apply(self, values: Any, rows: int) -> Any:
+        from qtool.buffers import tensor_bytes
+        from qtool.dtypes import storage_dtype
+
+        return tensor_bytes(self.values.to(storage_dtype(self.dtype).torch_dtype()).contiguous())
 
 
 @dataclass
@@ -26,12 +41,14 @@ class CalibrationRequest:
     algorithm: str
     tokens: "torch.Tensor"  # [samples, seq_len]
     seed: int
+    actorder: str | None = None  # GPTQ's column order: "weight" / "static", or None
 
     def to_json(self) -> dict[str, Any]:
-        return {"text": self.text, "algorithm": self.algorithm, "samples": int(self.tokens.shape[0]), "seq_len": int(self.tokens.shape[1]), "seed": self.seed}
+        document = {"text": self.text, "algorithm": self.algorithm, "samples": int(self.tokens.shape[0]), "seq_len": int(self.tokens.shape[1]), "seed": self.seed}
+        return {**document, "actorder": self.actorder} if self.actorder else document
 
 
-def prepare(plan: "Plan", text: str, algorithm: str, samples: int, seq_len: int, seed: int) -> CalibrationRequest:
+def prepare(plan: "Plan", text: str, algorithm: str, samples: int, seq_len: int, seed: int, *, actorder: str | None = None) -> CalibrationRequest:
     from qtool.calibration.runner import ALGORITHMS, check_scheme
     from qtool.calibration.samples import SampleOptions, draw_samples, load_tokenizer, read_text
     from qtool.calibration.skeleton import Skeleton
@@ -39,7 +56,7 @@ def prepare(plan: "Plan", text: str, algorithm: str, samples: int, seq_len: int,
 
     source = plan.source
     if algorithm not in ALGORITHMS:
-        raise UsageError(f"algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}", hint="awq is not written yet", option="algorithm")
+        raise UsageError(f"algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}", option="algorithm")
     if source.format != "safetensors":
         raise UsageError(f"{source.path} is a {source.format} checkpoint; calibration reads a Hugging Face model folder (safetensors, config.json, tokenizer)", option="calibrate")
     if plan.layout.name != "compressed-tensors":
@@ -48,7 +65,8 @@ def prepare(plan: "Plan", text: str, algorithm: str, samples: int, seq_len: int,
     if quantized:
         raise UsageError(f"{source.path} is already quantized ({quantized[0]}); calibration needs float weights", option="calibrate")
     SampleOptions(samples, seq_len, seed).check()
-    if algorithm == "gptq":
+    _check_actorder(actorder, algorithm)
+    if algorithm in ("gptq", "awq"):
         for job in plan.jobs:
             if job.action == QUANTIZE and job.scheme is not None:
                 check_scheme(job.weight.name, job.scheme)
@@ -56,38 +74,78 @@ def prepare(plan: "Plan", text: str, algorithm: str, samples: int, seq_len: int,
     Skeleton.build(source)  # an architecture transformers does not know is refused here
     documents = read_text(text)
     tokens = draw_samples(documents, load_tokenizer(folder), SampleOptions(samples, seq_len, seed), text)
-    return CalibrationRequest(os.fspath(text), algorithm, tokens, seed)
+    if actorder is not None:
+        _record_actorder(plan, actorder)
+    return CalibrationRequest(os.fspath(text), algorithm, tokens, seed, actorder)
+
+
+def _check_actorder(actorder: str | None, algorithm: str) -> None:
+    from qtool.calibration.gptq import ACTORDERS
+
+    if actorder is None:
+        return
+    if actorder in ("group", "dynamic"):
+        raise UsageError(
+            f"activation order {actorder!r} (columns regrouped, a weight_g_idx per weight) is gone from compressed-tensors since 0.19, which refuses its config",
+            hint="use --actorder weight (or its alias static): the same column order, groups unchanged", option="actorder",
+        )  # fmt: skip
+    if actorder not in ACTORDERS:
+        raise UsageError(f"activation order {actorder!r} is not one of {', '.join(ACTORDERS)}", option="actorder")
+    if algorithm != "gptq":
+        raise UsageError(f"--actorder orders GPTQ's columns; {algorithm} has none to order", hint="use --algorithm gptq, or leave --actorder out", option="actorder")
+
+
+def _record_actorder(plan: "Plan", actorder: str) -> None:
+    """compressed-tensors records the order in each config group's weight arguments."""
+    config = (plan.config or {}).get("quantization_config")
+    for group in (config or {}).get("config_groups", {}).values():
+        if group.get("weights") is not None and group["weights"].get("type") == "int":
+            group["weights"]["actorder"] = actorder
 
 
 def apply(plan: "Plan", request: CalibrationRequest, device: str, threads: int | None = None, on_layer: Callable[[Any, int], None] | None = None) -> dict[str, Any]:
-    """Calibrate (with `threads` torch threads, restored after) and set each calibrated job's
+    """Calibrate (with `threads` torch and native threads, restored after) and set each calibrated job's
     encoding; the calibration document for the report. RTN ("rtn") leaves the plan as it is:
     the text only checked."""
     import torch
 
     if request.algorithm == "rtn":
         return {**request.to_json(), "layers": []}
-    previous = torch.get_num_threads()
+    from qtool import native
+
+    previous, native_previous = torch.get_num_threads(), native.threads()
     if threads:
         torch.set_num_threads(threads)
+        native.set_threads(threads)  # GPTQ's column sweep
     try:
         return _calibrated(plan, request, device, on_layer)
     finally:
         torch.set_num_threads(previous)
+        native.set_threads(native_previous)
 
 
 def _calibrated(plan: "Plan", request: CalibrationRequest, device: str, on_layer) -> dict[str, Any]:
     from qtool.calibration.runner import RunnerOptions, calibrate
-    from qtool.plan import QUANTIZE, Precomputed
+    from qtool.errors import InternalError
+    from qtool.plan import CAST, COPY, QUANTIZE, Precomputed
 
     jobs = [job for job in plan.jobs if job.action == QUANTIZE and job.scheme is not None]
     schemes = {job.weight.name: job.scheme for job in jobs}
     result = calibrate(
         plan.source, [job.weight for job in plan.jobs], schemes, plan.layout, request.tokens,
-        RunnerOptions(algorithm=request.algorithm, device=device), seed=request.seed, on_layer=on_layer,
+        RunnerOptions(algorithm=request.algorithm, device=device, actorder=request.actorder), seed=request.seed, on_layer=on_layer,
     )  # fmt: skip
     for job in jobs:
         tensors = result.encoded.pop(job.weight.name, None)
         if tensors is not None:
             job.encoding = Precomputed(tensors, request.algorithm)
+    for job in plan.jobs:
+        values = result.replaced.pop(job.weight.name, None)
+        if values is None:
+            continue
+        if job.action not in (COPY, CAST) or job.transform is not None:
+            raise InternalError(f"{job.weight.name}: calibration changed it, but the plan {job.action}s it")
+        job.transform = Replaced(values, job.out_dtype or job.weight.data.dtype.name)
+    if result.replaced:
+        raise InternalError(f"calibration changed {sorted(result.replaced)[0]}, which the plan does not write")
     return {**request.to_json(), **result.to_json()}

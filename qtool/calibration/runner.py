@@ -9,8 +9,9 @@ calibration samples carried from layer to layer (DESIGN.md, "Calibration").
         -> back to meta
 
 The layer keyword arguments (causal mask, rotary position embeddings, positions) are the ones
-the base model's own forward passes its first layer, caught there, so each architecture's
-conventions (Gemma's scaled embeddings, sliding windows) are transformers' own. Peak memory: one
+the base model's own forward passes each layer, caught there by stand-ins, so each
+architecture's conventions (Gemma's scaled embeddings, sliding windows alternating with global
+attention) are transformers' own. Peak memory: one
 layer, the activations twice (inputs, outputs), one Hessian per Linear of the layer, and the
 packed codes of the layers done so far.
 """
@@ -30,9 +31,9 @@ if TYPE_CHECKING:
     from qtool.scheme import QScheme
     from qtool.weight import Weight
 
-__all__ = ["ALGORITHMS", "RunnerOptions", "LayerResult", "Calibration", "calibrate", "check_scheme"]
+__all__ = ["ALGORITHMS", "RunnerOptions", "LayerResult", "Calibration", "LayerKwargs", "calibrate", "check_scheme"]
 
-ALGORITHMS = ("gptq", "rtn")
+ALGORITHMS = ("gptq", "awq", "rtn")
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class RunnerOptions:
     device: str = "cpu"
     dampening: float = 0.01
     block: int = 128
+    actorder: str | None = None  # GPTQ's column order ("weight" / "static"), or None
 
 
 @dataclass
@@ -64,6 +66,8 @@ class Calibration:
     seq_len: int
     seed: int
     encoded: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # float tensors the calibration changed but does not quantize (AWQ's smoothed norms), float32 on the CPU
+    replaced: dict[str, "torch.Tensor"] = field(default_factory=dict)
     layers: list[LayerResult] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -79,43 +83,71 @@ class Calibration:
 
 
 def check_scheme(name: str, scheme: "QScheme") -> None:
-    """GPTQ here writes int2..int8 per channel or per group."""
+    """GPTQ and AWQ here write int2..int8 per channel or per group."""
     if scheme.qtype.kind != "int" or not 2 <= scheme.qtype.bits <= 8 or scheme.granularity not in ("channel", "group"):
-        raise SchemeError(f"GPTQ calibrates int2..int8 per channel or per group, not {scheme.label} ({name})", hint="use e.g. W4A16, int4:g64:asym or int8:channel")
+        raise SchemeError(f"GPTQ and AWQ calibrate int2..int8 per channel or per group, not {scheme.label} ({name})", hint="use e.g. W4A16, int4:g64:asym or int8:channel")
 
 
 class _Stop(Exception):
-    """Raised by the stand-in for the first layer once it has its inputs."""
+    """Raised by the stand-in for the last layer once every layer has its arguments."""
+
+
+class LayerKwargs(dict):
+    """The keyword arguments the base model passes its first layer (the dict itself), and each
+    layer's own (`for_layer`): Gemma 2/3 alternate sliding-window and global attention, with a
+    different mask (and Gemma 3 a different rotary embedding) per layer type. `_run` picks the
+    layer's own, so a caller that hands the same object to every layer gets the right ones."""
+
+    def __init__(self, first: dict[str, Any], by_layer: dict[int, dict[str, Any]]) -> None:
+        super().__init__(first)
+        self.by_layer = by_layer  # id(layer module) -> its kwargs
+
+    def for_layer(self, layer) -> dict[str, Any]:
+        return self.by_layer.get(id(layer), self)
+
+
+_DROPPED = ("cache", "past_key_values", "past_key_value", "use_cache")
 
 
 class _Catcher:
-    def __init__(self) -> None:
-        self.hidden: "torch.Tensor | None" = None
-        self.kwargs: dict[str, Any] = {}
+    """Stand-ins for every layer: each records the arguments it is called with and passes the
+    hidden states through; the last stops the forward."""
 
-    def module(self):
+    def __init__(self, count: int) -> None:
+        self.hidden: "torch.Tensor | None" = None
+        self.kwargs: list[dict[str, Any] | None] = [None] * count
+
+    def module(self, index: int):
         import torch
 
         catcher = self
+        last = len(self.kwargs) - 1
 
-        class FirstLayerInputs(torch.nn.Module):
+        class LayerInputs(torch.nn.Module):
             def forward(self, hidden_states, *args, **kwargs):
                 if args:
                     raise UsageError("the architecture's layers take positional arguments besides the hidden states; qtool cannot calibrate it", option="calibrate")
-                catcher.hidden, catcher.kwargs = hidden_states, kwargs
-                raise _Stop
+                if index == 0:
+                    catcher.hidden = hidden_states
+                catcher.kwargs[index] = {key: value for key, value in kwargs.items() if key not in _DROPPED}
+                if index == last:
+                    raise _Stop
+                return hidden_states
 
-        return FirstLayerInputs()
+        return LayerInputs()
 
 
 def _embed(skeleton, tokens: "torch.Tensor", weights, checkpoint, device: str):
-    """[samples, seq_len, hidden] float32 hidden states and the layer kwargs, from the base
-    model's forward with every part but the layers materialized."""
+    """[samples, seq_len, hidden] float32 hidden states and the layers' kwargs (`LayerKwargs`:
+    the first layer's, each layer's by `for_layer`), from the base model's forward with every
+    part but the layers materialized."""
     import torch
 
-    catcher = _Catcher()
-    first = skeleton.layers[0]
-    skeleton.layers[0] = catcher.module()
+    count = len(skeleton.layers)
+    catcher = _Catcher(count)
+    originals = list(skeleton.layers)
+    for index in range(count):
+        skeleton.layers[index] = catcher.module(index)
     layers_name = skeleton.layers_prefix.rpartition(".")[2]
     skeleton.materialize(skeleton.base, skeleton.base_prefix, weights, checkpoint, device, skip=layers_name)
     hidden = None
@@ -132,17 +164,23 @@ def _embed(skeleton, tokens: "torch.Tensor", weights, checkpoint, device: str):
                     hidden = torch.empty((tokens.shape[0], *catcher.hidden.shape[1:]), dtype=torch.float32, device=device)
                 hidden[index] = catcher.hidden[0].float()
     finally:
-        skeleton.layers[0] = first
+        for index, layer in enumerate(originals):
+            skeleton.layers[index] = layer
         for name, child in skeleton.base.named_children():
             if name != layers_name:
                 skeleton.release(child)
-    kwargs = {key: value for key, value in catcher.kwargs.items() if key not in ("cache", "past_key_values", "past_key_value", "use_cache")}
-    return hidden, kwargs
+    if any(kwargs is None for kwargs in catcher.kwargs):
+        raise UsageError(f"the {skeleton.config.model_type} model's forward does not call each of its layers once in order; qtool cannot calibrate it", option="calibrate")
+    by_layer = {id(layer): kwargs for layer, kwargs in zip(originals, catcher.kwargs)}
+    return hidden, LayerKwargs(catcher.kwargs[0], by_layer)
 
 
 def _run(layer, hidden: "torch.Tensor", kwargs: dict[str, Any], out: "torch.Tensor", on_sample: Callable[[int, "torch.Tensor"], None] | None = None) -> None:
+    """The layer over each sample; with `LayerKwargs`, the layer's own arguments."""
     import torch
 
+    if isinstance(kwargs, LayerKwargs):
+        kwargs = kwargs.for_layer(layer)
     with torch.no_grad():
         for index in range(hidden.shape[0]):
             result = layer(hidden[index : index + 1], **kwargs)
@@ -150,6 +188,214 @@ def _run(layer, hidden: "torch.Tensor", kwargs: dict[str, Any], out: "torch.Tens
             if on_sample is not None:
                 on_sample(index, result[0])
             out[index] = result[0]
+
+
+def _scale_dtype(scheme: "QScheme", dtype: str):
+    from qtool.dtypes import storage_dtype
+    from qtool.layouts.compressed_tensors import scale_storage
+
+    return storage_dtype(scale_storage(scheme, dtype)).torch_dtype()
+
+
+def _store(name: str, module, codes, scheme: "QScheme", dtype: str, result: Calibration) -> None:
+    """The codes into the layer (the next layer sees the quantized outputs) and the layout's tensors."""
+    from qtool.layouts.compressed_tensors import pack_int_codes
+
+    module.weight.data = codes.dequantized().to(module.weight.device)
+    result.encoded[name] = {k: v.cpu() for k, v in pack_int_codes(name, codes.codes, codes.scale, codes.zero_point, scheme, dtype).items()}
+
+
+def _gptq_layer(index, layer, linears, schemes, by_name, hidden, kwargs, outputs, result: Calibration, options: RunnerOptions, on_statistics) -> None:
+    """Hessians X^T X of each Linear's inputs over the float layer's run, then GPTQ per Linear.
+
+    Linears called one after another on the same input tensor (q/k/v on the normed hidden
+    states, gate/up) take one product X^T X per sample between them, each adding it to its own
+    sum, so their Hessians come out equal bit for bit; GPTQ then factors each distinct Hessian
+    once (`gptq.factor`)."""
+    import torch
+
+    from qtool.calibration.gptq import factor, gptq
+
+    device = hidden.device
+    hessians = {name: torch.zeros((m.in_features, m.in_features), dtype=torch.float32, device=device) for name, m in linears.items()}
+    grams: dict[int, "torch.Tensor"] = {}  # by width: the upper block triangle of one sample's X^T X
+    last: list = [None, None]  # the input tensor the last hook saw, and its X^T X
+    hooks = []
+    for name, module in linears.items():
+
+        def accumulate(module, args, name=name):
+            if args[0] is not last[0]:
+                x = args[0].reshape(-1, args[0].shape[-1]).float()
+                gram = grams.get(x.shape[1])
+                if gram is None:
+                    gram = grams[x.shape[1]] = torch.zeros((x.shape[1], x.shape[1]), dtype=torch.float32, device=device)
+                last[0], last[1] = args[0], _upper_gram(x, gram)
+            hessians[name].add_(last[1])
+
+        hooks.append(module.register_forward_pre_hook(accumulate))
+    try:
+        _run(layer, hidden, kwargs, outputs)  # float outputs, and the statistics
+    finally:
+        for hook in hooks:
+            hook.remove()
+        last.clear()
+        grams.clear()
+    for hessian in hessians.values():
+        _mirror(hessian)
+    if on_statistics is not None:
+        on_statistics(index, hessians, hidden)
+    shared: tuple | None = None  # (Hessian, its factor): the last one factored
+    for name, module in linears.items():
+        scheme = schemes[name]
+        dtype = by_name[name].dtype
+        hessian = hessians.pop(name)
+        if shared is None or shared[0].shape != hessian.shape or not torch.equal(shared[0], hessian):
+            shared = (hessian, factor(hessian, dtype=module.weight.dtype, dampening=options.dampening, actorder=options.actorder))
+        codes = gptq(
+            module.weight.data, hessian, bits=scheme.qtype.bits, group_size=_group(scheme), symmetric=scheme.symmetric,
+            scale_dtype=_scale_dtype(scheme, dtype), dampening=options.dampening, block=options.block, actorder=options.actorder, prepared=shared[1],
+        )  # fmt: skip
+        _store(name, module, codes, scheme, dtype, result)
+
+
+def _gram_step(width: int) -> int:
+    """Column blocks of X^T X: about a quarter of the width, in multiples of 64."""
+    quarter = -(-width // 4)
+    return -(-quarter // 64) * 64
+
+
+def _upper_gram(x: "torch.Tensor", out: "torch.Tensor") -> "torch.Tensor":
+    """X^T X's blocks on and above the diagonal (of `_gram_step` columns) into `out` [in, in],
+    whose blocks below stay as they are (zeros): X^T X is symmetric, so the blocks below are
+    never computed (a third less work at 4 blocks) and `_mirror` fills them at the end."""
+    width = x.shape[1]
+    step = _gram_step(width)
+    for start in range(0, width, step):
+        out[start : start + step, start:] = x[:, start : start + step].T @ x[:, start:]
+    return out
+
+
+def _mirror(total: "torch.Tensor") -> None:
+    """A sum of `_upper_gram`s made symmetric: its upper triangle mirrored below the diagonal."""
+    import torch
+
+    upper = torch.triu(total)
+    total.copy_(upper + torch.triu(total, diagonal=1).T)
+
+
+def _group(scheme: "QScheme") -> int | None:
+    return scheme.group_size if scheme.granularity == "group" else None
+
+
+def _awq_layer(skeleton, layer, prefix: str, linears, schemes, by_name, hidden, kwargs, outputs, result: Calibration, *, smooth: bool = True) -> None:
+    """AWQ (qtool.calibration.awq): over the float layer's run, the mean |x| of each mapping's
+    inputs and its parent's inputs are kept; each mapping's scales are searched and folded in
+    turn (the float function unchanged, so the kept inputs stay valid); then every Linear is
+    rounded to nearest. The smoothed tensors that are not quantized (norms, an unquantized
+    smooth Linear's weight and bias) go to `result.replaced`. `smooth` False: round to nearest
+    only (the runner's "rtn", AWQ's baseline)."""
+    import functools
+
+    import torch
+
+    from qtool.calibration import awq
+
+    def full(relative: str) -> str:
+        return f"{prefix}.{relative}.weight"
+
+    mappings = awq.layer_mappings(layer, skeleton.config.model_type, lambda relative: full(relative) in linears) if smooth else []
+    modules = dict(layer.named_modules())
+    sums = {m.smooth: [None, 0] for m in mappings}
+    # a parent that is its one balance Linear: X^T X of its inputs (awq.search's `gram`); else its inputs, kept
+    lone = {m.parent for m in mappings if m.balance == (m.parent,)}
+    inputs: dict[str, list] = {m.parent: [] for m in mappings if m.parent not in lone}
+    grams: dict[str, list] = {parent: [None, 0] for parent in lone}
+    hooks = []
+
+    def statistics(module, args, smooth):
+        x = args[0].reshape(-1, args[0].shape[-1]).float()
+        total = x.abs().sum(dim=0)
+        sums[smooth][0] = total if sums[smooth][0] is None else sums[smooth][0] + total
+        sums[smooth][1] += x.shape[0]
+
+    def keep(module, args, kw, parent):
+        inputs[parent].append((args, kw))
+
+    def keep_output(module, args, kw, output, parent):
+        references[parent].append(output[0] if isinstance(output, tuple) else output)
+
+    def gram(module, args, parent):
+        x = args[0].reshape(-1, args[0].shape[-1]).float()
+        entry = grams[parent]
+        if entry[0] is None:
+            entry[0] = torch.zeros((x.shape[1], x.shape[1]), dtype=torch.float32, device=x.device)
+            entry.append(torch.zeros_like(entry[0]))
+        entry[0].add_(_upper_gram(x, entry[2]))
+        entry[1] += x.shape[0]
+
+    for mapping in mappings:
+        hooks.append(modules[mapping.balance[0]].register_forward_pre_hook(functools.partial(statistics, smooth=mapping.smooth)))
+    # the parents' float outputs: each mapping's search runs before any fold touches its parent
+    # (the mappings' parents come in the layer's order, each folding only into its own
+    # balance Linears and the module before them), so these are the outputs its search would
+    # compute first
+    references: dict[str, list] = {parent: [] for parent in inputs}
+    for parent in inputs:
+        hooks.append(modules[parent].register_forward_pre_hook(functools.partial(keep, parent=parent), with_kwargs=True))
+        hooks.append(modules[parent].register_forward_hook(functools.partial(keep_output, parent=parent), with_kwargs=True))
+    for parent in grams:
+        hooks.append(modules[parent].register_forward_pre_hook(functools.partial(gram, parent=parent)))
+    try:
+        _run(layer, hidden, kwargs, outputs)  # float outputs, and the statistics
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for entry in grams.values():
+        if entry[0] is not None:
+            _mirror(entry[0])
+    changed: set[str] = set()
+    for mapping in mappings:
+        total, count = sums[mapping.smooth]
+        if total is None or not count:
+            continue  # no token reached it (an MoE expert)
+        balance = [modules[name] for name in mapping.balance]
+        quantizers, groups = [], []
+        for name, module in zip(mapping.balance, balance):
+            scheme = schemes.get(full(name))
+            if scheme is None:
+                quantizers.append(lambda w: w)
+                groups.append(module.in_features)
+                continue
+            dtype = by_name[full(name)].dtype
+            quantizers.append(functools.partial(_rtn_values, bits=scheme.qtype.bits, group_size=_group(scheme), symmetric=scheme.symmetric, scale_dtype=_scale_dtype(scheme, dtype)))
+            groups.append(_group(scheme) or module.in_features)
+        if mapping.parent in grams:
+            hessian, tokens = grams[mapping.parent][:2]
+            found = awq.search(modules[mapping.parent], [], balance, quantizers, total / count, groups, gram=(hessian, tokens))
+        else:
+            found = awq.search(modules[mapping.parent], inputs[mapping.parent], balance, quantizers, total / count, groups, reference=references.pop(mapping.parent, None))
+        awq.fold(modules[mapping.smooth], balance, found.scales)
+        changed.add(mapping.smooth)
+    inputs.clear()
+    grams.clear()
+    references.clear()
+    for relative in changed:
+        module = modules[relative]
+        for name, param in module.named_parameters(recurse=False):
+            full_name = f"{prefix}.{relative}.{name}"
+            if full_name not in schemes:
+                result.replaced[full_name] = param.data.detach().float().cpu().clone()
+    for name, module in linears.items():
+        scheme = schemes[name]
+        dtype = by_name[name].dtype
+        codes = awq.rtn(module.weight.data, bits=scheme.qtype.bits, group_size=_group(scheme), symmetric=scheme.symmetric, scale_dtype=_scale_dtype(scheme, dtype))
+        _store(name, module, codes, scheme, dtype, result)
+
+
+def _rtn_values(weight, *, bits, group_size, symmetric, scale_dtype):
+    from qtool.calibration import awq
+
+    return awq.rtn(weight, bits=bits, group_size=group_size, symmetric=symmetric, scale_dtype=scale_dtype).dequantized(weight.dtype)
 
 
 def calibrate(
@@ -164,16 +410,13 @@ def calibrate(
     on_layer: Callable[[LayerResult, int], None] | None = None,
     on_statistics: Callable[[int, dict[str, "torch.Tensor"], "torch.Tensor"], None] | None = None,
 ) -> Calibration:
-    """GPTQ codes for every weight in `schemes` that is a Linear of a decoder layer, encoded in
-    `layout`'s tensors. `on_layer(result, layers)` after each layer; `on_statistics(index,
+    """GPTQ (or AWQ) codes for every weight in `schemes` that is a Linear of a decoder layer,
+    encoded in `layout`'s tensors (AWQ's smoothed float tensors in `replaced`). `on_layer(result, layers)` after each layer; `on_statistics(index,
     hessians by weight name, the layer's input hidden states)` before its weights are quantized
     (for tests)."""
     import torch
 
-    from qtool.calibration.gptq import gptq
     from qtool.calibration.skeleton import Skeleton
-    from qtool.dtypes import storage_dtype
-    from qtool.layouts.compressed_tensors import pack_int_codes, scale_storage
 
     if options.algorithm not in ALGORITHMS:
         raise UsageError(f"algorithm {options.algorithm!r} is not one of {', '.join(ALGORITHMS)}", option="algorithm")
@@ -197,32 +440,10 @@ def calibrate(
             for name, module in layer.named_modules()
             if isinstance(module, torch.nn.Linear) and f"{prefix}.{name}.weight" in schemes
         }
-        hessians = {name: torch.zeros((m.in_features, m.in_features), dtype=torch.float32, device=device) for name, m in linears.items()}
-        hooks = []
-        for name, module in linears.items():
-
-            def accumulate(module, args, name=name):
-                x = args[0].reshape(-1, args[0].shape[-1]).float()
-                hessians[name].addmm_(x.T, x)
-
-            hooks.append(module.register_forward_pre_hook(accumulate))
-        try:
-            _run(layer, hidden, kwargs, outputs)  # float outputs, and the statistics
-        finally:
-            for hook in hooks:
-                hook.remove()
-        if on_statistics is not None:
-            on_statistics(index, hessians, hidden)
-        for name, module in linears.items():
-            scheme = schemes[name]
-            dtype = by_name[name].dtype
-            scale_dtype = storage_dtype(scale_storage(scheme, dtype)).torch_dtype()
-            codes = gptq(
-                module.weight.data, hessians.pop(name), bits=scheme.qtype.bits, group_size=scheme.group_size if scheme.granularity == "group" else None,
-                symmetric=scheme.symmetric, scale_dtype=scale_dtype, dampening=options.dampening, block=options.block,
-            )  # fmt: skip
-            module.weight.data = codes.dequantized().to(device)
-            result.encoded[name] = {k: v.cpu() for k, v in pack_int_codes(name, codes.codes, codes.scale, codes.zero_point, scheme, dtype).items()}
+        if options.algorithm in ("awq", "rtn"):
+            _awq_layer(skeleton, layer, prefix, linears, schemes, by_name, hidden, kwargs, outputs, result, smooth=options.algorithm == "awq")
+        else:
+            _gptq_layer(index, layer, linears, schemes, by_name, hidden, kwargs, outputs, result, options, on_statistics)
         error = [0.0, 0.0]
 
         def measure(sample: int, quantized: "torch.Tensor") -> None:

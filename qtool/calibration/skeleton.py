@@ -61,7 +61,12 @@ class Skeleton:
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config)
         except ValueError:
-            raise UsageError(f"{checkpoint.path}: transformers has no causal LM for architecture {config.model_type!r}", option="calibrate") from None
+            config._attn_implementation = "eager"  # an architecture without SDPA attention (Gemma 2)
+            try:
+                with torch.device("meta"):
+                    model = AutoModelForCausalLM.from_config(config)
+            except ValueError:
+                raise UsageError(f"{checkpoint.path}: transformers has no causal LM for architecture {config.model_type!r}", option="calibrate") from None
         count = getattr(config, "num_hidden_layers", None)
         found = None
         for name, module in model.named_modules():
@@ -71,6 +76,12 @@ class Skeleton:
         if found is None:
             raise UsageError(f"{checkpoint.path}: architecture {config.model_type!r} is not a stack of {count} decoder layers of one class", option="calibrate")
         layers_prefix, layers = found
+        fused = next((m for m in layers[0].modules() if any(p.dim() > 2 for p in m.parameters(recurse=False))), None)
+        if fused is not None:
+            raise UsageError(
+                f"{checkpoint.path}: architecture {config.model_type!r} has mixture-of-experts layers ({type(fused).__name__}, expert weights fused in 3-D); "
+                "qtool calibrates dense decoder layers only", hint="quantize it without --calibrate (round to nearest)", option="calibrate",
+            )  # fmt: skip
         base_prefix = layers_prefix.rpartition(".")[0]
         base = model.get_submodule(base_prefix) if base_prefix else model
         return cls(model, config, base, base_prefix, layers, layers_prefix)
@@ -88,8 +99,11 @@ class Skeleton:
 
     def _materialize_tree(self, module, prefix: str, weights, checkpoint, device: str) -> None:
         buffers = dict(module.named_buffers(recurse=False))
-        if any(b.is_meta for b in buffers.values()) and not any(True for _ in module.parameters(recurse=False)):
-            self._rebuild(module, prefix, device)
+        if any(b.is_meta for b in buffers.values()):
+            if any(True for _ in module.parameters(recurse=False)):
+                self._initialize_buffers(module, device)
+            else:
+                self._rebuild(module, prefix, device)
         for name, child in list(module.named_children()):
             self._materialize_tree(child, f"{prefix}.{name}", weights, checkpoint, device)
         for name, _ in list(module.named_parameters(recurse=False)):
@@ -107,6 +121,18 @@ class Skeleton:
             raise UsageError(f"{prefix}: qtool cannot rebuild {type(module).__name__} outside transformers' loader", option="calibrate") from None
         for name, buffer in fresh.named_buffers(recurse=False):
             module._buffers[name] = buffer
+
+    def _initialize_buffers(self, module, device: str) -> None:
+        """Computed buffers of a module with weights (Gemma 3's embedding scale): allocated, then
+        set by the architecture's own `_init_weights`, as transformers' loader does; the weights
+        stay on meta until they are read, so initializing them costs nothing."""
+        import torch
+
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer.is_meta:
+                module._buffers[name] = torch.empty_like(buffer, device=device)
+        with torch.no_grad():
+            self.model._init_weights(module)
 
     def _load(self, module, name: str, full: str, weights: dict[str, "Weight"], checkpoint: "Checkpoint", device: str) -> None:
         import torch

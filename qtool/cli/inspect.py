@@ -28,6 +28,7 @@ Examples:
   qtool inspect model/ --raw -f tsv              # stored tensors, not weights
   qtool inspect model/ -k 'pooler*'              # the summary covers the weights listed
   qtool inspect model/ --stats                   # min/max/mean/std/NaN per plain weight
+  qtool inspect imatrix.gguf                     # a llama.cpp importance matrix (or .dat)
 """
 
 NO_SCHEME = "—"
@@ -48,8 +49,14 @@ def inspect_command(
     from qtool import api
 
     output = Output("json" if json_ else fmt.value, collapse=collapse)
+    imatrix = None if raw else api.imatrix_of(path)  # a legacy .dat has no header to tell by
+    if imatrix is not None:
+        return _show_imatrix(output, imatrix, filter_)
     with paused_gc(freeze=True):  # a header of 1.6M tensors makes millions of objects and no cycles
         report = api.inspect(path, filter=filter_)
+        imatrix = None if raw else api.imatrix_of(path, report)
+        if imatrix is not None:
+            return _show_imatrix(output, imatrix, filter_)
         for note in report.checkpoint.notes:
             print_warning(note)
         if filter_ is not None and not report.weights:  # a typo lists nothing, and says so
@@ -69,6 +76,37 @@ def inspect_command(
             output.emit(document, None if as_json else _tensor_rows(tensors))
         else:
             output.emit(document, None if as_json else _weight_rows(document["weights"], stats), () if as_json else _summary_sections(document))
+
+
+def _show_imatrix(output: Output, imatrix: Any, filter_: str | None) -> None:
+    """An importance matrix: the weights it covers (its own `--json` document, kind "imatrix")."""
+    from qtool.patterns import compile_pattern
+
+    document = imatrix.to_json()
+    if filter_ is not None:
+        matches = compile_pattern(filter_)
+        document["tensors"] = [t for t in document["tensors"] if matches(t["name"])]
+        if not document["tensors"]:
+            print_warning(f"-k {filter_!r} matches no tensor in {imatrix.path}")
+    if output.format == "json":
+        return output.emit(document, None)
+    counted = "tokens" if document["format"] == "gguf" else "chunks"  # a legacy file keeps ncall: chunks, rounded up
+    columns = [Column("name"), Column("columns", justify="right"), Column("experts", justify="right"), Column(counted, justify="right")]
+    rows = [[t["name"], t["columns"], t["matrices"], _tokens(t["counts"])] for t in document["tensors"]]
+    key, value = Column("fact"), Column("value", justify="right")
+    facts = [
+        ["format", "GGUF imatrix" if document["format"] == "gguf" else "legacy imatrix (.dat)"],
+        ["tensors covered", document["entries"]],
+        ["chunks", document["chunk_count"]],
+        ["chunk size", document["chunk_size"] or "not recorded"],
+        ["datasets", ", ".join(document["datasets"]) or NO_SCHEME],
+    ]
+    output.emit(document, Rows(columns, rows, collapse_keys=(1, 2, 3), title="Importance matrix"), [Section("Summary", [key, value], facts, show_header=False)])
+
+
+def _tokens(counts: list[int]) -> str:
+    """A 2-D weight's token count; an expert tensor's smallest and largest."""
+    return str(counts[0]) if len(set(counts)) == 1 else f"{min(counts)}..{max(counts)}"
 
 
 def _weight_rows(weights: list[dict[str, Any]], stats: bool) -> Rows:

@@ -132,7 +132,8 @@ def run_plan(plan, *, device: str, threads: int | None, overwrite: bool, quiet: 
     total = sum(job.bytes_in for job in plan.jobs)
 
     def layer_done(layer, layers: int) -> None:
-        print_status(f"calibrated layer {layer.index + 1}/{layers} in {layer.seconds:.1f} s, output relative MSE {layer.output_error:.3g}", quiet)
+        error = getattr(layer, "output_error", None)  # an importance matrix quantizes nothing while it runs
+        print_status(f"calibrated layer {layer.index + 1}/{layers} in {layer.seconds:.1f} s" + (f", output relative MSE {error:.3g}" if error is not None else ""), quiet)
 
     spread_out = workers > 1 or executor != "local"  # then each progress call is one shard job done
     with progress("writing" if not measure else "quantizing", total, quiet, count="shard jobs" if spread_out else None) as advance:

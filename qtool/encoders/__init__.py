@@ -5,7 +5,7 @@ kernel) is one entry in `_BACKENDS`.
     backend        writes                                   where
     precomputed    the tensors a calibration stage encoded before the run (`Precomputed`)   any device
     native-int     compressed-tensors pack-quantized int2/4/8 rows (`IntRows`), fused   CPU, float input
-    native-gguf    GGML blocks qtool's C kernels have (Q8_0 ... Q6_K, IQ4_NL)            CPU; any device for the
+    native-gguf    GGML blocks qtool's C kernels have (Q8_0 ... Q6_K, IQ2/3/4 types)     CPU; any device for the
                                                                                           types only they write
     gguf-py        GGML blocks gguf-py's numpy quantizer has (Q8_0, Q4_0 ... Q5_1, MXFP4) any device (values to CPU)
     torch          any safetensors layout's own `encode_tensors`, in row chunks           any device
@@ -68,7 +68,7 @@ def _native_int(layout, job: Job, device: str | None) -> bool:
     return (
         isinstance(encoding, IntRows) and device in (None, "cpu") and native.available() and not weight.quantized
         and weight.data.dtype.name == weight.dtype and tuple(weight.data.shape) == tuple(weight.shape)
-        and encoding.bits in (2, 4, 8) and weight.shape[1] * encoding.bits % 32 == 0
+        and encoding.bits in (2, 3, 4, 8) and weight.shape[1] * encoding.bits % 32 == 0
     )  # fmt: skip
 
 
@@ -85,7 +85,7 @@ def _native_gguf(layout, job: Job, device: str | None) -> bool:
     encoding = job.encoding
     if not isinstance(encoding, GgmlBlocks) or not native.available() or encoding.type not in native.gguf_encode_types():
         return False
-    return device in (None, "cpu") or encoding.type not in NUMPY_TYPES
+    return device in (None, "cpu") or encoding.type not in NUMPY_TYPES or encoding.importance is not None  # gguf-py has no weighted path
 
 
 def _gguf_py(layout, job: Job, device: str | None) -> bool:

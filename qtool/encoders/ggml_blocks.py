@@ -4,7 +4,13 @@ reference quantizers for the K-quants and IQ4_NL), else gguf-py's numpy quantize
 imports torch: the values come as raw bytes, the weight's stored dtype, or float32 for a weight
 that was quantized before (requantizing: the executor decodes it first). Rows holding inf or
 NaN: the K-quants and IQ4_NL encode them as llama.cpp does; the 32-value types go to gguf-py,
-whose bytes are the reference."""
+whose bytes are the reference.
+
+With an importance matrix (`GgmlBlocks.importance`, llama.cpp's `--imatrix`) the native kernels
+run llama.cpp's weighted quantizers (quantize_<type>(..., quant_weights)): one weight per
+column, the same for every row of a 2-D weight, expert e's row for the rows of expert e of a
+3-D one, as llama-quantize hands each expert slice its own. gguf-py has no weighted path, so a
+weight with importance is encoded natively or not at all."""
 
 from __future__ import annotations
 
@@ -33,6 +39,14 @@ class GgmlBlockEncoder:
         self.native = native
         self.takes = "raw"
         self.errors: ErrorStats | None = ErrorStats() if measure else None
+        self.importance = _importance_rows(job)
+        from qtool.errors import UsageError
+        from qtool.native import NEEDS_IMPORTANCE
+
+        if self.importance is not None and not native:
+            raise UsageError(f"{job.weight.name}: quantizing with an importance matrix needs qtool's native kernels (not built, or QTOOL_NATIVE=0)")
+        if self.importance is None and self.gtype.name in NEEDS_IMPORTANCE:
+            raise UsageError(f"{job.weight.name}: {self.gtype.name} needs an importance matrix (llama.cpp quantizes it only with one): give --imatrix")
 
     def encode(self, values) -> Iterator[Piece]:
         job = self.job
@@ -46,13 +60,29 @@ class GgmlBlockEncoder:
         for start in range(0, rows, step):
             count = min(step, rows - start)
             part = memoryview(values)[start * cols * width : (start + count) * cols * width]
-            data = self._encode(part, dtype, count, cols)
+            data = self._encode_rows(part, dtype, start, count, cols, width)
             yield name, data, written
             written += len(data)
 
-    def _encode(self, part, dtype: str, rows: int, cols: int):
+    def _encode_rows(self, part, dtype: str, start: int, rows: int, cols: int, width: int):
+        """Rows [start, start + rows) of the weight, in runs that share their importance weights
+        (one run without an importance matrix or for a 2-D weight; one per expert of a 3-D one)."""
+        if self.importance is None:
+            return self._encode(part, dtype, rows, cols, None)
+        weights, per_expert = self.importance
+        if per_expert is None:
+            return self._encode(part, dtype, rows, cols, weights[0].tobytes())
+        out, row = bytearray(), start
+        while row < start + rows:
+            end = min(start + rows, (row // per_expert + 1) * per_expert)
+            piece = part[(row - start) * cols * width : (end - start) * cols * width]
+            out += self._encode(piece, dtype, end - row, cols, weights[row // per_expert].tobytes())
+            row = end
+        return memoryview(out)
+
+    def _encode(self, part, dtype: str, rows: int, cols: int, importance: bytes | None):
         if self.native:
-            encoded = native.encode_gguf(self.gtype.name, part, dtype, rows, cols)
+            encoded = native.encode_gguf(self.gtype.name, part, dtype, rows, cols, importance)
             if encoded.errors is not None:
                 if self.errors is not None:
                     self.errors = self.errors.merge(encoded.errors)
@@ -85,3 +115,23 @@ class GgmlBlockEncoder:
                 decoded = quants.dequantize(blocks, GGMLQuantizationType[self.gtype.name])
             self.errors.update_numpy(values, decoded)
         return data
+
+
+def _importance_rows(job: Job):
+    """(float32 [groups, columns] array, rows per group or None for one group) from the job's
+    importance: None without one. A 2-D array is one row of weights per expert of a 3-D weight,
+    which holds `shape[-2]` rows per expert."""
+    importance = job.encoding.importance
+    if importance is None:
+        return None
+    import numpy as np
+
+    from qtool.errors import InternalError
+
+    weights = np.ascontiguousarray(importance, dtype="<f4")
+    shape = tuple(job.weight.shape)
+    if weights.ndim == 1 and weights.shape[0] == shape[-1]:
+        return weights.reshape(1, -1), None
+    if weights.ndim == 2 and len(shape) == 3 and weights.shape == (shape[0], shape[-1]):
+        return weights, shape[-2]
+    raise InternalError(f"{job.weight.name}: importance of shape {weights.shape} for a weight of shape {shape}")

@@ -30,6 +30,7 @@ import math
 import mmap
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from qtool.dtypes import DTYPES, StorageDType
@@ -37,7 +38,7 @@ from qtool.errors import CheckpointError
 from qtool.formats.checkpoint import StoredTensor, dims_fit_int64
 from qtool.ggml_types import ggml_type
 
-__all__ = ["read_gguf_file", "read_gguf_key_values", "parse_gguf_prefix", "NeedMore", "GGUF_MAGIC", "MAX_DIMS"]
+__all__ = ["read_gguf_file", "read_gguf_key_values", "parse_gguf_prefix", "NeedMore", "StringArray", "GGUF_MAGIC", "MAX_DIMS"]
 
 GGUF_MAGIC = b"GGUF"
 MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -87,6 +88,9 @@ class _Cursor:
         # Bytes of the file in `buf`: all of it locally; a prefix for a remote file, whose reader
         # fetches more when a read past it raises NeedMore.
         self.available = size if available is None else available
+        # (device, inode, size, mtime_ns) of a local file, so a string array walked once in this
+        # process is not walked again (see _walked); None for a remote prefix
+        self.identity: tuple[int, int, int, int] | None = None
 
     def fail(self, message: str) -> CheckpointError:
         return CheckpointError(message, path=self.path, hint=_HINT)
@@ -115,40 +119,45 @@ class _Cursor:
         if count * least > self.size - self.pos:
             raise self.fail(f"file is cut short: {count} entries of {what} need at least {count * least} bytes, {self.size - self.pos} are left")
 
-    def strings(self, count: int, what: str) -> list[bytes]:
-        """`count` strings, each bounds-checked, in one tight loop (a 49k-token vocabulary in a
-        few tens of ms; a method call per string took a second)."""
-        self.room_for(count, 8, what)
-        buf, size, pos, available = self.buf, self.size, self.pos, self.available
-        unpack_from = struct.unpack_from
-        out = []
-        append = out.append
-        for _ in range(count):
-            if pos + 8 > available:
-                self.pos = pos
-                self.need(8, what)
-            (length,) = unpack_from("<Q", buf, pos)
-            start, pos = pos + 8, pos + 8 + length
-            if pos > available:
-                self.pos = start
-                self.need(length, what)  # names the cut, or asks a remote reader for more
-            append(bytes(buf[start:pos]))
-        self.pos = pos
-        return out
-
     def skip_strings(self, count: int, what: str) -> None:
         self.room_for(count, 8, what)
         buf, size, pos = self.buf, self.size, self.pos
         available = self.available
-        unpack_from = struct.unpack_from
-        for _ in range(count):  # a 150k-entry vocabulary walks in a few tens of ms
-            if pos + 8 > available:
-                self.pos = pos
-                self.need(8, what)
-            pos += 8 + unpack_from("<Q", buf, pos)[0]
+        length_at = _U64.unpack_from
+        walked = None if self.identity is None else (*self.identity, pos, count)
+        if walked is not None and walked in _walked:
+            self.pos = _walked[walked]
+            return
+        past_end = f"file is cut short: {what} runs past the end of the file ({size} bytes)"
+        if available == size:  # all of it at hand: no check per string, the buffer's end is one
+            try:
+                for _ in range(count):  # a 49k-entry vocabulary walks in ~15 ms
+                    pos += 8 + length_at(buf, pos)[0]
+            except struct.error:  # a length before the last one ran past the end
+                raise self.fail(past_end) from None
             if pos > size:
-                raise self.fail(f"file is cut short: {what} runs past the end of the file ({size} bytes)")
+                raise self.fail(past_end)
+        else:
+            for _ in range(count):
+                if pos + 8 > available:
+                    self.pos = pos
+                    self.need(8, what)
+                pos += 8 + length_at(buf, pos)[0]
+                if pos > size:
+                    raise self.fail(past_end)
         self.pos = pos
+        if walked is not None:
+            if len(_walked) >= _WALKED_MAX:
+                _walked.clear()
+            _walked[walked] = pos
+
+    def string_array(self, count: int, what: str) -> "StringArray":
+        """`count` strings as the file stores them, bounds-checked by one walk over their
+        lengths, copied in one slice (a 49k-token vocabulary: one walk, where splitting it into
+        49k bytes objects took four times as long, and packing them again as long once more)."""
+        start = self.pos
+        self.skip_strings(count, what)
+        return StringArray(bytes(self.buf[start : self.pos]), count)
 
     def value(self, kind: int, key: str) -> str:
         """Read one metadata value and return how `inspect` shows it."""
@@ -190,6 +199,61 @@ class _Cursor:
         raise self.fail(f"array {key!r} has invalid GGUF value type {item}")
 
 
+class StringArray(Sequence):
+    """A GGUF array of strings in the file's own encoding: `count` strings, each a u64 length
+    then its bytes, back to back in `raw`. Why: a GGUF requantize writes a tokenizer's 49k-150k
+    strings back unchanged, so they are kept as one bytes object and written as one, and split
+    into items (bytes) only when an item is asked for. Equal to any sequence of the same items."""
+
+    __slots__ = ("raw", "count", "_items")
+
+    def __init__(self, raw: bytes, count: int) -> None:
+        self.raw, self.count, self._items = raw, count, None
+
+    def items(self) -> list[bytes]:
+        if self._items is None:
+            raw, length_at, pos, out = self.raw, _U64.unpack_from, 0, []
+            for _ in range(self.count):
+                start = pos + 8
+                pos = start + length_at(raw, pos)[0]
+                out.append(raw[start:pos])
+            self._items = out
+        return self._items
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index):
+        return self.items()[index]
+
+    def __iter__(self):
+        return iter(self.items())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StringArray):
+            return self.count == other.count and self.raw == other.raw
+        if isinstance(other, Sequence) and not isinstance(other, (str, bytes, bytearray)):
+            return self.items() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, so unhashable as they are
+
+    def __repr__(self) -> str:
+        return f"StringArray({self.count} strings, {len(self.raw)} bytes)"
+
+    def __reduce__(self):
+        return (StringArray, (self.raw, self.count))
+
+
+_U64 = struct.Struct("<Q")
+# (device, inode, size, mtime_ns, offset, count) -> where a string array of a local file ends,
+# for the arrays walked in this process: planning a GGUF requantize reads the header twice (the
+# listing, then the key-values), and a second walk of a 49k-token vocabulary and its merges cost
+# as much as the first. Another version of the file has another key.
+_walked: dict[tuple[int, ...], int] = {}
+_WALKED_MAX = 64
+
+
 def _show_scalar(kind: int, value) -> str:
     if kind == 7:
         return "true" if value else "false"
@@ -221,12 +285,19 @@ def read_gguf_file(path: str) -> tuple[list[StoredTensor], dict[str, str]]:
             raise CheckpointError("file is empty (0 bytes)", path=path, hint=_HINT)
         with open(path, "rb") as handle:
             mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+            identity = _identity(os.fstat(handle.fileno()))
     except OSError as exc:
         raise CheckpointError(f"cannot read: {exc.strerror or exc}", path=path) from None
     try:
-        return _parse(_Cursor(mapped, size, path))
+        cur = _Cursor(mapped, size, path)
+        cur.identity = identity if identity[2] == size else None
+        return _parse(cur)
     finally:
         mapped.close()
+
+
+def _identity(info: os.stat_result) -> tuple[int, int, int, int]:
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
 
 
 # GGUF value type id -> gguf-py's GGUFValueType name, which the GGUF layout writes back
@@ -250,17 +321,20 @@ def _cached_key_values(path: str, *identity: int) -> list[tuple[str, object, str
 
 def _read_key_values(path: str) -> list[tuple[str, object, str]]:
     """Every key-value of a GGUF file, in order, with its exact type, for writing them back:
-    (key, value, type name) with strings as their bytes, and arrays as lists whose type reads
-    "ARRAY:<element type>". The same bounds-checked cursor as the listing (a 32k vocabulary in
-    tens of ms, where gguf-py's reader takes seconds). Nested arrays, which llama.cpp refuses,
+    (key, value, type name) with strings as their bytes, arrays of numbers as lists and arrays
+    of strings as a `StringArray`, whose type reads "ARRAY:<element type>". The same
+    bounds-checked cursor as the listing (a 32k vocabulary in tens of ms, where gguf-py's
+    reader takes seconds). Nested arrays, which llama.cpp refuses,
     raise a CheckpointError saying so."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as handle:
             mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+            identity = _identity(os.fstat(handle.fileno()))
     except OSError as exc:
         raise CheckpointError(f"cannot read: {exc.strerror or exc}", path=path) from None
     cur = _Cursor(mapped, size, path)
+    cur.identity = identity if identity[2] == size else None
     try:
         if size < 4 or mapped[:4] != GGUF_MAGIC:
             raise cur.fail("not a GGUF file (bad magic)")
@@ -300,7 +374,7 @@ def _typed_value(cur: _Cursor, kind: int, key: str) -> tuple[object, str]:
         start = cur.need(struct.calcsize(fmt) * count, what)
         return list(struct.unpack_from(f"<{count}{fmt[1]}", cur.buf, start)), f"ARRAY:{_VALUE_TYPE_NAMES[item]}"
     if item == _STRING:
-        return cur.strings(count, what), "ARRAY:STRING"
+        return cur.string_array(count, what), "ARRAY:STRING"
     if item == _ARRAY:
         raise CheckpointError(
             f"key {key} holds arrays of arrays, which qtool does not copy (llama.cpp does not read them either)",

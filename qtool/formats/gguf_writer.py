@@ -22,7 +22,7 @@ import struct
 from typing import Any, Sequence
 
 from qtool.errors import CheckpointError
-from qtool.formats.gguf import _SCALARS, _VALUE_TYPE_NAMES, DEFAULT_ALIGNMENT, GGUF_MAGIC
+from qtool.formats.gguf import _SCALARS, _VALUE_TYPE_NAMES, DEFAULT_ALIGNMENT, GGUF_MAGIC, StringArray
 from qtool.ggml_types import ggml_type_named
 
 __all__ = ["gguf_header", "HeaderTensor", "Entry"]
@@ -90,6 +90,8 @@ def _value(key: str, value: Any, kind: str) -> bytes:
     if item_id is None or item_id == _ARRAY:
         raise CheckpointError(f"metadata {key!r}: arrays of {inner!r} are not written (llama.cpp refuses nested arrays)")
     head = struct.pack("<IIQ", _ARRAY, item_id, len(value))
+    if item_id == _STRING and isinstance(value, StringArray):  # an input's, unchanged: its bytes
+        return head + value.raw
     if item_id == _STRING:
         return head + b"".join(_string(item) for item in value)
     fmt = _SCALARS[item_id][1]

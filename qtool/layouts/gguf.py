@@ -24,6 +24,10 @@ is written again in its order with its exact value type (arrays with their eleme
 tensors in their order; `general.file_type`, `general.quantization_version` and
 `general.quantized_by` are set, and the split keys dropped, as llama-quantize does.
 `general.alignment` is kept and obeyed.
+
+With an importance matrix (`PlanOptions.imatrix`) each quantized tensor's `GgmlBlocks` carries
+its entry's importance, matched as llama-quantize matches them (`qtool.llamacpp.importance`),
+and the output records the file in `quantize.imatrix.*`.
 """
 
 from __future__ import annotations
@@ -103,6 +107,7 @@ class Gguf:
     def plan(self, source: Checkpoint, weights: list[Weight], chosen: Chosen, options: PlanOptions) -> Plan:
         """Every GGUF tensor and metadata entry to write. Raises for the first weight that
         cannot be written, before anything is."""
+        from qtool.llamacpp.importance import attach_importance, imatrix_metadata
         from qtool.llamacpp.model import model_entries
         from qtool.llamacpp.names import tensor_names
 
@@ -146,6 +151,8 @@ class Gguf:
                     raise SchemeError(f"{weight.name}: {weight.shape[0] if weight.shape else 0} rows do not split into {rotary.heads} attention heads", hint="check num_attention_heads in config.json")
                 job.transform = rotary
             jobs.append(job)
+        # with --calibrate the importance comes after planning (calibration.imatrix.apply_request)
+        imatrix_notes = [] if options.imatrix_pending else attach_importance(jobs, options.imatrix, chosen.mix)
         for job in jobs:
             if not encoders.can_encode(self, job):
                 raise SchemeError(
@@ -153,8 +160,9 @@ class Gguf:
                     hint="build the C extension (pip install -e . or python setup.py build_ext --inplace), or pick q8_0/q4_0/q4_1/q5_0/q5_1",
                 )
         entries = input_entries if gguf_input else model
-        metadata = (None if gguf_input else names.arch, _stamped(entries, jobs, chosen.mix))
-        return Plan(source, self, jobs, [options.file_name], metadata, None, names.notes + list(chosen.notes))
+        recorded = imatrix_metadata(options.imatrix, options.imatrix_name) if options.imatrix is not None else []
+        metadata = (None if gguf_input else names.arch, _stamped(entries, jobs, chosen.mix, recorded))
+        return Plan(source, self, jobs, [options.file_name], metadata, None, names.notes + list(chosen.notes) + imatrix_notes)
 
     def side_files(self, plan: Plan) -> dict[str, Any]:
         return {}
@@ -240,10 +248,11 @@ def _job_for_type(weight: Weight, out_name: str, gguf_type: str, gguf_input: boo
     return _quantize_job(weight, out_name, gguf_type, scheme)
 
 
-def _stamped(entries: list[tuple[str, Any, str]], jobs: list[Job], mix: str | None) -> list[tuple[str, Any, str]]:
+def _stamped(entries: list[tuple[str, Any, str]], jobs: list[Job], mix: str | None, recorded: list[tuple[str, Any, str]] = ()) -> list[tuple[str, Any, str]]:
     """The entries with general.file_type (the mix's, or the commonest type's),
     general.quantization_version and general.quantized_by set in place (added at the end when
-    absent), and llama.cpp's split keys dropped."""
+    absent), and llama.cpp's split keys dropped; then `recorded` (an imatrix's quantize.imatrix.*
+    keys) at the end, replacing any of the same name, as llama-quantize's kv overrides do."""
     from qtool.ggml_types import GGML_QUANT_VERSION, LLAMA_FTYPES
     from qtool.llamacpp.mixes import MIXES
     from qtool.version import __version__
@@ -254,13 +263,14 @@ def _stamped(entries: list[tuple[str, Any, str]], jobs: list[Job], mix: str | No
         "general.quantized_by": (f"qtool {__version__}", "STRING"),
     }
     out = []
+    replaced = {key for key, _, _ in recorded}
     for key, value, kind in entries:
-        if key in _SPLIT_KEYS:
+        if key in _SPLIT_KEYS or key in replaced:
             continue
         if key in stamps:
             value, kind = stamps.pop(key)
         out.append((key, value, kind))
-    return out + [(key, value, kind) for key, (value, kind) in stamps.items()]
+    return out + [(key, value, kind) for key, (value, kind) in stamps.items()] + list(recorded)
 
 
 def _input_metadata(source: Checkpoint) -> list[tuple[str, Any, str]]:

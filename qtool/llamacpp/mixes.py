@@ -19,7 +19,10 @@ What decides a tensor's type:
 - the model: `{arch}.block_count` (the `ffn_down` layer count), heads over kv heads (GQA), the
   expert count (8 experts: attn_v and attn_k in Q8_0), Falcon, and LLaMA-70B's shape;
 - a row whose length is not a multiple of the block: Q2_K and Q3_K fall back to Q4_0, Q4_K to
-  Q5_0, Q5_K to Q5_1, Q6_K to Q8_0, and a 32-block type that still does not fit to F16.
+  Q5_0, Q5_K to Q5_1, Q6_K to Q8_0, the 256-value IQ types to IQ4_NL, and a 32-block type that
+  still does not fit to F16;
+- whether an importance matrix is given (`has_imatrix`): without one IQ4_XS promotes the first
+  eighth of `ffn_down` to Q5_K; with one Q4_0 gives them Q4_1 instead.
 
 llama.cpp counts `attn_v` tensors and `ffn_down` layers in its own order (by layer number, then
 by name), not in file order; so does `choose_types`.
@@ -50,6 +53,7 @@ __all__ = [
     "allows_quantization",
     "choose_types",
     "fallback_type",
+    "requires_imatrix",
     "FLOAT_TYPES",
 ]
 
@@ -68,16 +72,18 @@ class Mix:
     default_type: str
     pure: bool
     nominal: str
+    imatrix: bool = False  # llama-quantize makes it only with an importance matrix
 
     @property
     def description(self) -> str:
         if self.pure:
             return f"llama.cpp file type, pure: every tensor llama.cpp quantizes in {self.default_type} (row fallbacks), like llama-quantize --pure"
-        return f"llama.cpp's {self.name} mix: {self.default_type} with llama.cpp's per-tensor promotions ({self.nominal})"
+        needs = "; only with an importance matrix (--imatrix or --calibrate)" if self.imatrix else ""
+        return f"llama.cpp's {self.name} mix: {self.default_type} with llama.cpp's per-tensor promotions ({self.nominal}){needs}"
 
 
-def _mix(name: str, ftype: str, default: str, nominal: str, pure: bool = False) -> Mix:
-    return Mix(name, ftype, default, pure, nominal)
+def _mix(name: str, ftype: str, default: str, nominal: str, pure: bool = False, imatrix: bool = False) -> Mix:
+    return Mix(name, ftype, default, pure, nominal, imatrix)
 
 
 # name -> mix, in llama-quantize's order. Figures: llama-quantize's own (tools/quantize/quantize.cpp).
@@ -95,6 +101,15 @@ MIXES: dict[str, Mix] = {
         _mix("Q6_K", "MOSTLY_Q6_K", "Q6_K", "6.14G, +0.0217 ppl @ Llama-3-8B"),
         _mix("Q8_0", "MOSTLY_Q8_0", "Q8_0", "7.96G, +0.0026 ppl @ Llama-3-8B"),
         _mix("Q4_0", "MOSTLY_Q4_0", "Q4_0", "4.34G, +0.4685 ppl @ Llama-3-8B"),
+        _mix("IQ4_XS", "MOSTLY_IQ4_XS", "IQ4_XS", "4.25 bpw non-linear quantization"),
+        _mix("IQ3_S", "MOSTLY_IQ3_S", "IQ3_S", "3.44 bpw quantization"),
+        _mix("IQ3_M", "MOSTLY_IQ3_M", "IQ3_S", "3.66 bpw quantization mix"),
+        # llama-quantize makes these only with an importance matrix (--imatrix)
+        _mix("IQ3_XXS", "MOSTLY_IQ3_XXS", "IQ3_XXS", "3.06 bpw quantization", imatrix=True),
+        _mix("IQ2_M", "MOSTLY_IQ2_M", "IQ2_S", "2.7 bpw quantization", imatrix=True),
+        _mix("IQ2_S", "MOSTLY_IQ2_S", "IQ2_XS", "2.5 bpw quantization", imatrix=True),
+        _mix("IQ2_XS", "MOSTLY_IQ2_XS", "IQ2_XS", "2.31 bpw quantization", imatrix=True),
+        _mix("IQ2_XXS", "MOSTLY_IQ2_XXS", "IQ2_XXS", "2.06 bpw quantization", imatrix=True),
         # pure: llama-quantize --pure with the _M file type, whose default type this is
         _mix("Q3_K", "MOSTLY_Q3_K_M", "Q3_K", "", pure=True),
         _mix("Q4_K", "MOSTLY_Q4_K_M", "Q4_K", "", pure=True),
@@ -265,12 +280,18 @@ def block_size(gguf_type: str) -> int:
     return ggml_type_named(gguf_type).block_size
 
 
+_IQ2_MIXES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M")  # llama.cpp's IQ1_S, IQ1_M share their rules (not offered)
+_IQ_256 = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS")
+
+
 def fallback_type(cols: int, target: str) -> tuple[str, bool]:
     """`tensor_type_fallback`: the type a row of `cols` values can take instead of `target`,
     and whether a fallback happened."""
     if cols % block_size(target) == 0:
         return target, False
-    demoted = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}.get(target, target)
+    demoted = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "TQ1_0": "Q4_0", "TQ2_0": "Q4_0"}.get(target, target)
+    if target in _IQ_256:
+        demoted = "IQ4_NL"
     if block_size(demoted) > 32:
         raise CheckpointError(f"llama.cpp defines no fallback for {target} when rows are not a multiple of {block_size(target)}")
     if cols % block_size(demoted):
@@ -281,8 +302,9 @@ def fallback_type(cols: int, target: str) -> tuple[str, bool]:
 class _State:
     """llama.cpp's quantize_state_impl counters for one model."""
 
-    def __init__(self, facts: ModelFacts, n_attention_wv: int, tied: bool) -> None:
+    def __init__(self, facts: ModelFacts, n_attention_wv: int, tied: bool, has_imatrix: bool = False) -> None:
         self.facts = facts
+        self.has_imatrix = has_imatrix  # qs.has_imatrix: llama-quantize was given an importance matrix
         self.n_attention_wv = n_attention_wv
         self.n_ffn = facts.n_layer  # n_ffn_down = n_ffn_gate = n_ffn_up = n_layer_all
         self.i_attention_wv = self.i_ffn_down = self.i_ffn_gate = self.i_ffn_up = 0
@@ -313,8 +335,27 @@ def _mixed_type(state: _State, mix: Mix, new: str, tensor: MixTensor, cat: str) 
         cols = tensor.shape[-1]
         if falcon or cols % block_size(new):
             return "Q8_0"
+        if ftype in _IQ2_MIXES or ftype == "IQ3_XXS":
+            return "Q5_K"
         return new if new == "Q8_0" else "Q6_K"
     if cat == TOKEN_EMBD:
+        return {"IQ2_XXS": "Q2_K", "IQ2_XS": "Q2_K", "IQ2_S": "IQ3_S", "IQ2_M": "IQ3_S", "IQ3_XXS": "IQ3_S"}.get(ftype, new)
+    if ftype in _IQ2_MIXES:  # one branch for every other tensor of these mixes
+        iq3_s = ftype in ("IQ2_S", "IQ2_M")
+        if cat in _ATTN_V_LIKE:
+            new = "Q4_K" if facts.n_gqa >= 4 or facts.n_expert >= 4 else "IQ3_S" if iq3_s else "Q2_K"
+            state.i_attention_wv += 1
+        elif facts.n_expert == 8 and cat == ATTN_K:
+            new = "Q4_K"
+        elif cat == FFN_DOWN:  # the running counter, even with experts
+            if state.i_ffn_down < _cdiv(state.n_ffn, 8):
+                new = "IQ3_S" if iq3_s else "Q2_K"
+            state.i_ffn_down += 1
+        elif cat == ATTN_OUTPUT:
+            if facts.n_expert == 8:
+                new = "Q5_K"
+            elif iq3_s:
+                new = "IQ3_S"
         return new
     if cat in _ATTN_V_LIKE:
         i, n = state.i_attention_wv, state.n_attention_wv
@@ -328,6 +369,14 @@ def _mixed_type(state: _State, mix: Mix, new: str, tensor: MixTensor, cat: str) 
             new = "Q6_K"
         elif ftype == "Q4_K_S" and i < 4:
             new = "Q5_K"
+        elif ftype == "IQ3_S" and facts.n_gqa >= 4:
+            new = "Q4_K"
+        elif ftype == "IQ3_M":
+            new = "Q4_K"
+        elif ftype == "IQ4_XS" and facts.n_gqa >= 4:
+            new = "Q5_K"
+        elif ftype == "IQ3_XXS":
+            new = "Q4_K" if facts.n_gqa >= 4 else "IQ3_XXS" if state.has_imatrix else "IQ3_S"
         if facts.is_70b and new in ("Q3_K", "Q4_K"):
             new = "Q5_K"
         if facts.n_expert == 8:
@@ -335,7 +384,9 @@ def _mixed_type(state: _State, mix: Mix, new: str, tensor: MixTensor, cat: str) 
         state.i_attention_wv += 1
         return new
     if cat == ATTN_K:
-        return "Q8_0" if facts.n_expert == 8 else new
+        return "Q8_0" if facts.n_expert == 8 else "IQ2_S" if ftype == "IQ3_XXS" else new
+    if cat == ATTN_Q:
+        return "IQ2_S" if ftype == "IQ3_XXS" else new
     if cat == FFN_DOWN:
         i_layer, n_layer = state.layer(state.i_ffn_down, name)
         eighth = _cdiv(n_layer, 8)
@@ -354,15 +405,23 @@ def _mixed_type(state: _State, mix: Mix, new: str, tensor: MixTensor, cat: str) 
             new = "Q6_K"
         elif ftype == "Q4_K_S" and not falcon and i_layer < eighth:
             new = "Q5_K"
+        elif ftype in ("Q4_0", "Q5_0") and state.has_imatrix and i_layer < eighth:
+            new = "Q4_1" if ftype == "Q4_0" else "Q5_1"  # llama.cpp's guard, only with an imatrix
+        elif ftype == "IQ3_M" and (i_layer < eighth or (facts.n_expert == 8 and use_more_bits(i_layer, n_layer))):
+            new = "Q4_K"
+        elif ftype == "IQ4_XS" and i_layer < eighth and not state.has_imatrix:
+            new = "Q5_K"
+        elif ftype == "IQ3_XXS" and not state.has_imatrix:
+            new = "Q4_K" if i_layer < eighth else "Q3_K"
         state.i_ffn_down += 1
         return new
     if cat == ATTN_OUTPUT:
         if not falcon:
             if facts.n_expert == 8:
-                if ftype in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M"):
+                if ftype in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", "IQ3_S", "IQ3_M", "IQ4_XS", "IQ3_XXS"):
                     new = "Q5_K"
             else:
-                new = {"Q2_K": "Q3_K", "Q3_K_M": "Q4_K", "Q3_K_L": "Q5_K"}.get(ftype, new)
+                new = {"Q2_K": "Q3_K", "Q3_K_M": "Q4_K", "Q3_K_L": "Q5_K", "IQ3_M": "Q4_K", "IQ3_XXS": "IQ3_S"}.get(ftype, new)
         elif ftype == "Q3_K_L":
             new = "Q4_K"
         return new
@@ -375,13 +434,14 @@ def _mixed_type(state: _State, mix: Mix, new: str, tensor: MixTensor, cat: str) 
     return new
 
 
-def choose_types(mix: Mix, tensors: list[MixTensor], facts: ModelFacts) -> dict[str, Choice]:
+def choose_types(mix: Mix, tensors: list[MixTensor], facts: ModelFacts, *, has_imatrix: bool = False) -> dict[str, Choice]:
     """Every tensor's type under `mix`, keyed by name: what `llama_tensor_get_type` gives, in
     llama.cpp's walking order (the counters depend on it). A tensor llama.cpp does not quantize,
-    or that is not a candidate, keeps its type."""
+    or that is not a candidate, keeps its type. `has_imatrix`: an importance matrix was given
+    (some rules differ: Q4_0's first ffn_down layers in Q4_1)."""
     by_name = {t.name: t for t in tensors}
     cats = {t.name: category(t.name) for t in tensors}
-    state = _State(facts, sum(1 for c in cats.values() if c in _ATTN_V_LIKE), tied=OUTPUT not in cats.values())
+    state = _State(facts, sum(1 for c in cats.values() if c in _ATTN_V_LIKE), tied=OUTPUT not in cats.values(), has_imatrix=has_imatrix)
     chosen: dict[str, Choice] = {}
     for name in llama_order(by_name):
         tensor = by_name[name]
@@ -402,6 +462,17 @@ def choose_types(mix: Mix, tensors: list[MixTensor], facts: ModelFacts) -> dict[
     return {t.name: chosen[t.name] for t in tensors}
 
 
+_NEEDS_IMATRIX = ("IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_M", "IQ1_S")
+
+
+def requires_imatrix(name: str, gguf_type: str, mix: str | None) -> bool:
+    """llama.cpp's `tensor_requires_imatrix`: the types whose output is garbage without one
+    (IQ1, IQ2, IQ3_XXS; Q2_K only in a Q2_K_S file), never for token_embd or output."""
+    if name in ("token_embd.weight", "per_layer_token_embd.weight", "output.weight"):
+        return False
+    return gguf_type in _NEEDS_IMATRIX or (gguf_type == "Q2_K" and mix == "Q2_K_S")
+
+
 def bits_per_weight_on_llama3_8b(mix: Mix) -> float:
     """The mix's storage bits per weight on Llama-3-8B's tensor shapes (BF16 input, 32 layers,
     GQA 4, vocabulary 128256, untied output): the figure `qtool schemes` shows, worked out from
@@ -415,7 +486,7 @@ def bits_per_weight_on_llama3_8b(mix: Mix) -> float:
         ):  # fmt: skip
             shapes[f"blk.{i}.{name}.weight"] = shape
     tensors = [MixTensor(name, shape, "BF16" if len(shape) == 2 else "F32") for name, shape in shapes.items()]
-    chosen = choose_types(mix, tensors, ModelFacts("llama", layers, 32, 8))
+    chosen = choose_types(mix, tensors, ModelFacts("llama", layers, 32, 8), has_imatrix=mix.imatrix)
     values = bits = 0
     for tensor in tensors:
         count = math.prod(tensor.shape)

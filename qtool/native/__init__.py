@@ -19,10 +19,14 @@ callers use torch. QTOOL_NATIVE=0 turns it off, to compare the two paths or to d
                     qtool.error_measures.ErrorStats
     decode_int      the reverse, to bf16 / f16 / f32
     decode_gguf     GGUF blocks (the types in `gguf_types()`) to bf16 / f16 / f32
+    sum_squares     sum x^2 of bf16 / f16 / f32 values in float64: the signal of a weight
+                    copied unchanged, for the report, without numpy
     encode_gguf     bf16 / f16 / f32 rows to GGUF blocks (the types in `gguf_encode_types()`),
                     byte for byte gguf.quants.quantize (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, which
                     are llama.cpp's bytes too) or llama.cpp's reference quantizers (Q2_K..Q6_K,
                     IQ4_NL, which gguf-py cannot encode), with the error sums of ErrorStats
+    gptq_sweep      GPTQ's column sweep inside one block, row by row (qtool.calibration.gptq),
+                    on float32 torch tensors' memory: bit for bit the torch sweep
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from qtool.dtypes import storage_dtype
 from qtool.error_measures import ErrorStats
 from qtool.errors import KernelError
 
-__all__ = ["available", "encode_int", "decode_int", "decode_gguf", "gguf_types", "encode_gguf", "gguf_encode_types", "EncodedBlocks", "set_threads", "threads"]
+__all__ = ["available", "gptq_sweep", "encode_int", "decode_int", "decode_gguf", "gguf_types", "encode_gguf", "gguf_encode_types", "EncodedBlocks", "set_threads", "threads", "sum_squares"]
 
 try:
     from qtool.native import _kernels
@@ -98,6 +102,38 @@ def _run(function, ranges: list[tuple[int, int]], *args) -> list:
     return [f.result() for f in futures]
 
 
+def _memory(tensor):
+    """A writable buffer over a contiguous CPU tensor's bytes (no numpy): the tensor must outlive it."""
+    import ctypes
+
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise KernelError(f"native kernels need contiguous CPU tensors, got {tensor.device.type} {'contiguous' if tensor.is_contiguous() else 'strided'}")
+    return (ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr())
+
+
+def gptq_sweep(w, u, scale, zero_point, gidx, bits: int, codes, errors, col0: int, col1: int) -> None:
+    """GPTQ's sweep of columns [col0, col1) of a block, in place: `w` float32 [rows, b] (the
+    block, updated), `u` float32 [b, b] (its part of the upper Cholesky factor of H^-1),
+    `scale` / `zero_point` (or None) float32 [rows, groups], `gidx` int32 [b] (each column's
+    group), `codes` int8 and `errors` float32 [rows, b] filled for those columns. Rows are split
+    over the kernels' threads."""
+    import torch
+
+    rows, b = w.shape
+    for name, tensor, dtype in (("w", w, torch.float32), ("u", u, torch.float32), ("scale", scale, torch.float32), ("gidx", gidx, torch.int32), ("codes", codes, torch.int8), ("errors", errors, torch.float32)):
+        if tensor.dtype != dtype:
+            raise KernelError(f"gptq_sweep: {name} is {tensor.dtype}, not {dtype}")
+    if zero_point is not None and zero_point.dtype != torch.float32:
+        raise KernelError(f"gptq_sweep: zero_point is {zero_point.dtype}, not torch.float32")
+    if tuple(u.shape) != (b, b) or scale.shape[0] != rows or tuple(codes.shape) != (rows, b) or tuple(errors.shape) != (rows, b) or gidx.numel() != b:
+        raise KernelError(f"gptq_sweep: shapes disagree: w {list(w.shape)}, u {list(u.shape)}, scale {list(scale.shape)}, codes {list(codes.shape)}, errors {list(errors.shape)}, gidx {gidx.numel()}")
+    if zero_point is not None and zero_point.shape != scale.shape:
+        raise KernelError(f"gptq_sweep: zero_point {list(zero_point.shape)} and scale {list(scale.shape)} disagree")
+    zp = None if zero_point is None else _memory(zero_point)
+    buffers = (_memory(w), _memory(u), b, _memory(scale), zp, _memory(gidx), scale.shape[1], bits, _memory(codes), _memory(errors), col0, col1)
+    _run(_kernels.gptq_sweep, _split(rows), *buffers)
+
+
 @dataclass
 class Encoded:
     packed: memoryview  # rows x cols*bits/8 bytes: int32 words, LSB-first fields
@@ -144,7 +180,23 @@ def decode_gguf(type_name: str, src, blocks: int, block_size: int, out_dtype: st
     return out
 
 
-_GGML_NAMES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "MXFP4", "NVFP4", "IQ4_NL")
+SUM_SLICE = 1 << 15  # error_measures' slice: the float64 partial sums are added in this order
+
+
+def sum_squares(src, dtype: str, count: int) -> float:
+    """sum x^2 (float64) over the `count` values of `dtype` in `src`: each slice of SUM_SLICE
+    values summed in C, the slice sums added here in order (whatever the thread count)."""
+    slices = -(-count // SUM_SLICE)
+    out = allocate(slices * 8)
+    if slices:
+        _run(_kernels.sum_squares, _split(slices), src, DTYPE_CODES[dtype], count, SUM_SLICE, out)
+    total = 0.0
+    for part in out.cast("d"):
+        total += part
+    return total
+
+
+_GGML_NAMES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "MXFP4", "NVFP4", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S")
 _gguf_types: frozenset[str] | None = None
 
 
@@ -164,7 +216,9 @@ def gguf_types() -> frozenset[str]:
 
 
 # encoded by llama.cpp's reference quantizers (kquant_encode.c), rows with inf or NaN included
-_LLAMA_CPP_ENCODERS = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"})
+_LLAMA_CPP_ENCODERS = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S"})
+# quantized only with importance weights (llama.cpp asserts it has them)
+NEEDS_IMPORTANCE = frozenset({"IQ2_XXS", "IQ2_XS"})
 
 
 @dataclass
@@ -178,11 +232,16 @@ class EncodedBlocks:
     complete: bool = True
 
 
-def encode_gguf(type_name: str, src, dtype: str, rows: int, cols: int) -> EncodedBlocks:
+def encode_gguf(type_name: str, src, dtype: str, rows: int, cols: int, importance=None) -> EncodedBlocks:
     """`rows` rows of `cols` values (row-major `dtype` bytes in `src`) as GGUF `type_name`
     blocks: byte for byte what gguf.quants.quantize makes of them widened to float32 for the
-    32-value types, and what llama.cpp's quantize_row_*_ref (quantize_iq4_nl for IQ4_NL) make
-    of them, without an importance matrix, for the K-quants and IQ4_NL.
+    32-value types, and what llama.cpp's quantize_row_*_ref (quantize_iq4_nl, quantize_iq4_xs
+    for IQ4_NL, IQ4_XS) make of them, without an importance matrix, for the K-quants and IQ4.
+
+    `importance`: float32 bytes (or any buffer) of `cols` weights, one per column, the same for
+    every row: llama.cpp's `quant_weights`. Then every type but Q8_0 (which llama.cpp quantizes
+    without them) takes llama.cpp's weighted path (quantize_<type>(..., quant_weights)), and its
+    bytes, rows with inf or NaN included.
 
     Checked here before anything is allocated (the kernel checks again), so a bad size is a
     KernelError (a ValueError) and never a huge allocation."""
@@ -198,10 +257,15 @@ def encode_gguf(type_name: str, src, dtype: str, rows: int, cols: int) -> Encode
     have = memoryview(src).nbytes
     if have < need:
         raise KernelError(f"encode_gguf src holds {have} bytes, needs {need}")
+    if importance is None and type_name in NEEDS_IMPORTANCE:
+        raise KernelError(f"encode_gguf: {type_name} needs importance weights (llama.cpp quantizes it only with an imatrix)")
+    if importance is not None and memoryview(importance).nbytes != 4 * cols:
+        raise KernelError(f"encode_gguf: importance holds {memoryview(importance).nbytes} bytes, needs {4 * cols} (one float32 per column)")
     data = allocate(rows * (cols // block_size) * type_size)
-    parts = _run(_kernels.encode_gguf, _split(rows), type_name, src, DTYPE_CODES[dtype], cols, data)
+    kernel = _kernels.encode_gguf if importance is None else (lambda *args: _kernels.encode_gguf(*args, importance))
+    parts = _run(kernel, _split(rows), type_name, src, DTYPE_CODES[dtype], cols, data)
     if not all(part[4] for part in parts):
-        return EncodedBlocks(data, None, complete=type_name in _LLAMA_CPP_ENCODERS)
+        return EncodedBlocks(data, None, complete=type_name in _LLAMA_CPP_ENCODERS or (importance is not None and type_name != "Q8_0"))
     xx, xe, ee = (sum(part[i] for part in parts) for i in range(3))
     # a scale past float16's range decodes to inf, and inf * 0 to NaN: NaN wins whatever the split
     max_abs = math.nan if any(math.isnan(part[3]) for part in parts) else max(part[3] for part in parts)

@@ -323,14 +323,17 @@ def replay(folders: list[Path], workdir: Path, limits: Limits | None = None, job
 
 def _expected(folder: Path, result: Result) -> str:
     """A handmade case may say more than "accepted": `expect.outcome` (exit 0 is no success
-    when the run should refuse) and `expect.stderr` (the exact stderr lines, e.g. one warning
-    and no numpy RuntimeWarning). A miss is the outcome "unexpected"."""
+    when the run should refuse), `expect.stderr` (the exact stderr lines, e.g. one warning
+    and no numpy RuntimeWarning) and `expect.max_line` (no stderr line longer: a giant name
+    cut in messages). A miss is the outcome "unexpected"."""
     expect = json.loads((folder / "case.json").read_text()).get("expect")
     if not expect or result.outcome not in ACCEPTED:
         return result.outcome
     if "outcome" in expect and result.outcome != expect["outcome"]:
         return "unexpected"
     if "stderr" in expect and result.stderr.splitlines() != expect["stderr"]:
+        return "unexpected"
+    if "max_line" in expect and any(len(line) > expect["max_line"] for line in result.stderr.splitlines()):
         return "unexpected"
     return result.outcome
 

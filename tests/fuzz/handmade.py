@@ -19,6 +19,14 @@ Issue 18 (#4-#7):
   non-finite inputs, encoded and reported.
 - side_json/handmade-side-swap-*: a model folder whose vocab.json becomes a link out of the
   folder, a FIFO or /dev/zero once merges.txt is copied (runner._swap_during_copy).
+
+Issue 18 (#8), giant names: every stderr line at most `expect.max_line` characters.
+
+- gguf/handmade-giant-name-*: a tensor name that swallowed the tensor table (its length field
+  covers the next tensor's info and runs on), through `inspect` and `quantize`; and a 16 KB
+  name that is otherwise valid, refused by `quantize` (GGUF names are at most 63 bytes).
+- safetensors/handmade-giant-name-*: a 16 KB tensor name with an unknown dtype, and with a
+  shape its bytes do not fill.
 """
 
 from __future__ import annotations
@@ -95,6 +103,41 @@ def gguf_holding(path: Path, value: float) -> None:
     writer.close()
 
 
+GIANT = "blk.0.attn_q.weight" + "X" * 16_000  # 16 KB: what a name that swallowed a table echoes
+MAX_LINE = 600  # a message line with a name cut to message_text.NAME_LIMIT (200) and its text
+
+
+def gguf_named(path: Path, names: list[str]) -> None:
+    """A GGUF with one 4x32 F32 tensor under each name."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    for name in names:
+        writer.add_tensor(name, np.ones((4, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def gguf_name_swallowing_the_table(path: Path) -> None:
+    """Two tensors; the first name's length grown by 16,000, so it reads the second tensor's
+    info, the padding and the data as its own bytes, and the table after it is garbage."""
+    gguf_named(path, ["blk.0.attn_q.weight", "blk.0.attn_k.weight"])
+    raw = bytearray(path.read_bytes())
+    name = b"blk.0.attn_q.weight"
+    at = raw.index(struct.pack("<Q", len(name)) + name)
+    raw[at : at + 8] = struct.pack("<Q", len(name) + 16_000)
+    path.write_bytes(bytes(raw) + b"Y" * 20_000)  # the grown name is inside the file
+
+
+def safetensors_named(name: str, dtype: str, shape: list[int], nbytes: int) -> bytes:
+    header = json.dumps({name: {"dtype": dtype, "shape": shape, "data_offsets": [0, nbytes]}}).encode()
+    return struct.pack("<Q", len(header)) + header + bytes(nbytes)
+
+
 def side_swap_model() -> dict[str, bytes]:
     """A llama folder with one 8x128 weight, merges.txt and vocab.json: the files of a swap case."""
     import numpy as np
@@ -148,6 +191,20 @@ def write_all(regressions: Path) -> list[Path]:
             name = f"handmade-{label}-{scheme.lower()}"
             cases.append(("gguf", name, "model.gguf", argv, f"{label}.gguf", f"{label} weight at {scheme}", "encoders"))
             expect[name] = wanted
+        gguf_name_swallowing_the_table(scratch / "swallowed.gguf")
+        gguf_named(scratch / "giant.gguf", [GIANT])
+        (scratch / "giant-dtype.safetensors").write_bytes(safetensors_named(GIANT, "F99", [2], 8))
+        (scratch / "giant-short.safetensors").write_bytes(safetensors_named(GIANT, "F32", [4], 8))
+        giant = {"outcome": "exit2-one-line", "max_line": MAX_LINE}
+        for container, name, target, argv, source, what in (
+            ("gguf", "handmade-giant-name-swallowed-table-inspect", "model.gguf", ["inspect", "{in}"], "swallowed.gguf", "a tensor name that swallowed the tensor table"),
+            ("gguf", "handmade-giant-name-swallowed-table-quantize", "model.gguf", ["quantize", "{in}", "-o", "{out}.gguf", "--scheme", "Q8_0", "-q"], "swallowed.gguf", "a tensor name that swallowed the tensor table, quantized"),
+            ("gguf", "handmade-giant-name-quantize", "model.gguf", ["quantize", "{in}", "-o", "{out}.gguf", "--scheme", "Q8_0", "-q"], "giant.gguf", "a 16 KB tensor name, quantized to GGUF"),
+            ("safetensors", "handmade-giant-name-dtype", "model.safetensors", ["inspect", "{in}"], "giant-dtype.safetensors", "a 16 KB tensor name with an unknown dtype"),
+            ("safetensors", "handmade-giant-name-short", "model.safetensors", ["quantize", "{in}", "-o", "{out}", "--scheme", "int8", "-q"], "giant-short.safetensors", "a 16 KB tensor name whose bytes are short"),
+        ):
+            cases.append((container, name, target, argv, source, what, "messages"))
+            expect[name] = giant
         for container, name, target, argv, source, what, area in cases:
             case = Case(container, "handmade", target, argv, [f"handmade: {what}"], {target: (scratch / source).read_bytes()})
             folder = regressions / container / name

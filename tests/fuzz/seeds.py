@@ -13,6 +13,8 @@ A seed is a folder of files; `target` is what qtool is given (a file in it, or t
 - pt           torch.save's zip format (written here by torch, and the fixtures)
 - pt_legacy    torch.save(_use_new_zipfile_serialization=False)
 - side_json    config.json, quantize_config.json, quanto maps and index files beside valid weights
+- imatrix      llama.cpp importance matrices, GGUF and legacy .dat, as llama-imatrix wrote them
+               (tests/fixtures/imatrix)
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ __all__ = ["CONTAINERS", "Seed", "build_seeds"]
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
 SAMPLES = REPO / "sample_models"
-CONTAINERS = ("safetensors", "sharded", "gguf", "burnpack", "pt", "pt_legacy", "side_json")
+CONTAINERS = ("safetensors", "sharded", "gguf", "burnpack", "pt", "pt_legacy", "side_json", "imatrix")
 SIDE_NAMES = ("config.json", "quantize_config.json", "quanto_qmap.json", "quantization_map.json")
 
 
@@ -324,6 +326,16 @@ def _side_json_seeds(out: Path, built: list[Seed]) -> list[Seed]:
     return seeds
 
 
+def _imatrix_seeds(out: Path) -> list[Seed]:
+    seeds = []
+    for name in ("tiny-imatrix.gguf", "tiny-imatrix.dat"):
+        folder = out / "imatrix" / name.rpartition(".")[2]
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(FIXTURES / "imatrix" / name, folder / name)
+        seeds.append(Seed("imatrix", name, folder, name, (name,)))
+    return seeds
+
+
 def build_seeds(out: Path, containers: tuple[str, ...] = CONTAINERS) -> list[Seed]:
     """Write every seed under `out` (created fresh) and return them, in a fixed order."""
     if out.exists():
@@ -337,4 +349,5 @@ def build_seeds(out: Path, containers: tuple[str, ...] = CONTAINERS) -> list[See
     seeds += _pt_seeds(out)
     seeds += _pt_legacy_seeds(out)
     seeds += _side_json_seeds(out, seeds)
+    seeds += _imatrix_seeds(out)
     return [s for s in seeds if s.container in containers]

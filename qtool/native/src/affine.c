@@ -139,6 +139,14 @@ static QT_HOT void pack_row(const int8_t *q, Py_ssize_t n, int bits, uint8_t *ou
     } else if (bits == 4) {
         for (Py_ssize_t i = 0; i < n / 2; i++)
             out[i] = (uint8_t)(((q[2 * i] + 8) & 0xF) | (((q[2 * i + 1] + 8) & 0xF) << 4));
+    } else if (bits == 3) { /* a dense stream: 8 codes in 3 bytes, fields crossing word bounds */
+        for (Py_ssize_t i = 0; i < n / 8; i++) {
+            uint32_t u = 0;
+            for (int k = 0; k < 8; k++) u |= (uint32_t)((q[8 * i + k] + 4) & 7) << (3 * k);
+            out[3 * i] = (uint8_t)u;
+            out[3 * i + 1] = (uint8_t)(u >> 8);
+            out[3 * i + 2] = (uint8_t)(u >> 16);
+        }
     } else { /* 2 */
         for (Py_ssize_t i = 0; i < n / 4; i++)
             out[i] = (uint8_t)(((q[4 * i] + 2) & 3) | (((q[4 * i + 1] + 2) & 3) << 2) | (((q[4 * i + 2] + 2) & 3) << 4) |
@@ -191,9 +199,9 @@ static Py_ssize_t packed_bytes(Py_ssize_t rows, Py_ssize_t cols, int bits) {
 /* int32 words holding `rows` b-bit fields each (32 / b to a word), without overflowing */
 static Py_ssize_t words_for(Py_ssize_t rows, int per) { return rows / per + (rows % per != 0); }
 
-static int check_layout(Py_ssize_t cols, Py_ssize_t group, int bits, Py_ssize_t row0, Py_ssize_t row1) {
-    if (bits != 2 && bits != 4 && bits != 8) {
-        PyErr_Format(PyExc_ValueError, "native int codes are 2, 4 or 8 bits, not %d", bits);
+static int check_layout(Py_ssize_t cols, Py_ssize_t group, int bits, Py_ssize_t row0, Py_ssize_t row1, int encoding) {
+    if (bits != 2 && bits != 4 && bits != 8 && !(encoding && bits == 3)) {
+        PyErr_Format(PyExc_ValueError, "native int codes are %s bits, not %d", encoding ? "2, 3, 4 or 8" : "2, 4 or 8", bits);
         return 0;
     }
     if (cols <= 0 || group <= 0 || cols % group || qt_mul(cols, bits) < 0 || qt_mul(cols, bits) % 32 || row0 < 0 || row1 < row0) {
@@ -232,7 +240,7 @@ PyObject *qt_py_encode_int(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*innw*w*Oinn|p", &src, &dt, &cols, &group, &packed, &scale, &zp_object, &bits, &row0, &row1, &mse)) return NULL;
     PyObject *result = NULL;
     Py_ssize_t groups = group > 0 ? cols / group : 0;
-    if (!qt_check_dtype(dt, "encode_int") || !check_layout(cols, group, bits, row0, row1) ||
+    if (!qt_check_dtype(dt, "encode_int") || !check_layout(cols, group, bits, row0, row1, 1) ||
         !qt_check_size(&src, qt_mul(qt_mul(row1, cols), qt_itemsize(dt)), "src") ||
         !qt_check_size(&packed, packed_bytes(row1, cols, bits), "packed") ||
         !qt_check_size(&scale, qt_mul(qt_mul(row1, groups), qt_itemsize(dt)), "scale") ||
@@ -241,13 +249,10 @@ PyObject *qt_py_encode_int(PyObject *self, PyObject *args) {
     float *x = malloc((size_t)cols * sizeof(float));
     float *decoded = malloc((size_t)cols * sizeof(float));
     int8_t *q = malloc((size_t)cols);
-    /* the mse search's scratch: a trial's codes and the best so far, as floats */
-    float *trial_q = mse ? malloc((size_t)group * 2 * sizeof(float)) : NULL;
-    if (!x || !decoded || !q || (mse && !trial_q)) {
+    if (!x || !decoded || !q) {
         free(x);
         free(decoded);
         free(q);
-        free(trial_q);
         PyErr_NoMemory();
         goto done;
     }
@@ -270,7 +275,7 @@ PyObject *qt_py_encode_int(PyObject *self, PyObject *args) {
             if (mse) {
                 float lo, hi;
                 min_max(xg, group, &lo, &hi);
-                qt_mse_group(xg, group, dt, qmin, qmax, zps == NULL, lo, hi, &s, &z, trial_q, trial_q + group);
+                qt_mse_group(xg, group, dt, qmin, qmax, zps == NULL, lo, hi, &s, &z);
                 if (zps) zps[r * groups + g] = (int8_t)(int32_t)z;
             } else if (zps) {
                 float lo, hi;
@@ -296,7 +301,6 @@ PyObject *qt_py_encode_int(PyObject *self, PyObject *args) {
     free(x);
     free(decoded);
     free(q);
-    free(trial_q);
     result = Py_BuildValue("ddddO", sums.xx, sums.xe, sums.ee, sums.max_err, sums.finite ? Py_True : Py_False);
 done:
     PyBuffer_Release(&src);
@@ -307,8 +311,9 @@ done:
 }
 
 /* pack_zero_points(zp, rows, groups, bits, out): int8 zero points [rows, groups] as
- * compressed-tensors stores them, zp + 2^(b-1) in b-bit fields of int32 words along the rows,
- * LSB first: out [ceil(rows * b / 32), groups], the rows past the last padded with 0. */
+ * compressed-tensors stores them, zp + 2^(b-1) as a dense LSB-first stream of b-bit fields
+ * along the rows (a 3-bit field may cross into the next word): out [ceil(rows * b / 32),
+ * groups], the bits past the last row 0. */
 PyObject *qt_py_pack_zero_points(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer zp, out;
@@ -316,21 +321,29 @@ PyObject *qt_py_pack_zero_points(PyObject *self, PyObject *args) {
     int bits;
     if (!PyArg_ParseTuple(args, "y*nniw*", &zp, &rows, &groups, &bits, &out)) return NULL;
     PyObject *result = NULL;
-    const int per = bits > 0 ? 32 / bits : 0;
-    const Py_ssize_t words = per && rows >= 0 ? words_for(rows, per) : 0;
-    if ((bits != 2 && bits != 4 && bits != 8) || rows < 0 || groups < 0) {
+    const Py_ssize_t bit_count = rows >= 0 ? qt_mul(rows, bits) : -1;
+    const Py_ssize_t words = bit_count >= 0 ? bit_count / 32 + (bit_count % 32 != 0) : 0;
+    if ((bits != 2 && bits != 3 && bits != 4 && bits != 8) || rows < 0 || groups < 0) {
         PyErr_Format(PyExc_ValueError, "pack_zero_points: bad layout (rows %zd, groups %zd, bits %d)", rows, groups, bits);
         goto done;
     }
-    if (!qt_check_size(&zp, qt_mul(rows, groups), "zero_point") || !qt_check_size(&out, qt_mul(qt_mul(words, groups), 4), "out")) goto done;
+    if (!qt_check_size(&zp, qt_mul(rows, groups), "zero_point") ||
+        !qt_check_size(&out, bit_count < 0 ? -1 : qt_mul(qt_mul(words, groups), 4), "out"))
+        goto done;
     {
         const int8_t *z = (const int8_t *)zp.buf;
         uint32_t *o = (uint32_t *)out.buf;
         const uint32_t mask = (1u << bits) - 1u, offset = 1u << (bits - 1);
         memset(o, 0, (size_t)(words * groups) * 4);
-        for (Py_ssize_t r = 0; r < rows; r++)
-            for (Py_ssize_t g = 0; g < groups; g++)
-                o[(r / per) * groups + g] |= (((uint32_t)(int32_t)z[r * groups + g] + offset) & mask) << ((r % per) * bits);
+        for (Py_ssize_t r = 0; r < rows; r++) {
+            const Py_ssize_t word = r * bits / 32;
+            const int shift = (int)(r * bits % 32);
+            for (Py_ssize_t g = 0; g < groups; g++) {
+                const uint32_t v = ((uint32_t)(int32_t)z[r * groups + g] + offset) & mask;
+                o[word * groups + g] |= v << shift;
+                if (shift + bits > 32) o[(word + 1) * groups + g] |= v >> (32 - shift);
+            }
+        }
     }
     result = Py_None;
     Py_INCREF(result);
@@ -353,7 +366,7 @@ PyObject *qt_py_decode_int(PyObject *self, PyObject *args) {
     Py_ssize_t groups = group > 0 ? cols / group : 0;
     const int per = (bits == 2 || bits == 4 || bits == 8) ? 32 / bits : 1;
     if (!qt_check_dtype(scale_dt, "scale") || !qt_check_dtype(logical_dt, "logical") || !qt_check_dtype(out_dt, "out") ||
-        !check_layout(cols, group, bits, row0, row1) || !qt_check_size(&packed, packed_bytes(row1, cols, bits), "packed") ||
+        !check_layout(cols, group, bits, row0, row1, 0) || !qt_check_size(&packed, packed_bytes(row1, cols, bits), "packed") ||
         !qt_check_size(&scale, qt_mul(qt_mul(row1, groups), qt_itemsize(scale_dt)), "scale") ||
         !qt_check_size(&out, qt_mul(qt_mul(row1, cols), qt_itemsize(out_dt)), "out") ||
         !optional_buffer(zp_object, &zp, 0, rows < 0 ? -1 : qt_mul(qt_mul(words_for(rows, per), groups), 4), "zero_point"))

@@ -210,6 +210,30 @@ QT_INLINE void dq_iq4_nl(const uint8_t *restrict x, float *restrict y) {
     }
 }
 
+/* IQ4_XS: [d f16][scales_h u16][4 B scales_l][128 B]; sub-block j of 32: 6-bit scale ls (low
+ * nibble from scales_l, high two bits from scales_h), x = (d * (ls - 32)) * value, per 32 the
+ * low nibbles of 16 bytes are values 0..15, their high nibbles 16..31 (dequantize_row_iq4_xs) */
+QT_INLINE void dq_iq4_xs(const uint8_t *restrict x, float *restrict y) {
+    const float d = f16_at(x);
+    const uint16_t scales_h = (uint16_t)(x[2] | (x[3] << 8));
+    const uint8_t *scales_l = x + 4, *q = x + 8;
+    for (int ib = 0; ib < 8; ib++, q += 16, y += 32) {
+        const int ls = ((scales_l[ib / 2] >> (4 * (ib % 2))) & 0xF) | (((scales_h >> (2 * ib)) & 3) << 4);
+        const float dl = d * (float)(ls - 32);
+        for (int j = 0; j < 16; j++) {
+            y[j] = dl * (float)iq4nl_values[q[j] & 0x0F];
+            y[j + 16] = dl * (float)iq4nl_values[q[j] >> 4];
+        }
+    }
+}
+
+/* IQ3_S: iq3_encode.c decodes it (the grid lives there) */
+QT_INLINE void dq_iq3_s(const uint8_t *restrict x, float *restrict y) { qt_iq3_s_decode(x, y, 1); }
+QT_INLINE void dq_iq3_xxs(const uint8_t *restrict x, float *restrict y) { qt_iq3_xxs_decode(x, y, 1); }
+QT_INLINE void dq_iq2_xxs(const uint8_t *restrict x, float *restrict y) { qt_iq2_xxs_decode(x, y, 1); }
+QT_INLINE void dq_iq2_xs(const uint8_t *restrict x, float *restrict y) { qt_iq2_xs_decode(x, y, 1); }
+QT_INLINE void dq_iq2_s(const uint8_t *restrict x, float *restrict y) { qt_iq2_s_decode(x, y, 1); }
+
 /* e2m1 values doubled, as ggml's kvalues_mxfp4; the e8m0 and ue4m3 scales are halved to match */
 static const int8_t e2m1_x2_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
@@ -294,6 +318,12 @@ QT_GGUF_LOOP(q4_k, 256, 144)
 QT_GGUF_LOOP(q5_k, 256, 176)
 QT_GGUF_LOOP(q6_k, 256, 210)
 QT_GGUF_LOOP(iq4_nl, 32, 18)
+QT_GGUF_LOOP(iq4_xs, 256, 136)
+QT_GGUF_LOOP(iq3_s, 256, 110)
+QT_GGUF_LOOP(iq3_xxs, 256, 98)
+QT_GGUF_LOOP(iq2_xxs, 256, 66)
+QT_GGUF_LOOP(iq2_xs, 256, 74)
+QT_GGUF_LOOP(iq2_s, 256, 82)
 QT_GGUF_LOOP(mxfp4, 32, 17)
 QT_GGUF_LOOP(nvfp4, 64, 36)
 
@@ -315,6 +345,12 @@ static const struct {
     {"Q5_K", 256, 176, q5_k_run},
     {"Q6_K", 256, 210, q6_k_run},
     {"IQ4_NL", 32, 18, iq4_nl_run},
+    {"IQ4_XS", 256, 136, iq4_xs_run},
+    {"IQ3_S", 256, 110, iq3_s_run},
+    {"IQ3_XXS", 256, 98, iq3_xxs_run},
+    {"IQ2_XXS", 256, 66, iq2_xxs_run},
+    {"IQ2_XS", 256, 74, iq2_xs_run},
+    {"IQ2_S", 256, 82, iq2_s_run},
     {"MXFP4", 32, 17, mxfp4_run},
     {"NVFP4", 64, 36, nvfp4_run},
 };

@@ -263,17 +263,28 @@ QT_AFFINE_ROW(q4_1, 20, 15.0f)
 QT_AFFINE_ROW(q5_1, 24, 31.0f)
 
 /* `exact_nonfinite`: the row encoder gives the reference's bytes for rows holding inf or NaN too
- * (the K-quants, which gguf-py cannot encode at all), so such rows are encoded, not refused */
+ * (the K-quants, which gguf-py cannot encode at all), so such rows are encoded, not refused.
+ * `weighted`: the K-quant and IQ rows, which take importance weights (or NULL); `imatrix`: 1
+ * where an importance matrix changes the bytes (all but Q8_0, which llama.cpp quantizes without),
+ * 2 where the type cannot be made without one (llama.cpp asserts it has quant_weights) */
 static const struct {
     const char *name;
     Py_ssize_t block_size, type_size; /* values and bytes per block */
     qt_encode_row row;
-    int exact_nonfinite;
+    qt_encode_row_w weighted;
+    int exact_nonfinite, imatrix;
 } qt_encoders[] = {
-    {"Q8_0", 32, 34, q8_0_row, 0},   {"Q4_0", 32, 18, q4_0_row, 0},     {"Q4_1", 32, 20, q4_1_row, 0},
-    {"Q5_0", 32, 22, q5_0_row, 0},   {"Q5_1", 32, 24, q5_1_row, 0},     {"Q2_K", 256, 84, qt_q2_k_row, 1},
-    {"Q3_K", 256, 110, qt_q3_k_row, 1}, {"Q4_K", 256, 144, qt_q4_k_row, 1}, {"Q5_K", 256, 176, qt_q5_k_row, 1},
-    {"Q6_K", 256, 210, qt_q6_k_row, 1}, {"IQ4_NL", 32, 18, qt_iq4_nl_row, 1},
+    {"Q8_0", 32, 34, q8_0_row, NULL, 0, 0},          {"Q4_0", 32, 18, q4_0_row, NULL, 0, 1},
+    {"Q4_1", 32, 20, q4_1_row, NULL, 0, 1},          {"Q5_0", 32, 22, q5_0_row, NULL, 0, 1},
+    {"Q5_1", 32, 24, q5_1_row, NULL, 0, 1},          {"Q2_K", 256, 84, NULL, qt_q2_k_row, 1, 1},
+    {"Q3_K", 256, 110, NULL, qt_q3_k_row, 1, 1},     {"Q4_K", 256, 144, NULL, qt_q4_k_row, 1, 1},
+    {"Q5_K", 256, 176, NULL, qt_q5_k_row, 1, 1},     {"Q6_K", 256, 210, NULL, qt_q6_k_row, 1, 1},
+    {"IQ4_NL", 32, 18, NULL, qt_iq4_nl_row, 1, 1},   {"IQ4_XS", 256, 136, NULL, qt_iq4_xs_row, 1, 1},
+    {"IQ3_S", 256, 110, NULL, qt_iq3_s_row, 1, 1}, /* rows with inf/NaN: ours (llama.cpp aborts on them) */
+    {"IQ3_XXS", 256, 98, NULL, qt_iq3_xxs_row, 1, 1},
+    {"IQ2_XXS", 256, 66, NULL, qt_iq2_xxs_row, 1, 2}, /* 2: importance weights required */
+    {"IQ2_XS", 256, 74, NULL, qt_iq2_xs_row, 1, 2},
+    {"IQ2_S", 256, 82, NULL, qt_iq2_s_row, 1, 1}, /* llama.cpp's has a path without weights (llama-quantize refuses it) */
 };
 #define QT_ENCODERS ((int)(sizeof qt_encoders / sizeof qt_encoders[0]))
 
@@ -320,9 +331,12 @@ PyObject *qt_py_encode_gguf(PyObject *self, PyObject *args) {
     Py_buffer src, out;
     int dt;
     Py_ssize_t cols, row0, row1;
-    if (!PyArg_ParseTuple(args, "sy*inw*nn", &type_name, &src, &dt, &cols, &out, &row0, &row1)) return NULL;
+    PyObject *importance = Py_None;
+    if (!PyArg_ParseTuple(args, "sy*inw*nn|O", &type_name, &src, &dt, &cols, &out, &row0, &row1, &importance)) return NULL;
 
     PyObject *result = NULL;
+    Py_buffer qw_buffer = {0};
+    float *qw = NULL;
     int found = -1;
     for (int i = 0; i < QT_ENCODERS; i++)
         if (strcmp(type_name, qt_encoders[i].name) == 0) found = i;
@@ -340,6 +354,27 @@ PyObject *qt_py_encode_gguf(PyObject *self, PyObject *args) {
     if (!qt_check_size(&src, qt_mul(qt_mul(row1, cols), item), "encode_gguf src") ||
         !qt_check_size(&out, qt_mul(qt_mul(row1, blocks), ts), "encode_gguf out"))
         goto done;
+    if (qt_encoders[found].imatrix == 2 && importance == Py_None) {
+        PyErr_Format(PyExc_ValueError, "encode_gguf: %s needs importance weights (llama.cpp quantizes it only with an imatrix)", type_name);
+        goto done;
+    }
+    if ((qt_encoders[found].weighted == qt_iq3_s_row && !qt_iq3_s_ready()) || (qt_encoders[found].weighted == qt_iq3_xxs_row && !qt_iq3_xxs_ready()) ||
+        (qt_encoders[found].weighted == qt_iq2_xxs_row && !qt_iq2_xxs_ready()) || (qt_encoders[found].weighted == qt_iq2_xs_row && !qt_iq2_xs_ready()) ||
+        (qt_encoders[found].weighted == qt_iq2_s_row && !qt_iq2_s_ready())) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (importance != Py_None && qt_encoders[found].imatrix) {
+        /* one float32 weight per column, the same for every row; copied, so aligned */
+        if (PyObject_GetBuffer(importance, &qw_buffer, PyBUF_SIMPLE) < 0) goto done;
+        if (!qt_check_size(&qw_buffer, qt_mul(cols, 4), "encode_gguf importance")) goto done;
+        qw = malloc((size_t)(cols > 0 ? cols : 1) * sizeof(float));
+        if (!qw) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        memcpy(qw, qw_buffer.buf, (size_t)cols * sizeof(float));
+    }
     Sums sums = {0, 0, 0, 0};
     int finite = 1;
     if (row1 > row0 && cols > 0) { /* cols * item <= src.len now, so the row buffers are bounded */
@@ -351,7 +386,8 @@ PyObject *qt_py_encode_gguf(PyObject *self, PyObject *args) {
             goto done;
         }
         const qt_encode_row row = qt_encoders[found].row;
-        const int exact_nonfinite = qt_encoders[found].exact_nonfinite;
+        const qt_encode_row_w weighted = qt_encoders[found].weighted;
+        const int exact_nonfinite = qt_encoders[found].exact_nonfinite || qw != NULL; /* llama.cpp's _impl bytes, any row */
         const char *in = (const char *)src.buf;
         uint8_t *o = (uint8_t *)out.buf;
         Py_BEGIN_ALLOW_THREADS
@@ -361,7 +397,10 @@ PyObject *qt_py_encode_gguf(PyObject *self, PyObject *args) {
                 finite = 0;               /* keeps the exact bytes of the rest of the rows, encoded anyway */
                 if (!exact_nonfinite) break;
             }
-            row(x, blocks, o + r * blocks * ts, rec);
+            uint8_t *y = o + r * blocks * ts;
+            if (weighted) weighted(x, qw, blocks, y, rec);
+            else if (qw) qt_legacy_w_row(type_name, x, qw, blocks, y, rec);
+            else row(x, blocks, y, rec);
             if (finite) add_errors(x, rec, cols, &sums);
         }
         Py_END_ALLOW_THREADS
@@ -372,6 +411,8 @@ PyObject *qt_py_encode_gguf(PyObject *self, PyObject *args) {
     memcpy(&max_err, &sums.max_err_bits, 8);
     result = Py_BuildValue("ddddO", sums.xx, sums.xe, sums.ee, max_err, finite ? Py_True : Py_False);
 done:
+    free(qw);
+    if (qw_buffer.obj) PyBuffer_Release(&qw_buffer);
     PyBuffer_Release(&src);
     PyBuffer_Release(&out);
     return result;

@@ -211,13 +211,14 @@ QT_INLINE void KQ(q3)(int n, int nmax, const vf x[][KQG], vi L[][KQG], vf *scale
     EACH scale[g] = sel(zero[g] | ~(suml2[g] > 0.0f), splat(0.0f), sumlx[g] / suml2[g]);
 }
 
-/* make_qx_quants(n, nmax, x, L, rmse_type = 1, qw = NULL): codes in [0, 2 nmax), the scale */
-QT_INLINE void KQ(qx)(int n, int nmax, const vf x[][KQG], vi L[][KQG], vf *scale) {
+/* make_qx_quants(n, nmax, x, L, rmse_type = 1, qw): codes in [0, 2 nmax), the scale; w holds
+ * the weights (x^2 where qw is NULL, the importance weights otherwise), n <= 32 */
+QT_INLINE void KQ(qx)(int n, int nmax, const vf x[][KQG], const vf w[][KQG], vi L[][KQG], vf *scale) {
     const vi lo = isplat(-nmax), hi = isplat(nmax - 1), offset = isplat(nmax);
-    vf amax[KQG], max[KQG], sumlx[KQG], suml2[KQG], best[KQG], wx[16][KQG], w[16][KQG];
+    vf amax[KQG], max[KQG], sumlx[KQG], suml2[KQG], best[KQG], wx[32][KQG];
     vi zero[KQG];
     EACH {
-        vf column[16];
+        vf column[32];
         for (int i = 0; i < n; i++) column[i] = x[i][g];
         KQ(first_abs_max)(column, n, &amax[g], &max[g]);
         zero[g] = amax[g] < 1e-15f;
@@ -227,7 +228,6 @@ QT_INLINE void KQ(qx)(int n, int nmax, const vf x[][KQG], vi L[][KQG], vf *scale
         EACH {
             const vi l = clamp(vnearest((float)(-nmax) / max[g] * x[i][g]), lo, hi);
             L[i][g] = l + offset;
-            w[i][g] = x[i][g] * x[i][g];
             wx[i][g] = w[i][g] * x[i][g];
             const vf lf = tofloat(l);
             sumlx[g] += wx[i][g] * lf;
@@ -242,7 +242,7 @@ QT_INLINE void KQ(qx)(int n, int nmax, const vf x[][KQG], vi L[][KQG], vf *scale
         if (is == 0) continue;
         const float numerator = -((float)nmax + 0.1f * (float)is);
         vf iscale[KQG];
-        vi trial[16][KQG], better[KQG], any = isplat(0);
+        vi trial[32][KQG], better[KQG], any = isplat(0);
         EACH {
             iscale[g] = numerator / max[g];
             sumlx[g] = suml2[g] = splat(0.0f);
@@ -342,9 +342,44 @@ KQ_TARGET static void KQ(q6_search)(const float *x, int count, uint8_t *L, float
         const int valid = count - s0 < KQG * NW ? count - s0 : KQG * NW;
         vf xs[16][KQG], scale[KQG];
         vi codes[16][KQG];
+        vf w[16][KQG];
         KQ(to_groups)(x + 16 * s0, 16, valid, xs);
-        KQ(qx)(16, 32, xs, codes, scale);
+        for (int i = 0; i < 16; i++) EACH w[i][g] = xs[i][g] * xs[i][g];
+        KQ(qx)(16, 32, xs, w, codes, scale);
         KQ(from_groups)(codes, 16, valid, L + 16 * s0);
+        for (int s = 0; s < valid; s++) scales[s0 + s] = scale[s / NW][s % NW];
+    }
+}
+
+/* -- with importance weights (llama.cpp's quant_weights): the weights come in, one per value ---- */
+
+/* make_qkx3_quants(n, nmax, x, w, L, &the_min, Laux, -0.9, 0.05, 36, use_mad false) on `count`
+ * sub-blocks of n (16 or 32): Q2_K, Q4_K, Q5_K, Q4_1, Q5_1 with an imatrix. With the weights
+ * given it is make_qkx2_quants' search (`max <= min` and `max == min` agree: min <= max). */
+KQ_TARGET static void KQ(qkx3_search)(const float *x, const float *wt, int n, int count, int nmax, uint8_t *L, float *scales, float *mins) {
+    for (int s0 = 0; s0 < count; s0 += KQG * NW) {
+        const int valid = count - s0 < KQG * NW ? count - s0 : KQG * NW;
+        vf xs[32][KQG], w[32][KQG], scale[KQG], the_min[KQG];
+        vi codes[32][KQG];
+        KQ(to_groups)(x + n * s0, n, valid, xs);
+        KQ(to_groups)(wt + n * s0, n, valid, w);
+        KQ(qkx2)(n, nmax, xs, w, codes, scale, the_min, -0.9f, 0.05f, 36, 0);
+        KQ(from_groups)(codes, n, valid, L + n * s0);
+        for (int s = 0; s < valid; s++) scales[s0 + s] = scale[s / NW][s % NW], mins[s0 + s] = the_min[s / NW][s % NW];
+    }
+}
+
+/* make_qx_quants(n, nmax, x, L, 1, w) on `count` sub-blocks of n (16 or 32): Q3_K, Q6_K, Q4_0,
+ * Q5_0 with an imatrix; codes in [0, 2 nmax) */
+KQ_TARGET static void KQ(qx_search)(const float *x, const float *wt, int n, int count, int nmax, uint8_t *L, float *scales) {
+    for (int s0 = 0; s0 < count; s0 += KQG * NW) {
+        const int valid = count - s0 < KQG * NW ? count - s0 : KQG * NW;
+        vf xs[32][KQG], w[32][KQG], scale[KQG];
+        vi codes[32][KQG];
+        KQ(to_groups)(x + n * s0, n, valid, xs);
+        KQ(to_groups)(wt + n * s0, n, valid, w);
+        KQ(qx)(n, nmax, xs, w, codes, scale);
+        KQ(from_groups)(codes, n, valid, L + n * s0);
         for (int s = 0; s < valid; s++) scales[s0 + s] = scale[s / NW][s % NW];
     }
 }
@@ -372,40 +407,64 @@ QT_INLINE vi KQ(iq4nl_index)(vf x, vf *value) {
     return index;
 }
 
-/* quantize_iq4_nl without quant_weights (quantize_row_iq4_nl_impl(32, 32, ..., NULL, ntry 7))
- * on `count` blocks of 32: d from a 15-step search, weights x^2 */
-KQ_TARGET static void KQ(iq4_nl_blocks)(const float *x, int count, uint8_t *out) {
-    for (int s0 = 0; s0 < count; s0 += NW) {
-        const int valid = count - s0 < NW ? count - s0 : NW;
-        vf xs[32], w[32], q;
-        KQ(to_lanes)(x + 32 * s0, 32, valid, xs);
-        vf amax, max;
-        KQ(first_abs_max)(xs, 32, &amax, &max);
-        for (int i = 0; i < 32; i++) w[i] = xs[i] * xs[i];
-        const vi zero = amax < 1e-15f;
-        vf id = 1.0f / (-max / (float)iq4nl_values[0]);
-        vf sumqx = splat(0.0f), sumq2 = splat(0.0f);
+/* quantize_row_iq4_nl_impl's scale search (ntry 7) on one block of 32 per lane: d from a
+ * 15-step search with weights w (x^2 without quant_weights), 0 for an all-zero block */
+QT_INLINE vf KQ(iq4_d)(const vf *xs, const vf *w) {
+    vf amax, max, q;
+    KQ(first_abs_max)(xs, 32, &amax, &max);
+    const vi zero = amax < 1e-15f;
+    vf id = 1.0f / (-max / (float)iq4nl_values[0]);
+    vf sumqx = splat(0.0f), sumq2 = splat(0.0f);
+    for (int i = 0; i < 32; i++) {
+        KQ(iq4nl_index)(id * xs[i], &q);
+        sumqx += w[i] * q * xs[i];
+        sumq2 += w[i] * q * q;
+    }
+    vf d = sel(sumq2 > 0.0f, sumqx / sumq2, splat(0.0f));
+    vf best = d * sumqx;
+    for (int itry = -7; itry <= 7; itry++) {
+        id = (float)(itry + iq4nl_values[0]) / max;
+        sumqx = sumq2 = splat(0.0f);
         for (int i = 0; i < 32; i++) {
             KQ(iq4nl_index)(id * xs[i], &q);
             sumqx += w[i] * q * xs[i];
             sumq2 += w[i] * q * q;
         }
-        vf d = sel(sumq2 > 0.0f, sumqx / sumq2, splat(0.0f));
-        vf best = d * sumqx;
-        for (int itry = -7; itry <= 7; itry++) {
-            id = (float)(itry + iq4nl_values[0]) / max;
-            sumqx = sumq2 = splat(0.0f);
-            for (int i = 0; i < 32; i++) {
-                KQ(iq4nl_index)(id * xs[i], &q);
-                sumqx += w[i] * q * xs[i];
-                sumq2 += w[i] * q * q;
-            }
-            const vi better = (sumq2 > 0.0f) & (sumqx * sumqx > best * sumq2);
-            const vf s = sumqx / sumq2;
-            d = sel(better, s, d);
-            best = sel(better, s * sumqx, best);
-        }
-        d = sel(zero, splat(0.0f), d);
+        const vi better = (sumq2 > 0.0f) & (sumqx * sumqx > best * sumq2);
+        const vf s = sumqx / sumq2;
+        d = sel(better, s, d);
+        best = sel(better, s * sumqx, best);
+    }
+    return sel(zero, splat(0.0f), d);
+}
+
+/* the weights of `valid` blocks of 32 into lanes: wt's, or x^2 where wt is NULL */
+QT_INLINE void KQ(iq4_weights)(const vf *xs, const float *wt, int valid, vf *w) {
+    if (wt) KQ(to_lanes)(wt, 32, valid, w);
+    else for (int i = 0; i < 32; i++) w[i] = xs[i] * xs[i];
+}
+
+/* IQ4_XS's first stage: d of each of `count` blocks of 32 (weights wt, or x^2 where NULL) */
+KQ_TARGET static void KQ(iq4_search)(const float *x, const float *wt, int count, float *d_out) {
+    for (int s0 = 0; s0 < count; s0 += NW) {
+        const int valid = count - s0 < NW ? count - s0 : NW;
+        vf xs[32], w[32];
+        KQ(to_lanes)(x + 32 * s0, 32, valid, xs);
+        KQ(iq4_weights)(xs, wt ? wt + 32 * s0 : NULL, valid, w);
+        const vf d = KQ(iq4_d)(xs, w);
+        for (int k = 0; k < valid; k++) d_out[s0 + k] = d[k];
+    }
+}
+
+/* quantize_iq4_nl (quantize_row_iq4_nl_impl(32, 32, ..., ntry 7)) on `count` blocks of 32:
+ * weights wt (qw * sqrt(sigma2 + x^2), made by the caller), or x^2 where wt is NULL */
+KQ_TARGET static void KQ(iq4_nl_blocks)(const float *x, const float *wt, int count, uint8_t *out) {
+    for (int s0 = 0; s0 < count; s0 += NW) {
+        const int valid = count - s0 < NW ? count - s0 : NW;
+        vf xs[32], w[32], q;
+        KQ(to_lanes)(x + 32 * s0, 32, valid, xs);
+        KQ(iq4_weights)(xs, wt ? wt + 32 * s0 : NULL, valid, w);
+        const vf d = KQ(iq4_d)(xs, w);
         const vf inv = sel(d != 0.0f, 1.0f / d, splat(0.0f));
         vi codes[32];
         for (int i = 0; i < 32; i++) codes[i] = KQ(iq4nl_index)(inv * xs[i], &q);

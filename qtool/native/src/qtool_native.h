@@ -112,29 +112,57 @@ PyObject *qt_py_decode_int(PyObject *self, PyObject *args);
 PyObject *qt_py_decode_gguf(PyObject *self, PyObject *args);
 PyObject *qt_py_encode_gguf(PyObject *self, PyObject *args);
 PyObject *qt_py_gguf_encoders(PyObject *self, PyObject *args);
+PyObject *qt_py_sum_squares(PyObject *self, PyObject *args);
+PyObject *qt_py_gptq_sweep(PyObject *self, PyObject *args);
 
 /* The mse observer's scale and zero point of one group (mse.c): x holds n values of dtype dt
- * widened, lo <= 0 <= hi its min and max; scratch holds 2n floats. */
+ * widened, lo <= 0 <= hi its min and max. */
 void qt_mse_group(const float *x, Py_ssize_t n, int dt, float qmin, float qmax, int symmetric, float lo, float hi, float *scale_out,
-                  float *zp_out, float *q, float *best_q);
+                  float *zp_out);
 
 /* Blocks [0, blocks) of GGUF `type_name` into float32 `out` (gguf.c's decoders); 0 if the type
  * has no decoder. No GIL needed. */
 int qt_gguf_decode_f32(const char *type_name, const uint8_t *src, float *out, Py_ssize_t blocks);
 
 /* One row's encoder: `blocks` blocks from the float32 values at x into out, and the values those
- * blocks decode to into rec. The K-quants and IQ4_NL are in kquant_encode.c. */
+ * blocks decode to into rec. The K-quants and IQ4_NL/IQ4_XS are in kquant_encode.c and take qw,
+ * the row's importance weights (llama.cpp's quant_weights, one per value; NULL: none). */
 typedef void (*qt_encode_row)(const float *, Py_ssize_t, uint8_t *, float *);
-void qt_q2_k_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec);
-void qt_q3_k_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec);
-void qt_q4_k_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec);
-void qt_q5_k_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec);
-void qt_q6_k_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec);
-void qt_iq4_nl_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec);
+typedef void (*qt_encode_row_w)(const float *, const float *, Py_ssize_t, uint8_t *, float *);
+void qt_q2_k_row(const float *x, const float *qw, Py_ssize_t blocks, uint8_t *out, float *rec);
+void qt_q3_k_row(const float *x, const float *qw, Py_ssize_t blocks, uint8_t *out, float *rec);
+void qt_q4_k_row(const float *x, const float *qw, Py_ssize_t blocks, uint8_t *out, float *rec);
+void qt_q5_k_row(const float *x, const float *qw, Py_ssize_t blocks, uint8_t *out, float *rec);
+void qt_q6_k_row(const float *x, const float *qw, Py_ssize_t blocks, uint8_t *out, float *rec);
+void qt_iq4_nl_row(const float *x, const float *qw, Py_ssize_t blocks, uint8_t *out, float *rec);
+void qt_iq4_xs_row(const float *x, const float *qw, Py_ssize_t blocks, uint8_t *out, float *rec);
+/* IQ3_S and IQ3_XXS (iq3_encode.c): qt_iq3_*_ready() builds the grid's neighbour lists once (0:
+ * out of memory), before any qt_iq3_*_row */
+int qt_iq3_s_ready(void);
+void qt_iq3_s_row(const float *x, const float *qw, Py_ssize_t blocks, uint8_t *out, float *rec);
+void qt_iq3_s_decode(const uint8_t *src, float *out, Py_ssize_t blocks);
+int qt_iq3_xxs_ready(void);
+void qt_iq3_xxs_row(const float *x, const float *qw, Py_ssize_t blocks, uint8_t *out, float *rec);
+void qt_iq3_xxs_decode(const uint8_t *src, float *out, Py_ssize_t blocks);
+/* IQ2_XXS, IQ2_XS and IQ2_S (iq2_encode.c), as IQ3 */
+int qt_iq2_xxs_ready(void);
+void qt_iq2_xxs_row(const float *x, const float *qw, Py_ssize_t blocks, uint8_t *out, float *rec);
+void qt_iq2_xxs_decode(const uint8_t *src, float *out, Py_ssize_t blocks);
+int qt_iq2_xs_ready(void);
+void qt_iq2_xs_row(const float *x, const float *qw, Py_ssize_t blocks, uint8_t *out, float *rec);
+void qt_iq2_xs_decode(const uint8_t *src, float *out, Py_ssize_t blocks);
+int qt_iq2_s_ready(void);
+void qt_iq2_s_row(const float *x, const float *qw, Py_ssize_t blocks, uint8_t *out, float *rec);
+void qt_iq2_s_decode(const uint8_t *src, float *out, Py_ssize_t blocks);
+/* llama.cpp's make_qp_quants (kquant_encode.c) */
+float qt_qp_quants(int n, int nmax, const float *x, uint8_t *L, const float *w);
+/* Q4_0, Q4_1, Q5_0, Q5_1 with importance weights (qw not NULL): llama.cpp's _impl path */
+void qt_legacy_w_row(const char *type_name, const float *x, const float *qw, Py_ssize_t blocks, uint8_t *out, float *rec);
 /* The K-quant searches use no build wider than `lanes` (8 or 4) even where the CPU has it:
  * tests compare the builds */
 void qt_kquant_set_lanes(int lanes);
 PyObject *qt_py_kquant_set_lanes(PyObject *self, PyObject *args);
+PyObject *qt_py_mse_set_x86(PyObject *self, PyObject *args);
 
 /* a * b, or -1 when either is negative or the product overflows: sizes from callers are never
  * trusted, and qt_check_size refuses -1 */

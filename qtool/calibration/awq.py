@@ -1,0 +1,283 @@
+"""AWQ (Lin et al. 2023, "AWQ: Activation-aware Weight Quantization for LLM Compression and
+Acceleration"): scale each input channel of a group of Linears by s before rounding to nearest,
+and divide the layer that feeds them (a norm, or a Linear) by s, so the float function is
+unchanged and the channels that carry large activations lose less to rounding.
+
+    s(r) = x_mean^r / (w_mean^(1-r) + 1e-4), clamped at 1e-4, divided by sqrt(max(s) min(s))
+
+x_mean: the mean |x| of each input channel over the calibration tokens; w_mean: the mean of each
+input channel of |W| normalized by its quantization group's max, over the balance layers' rows.
+r runs over a grid of 20 points (llm-compressor's `AWQModifier` defaults, duo scaling: r = 0
+without the weight term, then 19 ratios 0..1 with it); the s whose Q(W s) / s gives the
+smallest mean squared error of the parent module's output (the lowest common ancestor of the
+balance layers: the attention for q/k/v, the MLP for gate/up, the Linear itself alone) on the
+calibration inputs wins. Where the parent is the lone balance Linear (o_proj, down_proj) that
+error is computed from X^T X of its inputs instead of a forward per grid point: the same
+quantity, summed in another order (`search`'s `gram`).
+
+The mappings are llm-compressor's for LLaMA-like layers (by module name inside a decoder layer):
+
+    input_layernorm            -> q_proj, k_proj, v_proj   (Phi-3: qkv_proj)   parent self_attn
+    v_proj                     -> o_proj                    (Phi-3: qkv_proj's last rows)
+    post_attention_layernorm   -> gate_proj, up_proj        (Gemma 2/3: pre_feedforward_layernorm; Phi-3: gate_up_proj)
+    up_proj                    -> down_proj                 (Phi-3: gate_up_proj's last rows)
+
+with Gemma 3's input_layernorm mapping left out (its q/k norms undo the smoothing, as
+llm-compressor notes), v_proj -> o_proj only where the shapes agree (no grouped-query
+attention), and a mapping whose balance layers are all left unquantized skipped. A norm that
+computes x * (1 + w) (Gemma's) folds as (1 + w) / s - 1, found by probing the module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from qtool.errors import KernelError
+
+if TYPE_CHECKING:
+    import torch
+
+    from qtool.calibration.gptq import GptqResult
+
+__all__ = ["Mapping", "layer_mappings", "grid", "candidate_scales", "weight_means", "rtn", "fold", "search"]
+
+N_GRID = 20  # llm-compressor's n_grid
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """Names relative to the decoder layer."""
+
+    smooth: str
+    balance: tuple[str, ...]
+    parent: str
+
+
+def _parent(balance: tuple[str, ...]) -> str:
+    """The lowest common ancestor of the balance layers; a lone balance layer is its own."""
+    if len(balance) == 1:
+        return balance[0]
+    parts = [name.split(".") for name in balance]
+    common = []
+    for pieces in zip(*parts):
+        if len(set(pieces)) != 1:
+            break
+        common.append(pieces[0])
+    return ".".join(common)
+
+
+def layer_mappings(layer, model_type: str, quantized: Callable[[str], bool]) -> list[Mapping]:
+    """The mappings of one decoder layer whose modules exist, whose shapes agree, and with at
+    least one balance layer that `quantized(relative name)` says is quantized."""
+    import torch
+
+    modules = dict(layer.named_modules())
+    mlp_norm = "pre_feedforward_layernorm" if "pre_feedforward_layernorm" in modules else "post_attention_layernorm"
+    if "self_attn.qkv_proj" in modules:
+        candidates = [("input_layernorm", ("self_attn.qkv_proj",)), ("self_attn.qkv_proj", ("self_attn.o_proj",))]
+    else:
+        candidates = [("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")), ("self_attn.v_proj", ("self_attn.o_proj",))]
+    if model_type.startswith("gemma3"):
+        candidates = candidates[1:]
+    if "mlp.gate_up_proj" in modules:
+        candidates += [(mlp_norm, ("mlp.gate_up_proj",)), ("mlp.gate_up_proj", ("mlp.down_proj",))]
+    else:
+        candidates += [(mlp_norm, ("mlp.gate_proj", "mlp.up_proj")), ("mlp.up_proj", ("mlp.down_proj",))]
+    found = []
+    for smooth, balance in candidates:
+        if smooth not in modules or any(not isinstance(modules.get(name), torch.nn.Linear) for name in balance):
+            continue
+        smooth_module = modules[smooth]
+        if isinstance(smooth_module, torch.nn.Linear):
+            width = modules[balance[0]].in_features
+            fused = smooth.endswith("qkv_proj")
+            if (fused and smooth_module.out_features != 3 * width) or (not fused and smooth_module.out_features < width):
+                continue  # grouped-query attention: v_proj's outputs are not o_proj's inputs
+        elif getattr(smooth_module, "weight", None) is None or smooth_module.weight.dim() != 1:
+            continue
+        if not any(quantized(name) for name in balance):
+            continue
+        found.append(Mapping(smooth, balance, _parent(balance)))
+    return found
+
+
+def grid(points: int = N_GRID) -> list[tuple[float, bool]]:
+    """(ratio, with the weight term): r = 0 without it, then points - 1 ratios 0..1 with it."""
+    return [(0.0, False)] + [(index / (points - 2), True) for index in range(points - 1)]
+
+
+def weight_means(weights: list["torch.Tensor"], groups: list[int]) -> "torch.Tensor":
+    """[in] mean over the balance layers' rows of |W| normalized by each quantization group's
+    max (a group of `in` columns: per channel)."""
+    import torch
+
+    total = None
+    rows = 0
+    for weight, group in zip(weights, groups):
+        normalized = weight.abs().reshape(-1, group)
+        normalized = (normalized / (normalized.amax(dim=1, keepdim=True) + 1e-6)).reshape(weight.shape)
+        summed = normalized.sum(dim=0, dtype=torch.float64)
+        total = summed if total is None else total + summed
+        rows += weight.shape[0]
+    return (total / rows).float()
+
+
+def candidate_scales(x_mean: "torch.Tensor", w_mean: "torch.Tensor", ratio: float, duo: bool) -> "torch.Tensor":
+    import torch
+
+    if duo:
+        scales = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4)).clamp(min=1e-4)
+    else:
+        scales = x_mean.pow(ratio).clamp(min=1e-4)
+    scales = scales / (scales.max() * scales.min()).sqrt()
+    scales[torch.isinf(scales) | torch.isnan(scales)] = 1
+    return scales
+
+
+def rtn(weight: "torch.Tensor", *, bits: int, group_size: int | None, symmetric: bool, scale_dtype: "torch.dtype") -> "GptqResult":
+    """Round to nearest with min-max scales per group (or row), as compressed-tensors does:
+    GPTQ's observer and rounding, without the error feedback."""
+    import torch
+
+    from qtool.calibration.gptq import GptqResult, observe
+
+    rows, cols = weight.shape
+    group = group_size or cols
+    if cols % group:
+        raise KernelError(f"awq: group size {group} does not divide in_features {cols}")
+    qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    grouped = weight.reshape(-1, group)
+    scale, zero_point = observe(grouped, bits, symmetric, scale_dtype)
+    scaled = grouped / scale.to(weight.dtype).unsqueeze(1)
+    if zero_point is not None:
+        scaled = scaled + zero_point.to(weight.dtype).unsqueeze(1)
+    codes = scaled.clamp(qmin, qmax).round().to(torch.int8).reshape(rows, cols)
+    shape = (rows, cols // group)
+    return GptqResult(codes, scale.reshape(shape), None if zero_point is None else zero_point.reshape(shape), 0.0)
+
+
+def _is_offset_norm(module) -> bool:
+    """Whether the norm computes x * (1 + w) (Gemma) rather than x * w: its output with w = 0."""
+    import torch
+
+    weight = module.weight.data
+    module.weight.data = torch.zeros_like(weight)
+    try:
+        with torch.no_grad():
+            probe = module(torch.ones((1, weight.shape[0]), dtype=weight.dtype, device=weight.device))
+    finally:
+        module.weight.data = weight
+    return bool(probe.abs().sum() > 0)
+
+
+def fold(smooth, balance: list, scales: "torch.Tensor") -> None:
+    """W s into each balance Linear (its input channels), and 1/s into the smooth module's
+    outputs: a norm's weight, or a Linear's last rows (and bias) where it feeds more rows than
+    the balance layers take (Phi-3's fused qkv and gate_up)."""
+    import torch
+
+    for module in balance:
+        module.weight.data = module.weight.data * scales.to(module.weight.dtype).unsqueeze(0)
+    if isinstance(smooth, torch.nn.Linear):
+        rows = scales.shape[0]
+        weight = smooth.weight.data.clone()
+        weight[-rows:] = weight[-rows:] / scales.to(weight.dtype).unsqueeze(1)
+        smooth.weight.data = weight
+        if smooth.bias is not None:
+            bias = smooth.bias.data.clone()
+            bias[-rows:] = bias[-rows:] / scales.to(bias.dtype)
+            smooth.bias.data = bias
+    elif _is_offset_norm(smooth):
+        smooth.weight.data = (1 + smooth.weight.data) / scales.to(smooth.weight.dtype) - 1
+    else:
+        smooth.weight.data = smooth.weight.data / scales.to(smooth.weight.dtype)
+
+
+@dataclass
+class SearchResult:
+    scales: "torch.Tensor"
+    ratio: float
+    duo: bool
+    error: float  # the parent's output mean squared error with the chosen scales
+    identity_error: float  # ... with s = 1 (round to nearest)
+
+
+def search(
+    parent,
+    inputs: list[tuple[tuple, dict[str, Any]]],
+    balance: list,
+    quantizers: list[Callable[["torch.Tensor"], "torch.Tensor"]],
+    x_mean: "torch.Tensor",
+    groups: list[int],
+    points: int = N_GRID,
+    *,
+    gram: "tuple[torch.Tensor, int] | None" = None,
+    reference: "list[torch.Tensor] | None" = None,
+) -> SearchResult:
+    """The grid's best scales for one mapping: `parent` run on each cached (args, kwargs) with
+    every balance Linear's weight set to quantizer(W s) / s, against its float outputs. The
+    balance weights are left as they were.
+
+    `gram` (X^T X of the parent's inputs [in, in], the number of input rows): for a parent that
+    is the lone balance Linear (v_proj -> o_proj, up_proj -> down_proj), whose output error is
+    (W_q - W) x per token, the same mean squared error is sum((D X^T X) * D) / (rows * out)
+    with D = W_q - W: out x in x in per grid point instead of rows x in x out, and no inputs
+    kept. (`inputs` is then unused.)
+
+    `reference`: the parent's float outputs on `inputs` where the caller has them (caught in the
+    layer's own float run, with the parent's weights as they are now): one forward fewer."""
+    import torch
+
+    originals = [module.weight.data for module in balance]
+    w_mean = weight_means(originals, groups)
+    if gram is not None and (len(balance) != 1 or balance[0] is not parent):
+        raise KernelError("awq: the X^T X shortcut is for a parent that is its one balance Linear")
+
+    def outputs() -> list["torch.Tensor"]:
+        result = []
+        with torch.no_grad():
+            for args, kwargs in inputs:
+                out = parent(*args, **kwargs)
+                result.append(out[0] if isinstance(out, tuple) else out)
+        return result
+
+    if gram is None:
+        if reference is None:
+            reference = outputs()
+        elif len(reference) != len(inputs):
+            raise KernelError(f"awq: {len(reference)} reference outputs for {len(inputs)} inputs")
+        count = sum(r.numel() for r in reference)
+
+        def error_of() -> float:
+            return sum(float((q.double() - r.double()).pow(2).sum()) for q, r in zip(outputs(), reference)) / count
+
+    else:
+        hessian, tokens = gram
+        count = tokens * originals[0].shape[0]
+
+        def error_of() -> float:
+            difference = balance[0].weight.data.float() - originals[0].float()
+            return float(((difference @ hessian) * difference).sum(dtype=torch.float64)) / count
+
+    best: SearchResult | None = None
+    identity = float("nan")
+    try:
+        for ratio, duo in grid(points):
+            scales = candidate_scales(x_mean, w_mean, ratio, duo)
+            for module, original, quantize in zip(balance, originals, quantizers):
+                scaled = original * scales.to(original.dtype).unsqueeze(0)
+                module.weight.data = quantize(scaled) / scales.to(original.dtype).unsqueeze(0)
+            error = error_of()
+            error = error if error == error else float("inf")  # NaN never wins
+            if ratio == 0.0 and not duo:
+                identity = error
+            if best is None or error < best.error:
+                best = SearchResult(scales.clone(), ratio, duo, error, identity)
+    finally:
+        for module, original in zip(balance, originals):
+            module.weight.data = original
+    if best is None or best.error == float("inf"):
+        raise KernelError("awq: no finite output error on the grid (the layer's outputs hold inf or NaN)")
+    best.identity_error = identity
+    return best

@@ -1,0 +1,228 @@
+"""llama.cpp's importance matrix of a Hugging Face model, computed as `llama-imatrix` computes it
+(tools/imatrix/imatrix.cpp), on the sequential runner's layers (one decoder layer in memory):
+
+    text --the model's tokenizer, whole, BOS first if it adds one--> tokens
+         --consecutive chunks of `chunk_size` tokens, each one's first token BOS--> [chunks, chunk_size]
+         --embeddings, then each decoder layer in float32: every Linear's input x [tokens, columns]
+           adds sum(x^2) per column to its sums and its token count to its count--> the next layer
+         --> per weight, by its GGUF name (qtool.llamacpp.names): in_sum2 [columns], counts [1]
+
+llama-imatrix collects the matrix multiplications of `blk.*` weights only (the output head only
+with --process-output), and so does this: every Linear of a decoder layer. The layers run on
+float weights (nothing is quantized here), so each layer's float outputs feed the next, as in
+llama.cpp's one forward pass per chunk. Each call's sum over its tokens is float32 (squared once
+for the Linears that share an input, q/k/v and gate/up), the running sums float64, stored as
+float32 (llama.cpp adds float32 token by token: the last bits differ, nothing else).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from qtool.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
+
+    from qtool.formats.checkpoint import Checkpoint
+    from qtool.weight import Weight
+
+__all__ = ["ImatrixLayer", "ImatrixStatistics", "chunk_tokens", "collect_imatrix"]
+
+
+@dataclass
+class ImatrixLayer:
+    index: int
+    seconds: float
+    weights: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layer": self.index, "seconds": round(self.seconds, 3), "weights": list(self.weights)}
+
+
+@dataclass
+class ImatrixStatistics:
+    """Per weight (GGUF name): float32 sums of squared inputs [columns] and the tokens counted."""
+
+    chunks: int
+    chunk_size: int
+    sums: dict[str, Any] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    layers: list[ImatrixLayer] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def chunk_tokens(documents: list[str], tokenizer, chunk_size: int, chunks: int | None, where: str) -> "torch.Tensor":
+    """[chunks, chunk_size] int64: the documents tokenized (BOS first where the tokenizer adds
+    one) and joined, cut into consecutive chunks from the start, each chunk's first token BOS
+    where the tokenizer adds one (llama-imatrix's `compute_imatrix`); all of them, or `chunks`."""
+    import torch
+
+    if chunk_size < 16:
+        raise UsageError(f"chunk size {chunk_size}: llama-imatrix ignores batches of fewer than 16 tokens", option="chunk_size")
+    if chunks is not None and chunks < 1:
+        raise UsageError(f"chunks {chunks} must be at least 1", option="chunks")
+    tokenizer.model_max_length = 1 << 62
+    bos = tokenizer.bos_token_id
+    probe_with, probe_without = tokenizer("a")["input_ids"], tokenizer("a", add_special_tokens=False)["input_ids"]
+    add_bos = bos is not None and len(probe_with) > len(probe_without) and probe_with[0] == bos
+    ids: list[int] = [bos] if add_bos else []
+    for document in documents:
+        ids.extend(tokenizer(document, add_special_tokens=False)["input_ids"])
+    available = len(ids) // chunk_size
+    if available < 1:
+        raise UsageError(f"{where}: the calibration text has {len(ids)} tokens, fewer than one chunk of {chunk_size}", hint="give more text, or a smaller chunk size", option="calibrate")
+    count = available if chunks is None else min(chunks, available)
+    tokens = torch.tensor(ids[: count * chunk_size], dtype=torch.int64).view(count, chunk_size)
+    if add_bos:
+        tokens[:, 0] = bos
+    return tokens
+
+
+def collect_imatrix(
+    checkpoint: "Checkpoint",
+    weights: list["Weight"],
+    gguf_name: Callable[[str], str | None],
+    tokens: "torch.Tensor",
+    device: str = "cpu",
+    on_layer: Callable[[ImatrixLayer, int], None] | None = None,
+) -> ImatrixStatistics:
+    """Run the model layer by layer over `tokens` and sum each decoder Linear's squared inputs
+    per column. `gguf_name` maps a weight's name to its GGUF tensor name (None: not written)."""
+    import torch
+
+    from qtool.calibration.runner import _embed, _run
+    from qtool.calibration.skeleton import Skeleton
+
+    started = time.perf_counter()
+    by_name = {w.name: w for w in weights}
+    skeleton = Skeleton.build(checkpoint)
+    result = ImatrixStatistics(int(tokens.shape[0]), int(tokens.shape[1]))
+    hidden, kwargs = _embed(skeleton, tokens, by_name, checkpoint, device)
+    outputs = torch.empty_like(hidden)
+    count = len(skeleton.layers)
+    for index in range(count):
+        layer_started = time.perf_counter()
+        prefix = f"{skeleton.layers_prefix}.{index}"
+        layer = skeleton.layers[index]
+        skeleton.materialize(layer, prefix, by_name, checkpoint, device)
+        linears = {}
+        for name, module in layer.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                out_name = gguf_name(f"{prefix}.{name}.weight")
+                if out_name is not None:
+                    linears[out_name] = module
+        sums = {name: torch.zeros(m.in_features, dtype=torch.float64, device=device) for name, m in linears.items()}
+        seen = dict.fromkeys(linears, 0)
+        hooks = []
+        last: list[Any] = [None, None, 0]  # q, k and v (gate and up) see one input tensor: squared once
+
+        for name, module in linears.items():
+
+            def accumulate(module, args, name=name):
+                x = args[0]
+                if last[0] is not x:
+                    flat = x.reshape(-1, x.shape[-1])
+                    last[:] = [x, flat.float().square().sum(dim=0).double(), flat.shape[0]]
+                sums[name] += last[1]
+                seen[name] += last[2]
+
+            hooks.append(module.register_forward_pre_hook(accumulate))
+        try:
+            _run(layer, hidden, kwargs, outputs)
+        finally:
+            for hook in hooks:
+                hook.remove()
+            last[:] = [None, None, 0]
+        for name in linears:
+            values = sums[name].float().cpu().numpy()
+            if not (values == values).all() or (abs(values) == float("inf")).any():
+                raise UsageError(f"{name}: its inputs hold NaN or inf on this text (llama-imatrix stops too)", option="calibrate")
+            result.sums[name], result.counts[name] = values, seen[name]
+        hidden, outputs = outputs, hidden  # the float layer's outputs feed the next
+        skeleton.release(layer)
+        layer_result = ImatrixLayer(index, time.perf_counter() - layer_started, sorted(linears))
+        result.layers.append(layer_result)
+        if on_layer is not None:
+            on_layer(layer_result, count)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+# -- the imatrix as a file, and as a stage of `quantize --calibrate` to GGUF ----------------------
+
+
+def statistics_entries(stats: ImatrixStatistics) -> dict[str, tuple[Any, list[int]]]:
+    """What `formats.imatrix.imatrix_gguf_bytes` writes: name -> (sums, [count])."""
+    return {name: (stats.sums[name], [stats.counts[name]]) for name in stats.sums}
+
+
+def as_imatrix(stats: ImatrixStatistics, path: str, dataset: str) -> Any:
+    """The statistics as an in-memory `Imatrix`, as reading the file written from them gives."""
+    import numpy as np
+
+    from qtool.formats.imatrix import Imatrix, ImatrixEntry
+
+    entries = {
+        name: ImatrixEntry(name, np.asarray(stats.sums[name], dtype=np.float32), (stats.counts[name],))
+        for name in sorted(stats.sums, key=lambda n: n.encode("utf-8"))
+    }
+    return Imatrix(path, "gguf", entries, (dataset.encode("utf-8", "surrogateescape"),), stats.chunks, stats.chunk_size)
+
+
+@dataclass
+class ImatrixRequest:
+    """`quantize --calibrate` to GGUF: an importance matrix computed on the text before the
+    executor runs, then used as `--imatrix` would use its file."""
+
+    text: str
+    tokens: "torch.Tensor"  # [chunks, chunk_size]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"text": self.text, "algorithm": "imatrix", "chunks": int(self.tokens.shape[0]), "chunk_size": int(self.tokens.shape[1])}
+
+
+def prepare_request(plan: Any, text: str, chunks: int, chunk_size: int) -> ImatrixRequest:
+    """Check what a calibrated GGUF run needs (a Hugging Face model folder with its tokenizer,
+    an architecture transformers builds, enough text) and draw the tokens."""
+    import os
+
+    from qtool.calibration.samples import load_tokenizer, read_text
+    from qtool.calibration.skeleton import Skeleton
+
+    source = plan.source
+    if source.format != "safetensors":
+        raise UsageError(f"{source.path} is a {source.format} checkpoint; calibration reads a Hugging Face model folder (safetensors, config.json, tokenizer)", option="calibrate")
+    quantized = [job.weight.name for job in plan.jobs if job.weight.quantized]
+    if quantized:
+        raise UsageError(f"{source.path} is already quantized ({quantized[0]}); calibration needs float weights", option="calibrate")
+    folder = source.path if os.path.isdir(source.path) else os.path.dirname(os.path.abspath(source.path))
+    Skeleton.build(source)
+    tokens = chunk_tokens(read_text(text), load_tokenizer(folder), chunk_size, chunks, text)
+    return ImatrixRequest(os.fspath(text), tokens)
+
+
+def apply_request(plan: Any, request: ImatrixRequest, device: str, threads: int | None = None, on_layer: Callable[[Any, int], None] | None = None) -> dict[str, Any]:
+    """Compute the importance matrix, weigh the plan's GGUF jobs with it and record it in the
+    plan's metadata (`quantize.imatrix.*`, the text as the file and the dataset); the
+    calibration document for the report."""
+    import torch
+
+    from qtool.llamacpp.importance import IMATRIX_KEYS, attach_importance, imatrix_metadata
+    from qtool.llamacpp.names import tensor_names
+
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        names = tensor_names(plan.source, True)
+        stats = collect_imatrix(plan.source, [job.weight for job in plan.jobs], names.tensor_name, request.tokens, device, on_layer)
+    finally:
+        torch.set_num_threads(previous)
+    imatrix = as_imatrix(stats, request.text, request.text)
+    notes = attach_importance(plan.jobs, imatrix, None)
+    arch, entries = plan.metadata
+    plan.metadata = (arch, [e for e in entries if e[0] not in IMATRIX_KEYS] + imatrix_metadata(imatrix, request.text))
+    return {**request.to_json(), "seconds": round(stats.seconds, 3), "entries": len(imatrix.entries), "notes": notes, "layers": [layer.to_json() for layer in stats.layers]}
