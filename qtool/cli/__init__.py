@@ -279,12 +279,28 @@ def _leave_now(code: int) -> NoReturn:
     which joins every non-daemon thread (a pool's worker blocked on a stalled read or a slow
     disk would hold the exit for as long as it takes)."""
     _abort_outputs()  # again: a worker may have staged a file since
+    _release_named_semaphores()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe or stream: nothing more to say
             pass
     os._exit(code)
+
+
+def _release_named_semaphores() -> None:
+    """A `--workers` pool's queues hold named POSIX semaphores, which multiprocessing unlinks in
+    finalizers that `os._exit` skips. Its resource tracker, a process of its own that shares our
+    stderr, would then unlink them itself and print "There appear to be N leaked semaphore
+    objects" after our last line. Run those finalizers first, as the interpreter's own exit
+    handler (`multiprocessing.util._exit_function`) does: none of them waits on a worker."""
+    util = sys.modules.get("multiprocessing.util")  # not imported: no pool, no semaphore
+    run_finalizers = getattr(util, "_run_finalizers", None)
+    if callable(run_finalizers):
+        try:
+            run_finalizers(0)
+        except Exception:  # noqa: BLE001 - the signal's exit code still stands; the tracker cleans up
+            pass
 
 
 def __getattr__(name: str) -> Any:
