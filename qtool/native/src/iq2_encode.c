@@ -1,151 +1,55 @@
-/* GGUF IQ2_XXS and IQ2_XS encoders and decoders: byte for byte llama.cpp's quantize_iq2_xxs and
- * quantize_iq2_xs (which need quant_weights: llama-quantize refuses them without an imatrix) and
- * dequantize_row_iq2_xxs / _xs
+/* GGUF IQ2_XXS, IQ2_XS and IQ2_S encoders and decoders: byte for byte llama.cpp's
+ * quantize_iq2_xxs, quantize_iq2_xs (both need quant_weights: llama-quantize refuses them
+ * without an imatrix) and quantize_iq2_s, and dequantize_row_iq2_xxs / _xs / _s
  * (ggml/src/ggml-quants.c, llama.cpp 0c1e57098bba43ac29e6e3b677cdceebdd22334f;
  * tests/test_native_gguf_iq2.py and the kquant fixture hold the proof).
  *
- * As IQ3_XXS (iq3_encode.c, which explains the method) but with groups of 8 magnitudes, each a
- * point of a 256-point (IQ2_XS: 512) grid of 2-bit coordinates (iq2_grids.h), neighbour lists at the 2 smallest
- * distances over all 43692 coordinate words (iq2xs_init_impl), the scale search seeded by
- * make_qp_quants and tried at 13 scales around it, sigma2 the plain mean square.
+ * The grid search is iq_grid.c's, with groups of 8 magnitudes, each a point of a 256-point
+ * (IQ2_XS: 512, IQ2_S: 1024) grid of 2-bit coordinates (iq2_grids.h), neighbour lists at the 2
+ * (IQ2_S: 1) smallest distances over all 43692 coordinate words (iq2xs_init_impl). IQ2_XXS seeds
+ * the scale search with make_qp_quants and tries 13 scales around it, sigma2 the plain mean square.
  */
 #include "qtool_native.h"
 
-#include <float.h>
 #include <pthread.h>
-#include <stdlib.h>
 
 #include "iq2_grids.h"
+#include "iq_grid.h"
 
 #ifdef __FAST_MATH__
 #error "iq2_encode.c must be built without -ffast-math: its bytes depend on IEEE float32 rounding"
 #endif
 
-#define QT_INLINE static inline __attribute__((always_inline))
 enum { MAP_SIZE = 43692 }; /* coordinate words up to 0xAAAA (every coordinate 2) */
 
-QT_INLINE int32_t nearest(float f) { return (int32_t)(qt_bits(f + 12582912.0f) & 0x007FFFFFu) - 0x00400000; }
-
-typedef struct {
-    int size, nwant;            /* points; distinct distances a neighbour list spans (1 or 2) */
-    const uint8_t (*values)[8]; /* the stored grid (8, 25, 43) */
-    uint8_t points[1024][8];    /* the quantizer's magnitudes 2l + 1 */
-    int16_t at[MAP_SIZE];       /* grid index of coordinate word u, or -1 */
-    uint32_t neighbour_at[MAP_SIZE];
-    uint16_t neighbour_count[MAP_SIZE];
-    uint16_t *neighbours;
-} Grid;
-
-static Grid grid_xxs = {.size = 256, .nwant = 2, .values = iq2xxs_grid}, grid_xs = {.size = 512, .nwant = 2, .values = iq2xs_grid};
-static Grid grid_s = {.size = 1024, .nwant = 1, .values = iq2s_grid};
+static QtIqGrid grid_xxs = {.size = 256, .nwant = 2, .dim = 8, .bits = 2, .map_size = MAP_SIZE};
+static QtIqGrid grid_xs = {.size = 512, .nwant = 2, .dim = 8, .bits = 2, .map_size = MAP_SIZE};
+static QtIqGrid grid_s = {.size = 1024, .nwant = 1, .dim = 8, .bits = 2, .map_size = MAP_SIZE};
 static pthread_once_t xxs_once = PTHREAD_ONCE_INIT, xs_once = PTHREAD_ONCE_INIT, s_once = PTHREAD_ONCE_INIT;
+static int xxs_built, xs_built, s_built;
 
-/* iq2xs_init_impl: every coordinate word's neighbours at the `nwant` smallest squared distances,
- * by distance then index */
-static void build_grid(Grid *g) {
-    for (int k = 0; k < g->size; k++)
-        for (int i = 0; i < 8; i++) g->points[k][i] = (uint8_t)(2 * (g->values[k][i] == 8 ? 0 : g->values[k][i] == 25 ? 1 : 2) + 1);
-    for (int u = 0; u < MAP_SIZE; u++) g->at[u] = -1;
-    for (int k = 0; k < g->size; k++) {
-        int u = 0;
-        for (int i = 0; i < 8; i++) u |= ((g->points[k][i] - 1) / 2) << (2 * i);
-        g->at[u] = (int16_t)k;
-    }
-    int d2[1024];
-    size_t total = 0;
-    for (int pass = 0; pass < 2; pass++) { /* count, then fill */
-        if (pass == 1 && !(g->neighbours = malloc(total * sizeof(uint16_t)))) return;
-        total = 0;
-        for (int u = 0; u < MAP_SIZE; u++) {
-            if (g->at[u] >= 0) continue;
-            int first = INT32_MAX, second = INT32_MAX; /* the two smallest distinct distances */
-            for (int j = 0; j < g->size; j++) {
-                int d = 0;
-                for (int i = 0; i < 8; i++) {
-                    const int delta = g->points[j][i] - (2 * ((u >> (2 * i)) & 3) + 1);
-                    d += delta * delta;
-                }
-                d2[j] = d;
-                if (d == first || d == second) continue;
-                if (d < first) second = first, first = d;
-                else if (d < second) second = d;
-            }
-            int n = 0;
-            for (int t = 0; t < g->nwant; t++)
-                for (int j = 0; j < g->size; j++)
-                    if (d2[j] == (t ? second : first)) {
-                        if (pass == 1) g->neighbours[total + (size_t)n] = (uint16_t)j;
-                        n++;
-                    }
-            g->neighbour_at[u] = (uint32_t)total;
-            g->neighbour_count[u] = (uint16_t)n;
-            total += (size_t)n;
-        }
-    }
+/* the stored grid holds 8, 25 or 43 where the quantizer's magnitude is 2l + 1 */
+static int build(QtIqGrid *grid, const uint8_t (*values)[8]) {
+    for (int k = 0; k < grid->size; k++)
+        for (int i = 0; i < 8; i++) grid->points[k][i] = (uint8_t)(2 * (values[k][i] == 8 ? 0 : values[k][i] == 25 ? 1 : 2) + 1);
+    return qt_iq_grid_build(grid);
 }
 
-static void build_xxs(void) { build_grid(&grid_xxs); }
-static void build_xs(void) { build_grid(&grid_xs); }
-static void build_s(void) { build_grid(&grid_s); }
+static void build_xxs(void) { xxs_built = build(&grid_xxs, iq2xxs_grid); }
+static void build_xs(void) { xs_built = build(&grid_xs, iq2xs_grid); }
+static void build_s(void) { s_built = build(&grid_s, iq2s_grid); }
 
 int qt_iq2_xxs_ready(void) {
     pthread_once(&xxs_once, build_xxs);
-    return grid_xxs.neighbours != NULL;
+    return xxs_built;
 }
 int qt_iq2_xs_ready(void) {
     pthread_once(&xs_once, build_xs);
-    return grid_xs.neighbours != NULL;
+    return xs_built;
 }
 int qt_iq2_s_ready(void) {
     pthread_once(&s_once, build_s);
-    return grid_s.neighbours != NULL;
-}
-
-/* iq2_find_best_neighbour */
-static int best_neighbour(const Grid *g, int u, const float *xval, const float *w, float scale, int8_t *L) {
-    const uint16_t *list = g->neighbours + g->neighbour_at[u];
-    float best_d2 = FLT_MAX;
-    int best = -1;
-    for (int n = 0; n < g->neighbour_count[u]; n++) {
-        const uint8_t *pg = g->points[list[n]];
-        float d2 = 0.0f;
-        for (int i = 0; i < 8; i++) {
-            const float diff = scale * (float)pg[i] - xval[i];
-            d2 += w[i] * diff * diff;
-        }
-        if (d2 < best_d2) best_d2 = d2, best = list[n];
-    }
-    if (best < 0) best = list[0]; /* llama.cpp aborts here (NaN or inf) */
-    for (int i = 0; i < 8; i++) L[i] = (int8_t)((g->points[best][i] - 1) / 2);
-    return best;
-}
-
-/* the signs of 8 values into xval (magnitudes) and a 7-bit mask: an odd count of negatives has
- * the least important value's sign flipped (the eighth sign is the parity of the other seven) */
-QT_INLINE uint8_t signs_of(const float *xb, const float *weight, float *xval) {
-    int nflip = 0;
-    uint8_t s = 0;
-    for (int i = 0; i < 8; i++) {
-        if (xb[i] >= 0) xval[i] = xb[i];
-        else xval[i] = -xb[i], nflip++, s |= (uint8_t)(1 << i);
-    }
-    if (nflip % 2) {
-        int imin = 0;
-        float min = weight[0] * xb[0] * xb[0];
-        for (int i = 1; i < 8; i++) {
-            const float ax = weight[i] * xb[i] * xb[i];
-            if (ax < min) min = ax, imin = i;
-        }
-        xval[imin] = -xval[imin];
-        s ^= (uint8_t)(1 << imin);
-    }
-    return s & 127;
-}
-
-QT_INLINE int word_of(const int8_t *L) {
-    int u = 0;
-    for (int i = 0; i < 8; i++) u |= L[i] << (2 * i);
-    return u;
+    return s_built;
 }
 
 /* quantize_row_iq2_xxs_impl on one super-block: [d f16][8 x (u32 four grid indexes, u32 four
@@ -153,7 +57,7 @@ QT_INLINE int word_of(const int8_t *L) {
 static void iq2_xxs_block(const float *xbl, const float *qw, uint8_t *y) {
     enum { KMAXQ = 3 };
     float scales[8], weight[32], waux[32], xval[32];
-    int8_t L[32], Laux[32];
+    int8_t L[32];
     uint8_t block_signs[4];
     uint32_t q2[16];
     memset(y, 0, 66);
@@ -165,7 +69,7 @@ static void iq2_xxs_block(const float *xbl, const float *qw, uint8_t *y) {
         const float *xb = xbl + 32 * ib;
         for (int i = 0; i < 32; i++) weight[i] = qw[32 * ib + i] * __builtin_sqrtf(sigma2 + xb[i] * xb[i]);
         for (int i = 0; i < 32; i++) waux[i] = __builtin_sqrtf(weight[i]);
-        for (int k = 0; k < 4; k++) block_signs[k] = signs_of(xb + 8 * k, weight + 8 * k, xval + 8 * k);
+        for (int k = 0; k < 4; k++) block_signs[k] = qt_iq_even_signs(xb + 8 * k, weight + 8 * k, xval + 8 * k);
         float max = xval[0];
         for (int i = 1; i < 32; i++) max = max > xval[i] ? max : xval[i];
         if (max < 1e-15f) { /* GROUP_MAX_EPS */
@@ -180,56 +84,13 @@ static void iq2_xxs_block(const float *xbl, const float *qw, uint8_t *y) {
             memset(L, 0, 32);
             continue;
         }
-        float best = 0.0f;
-        for (int is = -6; is <= 6; is++) {
-            const float id = ((float)(2 * KMAXQ - 1) + (float)is * 0.1f) / eff_max, this_scale = 1.0f / id;
-            for (int k = 0; k < 4; k++) {
-                for (int i = 0; i < 8; i++) {
-                    const int l = nearest(0.5f * (id * xval[8 * k + i] - 1.0f));
-                    Laux[8 * k + i] = (int8_t)(l < 0 ? 0 : l > KMAXQ - 1 ? KMAXQ - 1 : l);
-                }
-                const int u = word_of(Laux + 8 * k);
-                if (grid_xxs.at[u] < 0) best_neighbour(&grid_xxs, u, xval + 8 * k, waux + 8 * k, this_scale, Laux + 8 * k);
-            }
-            float sumqx = 0.0f, sumq2 = 0.0f;
-            for (int i = 0; i < 32; i++) {
-                const float q = (float)(2 * Laux[i] + 1);
-                sumqx += weight[i] * xval[i] * q;
-                sumq2 += weight[i] * q * q;
-            }
-            if (sumq2 > 0.0f && sumqx * sumqx > best * sumq2) {
-                scale = sumqx / sumq2;
-                best = scale * sumqx;
-                memcpy(L, Laux, 32);
-            }
-        }
-        if (scale > 0.0f) {
-            const float id = 1.0f / scale;
-            for (int k = 0; k < 4; k++) {
-                int u = 0;
-                for (int i = 0; i < 8; i++) {
-                    int l = nearest(0.5f * (id * xval[8 * k + i] - 1.0f));
-                    l = l < 0 ? 0 : l > KMAXQ - 1 ? KMAXQ - 1 : l;
-                    u |= l << (2 * i);
-                }
-                int g = grid_xxs.at[u];
-                if (g < 0) g = best_neighbour(&grid_xxs, u, xval + 8 * k, waux + 8 * k, scale, L + 8 * k);
-                for (int i = 0; i < 8; i++) L[8 * k + i] = (int8_t)((grid_xxs.points[g][i] - 1) / 2);
-            }
-            float sumqx = 0.0f, sumq2 = 0.0f;
-            for (int i = 0; i < 32; i++) {
-                const float q = (float)(2 * L[i] + 1);
-                sumqx += weight[i] * xval[i] * q;
-                sumq2 += weight[i] * q * q;
-            }
-            if (sumq2 > 0.0f) scale = sumqx / sumq2;
-        }
+        scale = qt_iq_search(&grid_xxs, 32, KMAXQ, xval, weight, waux, scale, eff_max, 6, 0.1f, QT_IQ_REDO_ALL, L);
         if (scale < 0.0f) {
             scale = -scale;
             for (int k = 0; k < 4; k++) block_signs[k] = (uint8_t)(~block_signs[k] & 127);
         }
         for (int k = 0; k < 4; k++) {
-            const int u = word_of(L + 8 * k);
+            const int u = qt_iq_word(&grid_xxs, L + 8 * k);
             const int g = u >= 0 && u < MAP_SIZE && grid_xxs.at[u] >= 0 ? grid_xxs.at[u] : 0; /* llama.cpp aborts otherwise */
             q2[2 * ib] |= (uint32_t)g << (8 * k);
             q2[2 * ib + 1] |= (uint32_t)block_signs[k] << (7 * k);
@@ -242,7 +103,7 @@ static void iq2_xxs_block(const float *xbl, const float *qw, uint8_t *y) {
     const uint16_t h = qt_f32_to_f16(d);
     memcpy(y, &h, 2);
     for (int ib = 0; ib < 8; ib++) {
-        int l = nearest(0.5f * (id * scales[ib] - 1.0f));
+        int l = qt_iq_nearest(0.5f * (id * scales[ib] - 1.0f));
         l = l < 0 ? 0 : l > 15 ? 15 : l;
         q2[2 * ib + 1] |= (uint32_t)l << 28;
     }
@@ -282,8 +143,8 @@ void qt_iq2_xxs_row(const float *x, const float *qw, Py_ssize_t blocks, uint8_t 
 static void iq2_xs_block(const float *xbl, const float *qw, uint8_t *y) {
     enum { KMAXQ = 3 };
     float scales[16], weight[16], waux[16], xval[16];
-    int8_t L[16], Laux[16];
-    uint8_t block_signs[2], on_grid[2], on_grid_aux[2];
+    int8_t L[16];
+    uint8_t block_signs[2];
     uint16_t q2[32];
     memset(y, 0, 74);
     memset(q2, 0, sizeof q2);
@@ -294,7 +155,7 @@ static void iq2_xs_block(const float *xbl, const float *qw, uint8_t *y) {
         const float *xb = xbl + 16 * ib;
         for (int i = 0; i < 16; i++) weight[i] = qw[16 * ib + i] * __builtin_sqrtf(sigma2 + xb[i] * xb[i]);
         for (int i = 0; i < 16; i++) waux[i] = __builtin_sqrtf(weight[i]);
-        for (int k = 0; k < 2; k++) block_signs[k] = signs_of(xb + 8 * k, weight + 8 * k, xval + 8 * k);
+        for (int k = 0; k < 2; k++) block_signs[k] = qt_iq_even_signs(xb + 8 * k, weight + 8 * k, xval + 8 * k);
         float max = xval[0];
         for (int i = 1; i < 16; i++) max = max > xval[i] ? max : xval[i];
         memset(L, 0, 16);
@@ -302,59 +163,14 @@ static void iq2_xs_block(const float *xbl, const float *qw, uint8_t *y) {
             scales[ib] = 0.0f;
             continue;
         }
-        float best = 0.0f, scale = max / (float)(2 * KMAXQ - 1);
-        on_grid[0] = on_grid[1] = 1;
-        for (int is = -9; is <= 9; is++) {
-            const float id = ((float)(2 * KMAXQ - 1) + (float)is * 0.1f) / max, this_scale = 1.0f / id;
-            for (int k = 0; k < 2; k++) {
-                for (int i = 0; i < 8; i++) {
-                    const int l = nearest(0.5f * (id * xval[8 * k + i] - 1.0f));
-                    Laux[8 * k + i] = (int8_t)(l < 0 ? 0 : l > KMAXQ - 1 ? KMAXQ - 1 : l);
-                }
-                const int u = word_of(Laux + 8 * k);
-                on_grid_aux[k] = grid_xs.at[u] >= 0;
-                if (!on_grid_aux[k]) best_neighbour(&grid_xs, u, xval + 8 * k, waux + 8 * k, this_scale, Laux + 8 * k);
-            }
-            float sumqx = 0.0f, sumq2 = 0.0f;
-            for (int i = 0; i < 16; i++) {
-                const float q = (float)(2 * Laux[i] + 1);
-                sumqx += weight[i] * xval[i] * q;
-                sumq2 += weight[i] * q * q;
-            }
-            if (sumq2 > 0.0f && sumqx * sumqx > best * sumq2) {
-                scale = sumqx / sumq2;
-                best = scale * sumqx;
-                memcpy(L, Laux, 16);
-                memcpy(on_grid, on_grid_aux, 2);
-            }
-        }
-        if ((!on_grid[0] || !on_grid[1]) && scale > 0.0f) {
-            const float id = 1.0f / scale;
-            for (int k = 0; k < 2; k++) {
-                if (on_grid[k]) continue;
-                int u = 0;
-                for (int i = 0; i < 8; i++) {
-                    int l = nearest(0.5f * (id * xval[8 * k + i] - 1.0f));
-                    l = l < 0 ? 0 : l > KMAXQ - 1 ? KMAXQ - 1 : l;
-                    u |= l << (2 * i);
-                    L[8 * k + i] = (int8_t)l;
-                }
-                if (grid_xs.at[u] < 0) best_neighbour(&grid_xs, u, xval + 8 * k, waux + 8 * k, scale, L + 8 * k);
-            }
-            float sumqx = 0.0f, sumq2 = 0.0f;
-            for (int i = 0; i < 16; i++) {
-                const float q = (float)(2 * L[i] + 1);
-                sumqx += weight[i] * xval[i] * q;
-                sumq2 += weight[i] * q * q;
-            }
-            if (sumq2 > 0.0f) scale = sumqx / sumq2;
-        }
+        const float scale0 = max / (float)(2 * KMAXQ - 1);
+        float scale = qt_iq_search(&grid_xs, 16, KMAXQ, xval, weight, waux, scale0, max, 9, 0.1f, QT_IQ_REDO_OFF_GRID, L);
         if (scale < 0.0f) {
             scale = -scale;
             for (int k = 0; k < 2; k++) block_signs[k] = (uint8_t)(~block_signs[k] & 127);
         }
         for (int k = 0; k < 2; k++) {
-            const int u = word_of(L + 8 * k);
+            const int u = qt_iq_word(&grid_xs, L + 8 * k);
             const int g = grid_xs.at[u] >= 0 ? grid_xs.at[u] : 0; /* llama.cpp aborts otherwise */
             q2[2 * ib + k] = (uint16_t)(g | (block_signs[k] << 9));
         }
@@ -366,7 +182,7 @@ static void iq2_xs_block(const float *xbl, const float *qw, uint8_t *y) {
     const uint16_t h = qt_f32_to_f16(d);
     memcpy(y, &h, 2);
     for (int ib = 0; ib < 16; ib++) {
-        int l = nearest(0.5f * (id * scales[ib] - 1.0f));
+        int l = qt_iq_nearest(0.5f * (id * scales[ib] - 1.0f));
         l = l < 0 ? 0 : l > 15 ? 15 : l;
         if (ib % 2 == 0) y[66 + ib / 2] = (uint8_t)l;
         else y[66 + ib / 2] |= (uint8_t)(l << 4);
@@ -408,8 +224,8 @@ void qt_iq2_xs_row(const float *x, const float *qw, Py_ssize_t blocks, uint8_t *
 static void iq2_s_block(const float *xbl, const float *qw, uint8_t *y) {
     enum { KMAXQ = 3 };
     float scales[16], weight[16], waux[16], xval[16];
-    int8_t L[16], Laux[16];
-    uint8_t block_signs[2], on_grid[2], on_grid_aux[2];
+    int8_t L[16];
+    uint8_t block_signs[2];
     uint8_t *qs = y + 2, *qh = y + 66, *sc = y + 74;
     memset(y, 0, 82);
     float max_scale = 0.0f, sumx2 = 0.0f;
@@ -422,14 +238,7 @@ static void iq2_s_block(const float *xbl, const float *qw, uint8_t *y) {
         else
             for (int i = 0; i < 16; i++) weight[i] = 0.25f * sigma2 + xb[i] * xb[i];
         for (int i = 0; i < 16; i++) waux[i] = __builtin_sqrtf(weight[i]);
-        for (int k = 0; k < 2; k++) {
-            uint8_t s = 0;
-            for (int i = 0; i < 8; i++) {
-                if (xb[8 * k + i] >= 0) xval[8 * k + i] = xb[8 * k + i];
-                else xval[8 * k + i] = -xb[8 * k + i], s |= (uint8_t)(1 << i);
-            }
-            block_signs[k] = s;
-        }
+        for (int k = 0; k < 2; k++) block_signs[k] = qt_iq_signs(xb + 8 * k, xval + 8 * k);
         float max = xval[0];
         for (int i = 1; i < 16; i++) max = max > xval[i] ? max : xval[i];
         memset(L, 0, 16);
@@ -437,59 +246,14 @@ static void iq2_s_block(const float *xbl, const float *qw, uint8_t *y) {
             scales[ib] = 0.0f;
             continue;
         }
-        float best = 0.0f, scale = max / (float)(2 * KMAXQ - 1);
-        on_grid[0] = on_grid[1] = 1;
-        for (int is = -9; is <= 9; is++) {
-            const float id = ((float)(2 * KMAXQ - 1) + (float)is * 0.1f) / max, this_scale = 1.0f / id;
-            for (int k = 0; k < 2; k++) {
-                for (int i = 0; i < 8; i++) {
-                    const int l = nearest(0.5f * (id * xval[8 * k + i] - 1.0f));
-                    Laux[8 * k + i] = (int8_t)(l < 0 ? 0 : l > KMAXQ - 1 ? KMAXQ - 1 : l);
-                }
-                const int u = word_of(Laux + 8 * k);
-                on_grid_aux[k] = grid_s.at[u] >= 0;
-                if (!on_grid_aux[k]) best_neighbour(&grid_s, u, xval + 8 * k, waux + 8 * k, this_scale, Laux + 8 * k);
-            }
-            float sumqx = 0.0f, sumq2 = 0.0f;
-            for (int i = 0; i < 16; i++) {
-                const float q = (float)(2 * Laux[i] + 1);
-                sumqx += weight[i] * xval[i] * q;
-                sumq2 += weight[i] * q * q;
-            }
-            if (sumq2 > 0.0f && sumqx * sumqx > best * sumq2) {
-                scale = sumqx / sumq2;
-                best = scale * sumqx;
-                memcpy(L, Laux, 16);
-                memcpy(on_grid, on_grid_aux, 2);
-            }
-        }
-        if ((!on_grid[0] || !on_grid[1]) && scale > 0.0f) {
-            const float id = 1.0f / scale;
-            for (int k = 0; k < 2; k++) {
-                if (on_grid[k]) continue;
-                int u = 0;
-                for (int i = 0; i < 8; i++) {
-                    int l = nearest(0.5f * (id * xval[8 * k + i] - 1.0f));
-                    l = l < 0 ? 0 : l > KMAXQ - 1 ? KMAXQ - 1 : l;
-                    u |= l << (2 * i);
-                    L[8 * k + i] = (int8_t)l;
-                }
-                if (grid_s.at[u] < 0) best_neighbour(&grid_s, u, xval + 8 * k, waux + 8 * k, scale, L + 8 * k);
-            }
-            float sumqx = 0.0f, sumq2 = 0.0f;
-            for (int i = 0; i < 16; i++) {
-                const float q = (float)(2 * L[i] + 1);
-                sumqx += weight[i] * xval[i] * q;
-                sumq2 += weight[i] * q * q;
-            }
-            if (sumq2 > 0.0f) scale = sumqx / sumq2;
-        }
+        const float scale0 = max / (float)(2 * KMAXQ - 1);
+        float scale = qt_iq_search(&grid_s, 16, KMAXQ, xval, weight, waux, scale0, max, 9, 0.1f, QT_IQ_REDO_OFF_GRID, L);
         if (scale < 0.0f) {
             scale = -scale;
             for (int k = 0; k < 2; k++) block_signs[k] = (uint8_t)~block_signs[k];
         }
         for (int k = 0; k < 2; k++) {
-            const int u = word_of(L + 8 * k);
+            const int u = qt_iq_word(&grid_s, L + 8 * k);
             const int g = grid_s.at[u] >= 0 ? grid_s.at[u] : 0; /* llama.cpp aborts otherwise */
             const int i8 = 2 * ib + k;
             qs[i8] = (uint8_t)(g & 255);
@@ -504,7 +268,7 @@ static void iq2_s_block(const float *xbl, const float *qw, uint8_t *y) {
     const uint16_t h = qt_f32_to_f16(d * 0.9875f);
     memcpy(y, &h, 2);
     for (int ib = 0; ib < 16; ib++) {
-        int l = nearest(0.5f * (id * scales[ib] - 1.0f));
+        int l = qt_iq_nearest(0.5f * (id * scales[ib] - 1.0f));
         l = l < 0 ? 0 : l > 15 ? 15 : l;
         if (ib % 2 == 0) sc[ib / 2] = (uint8_t)l;
         else sc[ib / 2] |= (uint8_t)(l << 4);
