@@ -11,10 +11,6 @@ the compiled reference on random rows and random weights too."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qtool import native
+from tests.llama_reference import compiled_llama_cpp
 from qtool.errors import KernelError
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="qtool.native._kernels is not built")
@@ -140,28 +137,16 @@ def test_bad_importance():
 
 # -- against llama.cpp compiled here, when its sources are on the machine --------------------------
 
-LLAMA_CPP = os.environ.get("LLAMA_CPP_SRC", "/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp")
-
-
 @pytest.fixture(scope="module")
 def reference():
-    if not (Path(LLAMA_CPP) / "ggml" / "src" / "ggml-quants.c").is_file() or shutil.which("gcc") is None:
-        pytest.skip(f"llama.cpp sources not at {LLAMA_CPP} (LLAMA_CPP_SRC) or no gcc")
-    sys.path.insert(0, str(FIXTURE))
-    try:
-        import make_reference
-    finally:
-        sys.path.remove(str(FIXTURE))
-    tmp = tempfile.TemporaryDirectory()
-    lib, _ = make_reference.build_library(Path(LLAMA_CPP), Path(tmp.name))
+    with compiled_llama_cpp() as (make_reference, lib):
 
-    def run(type_name, x, qw):
-        if qw is None:
-            return make_reference.quantize(lib, type_name, x)
-        return make_reference.quantize_weighted(lib, type_name, x, qw)
+        def run(type_name, x, qw):
+            if qw is None:
+                return make_reference.quantize(lib, type_name, x)
+            return make_reference.quantize_weighted(lib, type_name, x, qw)
 
-    yield run
-    tmp.cleanup()
+        yield run
 
 
 SPECIALS = [0.0, -0.0, 1e-30, 1e30, 1e-40, 1e-15, 0.5, 1.5, np.inf, -np.inf, np.nan]

@@ -10,10 +10,6 @@ overflow). Where llama.cpp's sources and gcc are here, hypothesis compares rando
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qtool import native
+from tests.llama_reference import compiled_llama_cpp
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="qtool.native._kernels is not built")
 
@@ -115,28 +112,16 @@ def test_threads_give_the_same_bytes(type_name):
 
 # -- against llama.cpp compiled here ----------------------------------------------------------------
 
-LLAMA_CPP = os.environ.get("LLAMA_CPP_SRC", "/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp")
-
-
 @pytest.fixture(scope="module")
 def reference():
-    if not (Path(LLAMA_CPP) / "ggml" / "src" / "ggml-quants.c").is_file() or shutil.which("gcc") is None:
-        pytest.skip(f"llama.cpp sources not at {LLAMA_CPP} (LLAMA_CPP_SRC) or no gcc")
-    sys.path.insert(0, str(FIXTURE))
-    try:
-        import make_reference
-    finally:
-        sys.path.remove(str(FIXTURE))
-    tmp = tempfile.TemporaryDirectory()
-    lib, _ = make_reference.build_library(Path(LLAMA_CPP), Path(tmp.name))
+    with compiled_llama_cpp() as (make_reference, lib):
 
-    def run(x, qw, type_name):
-        aborted: list[int] = []
-        data = make_reference.quantize(lib, type_name, x, aborted) if qw is None else make_reference.quantize_weighted(lib, type_name, x, qw, aborted)
-        return None if aborted else data
+        def run(x, qw, type_name):
+            aborted: list[int] = []
+            data = make_reference.quantize(lib, type_name, x, aborted) if qw is None else make_reference.quantize_weighted(lib, type_name, x, qw, aborted)
+            return None if aborted else data
 
-    yield run
-    tmp.cleanup()
+        yield run
 
 
 @st.composite

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qtool import native
+from tests.llama_reference import compiled_llama_cpp
 from qtool.errors import KernelError
 
 if os.environ.get("QTOOL_REQUIRE_NATIVE") == "1":  # CI: a silently skipped build must fail
@@ -287,22 +285,10 @@ def test_decoded_values_stay_near_the_block(x, type_name):
 
 # -- against llama.cpp compiled here, when its sources are on the machine --------------------------
 
-LLAMA_CPP = os.environ.get("LLAMA_CPP_SRC", "/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp")
-
-
 @pytest.fixture(scope="module")
 def reference():
-    if not (Path(LLAMA_CPP) / "ggml" / "src" / "ggml-quants.c").is_file() or shutil.which("gcc") is None:
-        pytest.skip(f"llama.cpp sources not at {LLAMA_CPP} (LLAMA_CPP_SRC) or no gcc")
-    sys.path.insert(0, str(FIXTURE))
-    try:
-        import make_reference
-    finally:
-        sys.path.remove(str(FIXTURE))
-    tmp = tempfile.TemporaryDirectory()
-    lib, _ = make_reference.build_library(Path(LLAMA_CPP), Path(tmp.name))
-    yield lambda type_name, x: make_reference.quantize(lib, type_name, x)
-    tmp.cleanup()
+    with compiled_llama_cpp() as (make_reference, lib):
+        yield lambda type_name, x: make_reference.quantize(lib, type_name, x)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
