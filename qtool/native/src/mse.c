@@ -88,6 +88,29 @@ static inline __attribute__((always_inline)) vf8 vround_f16(vf8 f) {
 #define KEEP(V) (V)
 #define ADD_ZP1(ROUND, Y) ROUND(ROUND(Y) + zp)
 #define NO_ZP1(ROUND, Y) ROUND(Y)
+/* The codes past the last whole vector, one at a time, as the vectors compute them: the error
+ * sum's tail (`tail`) and the refit sums' tails (`ta`, `tb`). ADDZ1 is ADD_ZP1 or NO_ZP1. */
+#define SCALAR_CODE(ROUND, ADDZ1)                                                                        \
+    float v = ADDZ1(ROUND, x[j] / scale);                                                                \
+    v = v < qmin ? qmin : v;                                                                             \
+    v = v > qmax ? qmax : v;                                                                             \
+    v = rne(v);
+#define ERROR_TAIL(ROUND, ADDZ1)                                                                         \
+    double tail = 0;                                                                                     \
+    for (; j < n; j++) {                                                                                 \
+        SCALAR_CODE(ROUND, ADDZ1)                                                                        \
+        const double e = (double)x[j] - (double)ROUND((v - zp) * scale);                                 \
+        tail += e * e;                                                                                   \
+    }
+#define REFIT_TAIL(ROUND, ADDZ1)                                                                         \
+    double ta = 0, tb = 0;                                                                               \
+    for (; j < n; j++) {                                                                                 \
+        SCALAR_CODE(ROUND, ADDZ1)                                                                        \
+        const double w = (double)v - (double)zp;                                                         \
+        ta += (double)x[j] * w;                                                                          \
+        tb += w * w;                                                                                     \
+    }
+
 #define VCODES(VROUND, ADDZ)                                                                             \
     vf8 v = ADDZ(VROUND, xv / vs);                                                                       \
     v = vsel(v < vlo, vlo, v);                                                                           \
@@ -124,15 +147,7 @@ static inline __attribute__((always_inline)) double vsum(vd4 a) { return (a[0] +
             const double partial = vsum(a + b);                                                          \
             if (partial > bound) return partial;                                                         \
         }                                                                                                \
-        double tail = 0;                                                                                 \
-        for (; j < n; j++) {                                                                             \
-            float v = ADDZ##1(ROUND, x[j] / scale);                                                      \
-            v = v < qmin ? qmin : v;                                                                     \
-            v = v > qmax ? qmax : v;                                                                     \
-            v = rne(v);                                                                                  \
-            const double e = (double)x[j] - (double)ROUND((v - zp) * scale);                             \
-            tail += e * e;                                                                               \
-        }                                                                                                \
+        ERROR_TAIL(ROUND, ADDZ##1)                                                                       \
         return vsum(a + b) + tail;                                                                       \
     }
 
@@ -151,16 +166,7 @@ static inline __attribute__((always_inline)) double vsum(vd4 a) { return (a[0] +
             a += vlow(xv) * w0 + vhigh(xv) * w1;                                                         \
             b += w0 * w0 + w1 * w1;                                                                      \
         }                                                                                                \
-        double ta = 0, tb = 0;                                                                           \
-        for (; j < n; j++) {                                                                             \
-            float v = ADDZ##1(ROUND, x[j] / scale);                                                      \
-            v = v < qmin ? qmin : v;                                                                     \
-            v = v > qmax ? qmax : v;                                                                     \
-            v = rne(v);                                                                                  \
-            const double w = (double)v - (double)zp;                                                     \
-            ta += (double)x[j] * w;                                                                      \
-            tb += w * w;                                                                                 \
-        }                                                                                                \
+        REFIT_TAIL(ROUND, ADDZ##1)                                                                       \
         *xw = vsum(a) + ta;                                                                              \
         *ww = vsum(b) + tb;                                                                              \
     }
@@ -252,15 +258,7 @@ X86_INLINE double x_sum(__m256d a) {
             const double partial = x_sum(_mm256_add_pd(a, b));                                           \
             if (partial > bound) return partial;                                                         \
         }                                                                                                \
-        double tail = 0;                                                                                 \
-        for (; j < n; j++) {                                                                             \
-            float v = ADDZ##1(ROUND, x[j] / scale);                                                      \
-            v = v < qmin ? qmin : v;                                                                     \
-            v = v > qmax ? qmax : v;                                                                     \
-            v = rne(v);                                                                                  \
-            const double e = (double)x[j] - (double)ROUND((v - zp) * scale);                             \
-            tail += e * e;                                                                               \
-        }                                                                                                \
+        ERROR_TAIL(ROUND, ADDZ##1)                                                                       \
         return x_sum(_mm256_add_pd(a, b)) + tail;                                                        \
     }
 
@@ -279,16 +277,7 @@ X86_INLINE double x_sum(__m256d a) {
             a = _mm256_add_pd(a, _mm256_add_pd(_mm256_mul_pd(x0, w0), _mm256_mul_pd(x1, w1)));          \
             b = _mm256_add_pd(b, _mm256_add_pd(_mm256_mul_pd(w0, w0), _mm256_mul_pd(w1, w1)));          \
         }                                                                                                \
-        double ta = 0, tb = 0;                                                                           \
-        for (; j < n; j++) {                                                                             \
-            float v = ADD_ZP1(ROUND, x[j] / scale);                                                      \
-            v = v < qmin ? qmin : v;                                                                     \
-            v = v > qmax ? qmax : v;                                                                     \
-            v = rne(v);                                                                                  \
-            const double w = (double)v - (double)zp;                                                     \
-            ta += (double)x[j] * w;                                                                      \
-            tb += w * w;                                                                                 \
-        }                                                                                                \
+        REFIT_TAIL(ROUND, ADD_ZP1)                                                                       \
         *xw = x_sum(a) + ta;                                                                             \
         *ww = x_sum(b) + tb;                                                                             \
     }
@@ -334,15 +323,7 @@ X86_INLINE __m256 x_round_bf16_small(__m256 y) {
             const double partial = x_sum(_mm256_add_pd(a, b));                                           \
             if (partial > bound) return partial;                                                         \
         }                                                                                                \
-        double tail = 0;                                                                                 \
-        for (; j < n; j++) {                                                                             \
-            float v = ADDZ1(round_bf16_finite, x[j] / scale);                                            \
-            v = v < qmin ? qmin : v;                                                                     \
-            v = v > qmax ? qmax : v;                                                                     \
-            v = rne(v);                                                                                  \
-            const double e = (double)x[j] - (double)round_bf16_finite((v - zp) * scale);                 \
-            tail += e * e;                                                                               \
-        }                                                                                                \
+        ERROR_TAIL(round_bf16_finite, ADDZ1)                                                             \
         return x_sum(_mm256_add_pd(a, b)) + tail;                                                        \
     }
 X_TRIAL_LUT(x_trial_lut8_bf16, X_LUT_ZP, ADD_ZP1, X_LUT8)
@@ -372,16 +353,7 @@ X_TRIAL_LUT(x_trial_lut16_sym_bf16, X_LUT_NO_ZP, NO_ZP1, X_LUT16)
             a = _mm256_add_pd(a, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(p)), _mm256_cvtps_pd(_mm256_extractf128_ps(p, 1)))); \
             b = _mm256_fmadd_ps(w, w, b);                                                                \
         }                                                                                                \
-        double ta = 0, tb = 0;                                                                           \
-        for (; j < n; j++) {                                                                             \
-            float v = ADDZ1(round_bf16_finite, x[j] / scale);                                            \
-            v = v < qmin ? qmin : v;                                                                     \
-            v = v > qmax ? qmax : v;                                                                     \
-            v = rne(v);                                                                                  \
-            const double w = (double)v - (double)zp;                                                     \
-            ta += (double)x[j] * w;                                                                      \
-            tb += w * w;                                                                                 \
-        }                                                                                                \
+        REFIT_TAIL(round_bf16_finite, ADDZ1)                                                             \
         *xw = x_sum(a) + ta;                                                                             \
         *ww = x_sum(_mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(b)), _mm256_cvtps_pd(_mm256_extractf128_ps(b, 1)))) + tb; \
     }
