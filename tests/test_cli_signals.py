@@ -65,10 +65,24 @@ def test_the_console_script_imports_only_light_modules_before_main_installs_the_
     assert (REPO / "qtool" / "__main__.py").read_text().startswith("from qtool.cli import main\n")
 
 
+def _default_dispositions() -> None:
+    """In the child: every signal these tests send at its default action. qtool keeps a signal
+    its parent ignored ignored (`nohup`), and a test run under `nohup`, or started with `&` from
+    a script (SIGINT and SIGQUIT ignored), would otherwise pass that on and see exit 0."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def _start(*args: str, cwd: Path = REPO) -> tuple[subprocess.Popen, float]:
     started = time.monotonic()
     process = subprocess.Popen(
-        [sys.executable, "-m", "qtool", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_environment(), cwd=cwd
+        [sys.executable, "-m", "qtool", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_environment(),
+        cwd=cwd,
+        preexec_fn=_default_dispositions if os.name == "posix" else None,
     )
     return process, started
 
