@@ -325,15 +325,18 @@ static QT_HOT void add_errors(const float *x, const float *rec, Py_ssize_t n, Su
     }
 }
 
-PyObject *qt_py_encode_gguf(PyObject *self, PyObject *args) {
-    (void)self;
-    const char *type_name;
-    Py_buffer src, out;
+/* Where an encoder's rows come from: `dt` values (F32, F16, BF16) widened, or, with `decode` set,
+ * the blocks of another GGUF type decoded (gguf.c's decoders, float32 as decode_gguf makes
+ * them), `sbs` values and `sts` bytes a block: a requantize without the float32 copy of the
+ * whole weight in memory, the same values row by row. */
+typedef struct {
     int dt;
-    Py_ssize_t cols, row0, row1;
-    PyObject *importance = Py_None;
-    if (!PyArg_ParseTuple(args, "sy*inw*nn|O", &type_name, &src, &dt, &cols, &out, &row0, &row1, &importance)) return NULL;
+    qt_gguf_run decode;
+    Py_ssize_t sbs, sts;
+} RowSource;
 
+static PyObject *encode_rows(const char *type_name, const RowSource *from, Py_buffer *src, Py_ssize_t cols, Py_buffer *out, Py_ssize_t row0,
+                             Py_ssize_t row1, PyObject *importance) {
     PyObject *result = NULL;
     Py_buffer qw_buffer = {0};
     float *qw = NULL;
@@ -344,15 +347,16 @@ PyObject *qt_py_encode_gguf(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "no native encoder for GGUF %s", type_name);
         goto done;
     }
-    if (!qt_check_dtype(dt, "encode_gguf")) goto done;
     const Py_ssize_t bs = qt_encoders[found].block_size;
-    if (cols < 0 || cols % bs || row0 < 0 || row1 < row0) {
-        PyErr_Format(PyExc_ValueError, "encode_gguf: bad layout: cols %zd (a multiple of %zd), rows [%zd, %zd)", cols, bs, row0, row1);
+    if (cols < 0 || cols % bs || row0 < 0 || row1 < row0 || (from->decode && cols % from->sbs)) {
+        PyErr_Format(PyExc_ValueError, "encode_gguf: bad layout: cols %zd (a multiple of %zd), rows [%zd, %zd)", cols, from->decode && cols % from->sbs ? from->sbs : bs,
+                     row0, row1);
         goto done;
     }
-    const Py_ssize_t ts = qt_encoders[found].type_size, item = qt_itemsize(dt), blocks = cols / bs;
-    if (!qt_check_size(&src, qt_mul(qt_mul(row1, cols), item), "encode_gguf src") ||
-        !qt_check_size(&out, qt_mul(qt_mul(row1, blocks), ts), "encode_gguf out"))
+    /* bytes of one source row */
+    const Py_ssize_t ts = qt_encoders[found].type_size, row_bytes = from->decode ? qt_mul(cols / from->sbs, from->sts) : qt_mul(cols, qt_itemsize(from->dt)),
+                     blocks = cols / bs;
+    if (!qt_check_size(src, qt_mul(row1, row_bytes), "encode_gguf src") || !qt_check_size(out, qt_mul(qt_mul(row1, blocks), ts), "encode_gguf out"))
         goto done;
     if (qt_encoders[found].imatrix == 2 && importance == Py_None) {
         PyErr_Format(PyExc_ValueError, "encode_gguf: %s needs importance weights (llama.cpp quantizes it only with an imatrix)", type_name);
@@ -388,11 +392,13 @@ PyObject *qt_py_encode_gguf(PyObject *self, PyObject *args) {
         const qt_encode_row row = qt_encoders[found].row;
         const qt_encode_row_w weighted = qt_encoders[found].weighted;
         const int exact_nonfinite = qt_encoders[found].exact_nonfinite || qw != NULL; /* llama.cpp's _impl bytes, any row */
-        const char *in = (const char *)src.buf;
-        uint8_t *o = (uint8_t *)out.buf;
+        const char *in = (const char *)src->buf;
+        uint8_t *o = (uint8_t *)out->buf;
+        const RowSource source = *from;
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t r = row0; r < row1; r++) {
-            qt_widen(in + r * cols * item, dt, x, cols);
+            if (source.decode) source.decode((const uint8_t *)in + r * row_bytes, x, QT_F32, 0, cols / source.sbs);
+            else qt_widen(in + r * row_bytes, source.dt, x, cols);
             if (!row_is_finite(x, cols)) { /* no error sums: the caller encodes this weight with gguf-py, or */
                 finite = 0;               /* keeps the exact bytes of the rest of the rows, encoded anyway */
                 if (!exact_nonfinite) break;
@@ -413,6 +419,41 @@ PyObject *qt_py_encode_gguf(PyObject *self, PyObject *args) {
 done:
     free(qw);
     if (qw_buffer.obj) PyBuffer_Release(&qw_buffer);
+    return result;
+}
+
+PyObject *qt_py_encode_gguf(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *type_name;
+    Py_buffer src, out;
+    int dt;
+    Py_ssize_t cols, row0, row1;
+    PyObject *importance = Py_None;
+    if (!PyArg_ParseTuple(args, "sy*inw*nn|O", &type_name, &src, &dt, &cols, &out, &row0, &row1, &importance)) return NULL;
+    PyObject *result = NULL;
+    if (qt_check_dtype(dt, "encode_gguf")) {
+        const RowSource from = {dt, NULL, 0, 0};
+        result = encode_rows(type_name, &from, &src, cols, &out, row0, row1, importance);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+/* transcode_gguf(type_name, src_type, src, cols, out, row0, row1, importance=None): encode_gguf
+ * of rows held as GGUF `src_type` blocks, each row decoded as decode_gguf decodes it to float32 */
+PyObject *qt_py_transcode_gguf(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *type_name, *src_type;
+    Py_buffer src, out;
+    Py_ssize_t cols, row0, row1;
+    PyObject *importance = Py_None;
+    if (!PyArg_ParseTuple(args, "ssy*nw*nn|O", &type_name, &src_type, &src, &cols, &out, &row0, &row1, &importance)) return NULL;
+    PyObject *result = NULL;
+    RowSource from = {QT_F32, NULL, 0, 0};
+    from.decode = qt_gguf_decoder(src_type, &from.sbs, &from.sts);
+    if (from.decode == NULL) PyErr_Format(PyExc_ValueError, "no native decoder for GGUF %s", src_type);
+    else result = encode_rows(type_name, &from, &src, cols, &out, row0, row1, importance);
     PyBuffer_Release(&src);
     PyBuffer_Release(&out);
     return result;

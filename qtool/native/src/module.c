@@ -44,6 +44,8 @@ static PyMethodDef methods[] = {
      "decode_gguf(type_name, src, out, out_dtype, block0, block1)"},
     {"encode_gguf", qt_py_encode_gguf, METH_VARARGS,
      "encode_gguf(type_name, src, dtype, cols, out, row0, row1, importance=None) -> (xx, xe, ee, max_abs_err, finite)"},
+    {"transcode_gguf", qt_py_transcode_gguf, METH_VARARGS,
+     "transcode_gguf(type_name, src_type, src, cols, out, row0, row1, importance=None) -> (xx, xe, ee, max_abs_err, finite): encode_gguf of GGUF src_type rows"},
     {"kquant_set_lanes", qt_py_kquant_set_lanes, METH_VARARGS, "kquant_set_lanes(lanes): tests only, the K-quant searches no wider than 8 or 4 lanes"},
     {"mse_set_x86", qt_py_mse_set_x86, METH_VARARGS, "mse_set_x86(on): tests only, False keeps the mse search on its portable kernels"},
     {"sum_squares", qt_py_sum_squares, METH_VARARGS,
@@ -51,6 +53,7 @@ static PyMethodDef methods[] = {
     {"gptq_sweep", qt_py_gptq_sweep, METH_VARARGS,
      "gptq_sweep(w, u, b, scale, zero_point|None, gidx, groups, bits, codes, errors, col0, col1, row0, row1): GPTQ's sweep of block columns [col0, col1)"},
     {"gguf_encoders", qt_py_gguf_encoders, METH_NOARGS, "gguf_encoders() -> {type name: (values, bytes) per block}"},
+    {"gguf_decoders", qt_py_gguf_decoders, METH_NOARGS, "gguf_decoders() -> {type name: (values, bytes) per block}"},
     {NULL, NULL, 0, NULL},
 };
 

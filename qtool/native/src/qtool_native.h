@@ -111,6 +111,8 @@ PyObject *qt_py_pack_zero_points(PyObject *self, PyObject *args);
 PyObject *qt_py_decode_int(PyObject *self, PyObject *args);
 PyObject *qt_py_decode_gguf(PyObject *self, PyObject *args);
 PyObject *qt_py_encode_gguf(PyObject *self, PyObject *args);
+PyObject *qt_py_transcode_gguf(PyObject *self, PyObject *args);
+PyObject *qt_py_gguf_decoders(PyObject *self, PyObject *args);
 PyObject *qt_py_gguf_encoders(PyObject *self, PyObject *args);
 PyObject *qt_py_sum_squares(PyObject *self, PyObject *args);
 PyObject *qt_py_gptq_sweep(PyObject *self, PyObject *args);
@@ -123,6 +125,10 @@ void qt_mse_group(const float *x, Py_ssize_t n, int dt, float qmin, float qmax, 
 /* Blocks [0, blocks) of GGUF `type_name` into float32 `out` (gguf.c's decoders); 0 if the type
  * has no decoder. No GIL needed. */
 int qt_gguf_decode_f32(const char *type_name, const uint8_t *src, float *out, Py_ssize_t blocks);
+/* The decoder of GGUF `type_name` (NULL if none), with its values and bytes per block: run(src,
+ * out, QT_F32, b0, b1) decodes blocks [b0, b1) of src into float32 out + b0 * block_size. */
+typedef void (*qt_gguf_run)(const uint8_t *, void *, int, Py_ssize_t, Py_ssize_t);
+qt_gguf_run qt_gguf_decoder(const char *type_name, Py_ssize_t *block_size, Py_ssize_t *type_size);
 
 /* One row's encoder: `blocks` blocks from the float32 values at x into out, and the values those
  * blocks decode to into rec. The K-quants and IQ4_NL/IQ4_XS are in kquant_encode.c and take qw,
