@@ -301,7 +301,7 @@ QT_INLINE void dq_nvfp4(const uint8_t *restrict x, float *restrict y) {
             qt_narrow(buf, out, dt, b * (BS), nb * (BS));                                         \
         }                                                                                           \
     }                                                                                               \
-    static QT_HOT void NAME##_run(const uint8_t *src, void *out, int dt, Py_ssize_t b0, Py_ssize_t b1) { \
+    static QT_HOT_WIDE void NAME##_run(const uint8_t *src, void *out, int dt, Py_ssize_t b0, Py_ssize_t b1) { \
         if (dt == QT_BF16) NAME##_loop(src, out, QT_BF16, b0, b1);                                  \
         else if (dt == QT_F16) NAME##_loop(src, out, QT_F16, b0, b1);                               \
         else NAME##_loop(src, out, QT_F32, b0, b1);                                                 \

@@ -218,7 +218,7 @@ QT_INLINE float abs_max(const float *x) { return qt_float(abs_max_bits(x)); }
 
 /* Q8_0, Q4_0, Q5_0: d = TOP(block) / DIVISOR */
 #define QT_SYMMETRIC_ROW(NAME, TS, TOP, DIVISOR)                                                  \
-    static QT_HOT void NAME##_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec) {  \
+    static QT_HOT_WIDE void NAME##_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec) { \
         Scales s;                                                                                 \
         float top[CHUNK];                                                                         \
         for (Py_ssize_t b0 = 0; b0 < blocks; b0 += CHUNK) {                                       \
@@ -235,7 +235,7 @@ QT_INLINE float abs_max(const float *x) { return qt_float(abs_max_bits(x)); }
 
 /* Q4_1, Q5_1: d = (max - min) / DIVISOR, min stored beside it */
 #define QT_AFFINE_ROW(NAME, TS, DIVISOR)                                                          \
-    static QT_HOT void NAME##_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec) {  \
+    static QT_HOT_WIDE void NAME##_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec) { \
         Scales s;                                                                                 \
         float range[CHUNK], mn[CHUNK];                                                            \
         for (Py_ssize_t b0 = 0; b0 < blocks; b0 += CHUNK) {                                       \
@@ -293,7 +293,7 @@ typedef struct {
     uint64_t max_err_bits; /* |x - x^| as float64 bits: the integer order is the float order, NaN above inf */
 } Sums;
 
-static QT_HOT int row_is_finite(const float *x, Py_ssize_t n) {
+static QT_HOT_WIDE int row_is_finite(const float *x, Py_ssize_t n) {
     uint32_t m = 0;
     for (Py_ssize_t j = 0; j < n; j++) {
         const uint32_t u = qt_bits(x[j]) & 0x7FFFFFFFu;
@@ -303,7 +303,7 @@ static QT_HOT int row_is_finite(const float *x, Py_ssize_t n) {
 }
 
 /* x.x, x.e, e.e and max |e| with e = x - x^, each term in float64 as numpy's float64 would */
-static QT_HOT void add_errors(const float *x, const float *rec, Py_ssize_t n, Sums *sums) {
+static QT_HOT_WIDE void add_errors(const float *x, const float *rec, Py_ssize_t n, Sums *sums) {
     double xx[LANES] = {0}, xe[LANES] = {0}, ee[LANES] = {0};
     uint64_t me[LANES] = {0};
     for (Py_ssize_t j = 0; j < n; j += LANES) /* n is a multiple of 32 */
