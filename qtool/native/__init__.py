@@ -37,7 +37,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from qtool.buffers import allocate
+from qtool.buffers import HUGE_PAGES_FROM, allocate
 from qtool.dtypes import storage_dtype
 from qtool.error_measures import ErrorStats
 from qtool.errors import KernelError
@@ -100,6 +100,14 @@ def _run(function, ranges: list[tuple[int, int]], *args) -> list:
             _pool = ThreadPoolExecutor(_threads, thread_name_prefix="qtool-native")
         futures = [_pool.submit(function, *args, begin, end) for begin, end in ranges]
     return [f.result() for f in futures]
+
+
+def _filled(nbytes: int) -> memoryview:
+    """A buffer for a kernel to fill whole: `allocate`'s for a large one (huge pages), else a
+    bytearray left unzeroed (bytearray(n) zeroes it first, for nothing)."""
+    if nbytes >= HUGE_PAGES_FROM:
+        return allocate(nbytes)
+    return memoryview(_kernels.uninitialized(nbytes))
 
 
 def _memory(tensor):
@@ -175,7 +183,7 @@ def decode_int(packed, scale, zero_point, scale_dtype: str, logical_dtype: str, 
 
 def decode_gguf(type_name: str, src, blocks: int, block_size: int, out_dtype: str) -> memoryview:
     """`blocks` GGUF blocks of `type_name` (raw bytes in `src`) as `out_dtype` values."""
-    out = allocate(blocks * block_size * (storage_dtype(out_dtype).bits // 8))
+    out = _filled(blocks * block_size * (storage_dtype(out_dtype).bits // 8))
     _run(_kernels.decode_gguf, _split(blocks, 64), type_name, src, out, DTYPE_CODES[out_dtype])
     return out
 
@@ -261,7 +269,7 @@ def encode_gguf(type_name: str, src, dtype: str, rows: int, cols: int, importanc
         raise KernelError(f"encode_gguf: {type_name} needs importance weights (llama.cpp quantizes it only with an imatrix)")
     if importance is not None and memoryview(importance).nbytes != 4 * cols:
         raise KernelError(f"encode_gguf: importance holds {memoryview(importance).nbytes} bytes, needs {4 * cols} (one float32 per column)")
-    data = allocate(rows * (cols // block_size) * type_size)
+    data = _filled(rows * (cols // block_size) * type_size)  # whole when finite; else not used
     kernel = _kernels.encode_gguf if importance is None else (lambda *args: _kernels.encode_gguf(*args, importance))
     return _encoded_blocks(type_name, importance, data, rows, cols, _run(kernel, _split(rows), type_name, src, DTYPE_CODES[dtype], cols, data))
 
@@ -287,7 +295,7 @@ def transcode_gguf(type_name: str, src_type: str, src, rows: int, cols: int, imp
         raise KernelError(f"transcode_gguf: {type_name} needs importance weights (llama.cpp quantizes it only with an imatrix)")
     if importance is not None and memoryview(importance).nbytes != 4 * cols:
         raise KernelError(f"transcode_gguf: importance holds {memoryview(importance).nbytes} bytes, needs {4 * cols} (one float32 per column)")
-    data = allocate(rows * (cols // block_size) * type_size)
+    data = _filled(rows * (cols // block_size) * type_size)  # whole when finite; else not used
     kernel = _kernels.transcode_gguf if importance is None else (lambda *args: _kernels.transcode_gguf(*args, importance))
     return _encoded_blocks(type_name, importance, data, rows, cols, _run(kernel, _split(rows), type_name, src_type, src, cols, data))
 
