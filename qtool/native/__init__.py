@@ -25,6 +25,8 @@ callers use torch. QTOOL_NATIVE=0 turns it off, to compare the two paths or to d
                     byte for byte gguf.quants.quantize (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, which
                     are llama.cpp's bytes too) or llama.cpp's reference quantizers (Q2_K..Q6_K,
                     IQ4_NL, which gguf-py cannot encode), with the error sums of ErrorStats
+    transcode_gguf  encode_gguf of rows held as another GGUF type's blocks, each row decoded as
+                    decode_gguf decodes it: a requantize without the weight's float32 copy
     gptq_sweep      GPTQ's column sweep inside one block, row by row (qtool.calibration.gptq),
                     on float32 torch tensors' memory: bit for bit the torch sweep
 """
