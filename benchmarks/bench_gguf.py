@@ -9,9 +9,10 @@ it) is built once and cached. Then, in the same run, interleaved, 2 threads each
     llama   $LLAMA_QUANTIZE MODEL OUT.gguf Q8_0|Q4_K_M 2
 
 It prints the median wall time of each, the ratio llama-quantize / qtool (above 1: qtool is
-faster; the issue's target is 1.5), the peak RSS of each (target under 1 GB), and whether the
-two outputs agree: every tensor's GGML type and bytes, counted per type, and the metadata keys
-llama-quantize writes that qtool does not. A run that fails is reported with its error, and
+faster; the issue's target is 1.5) of the medians and the median of the per-run ratios (each
+repeat's pair ran back to back), the median CPU seconds of each, the peak RSS of each (target
+under 1 GB), and whether the two outputs agree: every tensor's GGML type and bytes, counted
+per type, and the metadata keys llama-quantize writes that qtool does not. A run that fails is reported with its error, and
 the rest still runs.
 
     python benchmarks/bench_gguf.py                      # ~2 GB, 3 repeats
@@ -230,6 +231,8 @@ def run(args: argparse.Namespace) -> int:
 
     def body(root: Path) -> int:
         times: dict[tuple[str, str], list[float]] = {}
+        cpus: dict[tuple[str, str], list[float]] = {}
+        paired: dict[tuple[str, str], dict[int, float]] = {}  # repeat -> wall s: the per-run ratios
         rss: dict[tuple[str, str], int] = {}
         failed: dict[tuple[str, str], str] = {}
         runs = [(tool, mix) for mix in mixes for tool in ("qtool", "llama") if tool == "qtool" or have_llama]
@@ -245,18 +248,26 @@ def run(args: argparse.Namespace) -> int:
                     print(f"FAILED: {tool} {mix}: exit {m.returncode}: {failed[(tool, mix)]}")
                     continue
                 times.setdefault((tool, mix), []).append(m.wall_s)
+                cpus.setdefault((tool, mix), []).append(m.cpu_s)
+                paired.setdefault((tool, mix), {})[repeat] = m.wall_s
                 rss[(tool, mix)] = max(rss.get((tool, mix), 0), m.peak_rss_bytes)
                 print(f"  {tool:6s} {mix:7s} run {repeat + 1}: {m.wall_s:7.2f} s  cpu {m.cpu_s:7.2f} s  peak RSS {m.peak_rss_bytes / 1e9:.2f} GB", flush=True)
         print()
-        print(f"{'mix':8s} {'qtool s':>9s} {'llama s':>9s} {'llama/qtool':>12s} {'qtool RSS':>10s} {'llama RSS':>10s}")
+        # llama/qtool: the ratio of the medians; per run: the median of each repeat's own ratio
+        # (the two ran back to back, under the same load); CPU: user + system, medians
+        print(f"{'mix':8s} {'qtool s':>9s} {'llama s':>9s} {'llama/qtool':>12s} {'per run':>8s} {'qtool cpu':>10s} {'llama cpu':>10s} {'qtool RSS':>10s} {'llama RSS':>10s}")
         for mix in mixes:
             q, ll = times.get(("qtool", mix)), times.get(("llama", mix))
             qs = f"{statistics.median(q):9.2f}" if q else f"{'not run':>9s}"
             ls = f"{statistics.median(ll):9.2f}" if ll else f"{'not run':>9s}"
             ratio = f"{statistics.median(ll) / statistics.median(q):11.2f}x" if q and ll else f"{'-':>12s}"
+            mine, theirs = paired.get(("qtool", mix), {}), paired.get(("llama", mix), {})
+            both = [theirs[r] / mine[r] for r in sorted(mine) if r in theirs]
+            per_run = f"{statistics.median(both):7.2f}x" if both else f"{'-':>8s}"
+            qc, lc = (f"{statistics.median(cpus[(tool, mix)]):9.2f}s" if (tool, mix) in cpus else f"{'-':>10s}" for tool in ("qtool", "llama"))
             qr = f"{rss[('qtool', mix)] / 1e9:9.2f}G" if ("qtool", mix) in rss else f"{'-':>10s}"
             lr = f"{rss[('llama', mix)] / 1e9:9.2f}G" if ("llama", mix) in rss else f"{'-':>10s}"
-            print(f"{mix:8s} {qs} {ls} {ratio} {qr} {lr}")
+            print(f"{mix:8s} {qs} {ls} {ratio} {per_run} {qc} {lc} {qr} {lr}")
         print()
         for mix in mixes:
             mine, reference = root / f"qtool-{mix}.gguf", root / f"llama-{mix}.gguf"

@@ -184,6 +184,10 @@ class _Runner:
         from qtool.conventions import decoder_for
 
         weight = job.weight
+        if job.action == QUANTIZE and job.transform is None and self.options.device == "cpu":
+            transcodes = getattr(self.encoder(job), "transcodes", None)
+            if transcodes is not None and transcodes(weight):  # decoded row by row as it is encoded
+                return encoders.StoredBlocks(weight.data.encoding, self.source.read_bytes(weight.data))
         if job.action == DEQUANTIZE:
             wanted = job.out_dtype or "BF16"
         elif self.encoder(job).takes == encoders.RAW:

@@ -26,9 +26,19 @@ from qtool.plan import QUANTIZE, GgmlBlocks, IntRows, Job, Piece, Precomputed
 if TYPE_CHECKING:
     from qtool.error_measures import ErrorStats
 
-__all__ = ["WeightEncoder", "choose", "can_encode", "why_not_encodable", "RAW", "TENSOR"]
+__all__ = ["WeightEncoder", "choose", "can_encode", "why_not_encodable", "RAW", "TENSOR", "StoredBlocks"]
 
 RAW, TENSOR = "raw", "tensor"  # what an encoder takes: the weight's stored bytes, or float values in torch
+
+
+@dataclass(frozen=True)
+class StoredBlocks:
+    """A quantized weight's GGUF blocks as stored (`type`, raw bytes in `data`), handed to an
+    encoder whose `transcodes(weight)` said it takes them in place of the decoded float32
+    values (RAW): the native GGUF encoder decodes them row by row as it encodes."""
+
+    type: str
+    data: Any
 
 
 class WeightEncoder(Protocol):

@@ -18,6 +18,7 @@ import math
 from typing import Iterator
 
 from qtool import native
+from qtool.encoders import StoredBlocks
 from qtool.error_measures import ErrorStats
 from qtool.ggml_types import ggml_type_named
 from qtool.plan import GgmlBlocks, Job, Piece
@@ -26,6 +27,7 @@ __all__ = ["GgmlBlockEncoder", "NUMPY_TYPES", "ENCODE_VALUES"]
 
 NUMPY_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")  # what gguf-py's numpy quantizer encodes
 ENCODE_VALUES = 4 << 20  # values per piece when encoding (bounded memory on any weight)
+DTYPES = ("F32", "F16", "BF16")  # the value dtypes the native encoder widens; other names are GGUF block types
 
 
 class GgmlBlockEncoder:
@@ -48,23 +50,34 @@ class GgmlBlockEncoder:
         if self.importance is None and self.gtype.name in NEEDS_IMPORTANCE:
             raise UsageError(f"{job.weight.name}: {self.gtype.name} needs an importance matrix (llama.cpp quantizes it only with one): give --imatrix")
 
+    def transcodes(self, weight) -> bool:
+        """Whether this encoder takes `weight` (quantized) as its stored GGUF blocks
+        (`encoders.StoredBlocks`) rather than decoded to float32: the native kernels decode each
+        row as they encode it, the same bytes without the weight's float32 copy."""
+        if not (self.native and weight.quantized and weight.convention == "gguf" and native.can_transcode(weight.data.encoding or "", self.gtype.name)):
+            return False
+        source, shape = ggml_type_named(weight.data.encoding), tuple(weight.shape)
+        return len(shape) >= 1 and shape[-1] % source.block_size == 0 and weight.data.nbytes == source.nbytes(math.prod(shape))
+
     def encode(self, values) -> Iterator[Piece]:
         job = self.job
         shape = tuple(job.weight.shape)
         cols = shape[-1]
         rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
         dtype = "F32" if job.weight.quantized else job.weight.data.dtype.name  # a requantized weight comes decoded
-        width = len(values) // max(rows * cols, 1)
+        if isinstance(values, StoredBlocks):  # ... or as its blocks, decoded row by row (`transcodes`)
+            dtype, values = values.type, values.data
+        row_bytes = memoryview(values).nbytes // max(rows, 1)
         step = max(1, ENCODE_VALUES // max(cols, 1))
         name, written = job.outputs[0].name, 0
         for start in range(0, rows, step):
             count = min(step, rows - start)
-            part = memoryview(values)[start * cols * width : (start + count) * cols * width]
-            data = self._encode_rows(part, dtype, start, count, cols, width)
+            part = memoryview(values)[start * row_bytes : (start + count) * row_bytes]
+            data = self._encode_rows(part, dtype, start, count, cols, row_bytes)
             yield name, data, written
             written += len(data)
 
-    def _encode_rows(self, part, dtype: str, start: int, rows: int, cols: int, width: int):
+    def _encode_rows(self, part, dtype: str, start: int, rows: int, cols: int, row_bytes: int):
         """Rows [start, start + rows) of the weight, in runs that share their importance weights
         (one run without an importance matrix or for a 2-D weight; one per expert of a 3-D one)."""
         if self.importance is None:
@@ -75,18 +88,25 @@ class GgmlBlockEncoder:
         out, row = bytearray(), start
         while row < start + rows:
             end = min(start + rows, (row // per_expert + 1) * per_expert)
-            piece = part[(row - start) * cols * width : (end - start) * cols * width]
+            piece = part[(row - start) * row_bytes : (end - start) * row_bytes]
             out += self._encode(piece, dtype, end - row, cols, weights[row // per_expert].tobytes())
             row = end
         return memoryview(out)
 
     def _encode(self, part, dtype: str, rows: int, cols: int, importance: bytes | None):
+        """`rows` rows of `cols` values in `part`, `dtype` values (F32, F16, BF16) or the blocks
+        of a GGUF type (a requantized weight's, as stored)."""
         if self.native:
-            encoded = native.encode_gguf(self.gtype.name, part, dtype, rows, cols, importance)
+            if dtype in DTYPES:
+                encoded = native.encode_gguf(self.gtype.name, part, dtype, rows, cols, importance)
+            else:
+                encoded = native.transcode_gguf(self.gtype.name, dtype, part, rows, cols, importance)
             if encoded.errors is not None:
                 if self.errors is not None:
                     self.errors = self.errors.merge(encoded.errors)
                 return encoded.data
+            if dtype not in DTYPES:  # inf/NaN in these rows: from their float32 values, as before
+                part, dtype = native.decode_gguf(dtype, part, rows * cols // self._block_size(dtype), self._block_size(dtype), "F32"), "F32"
             if encoded.complete:  # rows with inf/NaN, encoded as llama.cpp does; measured below
                 return self._measured(part, dtype, rows, cols, encoded.data)
         import numpy as np
@@ -96,6 +116,10 @@ class GgmlBlockEncoder:
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # inf/NaN: the executor's one warning says so
             encoded = quants.quantize(values, GGMLQuantizationType[self.gtype.name])
         return self._measured(part, dtype, rows, cols, memoryview(encoded).cast("B"), values)
+
+    @staticmethod
+    def _block_size(type_name: str) -> int:
+        return ggml_type_named(type_name).block_size
 
     @staticmethod
     def _values(part, dtype: str, rows: int, cols: int):

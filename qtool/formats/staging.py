@@ -37,9 +37,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import errno
-import hashlib
 import os
-import secrets
 import shutil
 import stat
 import threading
@@ -114,7 +112,17 @@ def _host_tag() -> str:
         namespace = os.readlink("/proc/self/ns/pid")
     except OSError:
         namespace = ""
-    return hashlib.sha1(f"{_host_name()}\0{namespace}".encode()).hexdigest()[:8]
+    return _sha1(f"{_host_name()}\0{namespace}".encode()).hexdigest()[:8]
+
+
+def _sha1(data: bytes):
+    """hashlib.sha1, from CPython's own small module where it has one: importing hashlib loads
+    OpenSSL, ~2-3 ms of a 0.5 s GGUF requantize's start-up (as did secrets, through hmac)."""
+    try:
+        from _sha1 import sha1
+    except ImportError:
+        from hashlib import sha1
+    return sha1(data)
 
 
 def _host_name() -> str:
@@ -179,7 +187,7 @@ def staging_path(target: str, mark: str = TMP_MARK) -> str:
     basename is cut to fit 255 bytes; an aside (OLD_MARK) must carry it whole, for
     cleanup_stale to put it back, so a name too long for that becomes a plain staging name."""
     parent, base = os.path.split(target)
-    tail = f"{mark}{_owner()}-{secrets.token_hex(4)}"
+    tail = f"{mark}{_owner()}-{os.urandom(4).hex()}"  # secrets.token_hex(4)
     room = _NAME_MAX - 1 - len(tail)
     if mark == OLD_MARK and len(os.fsencode(base)) > room:
         return staging_path(target, TMP_MARK)

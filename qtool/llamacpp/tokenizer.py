@@ -24,11 +24,9 @@ transformers read that copy. Anything they raise becomes one CheckpointError nam
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import stat
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -268,6 +266,8 @@ def _gpt2(writer, staged: Path, vocab_size: int | None, allow_incomplete: bool, 
     size = vocab_size or len(vocab)
     if vocab and max(vocab.values()) >= size:
         raise ValueError(f"the tokenizer has token id {max(vocab.values())}, beyond the model's {size} tokens")
+    import hashlib
+
     digest = hashlib.sha256(str(tokenizer.encode(_PRE_TOKENIZER_TEXT)).encode()).hexdigest()
     pre = BPE_PRE_TOKENIZERS.get(digest)
     if pre is None:
@@ -330,6 +330,8 @@ def _looks_special(text: str) -> bool:
 def _staged(folder: str) -> Iterator[Path]:
     """A private copy of the folder's tokenizer files: regular files inside it (a Hugging Face
     cache's blobs aside), each at most SIDE_FILE_LIMIT bytes. The vocab helpers read only this."""
+    import tempfile  # here: a GGUF input never stages a tokenizer (tempfile imports random)
+
     with tempfile.TemporaryDirectory(prefix="qtool-tokenizer-") as staged:
         for name in _TOKENIZER_FILES:
             path = os.path.join(folder, name)

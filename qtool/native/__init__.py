@@ -25,6 +25,8 @@ callers use torch. QTOOL_NATIVE=0 turns it off, to compare the two paths or to d
                     byte for byte gguf.quants.quantize (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, which
                     are llama.cpp's bytes too) or llama.cpp's reference quantizers (Q2_K..Q6_K,
                     IQ4_NL, which gguf-py cannot encode), with the error sums of ErrorStats
+    transcode_gguf  encode_gguf of rows held as another GGUF type's blocks, each row decoded as
+                    decode_gguf decodes it: a requantize without the weight's float32 copy
     gptq_sweep      GPTQ's column sweep inside one block, row by row (qtool.calibration.gptq),
                     on float32 torch tensors' memory: bit for bit the torch sweep
 """
@@ -37,12 +39,12 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from qtool.buffers import allocate
+from qtool.buffers import HUGE_PAGES_FROM, allocate
 from qtool.dtypes import storage_dtype
 from qtool.error_measures import ErrorStats
 from qtool.errors import KernelError
 
-__all__ = ["available", "gptq_sweep", "encode_int", "decode_int", "decode_gguf", "gguf_types", "encode_gguf", "gguf_encode_types", "EncodedBlocks", "set_threads", "threads", "sum_squares"]
+__all__ = ["available", "gptq_sweep", "encode_int", "decode_int", "decode_gguf", "gguf_types", "encode_gguf", "transcode_gguf", "can_transcode", "gguf_encode_types", "EncodedBlocks", "set_threads", "threads", "sum_squares"]
 
 try:
     from qtool.native import _kernels
@@ -100,6 +102,14 @@ def _run(function, ranges: list[tuple[int, int]], *args) -> list:
             _pool = ThreadPoolExecutor(_threads, thread_name_prefix="qtool-native")
         futures = [_pool.submit(function, *args, begin, end) for begin, end in ranges]
     return [f.result() for f in futures]
+
+
+def _filled(nbytes: int) -> memoryview:
+    """A buffer for a kernel to fill whole: `allocate`'s for a large one (huge pages), else a
+    bytearray left unzeroed (bytearray(n) zeroes it first, for nothing)."""
+    if nbytes >= HUGE_PAGES_FROM:
+        return allocate(nbytes)
+    return memoryview(_kernels.uninitialized(nbytes))
 
 
 def _memory(tensor):
@@ -175,7 +185,7 @@ def decode_int(packed, scale, zero_point, scale_dtype: str, logical_dtype: str, 
 
 def decode_gguf(type_name: str, src, blocks: int, block_size: int, out_dtype: str) -> memoryview:
     """`blocks` GGUF blocks of `type_name` (raw bytes in `src`) as `out_dtype` values."""
-    out = allocate(blocks * block_size * (storage_dtype(out_dtype).bits // 8))
+    out = _filled(blocks * block_size * (storage_dtype(out_dtype).bits // 8))
     _run(_kernels.decode_gguf, _split(blocks, 64), type_name, src, out, DTYPE_CODES[out_dtype])
     return out
 
@@ -261,9 +271,44 @@ def encode_gguf(type_name: str, src, dtype: str, rows: int, cols: int, importanc
         raise KernelError(f"encode_gguf: {type_name} needs importance weights (llama.cpp quantizes it only with an imatrix)")
     if importance is not None and memoryview(importance).nbytes != 4 * cols:
         raise KernelError(f"encode_gguf: importance holds {memoryview(importance).nbytes} bytes, needs {4 * cols} (one float32 per column)")
-    data = allocate(rows * (cols // block_size) * type_size)
+    data = _filled(rows * (cols // block_size) * type_size)  # whole when finite; else not used
     kernel = _kernels.encode_gguf if importance is None else (lambda *args: _kernels.encode_gguf(*args, importance))
-    parts = _run(kernel, _split(rows), type_name, src, DTYPE_CODES[dtype], cols, data)
+    return _encoded_blocks(type_name, importance, data, rows, cols, _run(kernel, _split(rows), type_name, src, DTYPE_CODES[dtype], cols, data))
+
+
+def transcode_gguf(type_name: str, src_type: str, src, rows: int, cols: int, importance=None) -> EncodedBlocks:
+    """`encode_gguf` of `rows` rows of `cols` values held as GGUF `src_type` blocks (raw bytes in
+    `src`), each row decoded as `decode_gguf` decodes it to float32: the same bytes and error
+    sums as decoding the whole weight first, without its float32 copy in memory (4 bytes a
+    value written, then read back: a requantize's largest cost). `src_type` one of
+    `gguf_types()`, `cols` a multiple of its block size."""
+    sizes = _gguf_encoders().get(type_name)
+    source = _gguf_sizes(src_type)
+    if sizes is None or source is None:
+        raise KernelError(f"no native GGUF transcoder from {src_type!r} to {type_name!r}")
+    block_size, type_size = sizes
+    if rows < 0 or cols < 0 or cols % block_size or cols % source[0]:
+        raise KernelError(f"transcode_gguf: {rows} rows of {cols} values; cols must be a multiple of {block_size} for {type_name} and of {source[0]} for {src_type}")
+    need = rows * (cols // source[0]) * source[1]
+    have = memoryview(src).nbytes
+    if have < need:
+        raise KernelError(f"transcode_gguf src holds {have} bytes, needs {need}")
+    if importance is None and type_name in NEEDS_IMPORTANCE:
+        raise KernelError(f"transcode_gguf: {type_name} needs importance weights (llama.cpp quantizes it only with an imatrix)")
+    if importance is not None and memoryview(importance).nbytes != 4 * cols:
+        raise KernelError(f"transcode_gguf: importance holds {memoryview(importance).nbytes} bytes, needs {4 * cols} (one float32 per column)")
+    data = _filled(rows * (cols // block_size) * type_size)  # whole when finite; else not used
+    kernel = _kernels.transcode_gguf if importance is None else (lambda *args: _kernels.transcode_gguf(*args, importance))
+    return _encoded_blocks(type_name, importance, data, rows, cols, _run(kernel, _split(rows), type_name, src_type, src, cols, data))
+
+
+def can_transcode(src_type: str, type_name: str) -> bool:
+    """Whether `transcode_gguf` takes GGUF `src_type` blocks to `type_name`."""
+    return available() and type_name in _gguf_encoders() and _gguf_sizes(src_type) is not None
+
+
+def _encoded_blocks(type_name: str, importance, data, rows: int, cols: int, parts: list) -> EncodedBlocks:
+    """The blocks in `data` with the error sums of the kernel's row ranges (`parts`), added in order."""
     if not all(part[4] for part in parts):
         return EncodedBlocks(data, None, complete=type_name in _LLAMA_CPP_ENCODERS or (importance is not None and type_name != "Q8_0"))
     xx, xe, ee = (sum(part[i] for part in parts) for i in range(3))
@@ -274,6 +319,15 @@ def encode_gguf(type_name: str, src, dtype: str, rows: int, cols: int, importanc
 
 
 _gguf_encoder_sizes: dict[str, tuple[int, int]] | None = None
+_gguf_decoder_sizes: dict[str, tuple[int, int]] | None = None
+
+
+def _gguf_sizes(type_name: str) -> tuple[int, int] | None:
+    """(values, bytes) per block of a type `decode_gguf` decodes, else None."""
+    global _gguf_decoder_sizes
+    if _gguf_decoder_sizes is None:
+        _gguf_decoder_sizes = _kernels.gguf_decoders() if _kernels is not None else {}
+    return _gguf_decoder_sizes.get(type_name)
 
 
 def _gguf_encoders() -> dict[str, tuple[int, int]]:

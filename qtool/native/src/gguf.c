@@ -301,7 +301,7 @@ QT_INLINE void dq_nvfp4(const uint8_t *restrict x, float *restrict y) {
             qt_narrow(buf, out, dt, b * (BS), nb * (BS));                                         \
         }                                                                                           \
     }                                                                                               \
-    static QT_HOT void NAME##_run(const uint8_t *src, void *out, int dt, Py_ssize_t b0, Py_ssize_t b1) { \
+    static QT_HOT_WIDE void NAME##_run(const uint8_t *src, void *out, int dt, Py_ssize_t b0, Py_ssize_t b1) { \
         if (dt == QT_BF16) NAME##_loop(src, out, QT_BF16, b0, b1);                                  \
         else if (dt == QT_F16) NAME##_loop(src, out, QT_F16, b0, b1);                               \
         else NAME##_loop(src, out, QT_F32, b0, b1);                                                 \
@@ -326,8 +326,6 @@ QT_GGUF_LOOP(iq2_xs, 256, 74)
 QT_GGUF_LOOP(iq2_s, 256, 82)
 QT_GGUF_LOOP(mxfp4, 32, 17)
 QT_GGUF_LOOP(nvfp4, 64, 36)
-
-typedef void (*qt_gguf_run)(const uint8_t *, void *, int, Py_ssize_t, Py_ssize_t);
 
 static const struct {
     const char *name;
@@ -355,6 +353,16 @@ static const struct {
     {"NVFP4", 64, 36, nvfp4_run},
 };
 #define QT_GGUF_TYPES ((int)(sizeof qt_gguf_types / sizeof qt_gguf_types[0]))
+
+qt_gguf_run qt_gguf_decoder(const char *type_name, Py_ssize_t *block_size, Py_ssize_t *type_size) {
+    for (int i = 0; i < QT_GGUF_TYPES; i++) {
+        if (strcmp(type_name, qt_gguf_types[i].name) == 0) {
+            *block_size = qt_gguf_types[i].block_size, *type_size = qt_gguf_types[i].type_size;
+            return qt_gguf_types[i].run;
+        }
+    }
+    return NULL;
+}
 
 int qt_gguf_decode_f32(const char *type_name, const uint8_t *src, float *out, Py_ssize_t blocks) {
     for (int i = 0; i < QT_GGUF_TYPES; i++) {
@@ -413,4 +421,16 @@ done:
     PyBuffer_Release(&src);
     PyBuffer_Release(&out);
     return result;
+}
+
+/* gguf_decoders() -> {type name: (values, bytes) per block}, the table above */
+PyObject *qt_py_gguf_decoders(PyObject *self, PyObject *args) {
+    (void)self, (void)args;
+    PyObject *table = PyDict_New();
+    for (int i = 0; table && i < QT_GGUF_TYPES; i++) {
+        PyObject *size = Py_BuildValue("nn", qt_gguf_types[i].block_size, qt_gguf_types[i].type_size);
+        if (!size || PyDict_SetItemString(table, qt_gguf_types[i].name, size) < 0) Py_CLEAR(table);
+        Py_XDECREF(size);
+    }
+    return table;
 }

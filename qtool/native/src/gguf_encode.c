@@ -218,7 +218,7 @@ QT_INLINE float abs_max(const float *x) { return qt_float(abs_max_bits(x)); }
 
 /* Q8_0, Q4_0, Q5_0: d = TOP(block) / DIVISOR */
 #define QT_SYMMETRIC_ROW(NAME, TS, TOP, DIVISOR)                                                  \
-    static QT_HOT void NAME##_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec) {  \
+    static QT_HOT_WIDE void NAME##_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec) { \
         Scales s;                                                                                 \
         float top[CHUNK];                                                                         \
         for (Py_ssize_t b0 = 0; b0 < blocks; b0 += CHUNK) {                                       \
@@ -235,7 +235,7 @@ QT_INLINE float abs_max(const float *x) { return qt_float(abs_max_bits(x)); }
 
 /* Q4_1, Q5_1: d = (max - min) / DIVISOR, min stored beside it */
 #define QT_AFFINE_ROW(NAME, TS, DIVISOR)                                                          \
-    static QT_HOT void NAME##_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec) {  \
+    static QT_HOT_WIDE void NAME##_row(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec) { \
         Scales s;                                                                                 \
         float range[CHUNK], mn[CHUNK];                                                            \
         for (Py_ssize_t b0 = 0; b0 < blocks; b0 += CHUNK) {                                       \
@@ -293,7 +293,7 @@ typedef struct {
     uint64_t max_err_bits; /* |x - x^| as float64 bits: the integer order is the float order, NaN above inf */
 } Sums;
 
-static QT_HOT int row_is_finite(const float *x, Py_ssize_t n) {
+static QT_HOT_WIDE int row_is_finite(const float *x, Py_ssize_t n) {
     uint32_t m = 0;
     for (Py_ssize_t j = 0; j < n; j++) {
         const uint32_t u = qt_bits(x[j]) & 0x7FFFFFFFu;
@@ -303,7 +303,7 @@ static QT_HOT int row_is_finite(const float *x, Py_ssize_t n) {
 }
 
 /* x.x, x.e, e.e and max |e| with e = x - x^, each term in float64 as numpy's float64 would */
-static QT_HOT void add_errors(const float *x, const float *rec, Py_ssize_t n, Sums *sums) {
+static QT_HOT_WIDE void add_errors(const float *x, const float *rec, Py_ssize_t n, Sums *sums) {
     double xx[LANES] = {0}, xe[LANES] = {0}, ee[LANES] = {0};
     uint64_t me[LANES] = {0};
     for (Py_ssize_t j = 0; j < n; j += LANES) /* n is a multiple of 32 */
@@ -325,15 +325,18 @@ static QT_HOT void add_errors(const float *x, const float *rec, Py_ssize_t n, Su
     }
 }
 
-PyObject *qt_py_encode_gguf(PyObject *self, PyObject *args) {
-    (void)self;
-    const char *type_name;
-    Py_buffer src, out;
+/* Where an encoder's rows come from: `dt` values (F32, F16, BF16) widened, or, with `decode` set,
+ * the blocks of another GGUF type decoded (gguf.c's decoders, float32 as decode_gguf makes
+ * them), `sbs` values and `sts` bytes a block: a requantize without the float32 copy of the
+ * whole weight in memory, the same values row by row. */
+typedef struct {
     int dt;
-    Py_ssize_t cols, row0, row1;
-    PyObject *importance = Py_None;
-    if (!PyArg_ParseTuple(args, "sy*inw*nn|O", &type_name, &src, &dt, &cols, &out, &row0, &row1, &importance)) return NULL;
+    qt_gguf_run decode;
+    Py_ssize_t sbs, sts;
+} RowSource;
 
+static PyObject *encode_rows(const char *type_name, const RowSource *from, Py_buffer *src, Py_ssize_t cols, Py_buffer *out, Py_ssize_t row0,
+                             Py_ssize_t row1, PyObject *importance) {
     PyObject *result = NULL;
     Py_buffer qw_buffer = {0};
     float *qw = NULL;
@@ -344,15 +347,16 @@ PyObject *qt_py_encode_gguf(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "no native encoder for GGUF %s", type_name);
         goto done;
     }
-    if (!qt_check_dtype(dt, "encode_gguf")) goto done;
     const Py_ssize_t bs = qt_encoders[found].block_size;
-    if (cols < 0 || cols % bs || row0 < 0 || row1 < row0) {
-        PyErr_Format(PyExc_ValueError, "encode_gguf: bad layout: cols %zd (a multiple of %zd), rows [%zd, %zd)", cols, bs, row0, row1);
+    if (cols < 0 || cols % bs || row0 < 0 || row1 < row0 || (from->decode && cols % from->sbs)) {
+        PyErr_Format(PyExc_ValueError, "encode_gguf: bad layout: cols %zd (a multiple of %zd), rows [%zd, %zd)", cols, from->decode && cols % from->sbs ? from->sbs : bs,
+                     row0, row1);
         goto done;
     }
-    const Py_ssize_t ts = qt_encoders[found].type_size, item = qt_itemsize(dt), blocks = cols / bs;
-    if (!qt_check_size(&src, qt_mul(qt_mul(row1, cols), item), "encode_gguf src") ||
-        !qt_check_size(&out, qt_mul(qt_mul(row1, blocks), ts), "encode_gguf out"))
+    /* bytes of one source row */
+    const Py_ssize_t ts = qt_encoders[found].type_size, row_bytes = from->decode ? qt_mul(cols / from->sbs, from->sts) : qt_mul(cols, qt_itemsize(from->dt)),
+                     blocks = cols / bs;
+    if (!qt_check_size(src, qt_mul(row1, row_bytes), "encode_gguf src") || !qt_check_size(out, qt_mul(qt_mul(row1, blocks), ts), "encode_gguf out"))
         goto done;
     if (qt_encoders[found].imatrix == 2 && importance == Py_None) {
         PyErr_Format(PyExc_ValueError, "encode_gguf: %s needs importance weights (llama.cpp quantizes it only with an imatrix)", type_name);
@@ -388,11 +392,13 @@ PyObject *qt_py_encode_gguf(PyObject *self, PyObject *args) {
         const qt_encode_row row = qt_encoders[found].row;
         const qt_encode_row_w weighted = qt_encoders[found].weighted;
         const int exact_nonfinite = qt_encoders[found].exact_nonfinite || qw != NULL; /* llama.cpp's _impl bytes, any row */
-        const char *in = (const char *)src.buf;
-        uint8_t *o = (uint8_t *)out.buf;
+        const char *in = (const char *)src->buf;
+        uint8_t *o = (uint8_t *)out->buf;
+        const RowSource source = *from;
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t r = row0; r < row1; r++) {
-            qt_widen(in + r * cols * item, dt, x, cols);
+            if (source.decode) source.decode((const uint8_t *)in + r * row_bytes, x, QT_F32, 0, cols / source.sbs);
+            else qt_widen(in + r * row_bytes, source.dt, x, cols);
             if (!row_is_finite(x, cols)) { /* no error sums: the caller encodes this weight with gguf-py, or */
                 finite = 0;               /* keeps the exact bytes of the rest of the rows, encoded anyway */
                 if (!exact_nonfinite) break;
@@ -413,6 +419,41 @@ PyObject *qt_py_encode_gguf(PyObject *self, PyObject *args) {
 done:
     free(qw);
     if (qw_buffer.obj) PyBuffer_Release(&qw_buffer);
+    return result;
+}
+
+PyObject *qt_py_encode_gguf(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *type_name;
+    Py_buffer src, out;
+    int dt;
+    Py_ssize_t cols, row0, row1;
+    PyObject *importance = Py_None;
+    if (!PyArg_ParseTuple(args, "sy*inw*nn|O", &type_name, &src, &dt, &cols, &out, &row0, &row1, &importance)) return NULL;
+    PyObject *result = NULL;
+    if (qt_check_dtype(dt, "encode_gguf")) {
+        const RowSource from = {dt, NULL, 0, 0};
+        result = encode_rows(type_name, &from, &src, cols, &out, row0, row1, importance);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+/* transcode_gguf(type_name, src_type, src, cols, out, row0, row1, importance=None): encode_gguf
+ * of rows held as GGUF `src_type` blocks, each row decoded as decode_gguf decodes it to float32 */
+PyObject *qt_py_transcode_gguf(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *type_name, *src_type;
+    Py_buffer src, out;
+    Py_ssize_t cols, row0, row1;
+    PyObject *importance = Py_None;
+    if (!PyArg_ParseTuple(args, "ssy*nw*nn|O", &type_name, &src_type, &src, &cols, &out, &row0, &row1, &importance)) return NULL;
+    PyObject *result = NULL;
+    RowSource from = {QT_F32, NULL, 0, 0};
+    from.decode = qt_gguf_decoder(src_type, &from.sbs, &from.sts);
+    if (from.decode == NULL) PyErr_Format(PyExc_ValueError, "no native decoder for GGUF %s", src_type);
+    else result = encode_rows(type_name, &from, &src, cols, &out, row0, row1, importance);
     PyBuffer_Release(&src);
     PyBuffer_Release(&out);
     return result;

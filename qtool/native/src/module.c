@@ -34,6 +34,19 @@ int qt_check_dtype(int dt, const char *what) {
     return 1;
 }
 
+/* uninitialized(n) -> a bytearray of n bytes left as the allocator gives them: for outputs a
+ * kernel fills whole, which bytearray(n) would zero first (a memset of every output piece) */
+static PyObject *qt_py_uninitialized(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "n", &n)) return NULL;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "uninitialized: a negative size");
+        return NULL;
+    }
+    return PyByteArray_FromStringAndSize(NULL, n);
+}
+
 static PyMethodDef methods[] = {
     {"encode_int", qt_py_encode_int, METH_VARARGS,
      "encode_int(src, dtype, cols, group, packed, scale, zero_point|None, bits, row0, row1, mse=False) -> (xx, xe, ee, max_abs_err, finite)"},
@@ -44,13 +57,17 @@ static PyMethodDef methods[] = {
      "decode_gguf(type_name, src, out, out_dtype, block0, block1)"},
     {"encode_gguf", qt_py_encode_gguf, METH_VARARGS,
      "encode_gguf(type_name, src, dtype, cols, out, row0, row1, importance=None) -> (xx, xe, ee, max_abs_err, finite)"},
+    {"transcode_gguf", qt_py_transcode_gguf, METH_VARARGS,
+     "transcode_gguf(type_name, src_type, src, cols, out, row0, row1, importance=None) -> (xx, xe, ee, max_abs_err, finite): encode_gguf of GGUF src_type rows"},
     {"kquant_set_lanes", qt_py_kquant_set_lanes, METH_VARARGS, "kquant_set_lanes(lanes): tests only, the K-quant searches no wider than 8 or 4 lanes"},
     {"mse_set_x86", qt_py_mse_set_x86, METH_VARARGS, "mse_set_x86(on): tests only, False keeps the mse search on its portable kernels"},
     {"sum_squares", qt_py_sum_squares, METH_VARARGS,
      "sum_squares(src, dtype, count, slice, out, slice0, slice1): out[s] = sum x^2 (double) of slice s"},
     {"gptq_sweep", qt_py_gptq_sweep, METH_VARARGS,
      "gptq_sweep(w, u, b, scale, zero_point|None, gidx, groups, bits, codes, errors, col0, col1, row0, row1): GPTQ's sweep of block columns [col0, col1)"},
+    {"uninitialized", qt_py_uninitialized, METH_VARARGS, "uninitialized(n) -> bytearray of n bytes, not zeroed"},
     {"gguf_encoders", qt_py_gguf_encoders, METH_NOARGS, "gguf_encoders() -> {type name: (values, bytes) per block}"},
+    {"gguf_decoders", qt_py_gguf_decoders, METH_NOARGS, "gguf_decoders() -> {type name: (values, bytes) per block}"},
     {NULL, NULL, 0, NULL},
 };
 
