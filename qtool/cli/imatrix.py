@@ -45,10 +45,9 @@ def imatrix_command(
     quiet: QuietOpt = False,
 ) -> None:
     from qtool import api
-    from qtool.calibration.skeleton import import_transformers_lean
 
     sink = Output("json" if json_ else fmt.value)
-    import_transformers_lean()
+    api.import_transformers_lean()
 
     def layer_done(layer, layers: int) -> None:
         print_status(f"layer {layer.index + 1}/{layers}: {len(layer.weights)} weights in {layer.seconds:.1f} s", quiet)

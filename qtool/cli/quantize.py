@@ -140,9 +140,7 @@ def quantize_command(
 
     sink = Output("json" if json_ else fmt.value)
     if calibrate is not None:
-        from qtool.calibration.skeleton import import_transformers_lean
-
-        import_transformers_lean()
+        api.import_transformers_lean()
     with paused_gc(freeze=True):  # planning makes many objects and no cycles; the plan lives on
         plan = api.prepare_quantize(
             path,
