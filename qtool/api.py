@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from qtool.reports import RunReport
 
 __all__ = [
+    "import_transformers_lean",
     "open_checkpoint",
     "refuse_remote_data",
     "inspect",
@@ -702,3 +703,12 @@ def schemes() -> dict[str, Any]:
             }
         )
     return {"schema_version": 1, "schemes": entries}
+
+
+def import_transformers_lean() -> None:
+    """For a process given over to a calibrated command (the CLI's): import transformers with
+    its torchao, HQQ, `kernels` and scipy integrations taken for absent, 0.09 GB less peak RSS
+    where they are installed (`qtool.calibration.skeleton.import_transformers_lean`)."""
+    from qtool.calibration.skeleton import import_transformers_lean as lean
+
+    lean()

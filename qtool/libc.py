@@ -7,7 +7,7 @@ from __future__ import annotations
 import ctypes
 import sys
 
-__all__ = ["function"]
+__all__ = ["function", "trim_heap"]
 
 
 def function(name: str, argtypes: tuple, restype=ctypes.c_int):
@@ -31,3 +31,13 @@ def _libc() -> ctypes.CDLL:
         from ctypes.util import find_library
 
         return ctypes.CDLL(find_library("c") or "libc.so.6", use_errno=True)
+
+
+def trim_heap() -> None:
+    """Give the heap's free pages back to the system (glibc's malloc_trim(0)), holes inside it
+    included. qtool's runs keep freed memory on the heap for speed (`M_TRIM_THRESHOLD` 1 GiB);
+    a long run whose phases free much (calibration, layer after layer) calls this between them,
+    so one phase's freed blocks are not resident through the next. Nothing where it is absent."""
+    trim = function("malloc_trim", (ctypes.c_size_t,))
+    if trim is not None:
+        trim(0)

@@ -135,3 +135,70 @@ def test_actorder_is_recorded_in_the_config_and_changes_the_codes(tmp_path):
     assert config.config_groups["group_0"].weights.actorder == "weight"
     for module in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
         assert torch.equal(loaded.get_submodule(module).weight.detach(), ours[module + ".weight"]), module
+
+
+PEAK_SCRIPT = r"""
+import json, sys
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+from qtool.calibration.skeleton import LEFT_OUT, import_transformers_lean
+
+import_transformers_lean()
+from transformers import AutoTokenizer  # noqa: F401  (what the run imports, before the baseline)
+from transformers.models.llama import modeling_llama  # noqa: F401
+base = status("VmRSS")
+sys.argv = ["qtool", *sys.argv[1:]]
+from qtool.calibration import request
+from qtool.cli import main
+
+calibrated = {}
+apply = request.apply
+
+
+def measured(*args, **kwargs):  # the peak up to the end of calibration, before the executor writes
+    result = apply(*args, **kwargs)
+    calibrated["peak"] = status("VmHWM")
+    return result
+
+
+request.apply = measured
+try:
+    main()
+except SystemExit as exc:
+    code = exc.code
+print(json.dumps({"code": code, "base": base, "peak": calibrated.get("peak", 0), "left_out": sorted(n for n in LEFT_OUT if n in sys.modules)}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_a_calibrated_run_holds_neither_the_whole_embedding_nor_transformers_optional_integrations(tmp_path):
+    """A model whose float32 embedding (65536 x 512: 128 MiB) dwarfs its layers (7 MiB each):
+    the calibration's peak RSS above what its imports take stays far below the embedding's size
+    (the embedding step reads the samples' rows only; it read the whole embedding before: 239
+    MiB), and transformers' torchao, HQQ, `kernels` and scipy integrations were never imported."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=65536, hidden_size=512, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = tmp_path / "model"
+    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY / name, model / name)
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    args = ["quantize", model, "-o", tmp_path / "out", "--scheme", "int4:g64", "--calibrate", text, "--samples", "4", "--seq-len", "32", "--threads", "1", "-q"]
+    env = {k: v for k, v in os.environ.items() if k != "QTOOL_DEBUG"}
+    result = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, *map(str, args)], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout.strip().splitlines()[-1])
+    assert document["code"] in (0, None), result.stderr
+    assert document["left_out"] == []
+    grown = (document["peak"] - document["base"]) / 2**20
+    assert 0 < grown < 64, f"peak RSS {grown:.0f} MiB above the imports"

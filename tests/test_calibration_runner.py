@@ -230,3 +230,43 @@ def test_mixture_of_experts_is_refused_in_one_line_naming_the_architecture(tmp_p
     with pytest.raises(UsageError, match=f"architecture '{config.model_type}' has mixture-of-experts layers"):
         calibrate_plan(folder, tmp_path / "out", text_file(tmp_path))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "gemma2", "gemma3", "phi3"])
+def test_the_embedding_step_reads_only_the_rows_of_the_samples_tokens_and_gives_the_same_hidden_states(tmp_path, family, monkeypatch):
+    """The first layer's inputs from an embedding of only the samples' distinct tokens (ids
+    renumbered into it) are bit for bit those from the whole embedding, with Gemma 2's
+    normalizer, Gemma 3's scaled embedding and Phi-3's padding index; and the embedding's bytes
+    read are those rows' only."""
+    from qtool.calibration import runner
+    from qtool.calibration.skeleton import Skeleton
+    from qtool.formats.checkpoint import Checkpoint
+
+    model = TINY if family == "tiny-llama" else tiny_model(tmp_path / family, family, dtype=torch.float32)
+    plan = calibrate_plan(model, tmp_path / "out", text_file(tmp_path), samples=2, seq_len=16)
+    tokens = plan.calibration.tokens
+    by_name = {j.weight.name: j.weight for j in plan.jobs}
+    embedding = by_name["model.embed_tokens.weight"]
+    read = []
+    original = Checkpoint.read_bytes
+
+    def counting(self, tensor, start=0, size=None):
+        if tensor is embedding.data:
+            read.append(tensor.nbytes - start if size is None else size)
+        return original(self, tensor, start, size)
+
+    monkeypatch.setattr(Checkpoint, "read_bytes", counting)
+    try:
+        rows_hidden, rows_kwargs = runner._embed(Skeleton.build(plan.source), tokens, by_name, plan.source, "cpu")
+        rows_read = sum(read)
+        read.clear()
+        monkeypatch.setattr(Skeleton, "input_embedding", lambda self: None)
+        whole_hidden, _ = runner._embed(Skeleton.build(plan.source), tokens, by_name, plan.source, "cpu")
+    finally:
+        plan.source.close()
+    distinct = int(torch.unique(tokens).numel())
+    assert distinct < embedding.shape[0]
+    assert rows_read == distinct * embedding.data.nbytes // embedding.shape[0]
+    assert sum(read) == embedding.data.nbytes  # the whole-embedding path, for comparison
+    assert torch.equal(rows_hidden, whole_hidden)
+    assert float(rows_hidden.abs().sum()) > 0

@@ -131,7 +131,9 @@ def factor(hessian: "torch.Tensor", *, dtype: "torch.dtype", dampening: float = 
     damp = dampening * torch.mean(torch.diagonal(H))
     H.diagonal().add_(damp)
     factor = torch.linalg.cholesky(H)
+    del H  # each [in, in] matrix freed once the next is made: two alive at once, not four
     H_inv = torch.cholesky_inverse(factor)
+    del factor
     U = torch.linalg.cholesky(H_inv, upper=True)  # rows of U: the elimination's H^-1 rows, scaled
     return Factor(order, dead, U, dampening, actorder)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from qtool.errors import SchemeError, UsageError
+from qtool.libc import trim_heap
 
 if TYPE_CHECKING:
     import torch
@@ -70,6 +71,7 @@ class Calibration:
     replaced: dict[str, "torch.Tensor"] = field(default_factory=dict)
     layers: list[LayerResult] = field(default_factory=list)
     seconds: float = 0.0
+    spill: Any = None  # qtool.calibration.spill.Spill: where `encoded`'s tensors wait, on disk; None: in memory
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -149,13 +151,21 @@ def _embed(skeleton, tokens: "torch.Tensor", weights, checkpoint, device: str):
     for index in range(count):
         skeleton.layers[index] = catcher.module(index)
     layers_name = skeleton.layers_prefix.rpartition(".")[2]
-    skeleton.materialize(skeleton.base, skeleton.base_prefix, weights, checkpoint, device, skip=layers_name)
+    embedding = skeleton.input_embedding()
+    skip = (layers_name,) if embedding is None else (layers_name, embedding[0])
+    skeleton.materialize(skeleton.base, skeleton.base_prefix, weights, checkpoint, device, skip=skip)
+    if embedding is not None:  # only the rows of the tokens the samples use; ids renumbered into them
+        rows, tokens = torch.unique(tokens, return_inverse=True)
+        restore = skeleton.materialize_rows(embedding[1], f"{skeleton.base_prefix}.{embedding[0]}" if skeleton.base_prefix else embedding[0], rows, weights, checkpoint, device)
     hidden = None
     try:
         with torch.no_grad():
             for index in range(tokens.shape[0]):
                 try:
-                    skeleton.base(input_ids=tokens[index : index + 1].to(device), use_cache=False)
+                    if embedding is None:
+                        skeleton.base(input_ids=tokens[index : index + 1].to(device), use_cache=False)
+                    else:  # the embedding module itself (Gemma 3's scale included), on the renumbered ids
+                        skeleton.base(inputs_embeds=embedding[1](tokens[index : index + 1].to(device)), use_cache=False)
                 except _Stop:
                     pass
                 if catcher.hidden is None:
@@ -164,6 +174,8 @@ def _embed(skeleton, tokens: "torch.Tensor", weights, checkpoint, device: str):
                     hidden = torch.empty((tokens.shape[0], *catcher.hidden.shape[1:]), dtype=torch.float32, device=device)
                 hidden[index] = catcher.hidden[0].float()
     finally:
+        if embedding is not None:
+            restore()
         for index, layer in enumerate(originals):
             skeleton.layers[index] = layer
         for name, child in skeleton.base.named_children():
@@ -202,7 +214,14 @@ def _store(name: str, module, codes, scheme: "QScheme", dtype: str, result: Cali
     from qtool.layouts.compressed_tensors import pack_int_codes
 
     module.weight.data = codes.dequantized().to(module.weight.device)
-    result.encoded[name] = {k: v.cpu() for k, v in pack_int_codes(name, codes.codes, codes.scale, codes.zero_point, scheme, dtype).items()}
+    packed = pack_int_codes(name, codes.codes, codes.scale, codes.zero_point, scheme, dtype)
+    if result.spill is not None:
+        try:
+            result.encoded[name] = result.spill.store(packed)
+            return
+        except OSError:  # the temporary directory full: the codes from here on stay in memory
+            result.spill = None
+    result.encoded[name] = {k: v.cpu() for k, v in packed.items()}
 
 
 def _gptq_layer(index, layer, linears, schemes, by_name, hidden, kwargs, outputs, result: Calibration, options: RunnerOptions, on_statistics) -> None:
@@ -240,6 +259,7 @@ def _gptq_layer(index, layer, linears, schemes, by_name, hidden, kwargs, outputs
             hook.remove()
         last.clear()
         grams.clear()
+    trim_heap()  # the forward's temporaries (attention scores), before the factors' matrices
     for hessian in hessians.values():
         _mirror(hessian)
     if on_statistics is not None:
@@ -350,6 +370,7 @@ def _awq_layer(skeleton, layer, prefix: str, linears, schemes, by_name, hidden, 
     finally:
         for hook in hooks:
             hook.remove()
+    trim_heap()
     for entry in grams.values():
         if entry[0] is not None:
             _mirror(entry[0])
@@ -392,6 +413,16 @@ def _awq_layer(skeleton, layer, prefix: str, linears, schemes, by_name, hidden, 
         _store(name, module, codes, scheme, dtype, result)
 
 
+def _spill():
+    """A spill file for the codes, or None (kept in memory) where no temporary file can be made."""
+    from qtool.calibration.spill import Spill
+
+    try:
+        return Spill()
+    except OSError:
+        return None
+
+
 def _rtn_values(weight, *, bits, group_size, symmetric, scale_dtype):
     from qtool.calibration import awq
 
@@ -426,9 +457,10 @@ def calibrate(
     device = options.device
     for name, scheme in schemes.items():
         check_scheme(name, scheme)
-    result = Calibration(options.algorithm, int(tokens.shape[0]), int(tokens.shape[1]), seed)
+    result = Calibration(options.algorithm, int(tokens.shape[0]), int(tokens.shape[1]), seed, spill=_spill())
     hidden, kwargs = _embed(skeleton, tokens, by_name, checkpoint, device)
     outputs = torch.empty_like(hidden)
+    trim_heap()  # the tokenizer's and the embedding step's freed memory
     count = len(skeleton.layers)
     for index in range(count):
         layer_started = time.perf_counter()
@@ -453,6 +485,7 @@ def calibrate(
 
         _run(layer, hidden, kwargs, hidden, measure)  # the quantized layer's outputs feed the next
         skeleton.release(layer)
+        trim_heap()  # the layer's freed blocks, not resident through the next layer
         layer_result = LayerResult(index, time.perf_counter() - layer_started, error[0] / error[1] if error[1] else 0.0, sorted(linears))
         result.layers.append(layer_result)
         if on_layer is not None:

@@ -47,6 +47,7 @@ def imatrix_command(
     from qtool import api
 
     sink = Output("json" if json_ else fmt.value)
+    api.import_transformers_lean()
 
     def layer_done(layer, layers: int) -> None:
         print_status(f"layer {layer.index + 1}/{layers}: {len(layer.weights)} weights in {layer.seconds:.1f} s", quiet)

@@ -139,6 +139,8 @@ def quantize_command(
     from qtool import api
 
     sink = Output("json" if json_ else fmt.value)
+    if calibrate is not None:
+        api.import_transformers_lean()
     with paused_gc(freeze=True):  # planning makes many objects and no cycles; the plan lives on
         plan = api.prepare_quantize(
             path,
