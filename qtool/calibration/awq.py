@@ -280,7 +280,7 @@ def _pruned_errors(parent, inputs, reference, set_weights, candidates) -> "list[
     remaining sample can make it win, and its remaining samples are skipped. Every point is
     first run on sample 0 alone; then point 0 (s = 1) in full, then the others by increasing
     sample-0 error, so the likely winner is summed first and the bound prunes early: on
-    SmolLM2-135M with 8 samples, about a third of the grid's forwards."""
+    SmolLM2-135M's first three layers, 14-46% of a mapping's grid forwards are skipped."""
     import torch
 
     def outputs(index: int) -> "torch.Tensor":
