@@ -28,6 +28,7 @@ def paper_gptq(weight, inputs, bits, group, symmetric, dampening=0.01):
     H += dampening * torch.mean(torch.diagonal(H)) * torch.eye(cols, dtype=torch.float64)
     H_inv = torch.linalg.inv(H)
     codes = torch.zeros(W.shape, dtype=torch.int8)
+    scaled = torch.zeros(W.shape, dtype=torch.float64)
     scales, zero_points = [], []
     for q in range(cols):
         if q % group == 0:
@@ -36,17 +37,35 @@ def paper_gptq(weight, inputs, bits, group, symmetric, dampening=0.01):
             zero_points.append(zero_point)
         code, value = quantize_column(W[:, q], scale, zero_point, bits)
         codes[:, q] = code
+        scaled[:, q] = W[:, q] / scale + (0 if zero_point is None else zero_point.double())
         error = (W[:, q] - value) / H_inv[q, q]
         W[:, q:] -= error.unsqueeze(1) * H_inv[q, q:].unsqueeze(0)
         H_inv = H_inv - H_inv[:, q : q + 1] @ H_inv[q : q + 1, :] / H_inv[q, q]  # eliminate q
     zp = None if symmetric else torch.stack(zero_points, dim=1)
-    return codes, torch.stack(scales, dim=1), zp
+    return codes, torch.stack(scales, dim=1), zp, scaled
 
 
-# derandomized: the sweep (Cholesky of H^-1, lazy block updates) and the paper's explicit
-# elimination differ in the last bits of float64, so a value within ~1e-12 of a rounding tie may
-# round the other way and every later column then differs (seed=160, bits=4, group=8, block=16
-# did once); fixed examples keep this a test of the algorithm, not of ties.
+def agreed_columns(actual, expected, scaled):
+    """How many leading columns of each row must agree. The sweep (Cholesky of H^-1, lazy block
+    updates) and the paper's explicit elimination differ in the last bits of float64, so a value
+    on a rounding tie may round the other way, and that row's later columns then follow another,
+    equally exact path (a row's error feeds only that row). Ties are common, not rare: a
+    symmetric group whose absmax is a negative first column divides to exactly -2^(b-1) + 0.5.
+    Any other difference fails: the first one in each row must sit on a tie."""
+    agreed = []
+    for row in range(actual.shape[0]):
+        differ = (actual[row] != expected[row]).nonzero()
+        if len(differ) == 0:
+            agreed.append(actual.shape[1])
+            continue
+        first = int(differ[0])
+        value = float(scaled[row, first])
+        assert abs(abs(value - round(value)) - 0.5) < 1e-9, f"row {row}, column {first}: {value} is no tie"
+        agreed.append(first)
+    assert sum(agreed) >= actual.numel() // 2, "ties cut most rows short: the test compares little"
+    return agreed
+
+
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(
     seed=st.integers(0, 2**31 - 1),
@@ -61,14 +80,14 @@ def test_gptq_gives_the_papers_codes(seed, bits, group, symmetric, block):
     weight = torch.randn(rows, cols, generator=generator, dtype=torch.float64)
     inputs = torch.randn(samples, cols, generator=generator, dtype=torch.float64) @ torch.randn(cols, cols, generator=generator, dtype=torch.float64) * 0.3
     inputs[:, 5] = 0  # an input never seen: a dead column
-    expected_codes, expected_scale, expected_zp = paper_gptq(weight, inputs, bits, group, symmetric)
+    expected_codes, expected_scale, expected_zp, scaled = paper_gptq(weight, inputs, bits, group, symmetric)
     result = gptq(weight, inputs.T @ inputs, bits=bits, group_size=group, symmetric=symmetric, scale_dtype=torch.float64, block=block)
-    assert torch.equal(result.codes, expected_codes)
-    torch.testing.assert_close(result.scale, expected_scale, rtol=1e-9, atol=0)
-    if symmetric:
-        assert result.zero_point is None
-    else:
-        assert torch.equal(result.zero_point, expected_zp)
+    assert (result.zero_point is None) == symmetric
+    for row, columns in enumerate(agreed_columns(result.codes, expected_codes, scaled)):
+        groups = -(-(columns + 1) // group)  # every group observed up to the first difference
+        torch.testing.assert_close(result.scale[row, :groups], expected_scale[row, :groups], rtol=1e-9, atol=0)
+        if not symmetric:
+            assert torch.equal(result.zero_point[row, :groups], expected_zp[row, :groups])
 
 
 def paper_gptq_ordered(weight, inputs, bits, group, symmetric, dampening=0.01):
