@@ -181,3 +181,17 @@ def test_dequantize_of_a_gguf_file_is_the_same_on_both_paths(tmp_path, monkeypat
         for name, (data, type_name) in tensors.items():
             want = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[type_name])
             assert np.array_equal(got[name].view(np.uint32), want.astype(np.float32).view(np.uint32)), name
+
+
+def test_every_half_scale_widens_as_numpy_widens_it():
+    """The decoders read their float16 scales by F16C (qt_f16_to_f32_hw) where the build has it:
+    Q8_0 blocks of code 1 under each of the 65,536 halves decode to exactly the half's float32
+    times 1, NaN payloads included (the multiply quiets a signalling NaN on both sides)."""
+    blocks = np.zeros((65536, 34), dtype=np.uint8)
+    blocks[:, :2] = np.arange(65536, dtype=np.uint16).view(np.uint8).reshape(-1, 2)
+    blocks[:, 2:] = 1
+    out = np.zeros(65536 * 32, dtype=np.float32)
+    _kernels.decode_gguf("Q8_0", blocks.tobytes(), out, 0, 0, 65536)
+    with np.errstate(invalid="ignore"):
+        expected = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32) * np.float32(1)
+    assert np.array_equal(out.reshape(-1, 32).view(np.uint32), np.repeat(expected.view(np.uint32)[:, None], 32, axis=1))

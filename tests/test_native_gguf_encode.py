@@ -23,6 +23,19 @@ if os.environ.get("QTOOL_REQUIRE_NATIVE") == "1":  # CI: a silently skipped buil
 pytestmark = pytest.mark.skipif(not native.available(), reason="qtool.native._kernels is not built")
 
 TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+
+
+@pytest.fixture(autouse=True, params=["avx512", "portable"])
+def rows_kernel(request):
+    """Every test twice: with gguf_encode.c's AVX-512 Q8_0 rows and error sums (where the CPU
+    has them), and with its portable ones."""
+    on = request.param == "avx512"
+    try:
+        if native._kernels.gguf_set_avx512(on) != on:
+            pytest.skip("this CPU has no AVX-512")
+        yield request.param
+    finally:
+        native._kernels.gguf_set_avx512(True)
 DTYPES = ["F32", "F16", "BF16"]
 F16_MAX = 65504.0
 

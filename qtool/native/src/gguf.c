@@ -21,7 +21,7 @@
 QT_INLINE float f16_at(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
-    return qt_f16_to_f32(h);
+    return qt_f16_to_f32_hw(h);
 }
 
 /* -- one block into float32 ------------------------------------------------------------------- */

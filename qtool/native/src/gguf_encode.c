@@ -158,15 +158,15 @@ QT_INLINE void chunk_scales(const float *top, float divisor, int n, Scales *s) {
         const uint32_t zero = (qt_bits(d) & 0x7FFFFFFFu) == 0 ? 0xFFFFFFFFu : 0u;
         const float inverse = 1.0f / qt_float(qt_bits(d) | (zero & 0x3F800000u)); /* 1 / +-1 where d is 0 */
         s->id[k] = qt_float(qt_bits(inverse) & ~zero);
-        s->d_half[k] = qt_f32_to_f16(d);
-        s->d[k] = qt_f16_to_f32(s->d_half[k]);
+        s->d_half[k] = qt_f32_to_f16_hw(d);
+        s->d[k] = qt_f16_to_f32_hw(s->d_half[k]);
     }
 }
 
 QT_INLINE void chunk_mins(const float *mn, int n, Scales *s) {
     for (int k = 0; k < n; k++) {
-        s->m_half[k] = qt_f32_to_f16(mn[k]);
-        s->m[k] = qt_f16_to_f32(s->m_half[k]);
+        s->m_half[k] = qt_f32_to_f16_hw(mn[k]);
+        s->m[k] = qt_f16_to_f32_hw(s->m_half[k]);
     }
 }
 
@@ -262,6 +262,87 @@ QT_SYMMETRIC_ROW(q5_0, 22, first_abs_max, -16.0f)
 QT_AFFINE_ROW(q4_1, 20, 15.0f)
 QT_AFFINE_ROW(q5_1, 24, 31.0f)
 
+/* Q8_0 by AVX-512 intrinsics, where the CPU has them: a requantize to Q8_0 is mostly this
+ * row, and GCC leaves the one above at ~5 instructions a value (its scales one block at a
+ * time, its codes in 256-bit halves). The same bytes and decoded values, op for op:
+ *   - the scales of 16 blocks at once: d = top / 127 (vdivps), id = 1 / d or 0, d's float16
+ *     by vcvtps2ph and back (qt_f32_to_f16_hw: the portable bits for the finite d of a finite
+ *     row, the only rows a row encoder is given);
+ *   - round_away_int(v): t = trunc(v), then t + sign(v) where |v - t| >= 0.5 (v - t is exact);
+ *     vcvttps2dq gives INT32_MIN for NaN, inf and |t| >= 2^31 as the x86 cast does, and
+ *     vpmovdb keeps the low byte as the (int8_t)(uint8_t)(uint32_t) cast does;
+ *   - x^ = (float)q * d from the stored int8 code.
+ * tests/test_gguf_quant.py checks these bytes against gguf-py with and without this path. */
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && defined(__x86_64__) && defined(__linux__)
+#include <immintrin.h>
+#define QT_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,f16c")))
+#define QT_HAVE_AVX512_ROWS 1
+
+static QT_AVX512 void q8_0_row_avx512(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec) {
+    const __m512i abs_bits = _mm512_set1_epi32(0x7FFFFFFF);
+    const __m512 abs_mask = _mm512_castsi512_ps(abs_bits), sign_mask = _mm512_castsi512_ps(_mm512_set1_epi32((int)0x80000000u));
+    const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f);
+    for (Py_ssize_t b0 = 0; b0 < blocks; b0 += 16) {
+        const int n = blocks - b0 < 16 ? (int)(blocks - b0) : 16;
+        uint32_t top[16] = {0};
+        for (int k = 0; k < n; k++) {
+            const float *p = x + 32 * (b0 + k);
+            const __m512i a = _mm512_and_si512(_mm512_loadu_si512(p), abs_bits), b = _mm512_and_si512(_mm512_loadu_si512(p + 16), abs_bits);
+            top[k] = _mm512_reduce_max_epu32(_mm512_max_epu32(a, b));
+        }
+        const __m512 d = _mm512_div_ps(_mm512_castsi512_ps(_mm512_loadu_si512(top)), _mm512_set1_ps(127.0f));
+        const __mmask16 zero = _mm512_testn_epi32_mask(_mm512_castps_si512(d), abs_bits);
+        const __m512 id = _mm512_maskz_div_ps((__mmask16)~zero, one, d);
+        const __m256i d_half = _mm512_cvtps_ph(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        float ids[16], ds[16];
+        uint16_t halves[16];
+        _mm512_storeu_ps(ids, id);
+        _mm512_storeu_ps(ds, _mm512_cvtph_ps(d_half));
+        _mm256_storeu_si256((__m256i *)halves, d_half);
+        for (int k = 0; k < n; k++) {
+            const float *p = x + 32 * (b0 + k);
+            uint8_t *y = out + 34 * (b0 + k);
+            float *r = rec + 32 * (b0 + k);
+            memcpy(y, &halves[k], 2);
+            const __m512 vid = _mm512_set1_ps(ids[k]), vd = _mm512_set1_ps(ds[k]);
+            for (int h = 0; h < 32; h += 16) {
+                const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(p + h), vid);
+                __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+                const __mmask16 up = _mm512_cmp_ps_mask(_mm512_and_ps(_mm512_sub_ps(v, t), abs_mask), half, _CMP_GE_OQ);
+                t = _mm512_mask_add_ps(t, up, t, _mm512_or_ps(_mm512_and_ps(v, sign_mask), one));
+                const __m128i q = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(t));
+                _mm_storeu_si128((__m128i *)(y + 2 + h), q);
+                _mm512_storeu_ps(r + h, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), vd));
+            }
+        }
+    }
+}
+#endif
+
+/* -1 unknown, 0 portable, 1 AVX-512 (tests switch it: gguf_set_avx512) */
+static int qt_rows_avx512 = -1;
+
+static int rows_avx512(void) {
+#ifdef QT_HAVE_AVX512_ROWS
+    if (qt_rows_avx512 < 0)
+        qt_rows_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");
+    return qt_rows_avx512;
+#else
+    return 0;
+#endif
+}
+
+static void q8_0_row_any(const float *x, Py_ssize_t blocks, uint8_t *out, float *rec) {
+#ifdef QT_HAVE_AVX512_ROWS
+    if (rows_avx512()) {
+        q8_0_row_avx512(x, blocks, out, rec);
+        return;
+    }
+#endif
+    q8_0_row(x, blocks, out, rec);
+}
+
 /* `exact_nonfinite`: the row encoder gives the reference's bytes for rows holding inf or NaN too
  * (the K-quants, which gguf-py cannot encode at all), so such rows are encoded, not refused.
  * `weighted`: the K-quant and IQ rows, which take importance weights (or NULL); `imatrix`: 1
@@ -274,7 +355,7 @@ static const struct {
     qt_encode_row_w weighted;
     int exact_nonfinite, imatrix;
 } qt_encoders[] = {
-    {"Q8_0", 32, 34, q8_0_row, NULL, 0, 0},          {"Q4_0", 32, 18, q4_0_row, NULL, 0, 1},
+    {"Q8_0", 32, 34, q8_0_row_any, NULL, 0, 0},          {"Q4_0", 32, 18, q4_0_row, NULL, 0, 1},
     {"Q4_1", 32, 20, q4_1_row, NULL, 0, 1},          {"Q5_0", 32, 22, q5_0_row, NULL, 0, 1},
     {"Q5_1", 32, 24, q5_1_row, NULL, 0, 1},          {"Q2_K", 256, 84, NULL, qt_q2_k_row, 1, 1},
     {"Q3_K", 256, 110, NULL, qt_q3_k_row, 1, 1},     {"Q4_K", 256, 144, NULL, qt_q4_k_row, 1, 1},
@@ -323,6 +404,53 @@ static QT_HOT_WIDE void add_errors(const float *x, const float *rec, Py_ssize_t 
         sums->ee += ee[k];
         sums->max_err_bits = me[k] > sums->max_err_bits ? me[k] : sums->max_err_bits;
     }
+}
+
+#ifdef QT_HAVE_AVX512_ROWS
+/* add_errors with one zmm a sum: lane k takes values j + k (j = 0, 8, ..) as LANES does, each
+ * step a separate multiply and add, and the lanes added in the same order: the same sums */
+static QT_AVX512 void add_errors_avx512(const float *x, const float *rec, Py_ssize_t n, Sums *sums) {
+    __m512d xx = _mm512_setzero_pd(), xe = _mm512_setzero_pd(), ee = _mm512_setzero_pd();
+    __m512i me = _mm512_setzero_si512();
+    const __m512i abs_bits = _mm512_set1_epi64(0x7FFFFFFFFFFFFFFFll);
+    for (Py_ssize_t j = 0; j < n; j += LANES) {
+        const __m512d xv = _mm512_cvtps_pd(_mm256_loadu_ps(x + j)), e = _mm512_sub_pd(xv, _mm512_cvtps_pd(_mm256_loadu_ps(rec + j)));
+        xx = _mm512_add_pd(xx, _mm512_mul_pd(xv, xv));
+        xe = _mm512_add_pd(xe, _mm512_mul_pd(xv, e));
+        ee = _mm512_add_pd(ee, _mm512_mul_pd(e, e));
+        me = _mm512_max_epu64(me, _mm512_and_si512(_mm512_castpd_si512(e), abs_bits));
+    }
+    double lx[LANES], le[LANES], lee[LANES];
+    uint64_t lm[LANES];
+    _mm512_storeu_pd(lx, xx), _mm512_storeu_pd(le, xe), _mm512_storeu_pd(lee, ee), _mm512_storeu_si512(lm, me);
+    for (int k = 0; k < LANES; k++) {
+        sums->xx += lx[k];
+        sums->xe += le[k];
+        sums->ee += lee[k];
+        sums->max_err_bits = lm[k] > sums->max_err_bits ? lm[k] : sums->max_err_bits;
+    }
+}
+#endif
+
+static void add_errors_any(const float *x, const float *rec, Py_ssize_t n, Sums *sums) {
+#ifdef QT_HAVE_AVX512_ROWS
+    if (rows_avx512()) {
+        add_errors_avx512(x, rec, n, sums);
+        return;
+    }
+#endif
+    add_errors(x, rec, n, sums);
+}
+
+/* gguf_set_avx512(on): tests only; False keeps the legacy rows and error sums on the portable code */
+PyObject *qt_py_gguf_set_avx512(PyObject *self, PyObject *args) {
+    (void)self;
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+    qt_rows_avx512 = -1;
+    if (on) rows_avx512();
+    else qt_rows_avx512 = 0;
+    return PyBool_FromLong(rows_avx512());
 }
 
 /* Where an encoder's rows come from: `dt` values (F32, F16, BF16) widened, or, with `decode` set,
@@ -407,7 +535,7 @@ static PyObject *encode_rows(const char *type_name, const RowSource *from, Py_bu
             if (weighted) weighted(x, qw, blocks, y, rec);
             else if (qw) qt_legacy_w_row(type_name, x, qw, blocks, y, rec);
             else row(x, blocks, y, rec);
-            if (finite) add_errors(x, rec, cols, &sums);
+            if (finite) add_errors_any(x, rec, cols, &sums);
         }
         Py_END_ALLOW_THREADS
         free(x);

@@ -61,6 +61,7 @@ static PyMethodDef methods[] = {
      "transcode_gguf(type_name, src_type, src, cols, out, row0, row1, importance=None) -> (xx, xe, ee, max_abs_err, finite): encode_gguf of GGUF src_type rows"},
     {"kquant_set_lanes", qt_py_kquant_set_lanes, METH_VARARGS, "kquant_set_lanes(lanes): tests only, the K-quant searches no wider than 8 or 4 lanes"},
     {"mse_set_x86", qt_py_mse_set_x86, METH_VARARGS, "mse_set_x86(on): tests only, False keeps the mse search on its portable kernels"},
+    {"gguf_set_avx512", qt_py_gguf_set_avx512, METH_VARARGS, "gguf_set_avx512(on) -> whether it is on: tests only, False keeps the Q8_0 rows and GGUF error sums on their portable kernels"},
     {"sum_squares", qt_py_sum_squares, METH_VARARGS,
      "sum_squares(src, dtype, count, slice, out, slice0, slice1): out[s] = sum x^2 (double) of slice s"},
     {"gptq_sweep", qt_py_gptq_sweep, METH_VARARGS,

@@ -17,14 +17,15 @@
 enum { QT_F32 = 0, QT_F16 = 1, QT_BF16 = 2 };
 
 /* Hot loops get an AVX2 clone where the compiler and loader support ifunc dispatch. QT_HOT_WIDE
- * loops an AVX-512 (x86-64-v4) one too, with GCC 12 or later: the legacy GGUF block encoders,
- * decoders and error sums, a requantize's whole work, ~0.75x the AVX2 clone's time there. The
+ * loops get an AVX-512 (x86-64-v4) one and an x86-64-v3 (AVX2 + FMA + F16C) one, with GCC 12 or
+ * later: the legacy GGUF block encoders, decoders and error sums, a requantize's whole work,
+ * ~0.75x the AVX2 clone's time there (F16C for their block scales: qt_f32_to_f16_hw). The
  * same IEEE operations in the same order at any width (no FMA contraction, no reassociation),
  * so the same bits: only the vectors are wider. */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
 #define QT_HOT __attribute__((target_clones("avx2", "default")))
 #if __GNUC__ >= 12
-#define QT_HOT_WIDE __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#define QT_HOT_WIDE __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define QT_HOT_WIDE QT_HOT
 #endif
@@ -72,6 +73,32 @@ static inline uint16_t qt_f32_to_f16(float f) {
     const uint32_t nan = 0u - (uint32_t)(shl1_w > 0xFF000000u);
     return (uint16_t)((sign >> 16) | (nan & 0x7E00u) | (~nan & nonsign));
 }
+
+/* The same two conversions by the CPU's own instructions where the clone has them: GCC 12's
+ * _Float16 casts are vcvtps2ph / vcvtph2ps (F16C) in the x86-64-v3 and v4 clones, one
+ * instruction instead of ~15, and libgcc's IEEE routines in the default one. Both round to
+ * nearest even with subnormals kept and overflow to inf, so the bits are the portable ones'
+ * for every input; float -> half NaN is made 0x7E00 (sign kept) as above. Half -> float
+ * quiets a signalling NaN, as the portable one's multiply does. For the per-block scales of
+ * the GGUF block codecs: tests/test_native_gguf.py widens all 65,536 halves,
+ * tests/test_native_gguf_encode.py checks the stored halves against gguf-py's astype. */
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && defined(__x86_64__)
+static inline float qt_f16_to_f32_hw(uint16_t h) {
+    _Float16 v;
+    memcpy(&v, &h, 2);
+    return (float)v;
+}
+static inline uint16_t qt_f32_to_f16_hw(float f) {
+    const _Float16 v = (_Float16)f;
+    uint16_t h;
+    memcpy(&h, &v, 2);
+    const uint32_t nan = 0u - (uint32_t)((qt_bits(f) & 0x7FFFFFFFu) > 0x7F800000u);
+    return (uint16_t)((nan & ((qt_bits(f) >> 16 & 0x8000u) | 0x7E00u)) | (~nan & h));
+}
+#else
+#define qt_f16_to_f32_hw qt_f16_to_f32
+#define qt_f32_to_f16_hw qt_f32_to_f16
+#endif
 
 /* a float32 value rounded to dtype `dt` and widened back: what torch stores for an op in dt */
 static inline float qt_round_to(float f, int dt) {
@@ -179,6 +206,7 @@ void qt_legacy_w_row(const char *type_name, const float *x, const float *qw, Py_
 void qt_kquant_set_lanes(int lanes);
 PyObject *qt_py_kquant_set_lanes(PyObject *self, PyObject *args);
 PyObject *qt_py_mse_set_x86(PyObject *self, PyObject *args);
+PyObject *qt_py_gguf_set_avx512(PyObject *self, PyObject *args);
 
 /* a * b, or -1 when either is negative or the product overflows: sizes from callers are never
  * trusted, and qt_check_size refuses -1 */
