@@ -272,7 +272,7 @@ QT_AFFINE_ROW(q5_1, 24, 31.0f)
  *     vcvttps2dq gives INT32_MIN for NaN, inf and |t| >= 2^31 as the x86 cast does, and
  *     vpmovdb keeps the low byte as the (int8_t)(uint8_t)(uint32_t) cast does;
  *   - x^ = (float)q * d from the stored int8 code.
- * tests/test_gguf_quant.py checks these bytes against gguf-py with and without this path. */
+ * tests/test_native_gguf_encode.py checks the bytes and sums against gguf-py on both paths. */
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && defined(__x86_64__) && defined(__linux__)
 #include <immintrin.h>
 #define QT_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,f16c")))
