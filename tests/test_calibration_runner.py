@@ -214,24 +214,6 @@ def test_each_family_end_to_end_loads_in_transformers_and_decodes_as_qtool_does(
     assert labels == {"int4 sym g32" if scheme == "int4:g32" else "int4 asym g32"}
 
 
-@pytest.mark.parametrize("config_name", ["MixtralConfig", "Qwen3MoeConfig"])
-def test_mixture_of_experts_is_refused_in_one_line_naming_the_architecture(tmp_path, config_name):
-    from qtool.errors import UsageError
-
-    config = getattr(transformers, config_name)(
-        vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    folder = tmp_path / "moe"
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TINY / name, folder / name)
-    with pytest.raises(UsageError, match=f"architecture '{config.model_type}' has mixture-of-experts layers"):
-        calibrate_plan(folder, tmp_path / "out", text_file(tmp_path))
-    assert not (tmp_path / "out").exists()
-
-
 @pytest.mark.parametrize("family", ["tiny-llama", "gemma2", "gemma3", "phi3"])
 def test_the_embedding_step_reads_only_the_rows_of_the_samples_tokens_and_gives_the_same_hidden_states(tmp_path, family, monkeypatch):
     """The first layer's inputs from an embedding of only the samples' distinct tokens (ids

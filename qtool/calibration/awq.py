@@ -22,6 +22,8 @@ The mappings are llm-compressor's for LLaMA-like layers (by module name inside a
     post_attention_layernorm   -> gate_proj, up_proj        (Gemma 2/3: pre_feedforward_layernorm; Phi-3: gate_up_proj)
     up_proj                    -> down_proj                 (Phi-3: gate_up_proj's last rows)
 
+and in a mixture-of-experts layer each expert's up -> down (its w3 -> w2 in Mixtral's names);
+the norm before the experts is not smoothed there, since the router reads its output too. And
 with Gemma 3's input_layernorm mapping left out (its q/k norms undo the smoothing, as
 llm-compressor notes), v_proj -> o_proj only where the shapes agree (no grouped-query
 attention), and a mapping whose balance layers are all left unquantized skipped. A norm that
@@ -84,6 +86,10 @@ def layer_mappings(layer, model_type: str, quantized: Callable[[str], bool]) -> 
         candidates += [(mlp_norm, ("mlp.gate_up_proj",)), ("mlp.gate_up_proj", ("mlp.down_proj",))]
     else:
         candidates += [(mlp_norm, ("mlp.gate_proj", "mlp.up_proj")), ("mlp.up_proj", ("mlp.down_proj",))]
+    for name, module in modules.items():  # each unfused expert (qtool.calibration.experts): its up -> its down
+        names = getattr(module, "names", None)
+        if isinstance(names, tuple) and len(names) == 3 and all(isinstance(module._modules.get(n), torch.nn.Linear) for n in names):
+            candidates.append((f"{name}.{names[1]}", (f"{name}.{names[2]}",)))
     found = []
     for smooth, balance in candidates:
         if smooth not in modules or any(not isinstance(modules.get(name), torch.nn.Linear) for name in balance):

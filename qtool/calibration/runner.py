@@ -52,9 +52,13 @@ class LayerResult:
     seconds: float
     output_error: float  # sum (y_quantized - y_float)^2 / sum y_float^2 over the calibration samples
     weights: list[str]
+    unrouted: list[str] = field(default_factory=list)  # experts no calibration token reached: rounded to nearest
 
     def to_json(self) -> dict[str, Any]:
-        return {"layer": self.index, "seconds": round(self.seconds, 3), "output_rel_mse": self.output_error, "weights": list(self.weights)}
+        return {
+            "layer": self.index, "seconds": round(self.seconds, 3), "output_rel_mse": self.output_error,
+            "weights": list(self.weights), "unrouted": list(self.unrouted),
+        }  # fmt: skip
 
 
 @dataclass
@@ -224,8 +228,10 @@ def _store(name: str, module, codes, scheme: "QScheme", dtype: str, result: Cali
     result.encoded[name] = {k: v.cpu() for k, v in packed.items()}
 
 
-def _gptq_layer(index, layer, linears, schemes, by_name, hidden, kwargs, outputs, result: Calibration, options: RunnerOptions, on_statistics) -> None:
-    """Hessians X^T X of each Linear's inputs over the float layer's run, then GPTQ per Linear.
+def _gptq_layer(index, layer, linears, schemes, by_name, hidden, kwargs, outputs, result: Calibration, options: RunnerOptions, on_statistics) -> list[str]:
+    """Hessians X^T X of each Linear's inputs over the float layer's run, then GPTQ per Linear;
+    the names of those no token reached (an MoE expert the router never chose), which are
+    rounded to nearest: GPTQ would zero every column of a weight whose inputs it never saw.
 
     Linears called one after another on the same input tensor (q/k/v on the normed hidden
     states, gate/up) take one product X^T X per sample between them, each adding it to its own
@@ -233,10 +239,11 @@ def _gptq_layer(index, layer, linears, schemes, by_name, hidden, kwargs, outputs
     once (`gptq.factor`)."""
     import torch
 
+    from qtool.calibration import awq
     from qtool.calibration.gptq import factor, gptq
 
     device = hidden.device
-    hessians = {name: torch.zeros((m.in_features, m.in_features), dtype=torch.float32, device=device) for name, m in linears.items()}
+    hessians = {name: torch.zeros((m.weight.shape[1], m.weight.shape[1]), dtype=torch.float32, device=device) for name, m in linears.items()}
     grams: dict[int, "torch.Tensor"] = {}  # by width: the upper block triangle of one sample's X^T X
     last: list = [None, None]  # the input tensor the last hook saw, and its X^T X
     hooks = []
@@ -265,10 +272,16 @@ def _gptq_layer(index, layer, linears, schemes, by_name, hidden, kwargs, outputs
     if on_statistics is not None:
         on_statistics(index, hessians, hidden)
     shared: tuple | None = None  # (Hessian, its factor): the last one factored
+    unrouted = []
     for name, module in linears.items():
         scheme = schemes[name]
         dtype = by_name[name].dtype
         hessian = hessians.pop(name)
+        if not hessian.any():
+            unrouted.append(name)
+            codes = awq.rtn(module.weight.data, bits=scheme.qtype.bits, group_size=_group(scheme), symmetric=scheme.symmetric, scale_dtype=_scale_dtype(scheme, dtype))
+            _store(name, module, codes, scheme, dtype, result)
+            continue
         if shared is None or shared[0].shape != hessian.shape or not torch.equal(shared[0], hessian):
             shared = (hessian, factor(hessian, dtype=module.weight.dtype, dampening=options.dampening, actorder=options.actorder))
         codes = gptq(
@@ -276,6 +289,7 @@ def _gptq_layer(index, layer, linears, schemes, by_name, hidden, kwargs, outputs
             scale_dtype=_scale_dtype(scheme, dtype), dampening=options.dampening, block=options.block, actorder=options.actorder, prepared=shared[1],
         )  # fmt: skip
         _store(name, module, codes, scheme, dtype, result)
+    return unrouted
 
 
 def _gram_step(width: int) -> int:
@@ -467,15 +481,17 @@ def calibrate(
         prefix = f"{skeleton.layers_prefix}.{index}"
         layer = skeleton.layers[index]
         skeleton.materialize(layer, prefix, by_name, checkpoint, device)
+        routers = {block.router for block in skeleton.moe[index]}
         linears = {
             f"{prefix}.{name}.weight": module
             for name, module in layer.named_modules()
-            if isinstance(module, torch.nn.Linear) and f"{prefix}.{name}.weight" in schemes
+            if (isinstance(module, torch.nn.Linear) or name in routers) and f"{prefix}.{name}.weight" in schemes
         }
+        unrouted: list[str] = []
         if options.algorithm in ("awq", "rtn"):
             _awq_layer(skeleton, layer, prefix, linears, schemes, by_name, hidden, kwargs, outputs, result, smooth=options.algorithm == "awq")
         else:
-            _gptq_layer(index, layer, linears, schemes, by_name, hidden, kwargs, outputs, result, options, on_statistics)
+            unrouted = _gptq_layer(index, layer, linears, schemes, by_name, hidden, kwargs, outputs, result, options, on_statistics)
         error = [0.0, 0.0]
 
         def measure(sample: int, quantized: "torch.Tensor") -> None:
@@ -486,7 +502,7 @@ def calibrate(
         _run(layer, hidden, kwargs, hidden, measure)  # the quantized layer's outputs feed the next
         skeleton.release(layer)
         trim_heap()  # the layer's freed blocks, not resident through the next layer
-        layer_result = LayerResult(index, time.perf_counter() - layer_started, error[0] / error[1] if error[1] else 0.0, sorted(linears))
+        layer_result = LayerResult(index, time.perf_counter() - layer_started, error[0] / error[1] if error[1] else 0.0, sorted(linears), unrouted)
         result.layers.append(layer_result)
         if on_layer is not None:
             on_layer(layer_result, count)

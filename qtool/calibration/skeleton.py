@@ -2,7 +2,8 @@
 
 `Skeleton.build` makes the architecture's causal LM on the `meta` device from config.json (no
 weight allocated) and finds its stack of decoder layers: one `nn.ModuleList` of
-`num_hidden_layers` modules of one class. `materialize(module, prefix)` gives one part real
+`num_hidden_layers` modules of one class, their fused mixture-of-experts weights replaced by
+one Linear per expert (`qtool.calibration.experts`). `materialize(module, prefix)` gives one part real
 tensors on the device, read from the checkpoint by name when its turn comes; `release` sends it
 back to `meta`, so one layer is in memory at a time. Buffers transformers computes at init
 (rotary frequencies) are rebuilt by constructing that module again from the config.
@@ -78,6 +79,7 @@ class Skeleton:
     base_prefix: str  # its name in the checkpoint ("model")
     layers: Any  # the nn.ModuleList of decoder layers
     layers_prefix: str  # "model.layers"
+    moe: list  # per layer, its mixture-of-experts blocks (qtool.calibration.experts.MoeBlock), unfused
 
     @classmethod
     def build(cls, checkpoint: "Checkpoint") -> "Skeleton":
@@ -104,15 +106,13 @@ class Skeleton:
         if found is None:
             raise UsageError(f"{checkpoint.path}: architecture {config.model_type!r} is not a stack of {count} decoder layers of one class", option="calibrate")
         layers_prefix, layers = found
-        fused = next((m for m in layers[0].modules() if any(p.dim() > 2 for p in m.parameters(recurse=False))), None)
-        if fused is not None:
-            raise UsageError(
-                f"{checkpoint.path}: architecture {config.model_type!r} has mixture-of-experts layers ({type(fused).__name__}, expert weights fused in 3-D); "
-                "qtool calibrates dense decoder layers only", hint="quantize it without --calibrate (round to nearest)", option="calibrate",
-            )  # fmt: skip
+        from qtool.calibration.experts import unfuse
+
+        names = list(checkpoint.tensors)
+        moe = [unfuse(layer, f"{layers_prefix}.{index}", names, checkpoint.path) for index, layer in enumerate(layers)]
         base_prefix = layers_prefix.rpartition(".")[0]
         base = model.get_submodule(base_prefix) if base_prefix else model
-        return cls(model, config, base, base_prefix, layers, layers_prefix)
+        return cls(model, config, base, base_prefix, layers, layers_prefix, moe)
 
     def materialize(self, module, prefix: str, weights: dict[str, "Weight"], checkpoint: "Checkpoint", device: str, *, skip: tuple[str, ...] = ()) -> None:
         """Give `module` (named `prefix` in the checkpoint) real float32 tensors on `device`,
