@@ -481,7 +481,7 @@ def calibrate(
         prefix = f"{skeleton.layers_prefix}.{index}"
         layer = skeleton.layers[index]
         skeleton.materialize(layer, prefix, by_name, checkpoint, device)
-        routers = {block.router for block in skeleton.moe[index]}
+        routers = {block.router for block in skeleton.moe[index] if block.router is not None}
         linears = {
             f"{prefix}.{name}.weight": module
             for name, module in layer.named_modules()
