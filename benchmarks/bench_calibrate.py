@@ -21,6 +21,7 @@ every output (loaded by transformers with compressed-tensors, decompressed) on t
     python benchmarks/bench_calibrate.py --samples 8 --schemes int4:g64 --eval-windows 8
     python benchmarks/bench_calibrate.py --samples 128          # the issue's full setting
     python benchmarks/bench_calibrate.py --methods awq --schemes int4:g64   # AWQ only
+    python benchmarks/bench_calibrate.py --methods gptq --schemes int3:g64,int3:g64:mse   # both observers
 
 Memory flat in depth (--depth 8,30): random-weight models of SmolLM2's width (hidden 576,
 intermediate 1536, 9 heads, its tokenizer) with each number of layers, bf16, made once in the
@@ -53,10 +54,13 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def _scheme_args(scheme: str) -> dict:
-    """compressed-tensors QuantizationArgs for a qtool short form int<b>:g<g>[:asym] or :channel."""
+    """compressed-tensors QuantizationArgs for a qtool short form int<b>:g<g>[:asym][:mse] or
+    :channel (":mse": both tools' mse observer)."""
     parts = scheme.split(":")
     bits = int(parts[0][3:])
     args = {"num_bits": bits, "type": "int", "symmetric": "asym" not in parts, "strategy": "channel", "group_size": None}
+    if "mse" in parts:
+        args["observer"] = "mse"
     for part in parts[1:]:
         if part.startswith("g"):
             args.update(strategy="group", group_size=int(part[1:]))

@@ -137,6 +137,32 @@ def test_actorder_is_recorded_in_the_config_and_changes_the_codes(tmp_path):
         assert torch.equal(loaded.get_submodule(module).weight.detach(), ours[module + ".weight"]), module
 
 
+def test_the_mse_observer_chooses_the_calibrated_scales_and_is_recorded(tmp_path):
+    """`--observer mse` reaches GPTQ (other scales than min-max's) and round to nearest (the
+    scales of qtool.kernels.mse's search on the layer's weights), and the config says so."""
+    import torch
+    from safetensors.torch import load_file
+
+    from qtool.kernels.mse import choose_qparams_mse
+
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    outs = {}
+    for algorithm, observer in (("gptq", "mse"), ("gptq", "minmax"), ("rtn", "mse")):
+        out = outs[algorithm, observer] = tmp_path / f"out-{algorithm}-{observer}"
+        common = ("--scheme", "int3:g32", "--calibrate", text, "--samples", "4", "--seq-len", "32", "--threads", "1", "-q")
+        result = run_qtool("quantize", TINY, "-o", out, *common, "--algorithm", algorithm, "--observer", observer)
+        assert result.returncode == 0, result.stderr
+    weights = json.loads((outs["gptq", "mse"] / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"]
+    assert weights["observer"] == "mse"
+    name = "model.layers.1.mlp.down_proj.weight_scale"
+    tensors = {key: load_file(str(out / "model.safetensors")) for key, out in outs.items()}
+    assert not torch.equal(tensors["gptq", "mse"][name], tensors["gptq", "minmax"][name])
+    original = load_file(str(TINY / "model.safetensors"))["model.layers.1.mlp.down_proj.weight"]  # as the layer holds it
+    expected, _ = choose_qparams_mse(original, (1, 32), "int3", True, tensors["rtn", "mse"][name].dtype)
+    assert torch.equal(tensors["rtn", "mse"][name], expected)
+
+
 PEAK_SCRIPT = r"""
 import json, sys
 

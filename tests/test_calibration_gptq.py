@@ -16,7 +16,7 @@ from hypothesis import strategies as st  # noqa: E402
 from qtool.calibration.gptq import gptq, observe, quantize_column  # noqa: E402
 
 
-def paper_gptq(weight, inputs, bits, group, symmetric, dampening=0.01):
+def paper_gptq(weight, inputs, bits, group, symmetric, dampening=0.01, observer="minmax", scale_dtype=torch.float64):
     """The OBQ/GPTQ update as the paper states it, in float64: quantize column q, then
     W[:, F] -= (w_q - quant(w_q)) / [H_F^-1]_qq * (H_F^-1)_{q,F}, and remove q from H_F^-1."""
     W = weight.double().clone()
@@ -32,12 +32,12 @@ def paper_gptq(weight, inputs, bits, group, symmetric, dampening=0.01):
     scales, zero_points = [], []
     for q in range(cols):
         if q % group == 0:
-            scale, zero_point = observe(W[:, q : q + group], bits, symmetric, torch.float64)
+            scale, zero_point = observe(W[:, q : q + group], bits, symmetric, scale_dtype, observer)
             scales.append(scale)
             zero_points.append(zero_point)
         code, value = quantize_column(W[:, q], scale, zero_point, bits)
         codes[:, q] = code
-        scaled[:, q] = W[:, q] / scale + (0 if zero_point is None else zero_point.double())
+        scaled[:, q] = W[:, q] / scale.double() + (0 if zero_point is None else zero_point.double())
         error = (W[:, q] - value) / H_inv[q, q]
         W[:, q:] -= error.unsqueeze(1) * H_inv[q, q:].unsqueeze(0)
         H_inv = H_inv - H_inv[:, q : q + 1] @ H_inv[q : q + 1, :] / H_inv[q, q]  # eliminate q
@@ -90,14 +90,14 @@ def test_gptq_gives_the_papers_codes(seed, bits, group, symmetric, block):
             assert torch.equal(result.zero_point[row, :groups], expected_zp[row, :groups])
 
 
-def paper_gptq_ordered(weight, inputs, bits, group, symmetric, dampening=0.01):
+def paper_gptq_ordered(weight, inputs, bits, group, symmetric, dampening=0.01, observer="minmax", scale_dtype=torch.float64):
     """The same elimination over the columns in decreasing order of H's diagonal, each with its
     own group's scale, observed first on the original weight (llm-compressor's actorder weight)."""
     W = weight.double().clone()
     H = inputs.double().T @ inputs.double()
     rows, cols = W.shape
     order = torch.argsort(torch.diagonal(H), descending=True, stable=True)
-    scale, zero_point = observe(W.reshape(-1, group), bits, symmetric, torch.float64)
+    scale, zero_point = observe(W.reshape(-1, group), bits, symmetric, scale_dtype, observer)
     scale = scale.reshape(rows, cols // group)
     zero_point = None if zero_point is None else zero_point.reshape(rows, cols // group)
     W, H = W[:, order], H[order][:, order]
@@ -138,6 +138,49 @@ def test_gptq_in_activation_order_gives_the_papers_codes_in_that_order(seed, bit
     assert (result.zero_point is None) if symmetric else torch.equal(result.zero_point, expected_zp)
     plain = gptq(weight, inputs.T @ inputs, bits=bits, group_size=group, symmetric=symmetric, scale_dtype=torch.float64, block=block)
     assert bits == 8 or not torch.equal(plain.codes, result.codes)  # the order matters
+
+
+@settings(max_examples=16, deadline=None, derandomize=True)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    bits=st.sampled_from([2, 3, 4]),
+    group=st.sampled_from([16, 48]),
+    symmetric=st.booleans(),
+    actorder=st.sampled_from([None, "static"]),
+)
+def test_gptq_with_the_mse_observer_gives_the_papers_codes_with_its_scales(seed, bits, group, symmetric, actorder):
+    """The mse observer (qtool.kernels.mse's search; float32 scales, which it stores) in place
+    of min-max, when the sweep reaches a group or, in activation order, up front."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(6, 48, generator=generator, dtype=torch.float64)
+    inputs = torch.randn(80, 48, generator=generator, dtype=torch.float64) @ torch.randn(48, 48, generator=generator, dtype=torch.float64) * 0.3
+    hessian = inputs.T @ inputs
+    result = gptq(weight, hessian, bits=bits, group_size=group, symmetric=symmetric, scale_dtype=torch.float32, actorder=actorder, observer="mse")
+    minmax = gptq(weight, hessian, bits=bits, group_size=group, symmetric=symmetric, scale_dtype=torch.float32, actorder=actorder)
+    assert not torch.equal(result.scale, minmax.scale)  # the search moved some scale
+    if actorder is None:
+        codes, scale, zero_point, scaled = paper_gptq(weight, inputs, bits, group, symmetric, observer="mse", scale_dtype=torch.float32)
+        for row, columns in enumerate(agreed_columns(result.codes, codes, scaled)):
+            groups = -(-(columns + 1) // group)
+            assert torch.equal(result.scale[row, :groups], scale[row, :groups])
+            assert symmetric or torch.equal(result.zero_point[row, :groups], zero_point[row, :groups])
+    else:
+        codes, scale, zero_point = paper_gptq_ordered(weight, inputs, bits, group, symmetric, observer="mse", scale_dtype=torch.float32)
+        assert torch.equal(result.codes, codes) and torch.equal(result.scale, scale)
+        assert (result.zero_point is None) if symmetric else torch.equal(result.zero_point, zero_point)
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_the_mse_observer_never_reconstructs_a_row_worse_than_minmax(symmetric):
+    generator = torch.Generator().manual_seed(1)
+    columns = torch.randn(256, 32, generator=generator) * torch.rand(256, 1, generator=generator)
+    errors = {}
+    for observer in ("minmax", "mse"):
+        scale, zero_point = observe(columns, 3, symmetric, torch.float32, observer)
+        _, values = zip(*(quantize_column(columns[:, i], scale, zero_point, 3) for i in range(32)))
+        errors[observer] = (columns - torch.stack(values, dim=1)).double().pow(2).sum(dim=1)
+    assert bool((errors["mse"] <= errors["minmax"]).all())
+    assert float(errors["mse"].sum()) < 0.95 * float(errors["minmax"].sum())
 
 
 @pytest.mark.parametrize("group", [32, None], ids=["g32", "channel"])

@@ -141,9 +141,9 @@ def candidate_scales(x_mean: "torch.Tensor", w_mean: "torch.Tensor", ratio: floa
     return scales
 
 
-def rtn(weight: "torch.Tensor", *, bits: int, group_size: int | None, symmetric: bool, scale_dtype: "torch.dtype") -> "GptqResult":
+def rtn(weight: "torch.Tensor", *, bits: int, group_size: int | None, symmetric: bool, scale_dtype: "torch.dtype", observer: str = "minmax") -> "GptqResult":
     """Round to nearest with min-max scales per group (or row), as compressed-tensors does:
-    GPTQ's observer and rounding, without the error feedback."""
+    GPTQ's observer (`observer` "mse": its search) and rounding, without the error feedback."""
     import torch
 
     from qtool.calibration.gptq import GptqResult, observe
@@ -154,7 +154,7 @@ def rtn(weight: "torch.Tensor", *, bits: int, group_size: int | None, symmetric:
         raise KernelError(f"awq: group size {group} does not divide in_features {cols}")
     qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     grouped = weight.reshape(-1, group)
-    scale, zero_point = observe(grouped, bits, symmetric, scale_dtype)
+    scale, zero_point = observe(grouped, bits, symmetric, scale_dtype, observer)
     scaled = grouped / scale.to(weight.dtype).unsqueeze(1)
     if zero_point is not None:
         scaled = scaled + zero_point.to(weight.dtype).unsqueeze(1)

@@ -66,11 +66,21 @@ class GptqResult:
         return codes * scale
 
 
-def observe(columns: "torch.Tensor", bits: int, symmetric: bool, scale_dtype: "torch.dtype"):
+def observe(columns: "torch.Tensor", bits: int, symmetric: bool, scale_dtype: "torch.dtype", observer: str = "minmax"):
     """Min-max scale (and zero point) of each row of `columns` [out, g], 0 included, as
     compressed-tensors' observer chooses them, the scale rounded to its stored dtype:
-    (scale [out], zero_point [out] int8 or None)."""
+    (scale [out], zero_point [out] int8 or None). `observer` "mse": the scale (and zero point)
+    of qtool.kernels.mse's search instead, whose first candidate is this one and which keeps
+    another only where it reconstructs the row with less squared error."""
     import torch
+
+    if observer == "mse":
+        from qtool.kernels.mse import choose_qparams_mse
+
+        scale, zero_point = choose_qparams_mse(columns, (1, columns.shape[1]), f"int{bits}", symmetric, scale_dtype)
+        return scale.reshape(-1), None if zero_point is None else zero_point.reshape(-1).to(torch.int8)
+    if observer != "minmax":
+        raise KernelError(f"gptq: unknown observer {observer!r}")
 
     qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     zero = torch.zeros((), dtype=columns.dtype, device=columns.device)
@@ -150,11 +160,14 @@ def gptq(
     block: int = BLOCK,
     actorder: str | None = None,
     prepared: Factor | None = None,
+    observer: str = "minmax",
 ) -> GptqResult:
     """GPTQ codes of `weight` [out, in] given `hessian` [in, in] (X^T X of the inputs; any
     positive multiple gives the same codes), or its `prepared` factor (`factor`, made with the
     same dampening and order; `hessian` then unused). `group_size` None: one scale per row
-    (channel). `actorder` "weight"/"static": sweep the columns by decreasing H diagonal."""
+    (channel). `actorder` "weight"/"static": sweep the columns by decreasing H diagonal.
+    `observer` ("minmax", "mse"): how each group's scale is chosen (`observe`), when the sweep
+    reaches the group or, in activation order, up front."""
     import torch
 
     cols_expected = weight.shape[1] if weight.dim() == 2 else -1
@@ -186,7 +199,7 @@ def gptq(
     scale_values = torch.empty((rows, cols // group), dtype=dtype, device=W.device)
     zero_values = None if symmetric else torch.empty_like(scale_values)
     if order is not None:  # each group's scale chosen up front on the original weight (llm-compressor's observer)
-        scale_all, zero_all = observe(weight.reshape(-1, group), bits, symmetric, scale_dtype)
+        scale_all, zero_all = observe(weight.reshape(-1, group), bits, symmetric, scale_dtype, observer)
         scales.copy_(scale_all.reshape(rows, -1))
         scale_values.copy_(scales)
         if zero_points is not None:
@@ -218,7 +231,7 @@ def gptq(
                     current = W_block[:, i : i + group]
                     if column + group > end:
                         current = torch.cat([current, W[:, end : column + group]], dim=1)
-                    scale, zero_point = observe(current, bits, symmetric, scale_dtype)
+                    scale, zero_point = observe(current, bits, symmetric, scale_dtype, observer)
                     scales[:, column // group] = scale
                     scale_values[:, column // group] = scale
                     if zero_points is not None:

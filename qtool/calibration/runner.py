@@ -279,14 +279,14 @@ def _gptq_layer(index, layer, linears, schemes, by_name, hidden, kwargs, outputs
         hessian = hessians.pop(name)
         if not hessian.any():
             unrouted.append(name)
-            codes = awq.rtn(module.weight.data, bits=scheme.qtype.bits, group_size=_group(scheme), symmetric=scheme.symmetric, scale_dtype=_scale_dtype(scheme, dtype))
+            codes = awq.rtn(module.weight.data, **_rounding(scheme, dtype))
             _store(name, module, codes, scheme, dtype, result)
             continue
         if shared is None or shared[0].shape != hessian.shape or not torch.equal(shared[0], hessian):
             shared = (hessian, factor(hessian, dtype=module.weight.dtype, dampening=options.dampening, actorder=options.actorder))
         codes = gptq(
-            module.weight.data, hessian, bits=scheme.qtype.bits, group_size=_group(scheme), symmetric=scheme.symmetric,
-            scale_dtype=_scale_dtype(scheme, dtype), dampening=options.dampening, block=options.block, actorder=options.actorder, prepared=shared[1],
+            module.weight.data, hessian, **_rounding(scheme, dtype),
+            dampening=options.dampening, block=options.block, actorder=options.actorder, prepared=shared[1],
         )  # fmt: skip
         _store(name, module, codes, scheme, dtype, result)
     return unrouted
@@ -319,6 +319,15 @@ def _mirror(total: "torch.Tensor") -> None:
 
 def _group(scheme: "QScheme") -> int | None:
     return scheme.group_size if scheme.granularity == "group" else None
+
+
+def _rounding(scheme: "QScheme", dtype: str) -> dict[str, Any]:
+    """What GPTQ and round to nearest take of `scheme` (a weight of `dtype`): the integer
+    width, the group, symmetry, the stored scale dtype and the observer that chooses the scales."""
+    return {
+        "bits": scheme.qtype.bits, "group_size": _group(scheme), "symmetric": scheme.symmetric,
+        "scale_dtype": _scale_dtype(scheme, dtype), "observer": scheme.observer,
+    }  # fmt: skip
 
 
 def _awq_layer(skeleton, layer, prefix: str, linears, schemes, by_name, hidden, kwargs, outputs, result: Calibration, *, smooth: bool = True) -> None:
@@ -402,7 +411,7 @@ def _awq_layer(skeleton, layer, prefix: str, linears, schemes, by_name, hidden, 
                 groups.append(module.in_features)
                 continue
             dtype = by_name[full(name)].dtype
-            quantizers.append(functools.partial(_rtn_values, bits=scheme.qtype.bits, group_size=_group(scheme), symmetric=scheme.symmetric, scale_dtype=_scale_dtype(scheme, dtype)))
+            quantizers.append(functools.partial(_rtn_values, **_rounding(scheme, dtype)))
             groups.append(_group(scheme) or module.in_features)
         if mapping.parent in grams:
             hessian, tokens = grams[mapping.parent][:2]
@@ -423,7 +432,7 @@ def _awq_layer(skeleton, layer, prefix: str, linears, schemes, by_name, hidden, 
     for name, module in linears.items():
         scheme = schemes[name]
         dtype = by_name[name].dtype
-        codes = awq.rtn(module.weight.data, bits=scheme.qtype.bits, group_size=_group(scheme), symmetric=scheme.symmetric, scale_dtype=_scale_dtype(scheme, dtype))
+        codes = awq.rtn(module.weight.data, **_rounding(scheme, dtype))
         _store(name, module, codes, scheme, dtype, result)
 
 
@@ -437,10 +446,10 @@ def _spill():
         return None
 
 
-def _rtn_values(weight, *, bits, group_size, symmetric, scale_dtype):
+def _rtn_values(weight, **rounding):
     from qtool.calibration import awq
 
-    return awq.rtn(weight, bits=bits, group_size=group_size, symmetric=symmetric, scale_dtype=scale_dtype).dequantized(weight.dtype)
+    return awq.rtn(weight, **rounding).dequantized(weight.dtype)
 
 
 def calibrate(
