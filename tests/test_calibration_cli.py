@@ -138,8 +138,8 @@ def test_actorder_is_recorded_in_the_config_and_changes_the_codes(tmp_path):
 
 
 def test_the_mse_observer_chooses_the_calibrated_scales_and_is_recorded(tmp_path):
-    """`--observer mse` reaches GPTQ (other scales than min-max's) and round to nearest (the
-    scales of qtool.kernels.mse's search on the layer's weights), and the config says so."""
+    """`--observer mse` reaches GPTQ (other scales than min-max's) and `--algorithm rtn` (the
+    plain path: qtool.kernels.mse's search on the stored weights), and the config says so."""
     import torch
     from safetensors.torch import load_file
 
