@@ -8,7 +8,9 @@ columns with lazy batch updates, and the upper Cholesky factor of H^-1 in place 
 explicit inverse (the paper's numerically stable form). A group's scale (and zero point) is
 chosen by the min-max observer when the sweep reaches the group's first column, on the values
 as they are then (earlier columns' errors already spread into them), so the scales follow the
-updated weights rather than the original ones.
+updated weights rather than the original ones. With the scheme's `mse` observer the scale is
+qtool.kernels.mse's search on those same values instead (GPTQ's own `find_params(mse=True)`
+idea; at 3 bits it is most of the quality, BENCHMARKS.md).
 
 With activation ordering (`actorder` "weight", compressed-tensors' alias "static"; llm-compressor's
 `actorder`), the columns are swept in decreasing order of the Hessian's diagonal (the inputs
