@@ -183,6 +183,19 @@ def test_the_mse_observer_never_reconstructs_a_row_worse_than_minmax(symmetric):
     assert float(errors["mse"].sum()) < 0.95 * float(errors["minmax"].sum())
 
 
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_the_mse_observer_searched_a_few_rows_at_a_time_gives_the_whole_search(symmetric, monkeypatch):
+    from qtool.calibration import gptq as module
+    from qtool.kernels.mse import choose_qparams_mse
+
+    columns = torch.randn(100, 16, generator=torch.Generator().manual_seed(2))
+    whole_scale, whole_zero = choose_qparams_mse(columns, (1, 16), "int3", symmetric, torch.float32)
+    monkeypatch.setattr(module, "MSE_CHUNK", 16 * 7)  # 7 rows a call, the last call 2
+    scale, zero_point = observe(columns, 3, symmetric, torch.float32, "mse")
+    assert torch.equal(scale, whole_scale.reshape(-1))
+    assert symmetric or torch.equal(zero_point, whole_zero.reshape(-1).to(torch.int8))
+
+
 @pytest.mark.parametrize("group", [32, None], ids=["g32", "channel"])
 def test_gptq_beats_rounding_on_the_layer_output(group):
     generator = torch.Generator().manual_seed(0)

@@ -47,6 +47,7 @@ __all__ = ["GptqResult", "Factor", "factor", "gptq", "DAMPENING", "BLOCK", "ACTO
 DAMPENING = 0.01  # llm-compressor's dampening_frac
 BLOCK = 128  # llm-compressor's block_size: columns per lazy batch
 ACTORDERS = ("weight", "static")  # compressed-tensors' names; "static" is its alias of "weight"
+MSE_CHUNK = 1 << 16  # values per call of the mse observer's search
 
 
 @dataclass
@@ -79,8 +80,15 @@ def observe(columns: "torch.Tensor", bits: int, symmetric: bool, scale_dtype: "t
     if observer == "mse":
         from qtool.kernels.mse import choose_qparams_mse
 
-        scale, zero_point = choose_qparams_mse(columns, (1, columns.shape[1]), f"int{bits}", symmetric, scale_dtype)
-        return scale.reshape(-1), None if zero_point is None else zero_point.reshape(-1).to(torch.int8)
+        # rows are searched independently: a bounded number at a time keeps the search's trial
+        # tensors small beside a whole weight's groups (activation order observes them at once)
+        step = max(1, MSE_CHUNK // max(1, columns.shape[1]))
+        scales, zeros = [], []
+        for start in range(0, columns.shape[0], step):
+            scale, zero_point = choose_qparams_mse(columns[start : start + step], (1, columns.shape[1]), f"int{bits}", symmetric, scale_dtype)
+            scales.append(scale.reshape(-1))
+            zeros.append(None if zero_point is None else zero_point.reshape(-1).to(torch.int8))
+        return torch.cat(scales), None if symmetric else torch.cat(zeros)
     if observer != "minmax":
         raise KernelError(f"gptq: unknown observer {observer!r}")
 
