@@ -128,7 +128,10 @@ def unfuse(layer, layer_prefix: str, names, where: str) -> list[MoeBlock]:
         with torch.device("meta"):
             experts = Experts([Expert(projections, hidden, double // 2, module.act_fn) for _ in range(count)])
         parent._modules[attribute] = experts
-        router = next((f"{block_path}.{name}" for name, child in parent.named_children() if _is_router(child, count, hidden)), None)
+        router_child = next((name for name, child in parent.named_children() if _is_router(child, count, hidden)), None)
+        router = None if router_child is None else f"{block_path}.{router_child}"
+        if router_child is not None:
+            _register_before(parent, router_child, attribute)
         if block_path != parent_path:
             _rename(layer, parent_path, block_path)
         blocks.append(MoeBlock(block_path, router))
@@ -138,6 +141,17 @@ def unfuse(layer, layer_prefix: str, names, where: str) -> list[MoeBlock]:
 def _is_router(module, count: int, hidden: int) -> bool:
     weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
     return weight is not None and tuple(weight.shape) == (count, hidden) and not any(True for _ in module.children())
+
+
+def _register_before(parent, first: str, then: str) -> None:
+    """The child `first` registered just before `then`: the block calls its router before its
+    experts, and the runner's true-sequential GPTQ takes the Linears in their modules' order
+    (Qwen3-MoE registers its experts first)."""
+    items = [(name, child) for name, child in parent._modules.items() if name != first]
+    at = next(index for index, (name, _) in enumerate(items) if name == then)
+    items.insert(at, (first, parent._modules[first]))
+    parent._modules.clear()
+    parent._modules.update(items)
 
 
 def _rename(layer, old: str, new: str) -> None:
