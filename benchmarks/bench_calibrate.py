@@ -22,6 +22,7 @@ every output (loaded by transformers with compressed-tensors, decompressed) on t
     python benchmarks/bench_calibrate.py --samples 128          # the issue's full setting
     python benchmarks/bench_calibrate.py --methods awq --schemes int4:g64   # AWQ only
     python benchmarks/bench_calibrate.py --methods gptq --schemes int3:g64,int3:g64:mse   # both observers
+    python benchmarks/bench_calibrate.py --methods gptq,gptq-ts --schemes int4:g64,int4:g64:asym   # and --true-sequential
 
 Memory flat in depth (--depth 8,30): random-weight models of SmolLM2's width (hidden 576,
 intermediate 1536, 9 heads, its tokenizer) with each number of layers, bf16, made once in the
@@ -174,7 +175,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--schemes", default="int4:g64,int4:g64:asym")
-    parser.add_argument("--methods", default="rtn,gptq,awq", help="of rtn, gptq, awq")
+    parser.add_argument("--methods", default="rtn,gptq,awq", help="of rtn, gptq, awq; gptq-ts adds qtool's --true-sequential GPTQ beside gptq's")
     parser.add_argument("--actorder", default="static", help="qtool GPTQ's --actorder ('none': without); llm-compressor 0.14's GPTQModifier defaults to static")
     parser.add_argument("--eval-windows", type=int, default=8)
     parser.add_argument("--workdir", default=str(Path.home() / ".cache" / "qtool-bench" / "calibrate"))
@@ -230,6 +231,8 @@ def main() -> None:
                 continue
             order = ["--actorder", args.actorder] if algorithm == "gptq" and args.actorder != "none" else []
             runs[f"qtool {algorithm}"] = [*qtool, "-o", str(work / f"qtool-{algorithm}-{tag}"), *calibrated, "--algorithm", algorithm, *order]
+            if algorithm == "gptq" and "gptq-ts" in methods:
+                runs["qtool gptq true-sequential"] = [*qtool, "-o", str(work / f"qtool-gptq-ts-{tag}"), *calibrated, "--algorithm", "gptq", *order, "--true-sequential"]
             if not args.skip_llmc:
                 import shutil
 
@@ -253,12 +256,12 @@ def main() -> None:
         ppl = perplexities.get(row["output"])
         print(f"| {row['scheme']} | {row['method']} | {ppl:.2f} | {row['wall_s']:.1f} | {row['cpu_s']:.1f} | {row['peak_rss_gb']:.2f} |" if ppl else f"| {row['scheme']} | {row['method']} | failed | | | |")
     for scheme in args.schemes.split(","):
-        for algorithm in ("gptq", "awq"):
-            ours = next((r for r in rows if r["scheme"] == scheme and r["method"] == f"qtool {algorithm}" and r["ok"]), None)
+        for algorithm, method in (("gptq", "qtool gptq"), ("gptq", "qtool gptq true-sequential"), ("awq", "qtool awq")):
+            ours = next((r for r in rows if r["scheme"] == scheme and r["method"] == method and r["ok"]), None)
             theirs = next((r for r in rows if r["scheme"] == scheme and r["method"] == f"llm-compressor {algorithm}" and r["ok"]), None)
             if ours and theirs:
                 print(
-                    f"{scheme} {algorithm}: qtool/llm-compressor wall {ours['wall_s'] / theirs['wall_s']:.2f}x, CPU {ours['cpu_s'] / theirs['cpu_s']:.2f}x, "
+                    f"{scheme} {method}: qtool/llm-compressor wall {ours['wall_s'] / theirs['wall_s']:.2f}x, CPU {ours['cpu_s'] / theirs['cpu_s']:.2f}x, "
                     f"peak RSS {ours['peak_rss_gb'] / theirs['peak_rss_gb']:.2f}x, perplexity {perplexities[ours['output']]:.2f} vs {perplexities[theirs['output']]:.2f}"
                 )  # fmt: skip
 

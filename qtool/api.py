@@ -132,6 +132,7 @@ def prepare_quantize(
     seq_len: int = 512,
     seed: int = 0,
     actorder: str | None = None,
+    true_sequential: bool = False,
     imatrix: str | os.PathLike[str] | None = None,
 ) -> "Plan":
     """Plan a quantization: which weights, which scheme and layout, every output tensor.
@@ -144,8 +145,10 @@ def prepare_quantize(
     `calibrate` (a .txt, a .jsonl with a "text" field, or a folder of them) makes it a
     calibrated quantization: `algorithm` gptq (the default), awq or rtn, on `samples` windows of
     `seq_len` tokens drawn with `seed`, GPTQ's columns in activation order with `actorder`
-    ("weight" or its alias "static"); checked here, run by `run` before the executor; with a
-    GGUF output it computes llama.cpp's importance matrix instead.
+    ("weight" or its alias "static"), and with `true_sequential` each layer's Linears in the
+    order the layer calls them, each on the outputs of those quantized before it, in one run of
+    the layer (qtool.calibration.true_sequential); checked here, run by `run` before the
+    executor; with a GGUF output it computes llama.cpp's importance matrix instead.
     `imatrix` (a llama.cpp importance matrix, GGUF or legacy .dat; GGUF output only) weighs the
     GGUF quantizers as `llama-quantize --imatrix` does, and is recorded in the output."""
     from qtool.selection import Selection
@@ -154,6 +157,8 @@ def prepare_quantize(
         raise UsageError("an algorithm needs calibration text", hint="give the text to calibrate on", option="algorithm")
     if calibrate is None and actorder is not None:
         raise UsageError("an activation order needs calibration text (it orders GPTQ's columns)", hint="give the text to calibrate on", option="actorder")
+    if calibrate is None and true_sequential:
+        raise UsageError("true sequential GPTQ needs calibration text", hint="give the text to calibrate on", option="true_sequential")
     selection = Selection.from_options(scheme, list(include), list(ignore), list(tensor_schemes), pure=pure, observer=observer)
     refuse_remote_data(path)
     checkpoint = _open_checkpoint(path)
@@ -183,7 +188,7 @@ def prepare_quantize(
         elif calibrate is not None:
             from qtool.calibration.request import prepare
 
-            plan = replace(plan, calibration=prepare(plan, os.fspath(calibrate), algorithm or "gptq", samples, seq_len, seed, actorder=actorder))
+            plan = replace(plan, calibration=prepare(plan, os.fspath(calibrate), algorithm or "gptq", samples, seq_len, seed, actorder=actorder, true_sequential=true_sequential))
         return plan
     except BaseException:
         checkpoint.close()  # `run` closes it after a plan; nothing does after a refusal

@@ -78,6 +78,7 @@ CASES = {
     "actorder group": (None, TEXT, ("--actorder", "group"), "activation order 'group' (columns regrouped, a weight_g_idx per weight) is gone from compressed-tensors"),
     "unknown actorder": (None, TEXT, ("--actorder", "sideways"), "activation order 'sideways' is not one of weight, static"),
     "actorder with awq": (None, TEXT, ("--actorder", "weight", "--algorithm", "awq"), "--actorder orders GPTQ's columns; awq has none to order"),
+    "true sequential with awq": (None, TEXT, ("--true-sequential", "--algorithm", "awq"), "true sequential orders GPTQ's Linears; awq quantizes each layer from its float run"),
 }
 
 
@@ -100,6 +101,29 @@ def test_bad_inputs_are_one_line_exit_2_and_write_nothing(tmp_path, case):
 def test_an_algorithm_without_text_is_refused(tmp_path):
     result = run_qtool("quantize", TINY, "-o", tmp_path / "out", "--algorithm", "gptq")
     assert result.returncode == 2 and "an algorithm needs calibration text" in result.stderr
+    result = run_qtool("quantize", TINY, "-o", tmp_path / "out", "--true-sequential")
+    assert result.returncode == 2 and "true sequential GPTQ needs calibration text" in result.stderr
+
+
+def test_true_sequential_is_recorded_in_the_report_and_changes_the_codes(tmp_path):
+    """--true-sequential: the JSON report says so, and the codes differ from the two-run
+    default's (o_proj and the MLP see other inputs); the first Linears (q/k/v of layer 0) see
+    the same inputs either way, so their codes are the same."""
+    import torch
+    from safetensors.torch import load_file
+
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    outs, reports = {}, {}
+    for mode in ((), ("--true-sequential",)):
+        out = outs[mode] = tmp_path / ("ts" if mode else "default")
+        result = run_qtool("quantize", TINY, "-o", out, "--calibrate", text, "--samples", "4", "--seq-len", "32", "--json", *mode)
+        assert result.returncode == 0, result.stderr
+        reports[mode] = json.loads(result.stdout)["calibration"]
+    assert reports[("--true-sequential",)]["true_sequential"] is True and "true_sequential" not in reports[()]
+    default, sequential = (load_file(str(outs[mode] / "model.safetensors")) for mode in outs)
+    assert torch.equal(default["model.layers.0.self_attn.q_proj.weight_packed"], sequential["model.layers.0.self_attn.q_proj.weight_packed"])
+    assert not torch.equal(default["model.layers.0.mlp.down_proj.weight_packed"], sequential["model.layers.0.mlp.down_proj.weight_packed"])
 
 
 def test_actorder_is_recorded_in_the_config_and_changes_the_codes(tmp_path):

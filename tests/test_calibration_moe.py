@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
 from qtool import api  # noqa: E402
-from tests.test_calibration_runner import TINY, calibrate_plan, text_file  # noqa: E402
+from tests.test_calibration_runner import TINY, calibrate_plan, in_one_run_only, text_file  # noqa: E402
 
 FAMILIES = {"mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig"}
 # (the block's name in the checkpoint, in transformers' model; the expert's gate, up, down)
@@ -40,15 +40,15 @@ def tiny_moe(folder, family: str, *, experts: int = 4, top_k: int = 2, dtype=tor
     return folder
 
 
-def statistics_of_layer(plan, index: int) -> dict:
+def statistics_of_layer(plan, index: int, *, true_sequential: bool = False) -> dict:
     from qtool.calibration.runner import RunnerOptions, calibrate
 
     seen = {}
     try:
         calibrate(
             plan.source, [j.weight for j in plan.jobs], {j.weight.name: j.scheme for j in plan.jobs if j.scheme is not None},
-            plan.layout, plan.calibration.tokens, RunnerOptions(),
-            on_statistics=lambda at, hessians, hidden: seen.update({n: h.clone() for n, h in hessians.items()}) if at == index else None,
+            plan.layout, plan.calibration.tokens, RunnerOptions(true_sequential=true_sequential),
+            on_statistics=lambda at, name, hessian: seen.update({name: hessian.clone()}) if at == index else None,
         )  # fmt: skip
     finally:
         plan.source.close()
@@ -80,15 +80,25 @@ def test_the_unfused_block_computes_what_transformers_fused_block_computes(tmp_p
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("true_sequential", [False, True], ids=["two-runs", "true-sequential"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_each_expert_gets_the_hessian_of_only_the_tokens_the_router_sends_it(tmp_path, family):
+def test_each_expert_gets_the_hessian_of_only_the_tokens_the_router_sends_it(tmp_path, family, true_sequential):
+    """The routing and the block's inputs are the float model's by default; with true
+    sequential, those of the model as written: attention and the router are quantized before
+    the experts see their tokens."""
     model_folder = tiny_moe(tmp_path / family, family, dtype=torch.float32)
-    plan = calibrate_plan(model_folder, tmp_path / "out", text_file(tmp_path))
+    plan = calibrate_plan(model_folder, tmp_path / "out", text_file(tmp_path), true_sequential=true_sequential)
     tokens = plan.calibration.tokens
-    seen = statistics_of_layer(plan, 0)
+    reference = model_folder
+    if true_sequential:
+        api.run(plan)
+        reference = tmp_path / "written"
+        api.dequantize(tmp_path / "out", reference, dtype="f32")
+        plan = calibrate_plan(model_folder, tmp_path / "again", text_file(tmp_path))
+    seen = statistics_of_layer(plan, 0, true_sequential=true_sequential)
     stored, attribute, (gate, up, down) = NAMES[family]
 
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
     routed: dict[int, list] = {e: [] for e in range(4)}
     everything = []
 
@@ -150,17 +160,22 @@ def test_an_expert_no_token_reaches_is_rounded_to_nearest_not_zeroed(tmp_path, f
     assert all(not torch.equal(ours[name], rounded(name)) for name in routed)
 
 
-@pytest.mark.parametrize("algorithm", ["gptq", "awq"])
+@pytest.mark.parametrize("algorithm", ["gptq", "awq", "gptq-true-sequential"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_calibrated_mixture_loads_in_transformers_with_its_experts_decoded_as_qtool_does(tmp_path, family, algorithm):
+def test_a_calibrated_mixture_loads_in_transformers_with_its_experts_decoded_as_qtool_does(tmp_path, monkeypatch, family, algorithm):
     from safetensors.torch import load_file
 
     from qtool.formats import open_checkpoint
     from qtool.inspection import inspect_checkpoint
 
+    true_sequential = algorithm == "gptq-true-sequential"
+    if true_sequential:
+        in_one_run_only(monkeypatch)
     model_folder = tiny_moe(tmp_path / family, family)
     out, plain = tmp_path / "out", tmp_path / "plain"
-    plan = api.prepare_quantize(model_folder, out, "int4:g32", calibrate=text_file(tmp_path), samples=4, seq_len=32, algorithm=algorithm)
+    plan = api.prepare_quantize(
+        model_folder, out, "int4:g32", calibrate=text_file(tmp_path), samples=4, seq_len=32, algorithm="gptq" if true_sequential else algorithm, true_sequential=true_sequential
+    )  # fmt: skip
     document = api.run(plan).to_json()
     stored, attribute, (gate, up, down) = NAMES[family]
     per_layer = 4 + 3 * 4 + 1  # attention, the experts' Linears, the router

@@ -107,84 +107,150 @@ def captured_inputs(model_folder, module_name: str, tokens):
     return total
 
 
-def calibrate_plan(model, out, text, scheme="int4:g32", samples=4, seq_len=32):
-    return api.prepare_quantize(model, out, scheme, calibrate=text, samples=samples, seq_len=seq_len)
+def calibrate_plan(model, out, text, scheme="int4:g32", samples=4, seq_len=32, **options):
+    return api.prepare_quantize(model, out, scheme, calibrate=text, samples=samples, seq_len=seq_len, **options)
 
 
-def test_the_hessian_is_xtx_of_the_inputs_transformers_gives_the_linear(tmp_path):
+def in_one_run_only(monkeypatch) -> None:
+    """Every layer GPTQ'd in one true-sequential run: a layer the runner would do in two passes
+    (no one order of its Linears) fails the test."""
+    from qtool.calibration import runner
+
+    def refused(index, layer, *args):
+        raise AssertionError(f"layer {index} ({type(layer).__name__}) was calibrated in two passes")
+
+    monkeypatch.setattr(runner, "_gptq_layer_in_two_passes", refused)
+
+
+def hessians_of_layer(plan, tokens, index: int, *, true_sequential: bool = False) -> dict:
+    """{weight name: its Hessian} of layer `index`, as the runner computes them on `tokens`."""
     from qtool.calibration.runner import RunnerOptions, calibrate
 
-    plan = calibrate_plan(TINY, tmp_path / "out", text_file(tmp_path))
     seen = {}
-    calibrate(
-        plan.source, [j.weight for j in plan.jobs], {j.weight.name: j.scheme for j in plan.jobs if j.scheme is not None},
-        plan.layout, plan.calibration.tokens, RunnerOptions(),
-        on_statistics=lambda index, hessians, hidden: seen.update({name: h.clone() for name, h in hessians.items()}) if index == 0 else None,
-    )  # fmt: skip
-    plan.source.close()
-    for name in ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj", "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"):
-        expected = captured_inputs(TINY, name, plan.calibration.tokens)
-        torch.testing.assert_close(seen[name + ".weight"].double(), expected, rtol=1e-4, atol=1e-3 * float(expected.abs().max()))
-    # Linears on one input share its X^T X (and GPTQ's factor of it): equal bit for bit
-    layer = "model.layers.0."
-    assert torch.equal(seen[layer + "self_attn.q_proj.weight"], seen[layer + "self_attn.k_proj.weight"])
-    assert torch.equal(seen[layer + "self_attn.q_proj.weight"], seen[layer + "self_attn.v_proj.weight"])
-    assert torch.equal(seen[layer + "mlp.gate_proj.weight"], seen[layer + "mlp.up_proj.weight"])
-    assert not torch.equal(seen[layer + "self_attn.q_proj.weight"], seen[layer + "self_attn.o_proj.weight"])
+    try:
+        calibrate(
+            plan.source, [j.weight for j in plan.jobs], {j.weight.name: j.scheme for j in plan.jobs if j.scheme is not None},
+            plan.layout, tokens, RunnerOptions(true_sequential=true_sequential),
+            on_statistics=lambda at, name, hessian: seen.update({name: hessian.clone()}) if at == index else None,
+        )  # fmt: skip
+    finally:
+        plan.source.close()
+    return seen
 
 
-@pytest.mark.parametrize("family", ["tiny-llama", "gemma2", "gemma3"])
-def test_the_second_layer_sees_the_quantized_first_layers_outputs(tmp_path, family):
-    """Layer 1's Hessian is the one transformers computes with layer 0's weights as written
-    (dequantized), and is far from the one with layer 0's float weights. In Gemma 2/3 layer 1
-    attends globally and layer 0 through a sliding window: layer 1 gets its own mask."""
-    from qtool.calibration.runner import RunnerOptions, calibrate
+def relative(ours, expected) -> float:
+    return float((ours.double() - expected).norm() / expected.norm())
 
-    model = TINY if family == "tiny-llama" else tiny_model(tmp_path / family, family, dtype=torch.float32)
+
+def written(model, tmp_path, scheme: str, *, true_sequential: bool = False):
+    """The calibration tokens, and the model as qtool writes it calibrated with `scheme`, dequantized to float32."""
     out, plain = tmp_path / "out", tmp_path / "dequantized"
-    plan = calibrate_plan(model, out, text_file(tmp_path), scheme="int2:g32")  # a coarse scheme: a clear difference
+    plan = calibrate_plan(model, out, text_file(tmp_path), scheme=scheme, true_sequential=true_sequential)
     tokens = plan.calibration.tokens
     api.run(plan)
     api.dequantize(out, plain, dtype="f32")
-    seen = {}
-    plan = calibrate_plan(model, tmp_path / "again", text_file(tmp_path), scheme="int2:g32")
-    calibrate(
-        plan.source, [j.weight for j in plan.jobs], {j.weight.name: j.scheme for j in plan.jobs if j.scheme is not None},
-        plan.layout, tokens, RunnerOptions(),
-        on_statistics=lambda index, hessians, hidden: seen.update({name: h.clone() for name, h in hessians.items()}) if index == 1 else None,
-    )  # fmt: skip
-    plan.source.close()
-    name = "model.layers.1.self_attn.q_proj"
-    ours = seen[name + ".weight"].double()
-    quantized = captured_inputs(plain, name, tokens)
-    float_ = captured_inputs(model, name, tokens)
-    to_quantized = float((ours - quantized).norm() / quantized.norm())
-    to_float = float((ours - float_).norm() / float_.norm())
-    assert to_quantized < 1e-3 < to_float / 10, (to_quantized, to_float)
-    # o_proj's inputs are layer 1's attention outputs: its mask and rotary embedding count
-    # (layer 1's weights float, as when its Hessians are taken; layer 0's as written)
+    return tokens, plain
+
+
+LAYER_0 = [f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"] + [f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")]
+
+
+def shared_inputs_share_their_hessian(seen) -> None:
+    """Linears on one input share its X^T X (and GPTQ's factor of it), equal bit for bit."""
+    q, k, v, o, gate, up, _ = (seen[name + ".weight"] for name in LAYER_0)
+    assert torch.equal(q, k) and torch.equal(q, v) and torch.equal(gate, up)
+    assert not torch.equal(q, o)
+
+
+def test_the_hessian_is_xtx_of_the_inputs_transformers_gives_the_linear(tmp_path):
+    """By default (llm-compressor's way) every Hessian of a layer comes from its float run:
+    X^T X of what transformers' float model gives each Linear."""
+    plan = calibrate_plan(TINY, tmp_path / "out", text_file(tmp_path))
+    tokens = plan.calibration.tokens
+    seen = hessians_of_layer(plan, tokens, 0)
+    for name in LAYER_0:
+        expected = captured_inputs(TINY, name, tokens)
+        torch.testing.assert_close(seen[name + ".weight"].double(), expected, rtol=1e-4, atol=1e-3 * float(expected.abs().max()))
+    shared_inputs_share_their_hessian(seen)
+
+
+def test_true_sequential_hessians_are_xtx_of_the_inputs_with_the_linears_before_as_written(tmp_path):
+    """With true_sequential each Linear's Hessian is X^T X of the inputs transformers' model
+    gives it with the Linears before it as qtool wrote them (those after it cannot change its
+    inputs, so the model as written gives them all); o_proj's and down_proj's are far from
+    what the float model gives them."""
+    tokens, plain = written(TINY, tmp_path, "int2:g32", true_sequential=True)  # a coarse scheme: a clear difference
+    seen = hessians_of_layer(calibrate_plan(TINY, tmp_path / "again", text_file(tmp_path), scheme="int2:g32"), tokens, 0, true_sequential=True)
+    assert sorted(seen) == sorted(name + ".weight" for name in LAYER_0)
+    for name in LAYER_0:
+        assert relative(seen[name + ".weight"], captured_inputs(plain, name, tokens)) < 1e-3, name
+    for name in (LAYER_0[3], LAYER_0[6]):
+        assert relative(seen[name + ".weight"], captured_inputs(TINY, name, tokens)) > 1e-2, name
+    q = seen[LAYER_0[0] + ".weight"]
+    torch.testing.assert_close(q.double(), captured_inputs(TINY, LAYER_0[0], tokens), rtol=1e-4, atol=1e-3 * float(q.abs().max()))
+    shared_inputs_share_their_hessian(seen)
+
+
+@pytest.mark.parametrize("true_sequential", [False, True], ids=["two-runs", "true-sequential"])
+@pytest.mark.parametrize("family", ["tiny-llama", "gemma2", "gemma3"])
+def test_the_second_layer_sees_the_quantized_first_layers_outputs(tmp_path, family, true_sequential):
+    """Layer 1's Hessians are the ones transformers computes with layer 0's weights as written
+    (dequantized) and far from the ones with layer 0's float weights. In Gemma 2/3 layer 1
+    attends globally and layer 0 through a sliding window: layer 1 gets its own mask, and
+    o_proj's inputs, layer 1's attention outputs, show it (its mask and rotary embedding count;
+    layer 1's weights float by default, as when its Hessians are taken; as written, true sequential)."""
     from safetensors.torch import load_file, save_file
 
-    hybrid = tmp_path / "hybrid"
-    shutil.copytree(plain, hybrid)
-    tensors = load_file(str(plain / "model.safetensors"))
-    original = load_file(str(Path(model) / "model.safetensors"))
-    tensors.update({k: v.float() for k, v in original.items() if k.startswith("model.layers.1.")})
-    save_file(tensors, str(hybrid / "model.safetensors"), metadata={"format": "pt"})
+    model = TINY if family == "tiny-llama" else tiny_model(tmp_path / family, family, dtype=torch.float32)
+    tokens, plain = written(model, tmp_path, "int2:g32", true_sequential=true_sequential)
+    seen = hessians_of_layer(calibrate_plan(model, tmp_path / "again", text_file(tmp_path), scheme="int2:g32"), tokens, 1, true_sequential=true_sequential)
+    name = "model.layers.1.self_attn.q_proj"
+    ours = seen[name + ".weight"]
+    assert relative(ours, captured_inputs(plain, name, tokens)) < 1e-3 < relative(ours, captured_inputs(model, name, tokens)) / 10
+    reference = plain
+    if not true_sequential:
+        reference = tmp_path / "hybrid"
+        shutil.copytree(plain, reference)
+        tensors = load_file(str(plain / "model.safetensors"))
+        original = load_file(str(Path(model) / "model.safetensors"))
+        tensors.update({k: v.float() for k, v in original.items() if k.startswith("model.layers.1.")})
+        save_file(tensors, str(reference / "model.safetensors"), metadata={"format": "pt"})
     name = "model.layers.1.self_attn.o_proj"
-    expected = captured_inputs(hybrid, name, tokens)
-    ours = seen[name + ".weight"].double()
-    assert float((ours - expected).norm() / expected.norm()) < 1e-3
+    assert relative(seen[name + ".weight"], captured_inputs(reference, name, tokens)) < 1e-3
+
+
+def test_a_layer_without_one_order_of_its_linears_is_calibrated_in_two_runs(tmp_path, monkeypatch):
+    """A layer that has no one order of its Linears (one called twice) cannot be quantized in
+    one run (a Linear would be quantized before all its inputs came): true sequential finds
+    that on its float run of the first sample and does that layer as llm-compressor does, every
+    Hessian from the float layer."""
+    from qtool.calibration import runner, true_sequential
+
+    plan = calibrate_plan(TINY, tmp_path / "out", text_file(tmp_path))
+    tokens = plan.calibration.tokens
+    plan.source.close()
+    passes = []
+    real = runner._gptq_layer_in_two_passes
+    monkeypatch.setattr(runner, "_gptq_layer_in_two_passes", lambda *args: passes.append(args[0]) or real(*args))
+    monkeypatch.setattr(true_sequential, "order", lambda layer, hidden, kwargs, linears, out: runner._run(layer, hidden, kwargs, out))
+    seen = hessians_of_layer(calibrate_plan(TINY, tmp_path / "again", text_file(tmp_path)), tokens, 0, true_sequential=True)
+    assert passes == [0, 1]
+    name = LAYER_0[3]
+    torch.testing.assert_close(seen[name + ".weight"].double(), captured_inputs(TINY, name, tokens), rtol=1e-4, atol=1e-3 * float(seen[name + ".weight"].abs().max()))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("scheme", ["int4:g32", "int4:g32:asym"], ids=["sym", "asym"])
-def test_each_family_end_to_end_loads_in_transformers_and_decodes_as_qtool_does(tmp_path, family, scheme):
+@pytest.mark.parametrize(
+    "scheme, true_sequential", [("int4:g32", False), ("int4:g32:asym", False), ("int4:g32", True)], ids=["sym", "asym", "sym-true-sequential"]
+)  # fmt: skip
+def test_each_family_end_to_end_loads_in_transformers_and_decodes_as_qtool_does(tmp_path, monkeypatch, family, scheme, true_sequential):
     from safetensors.torch import load_file
 
+    if true_sequential:
+        in_one_run_only(monkeypatch)
     model = tiny_model(tmp_path / family, family)
     out, plain = tmp_path / "out", tmp_path / "plain"
-    report = api.run(calibrate_plan(model, out, text_file(tmp_path), scheme=scheme))
+    report = api.run(calibrate_plan(model, out, text_file(tmp_path), scheme=scheme, true_sequential=true_sequential))
     document = report.to_json()
     assert [layer["layer"] for layer in document["calibration"]["layers"]] == [0, 1]
     per_layer = LINEARS_PER_LAYER.get(family, 7)

@@ -42,13 +42,18 @@ class CalibrationRequest:
     tokens: "torch.Tensor"  # [samples, seq_len]
     seed: int
     actorder: str | None = None  # GPTQ's column order: "weight" / "static", or None
+    true_sequential: bool = False  # GPTQ: each layer's Linears on their quantized predecessors' outputs, in one run
 
     def to_json(self) -> dict[str, Any]:
         document = {"text": self.text, "algorithm": self.algorithm, "samples": int(self.tokens.shape[0]), "seq_len": int(self.tokens.shape[1]), "seed": self.seed}
-        return {**document, "actorder": self.actorder} if self.actorder else document
+        if self.actorder:
+            document["actorder"] = self.actorder
+        if self.true_sequential:
+            document["true_sequential"] = True
+        return document
 
 
-def prepare(plan: "Plan", text: str, algorithm: str, samples: int, seq_len: int, seed: int, *, actorder: str | None = None) -> CalibrationRequest:
+def prepare(plan: "Plan", text: str, algorithm: str, samples: int, seq_len: int, seed: int, *, actorder: str | None = None, true_sequential: bool = False) -> CalibrationRequest:
     from qtool.calibration.runner import ALGORITHMS, check_scheme
     from qtool.calibration.samples import SampleOptions, draw_samples, load_tokenizer, read_text
     from qtool.calibration.skeleton import Skeleton
@@ -66,6 +71,8 @@ def prepare(plan: "Plan", text: str, algorithm: str, samples: int, seq_len: int,
         raise UsageError(f"{source.path} is already quantized ({quantized[0]}); calibration needs float weights", option="calibrate")
     SampleOptions(samples, seq_len, seed).check()
     _check_actorder(actorder, algorithm)
+    if true_sequential and algorithm != "gptq":
+        raise UsageError(f"true sequential orders GPTQ's Linears; {algorithm} quantizes each layer from its float run", hint="use --algorithm gptq, or leave --true-sequential out", option="true_sequential")
     if algorithm in ("gptq", "awq"):
         for job in plan.jobs:
             if job.action == QUANTIZE and job.scheme is not None:
@@ -76,7 +83,7 @@ def prepare(plan: "Plan", text: str, algorithm: str, samples: int, seq_len: int,
     tokens = draw_samples(documents, load_tokenizer(folder), SampleOptions(samples, seq_len, seed), text)
     if actorder is not None:
         _record_actorder(plan, actorder)
-    return CalibrationRequest(os.fspath(text), algorithm, tokens, seed, actorder)
+    return CalibrationRequest(os.fspath(text), algorithm, tokens, seed, actorder, true_sequential)
 
 
 def _check_actorder(actorder: str | None, algorithm: str) -> None:
@@ -133,7 +140,7 @@ def _calibrated(plan: "Plan", request: CalibrationRequest, device: str, on_layer
     schemes = {job.weight.name: job.scheme for job in jobs}
     result = calibrate(
         plan.source, [job.weight for job in plan.jobs], schemes, plan.layout, request.tokens,
-        RunnerOptions(algorithm=request.algorithm, device=device, actorder=request.actorder), seed=request.seed, on_layer=on_layer,
+        RunnerOptions(algorithm=request.algorithm, device=device, actorder=request.actorder, true_sequential=request.true_sequential), seed=request.seed, on_layer=on_layer,
     )  # fmt: skip
     for job in jobs:
         tensors = result.encoded.pop(job.weight.name, None)

@@ -3,17 +3,20 @@ calibration samples carried from layer to layer (DESIGN.md, "Calibration").
 
     tokens [samples, seq_len]
       --embeddings (the base model's own forward, stopped at the first layer)--> hidden [samples, seq_len, hidden]
-      --for each layer: read its weights (qtool's readers) -> run it, each quantized Linear's
-        inputs summed into H = X^T X (float32) -> GPTQ per Linear -> its weight set to the
-        dequantized codes -> run it again: the QUANTIZED layer's outputs feed the next layer
-        -> back to meta
+      --for each layer: read its weights (qtool's readers)
+        -> run it, its statistics caught by hooks (GPTQ: H = X^T X in float32 per Linear)
+        -> GPTQ per Linear (AWQ: scales searched and folded, then round to nearest), each
+           weight set to its dequantized codes -> run it again
+        (GPTQ with `true_sequential`: one run, each Linear quantized when every sample's pass
+         waits before it, on the inputs the quantized Linears before it gave)
+        -> the QUANTIZED layer's outputs feed the next layer -> back to meta
 
 The layer keyword arguments (causal mask, rotary position embeddings, positions) are the ones
 the base model's own forward passes each layer, caught there by stand-ins, so each
 architecture's conventions (Gemma's scaled embeddings, sliding windows alternating with global
-attention) are transformers' own. Peak memory: one
-layer, the activations twice (inputs, outputs), one Hessian per Linear of the layer, and the
-packed codes of the layers done so far.
+attention) are transformers' own. Peak memory: one layer, the activations twice (inputs, float
+outputs; true sequential: once, and every sample's tensors inside the layer while a Linear
+waits), the layer's Hessians, and the packed codes of the layers done so far (spilled to disk).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class RunnerOptions:
     dampening: float = 0.01
     block: int = 128
     actorder: str | None = None  # GPTQ's column order ("weight" / "static"), or None
+    true_sequential: bool = False  # GPTQ: each Linear on its quantized predecessors' outputs, one run a layer
 
 
 @dataclass
@@ -191,19 +195,17 @@ def _embed(skeleton, tokens: "torch.Tensor", weights, checkpoint, device: str):
     return hidden, LayerKwargs(catcher.kwargs[0], by_layer)
 
 
-def _run(layer, hidden: "torch.Tensor", kwargs: dict[str, Any], out: "torch.Tensor", on_sample: Callable[[int, "torch.Tensor"], None] | None = None) -> None:
+def _run(layer, hidden: "torch.Tensor", kwargs: dict[str, Any], out: "torch.Tensor") -> None:
     """The layer over each sample; with `LayerKwargs`, the layer's own arguments."""
     import torch
+
+    from qtool.calibration.true_sequential import forward
 
     if isinstance(kwargs, LayerKwargs):
         kwargs = kwargs.for_layer(layer)
     with torch.no_grad():
         for index in range(hidden.shape[0]):
-            result = layer(hidden[index : index + 1], **kwargs)
-            result = result[0] if isinstance(result, tuple) else result
-            if on_sample is not None:
-                on_sample(index, result[0])
-            out[index] = result[0]
+            out[index] = forward(layer, hidden[index : index + 1], kwargs)
 
 
 def _scale_dtype(scheme: "QScheme", dtype: str):
@@ -228,19 +230,111 @@ def _store(name: str, module, codes, scheme: "QScheme", dtype: str, result: Cali
     result.encoded[name] = {k: v.cpu() for k, v in packed.items()}
 
 
-def _gptq_layer(index, layer, linears, schemes, by_name, hidden, kwargs, outputs, result: Calibration, options: RunnerOptions, on_statistics) -> list[str]:
-    """Hessians X^T X of each Linear's inputs over the float layer's run, then GPTQ per Linear;
-    the names of those no token reached (an MoE expert the router never chose), which are
-    rounded to nearest: GPTQ would zero every column of a weight whose inputs it never saw.
+ERROR_SHARE = 16  # true sequential GPTQ measures a layer's output error on one calibration sample in 16 (at least one)
+
+
+def _gptq_layer(index, layer, linears, schemes, by_name, hidden, kwargs, result: Calibration, options: RunnerOptions, on_statistics) -> tuple[list[str], float]:
+    """GPTQ for each Linear of the layer, the quantized layer's outputs over `hidden`; the names
+    no token reached (an MoE expert the router never chose), which are rounded to nearest:
+    GPTQ would zero every column of a weight whose inputs it never saw; and the layer's output
+    error against the float layer's.
+
+    By default as llm-compressor does (`_gptq_layer_in_two_passes`). With
+    `options.true_sequential` each Linear on the inputs the layer gives it with the Linears
+    before it already quantized (`true_sequential`), in one run of the layer, the error on the
+    first samples (`ERROR_SHARE`), which a float run of those samples gives first; that run
+    also finds the order the layer calls its Linears in, and a layer that has none (a Linear
+    called twice) is done in two passes.
 
     Linears called one after another on the same input tensor (q/k/v on the normed hidden
-    states, gate/up) take one product X^T X per sample between them, each adding it to its own
-    sum, so their Hessians come out equal bit for bit; GPTQ then factors each distinct Hessian
-    once (`gptq.factor`)."""
+    states, gate/up) share one Hessian and GPTQ's factor of it (`gptq.factor`)."""
+    import weakref
+
     import torch
 
+    from qtool.calibration import true_sequential
+    from qtool.calibration.gptq import factor
+
+    own = kwargs.for_layer(layer) if isinstance(kwargs, LayerKwargs) else kwargs
+    if not options.true_sequential:
+        return _gptq_layer_in_two_passes(index, layer, linears, schemes, by_name, hidden, own, result, options, on_statistics)
+    measured = -(-hidden.shape[0] // ERROR_SHARE)
+    reference = torch.empty_like(hidden[:measured])
+    names = true_sequential.order(layer, hidden[:measured], own, linears, reference)
+    if names is None:
+        return _gptq_layer_in_two_passes(index, layer, linears, schemes, by_name, hidden, own, result, options, on_statistics)
+    last: dict[str, Any] = {}  # the inputs of the last Hessian (weak references), it, its factor
+
+    def quantize(name: str, inputs: list["torch.Tensor"]) -> None:
+        trim_heap()  # the passes' freed temporaries, not resident beside every pass's kept tensors
+        previous = last.get("inputs", ())
+        if len(previous) != len(inputs) or any(ref() is not x for ref, x in zip(previous, inputs)):
+            last.clear()
+            hessian = _hessian(inputs)
+            last.update(inputs=[weakref.ref(x) for x in inputs], hessian=hessian)
+        hessian = last["hessian"]
+        if on_statistics is not None:
+            on_statistics(index, name, hessian)
+        if not hessian.any():
+            return _round_to_nearest(name, linears[name], schemes[name], by_name[name].dtype, result)
+        if "factor" not in last:
+            last["factor"] = factor(hessian, dtype=linears[name].weight.dtype, dampening=options.dampening, actorder=options.actorder)
+        _gptq_one(name, linears[name], hessian, last["factor"], schemes[name], by_name[name].dtype, result, options)
+
+    done = true_sequential.run(layer, hidden, own, {name: linears[name] for name in names}, quantize)
+    last.clear()
+    unrouted = [name for name in linears if name not in done]
+    for name in unrouted:
+        _round_to_nearest(name, linears[name], schemes[name], by_name[name].dtype, result)
+    return unrouted, _relative_error(hidden[:measured], reference)
+
+
+def _hessian(inputs: list["torch.Tensor"]) -> "torch.Tensor":
+    """X^T X in float32 of the inputs' rows, summed in their order."""
+    import torch
+
+    width = inputs[0].shape[-1]
+    total = torch.zeros((width, width), dtype=torch.float32, device=inputs[0].device)
+    gram = torch.zeros_like(total)
+    for x in inputs:
+        total.add_(_upper_gram(x.reshape(-1, width).float(), gram))
+    _mirror(total)
+    return total
+
+
+def _gptq_one(name: str, module, hessian, prepared, scheme: "QScheme", dtype: str, result: Calibration, options: RunnerOptions) -> None:
+    from qtool.calibration.gptq import gptq
+
+    codes = gptq(
+        module.weight.data, hessian, **_rounding(scheme, dtype),
+        dampening=options.dampening, block=options.block, actorder=options.actorder, prepared=prepared,
+    )  # fmt: skip
+    _store(name, module, codes, scheme, dtype, result)
+
+
+def _round_to_nearest(name: str, module, scheme: "QScheme", dtype: str, result: Calibration) -> None:
     from qtool.calibration import awq
-    from qtool.calibration.gptq import factor, gptq
+
+    _store(name, module, awq.rtn(module.weight.data, **_rounding(scheme, dtype)), scheme, dtype, result)
+
+
+def _relative_error(quantized: "torch.Tensor", reference: "torch.Tensor") -> float:
+    """sum (quantized - reference)^2 / sum reference^2 over the samples [samples, ...], in
+    float64 one sample at a time."""
+    error = total = 0.0
+    for q, r in zip(quantized, reference):
+        error += float((q.double() - r.double()).pow(2).sum())
+        total += float(r.double().pow(2).sum())
+    return error / total if total else 0.0
+
+
+def _gptq_layer_in_two_passes(index, layer, linears, schemes, by_name, hidden, kwargs, result: Calibration, options: RunnerOptions, on_statistics) -> tuple[list[str], float]:
+    """`_gptq_layer` as llm-compressor does it: Hessians X^T X of each Linear's inputs over the
+    float layer's run, GPTQ per Linear, then the quantized layer's run for the next layer's
+    inputs (the float outputs kept for the error, over every sample)."""
+    import torch
+
+    from qtool.calibration.gptq import factor
 
     device = hidden.device
     hessians = {name: torch.zeros((m.weight.shape[1], m.weight.shape[1]), dtype=torch.float32, device=device) for name, m in linears.items()}
@@ -259,6 +353,7 @@ def _gptq_layer(index, layer, linears, schemes, by_name, hidden, kwargs, outputs
             hessians[name].add_(last[1])
 
         hooks.append(module.register_forward_pre_hook(accumulate))
+    outputs = torch.empty_like(hidden)
     try:
         _run(layer, hidden, kwargs, outputs)  # float outputs, and the statistics
     finally:
@@ -267,29 +362,22 @@ def _gptq_layer(index, layer, linears, schemes, by_name, hidden, kwargs, outputs
         last.clear()
         grams.clear()
     trim_heap()  # the forward's temporaries (attention scores), before the factors' matrices
-    for hessian in hessians.values():
-        _mirror(hessian)
-    if on_statistics is not None:
-        on_statistics(index, hessians, hidden)
     shared: tuple | None = None  # (Hessian, its factor): the last one factored
     unrouted = []
     for name, module in linears.items():
-        scheme = schemes[name]
-        dtype = by_name[name].dtype
         hessian = hessians.pop(name)
+        _mirror(hessian)
+        if on_statistics is not None:
+            on_statistics(index, name, hessian)
         if not hessian.any():
             unrouted.append(name)
-            codes = awq.rtn(module.weight.data, **_rounding(scheme, dtype))
-            _store(name, module, codes, scheme, dtype, result)
+            _round_to_nearest(name, module, schemes[name], by_name[name].dtype, result)
             continue
         if shared is None or shared[0].shape != hessian.shape or not torch.equal(shared[0], hessian):
             shared = (hessian, factor(hessian, dtype=module.weight.dtype, dampening=options.dampening, actorder=options.actorder))
-        codes = gptq(
-            module.weight.data, hessian, **_rounding(scheme, dtype),
-            dampening=options.dampening, block=options.block, actorder=options.actorder, prepared=shared[1],
-        )  # fmt: skip
-        _store(name, module, codes, scheme, dtype, result)
-    return unrouted
+        _gptq_one(name, module, hessian, shared[1], schemes[name], by_name[name].dtype, result, options)
+    _run(layer, hidden, kwargs, hidden)  # the quantized layer's outputs feed the next
+    return unrouted, _relative_error(hidden, outputs)
 
 
 def _gram_step(width: int) -> int:
@@ -430,10 +518,7 @@ def _awq_layer(skeleton, layer, prefix: str, linears, schemes, by_name, hidden, 
             if full_name not in schemes:
                 result.replaced[full_name] = param.data.detach().float().cpu().clone()
     for name, module in linears.items():
-        scheme = schemes[name]
-        dtype = by_name[name].dtype
-        codes = awq.rtn(module.weight.data, **_rounding(scheme, dtype))
-        _store(name, module, codes, scheme, dtype, result)
+        _round_to_nearest(name, module, schemes[name], by_name[name].dtype, result)
 
 
 def _spill():
@@ -462,12 +547,12 @@ def calibrate(
     *,
     seed: int = 0,
     on_layer: Callable[[LayerResult, int], None] | None = None,
-    on_statistics: Callable[[int, dict[str, "torch.Tensor"], "torch.Tensor"], None] | None = None,
+    on_statistics: Callable[[int, str, "torch.Tensor"], None] | None = None,
 ) -> Calibration:
     """GPTQ (or AWQ) codes for every weight in `schemes` that is a Linear of a decoder layer,
-    encoded in `layout`'s tensors (AWQ's smoothed float tensors in `replaced`). `on_layer(result, layers)` after each layer; `on_statistics(index,
-    hessians by weight name, the layer's input hidden states)` before its weights are quantized
-    (for tests)."""
+    encoded in `layout`'s tensors (AWQ's smoothed float tensors in `replaced`).
+    `on_layer(result, layers)` after each layer; `on_statistics(layer index, weight name, its
+    Hessian)` before GPTQ quantizes each weight (for tests)."""
     import torch
 
     from qtool.calibration.skeleton import Skeleton
@@ -482,7 +567,7 @@ def calibrate(
         check_scheme(name, scheme)
     result = Calibration(options.algorithm, int(tokens.shape[0]), int(tokens.shape[1]), seed, spill=_spill())
     hidden, kwargs = _embed(skeleton, tokens, by_name, checkpoint, device)
-    outputs = torch.empty_like(hidden)
+    outputs = torch.empty_like(hidden) if options.algorithm in ("awq", "rtn") else None  # the float layer's, for AWQ
     trim_heap()  # the tokenizer's and the embedding step's freed memory
     count = len(skeleton.layers)
     for index in range(count):
@@ -497,21 +582,15 @@ def calibrate(
             if (isinstance(module, torch.nn.Linear) or name in routers) and f"{prefix}.{name}.weight" in schemes
         }
         unrouted: list[str] = []
-        if options.algorithm in ("awq", "rtn"):
+        if outputs is not None:
             _awq_layer(skeleton, layer, prefix, linears, schemes, by_name, hidden, kwargs, outputs, result, smooth=options.algorithm == "awq")
+            _run(layer, hidden, kwargs, hidden)  # the quantized layer's outputs feed the next
+            error = _relative_error(hidden, outputs)
         else:
-            unrouted = _gptq_layer(index, layer, linears, schemes, by_name, hidden, kwargs, outputs, result, options, on_statistics)
-        error = [0.0, 0.0]
-
-        def measure(sample: int, quantized: "torch.Tensor") -> None:
-            reference = outputs[sample]
-            error[0] += float((quantized.double() - reference.double()).pow(2).sum())
-            error[1] += float(reference.double().pow(2).sum())
-
-        _run(layer, hidden, kwargs, hidden, measure)  # the quantized layer's outputs feed the next
+            unrouted, error = _gptq_layer(index, layer, linears, schemes, by_name, hidden, kwargs, result, options, on_statistics)
         skeleton.release(layer)
         trim_heap()  # the layer's freed blocks, not resident through the next layer
-        layer_result = LayerResult(index, time.perf_counter() - layer_started, error[0] / error[1] if error[1] else 0.0, sorted(linears), unrouted)
+        layer_result = LayerResult(index, time.perf_counter() - layer_started, error, sorted(linears), unrouted)
         result.layers.append(layer_result)
         if on_layer is not None:
             on_layer(layer_result, count)

@@ -69,6 +69,7 @@ Examples:
   qtool quantize model-f16.gguf -o model-q4_k_m.gguf --scheme Q4_K_M --imatrix imatrix.gguf
   qtool quantize model-f16.gguf -o model-iq2_m.gguf --scheme IQ2_M --imatrix imatrix.gguf
   qtool quantize model/ -o model-gptq/ --scheme W4A16 --calibrate text.txt --samples 128 --seq-len 512
+  qtool quantize model/ -o model-gptq/ --scheme W4A16 --calibrate text.txt --true-sequential
 
 Calibrated (--calibrate TEXT): GPTQ, one decoder layer in memory at a time, the model's own
 tokenizer and transformers' architecture (pip install 'qtool[calibrate]'); the report adds
@@ -123,6 +124,13 @@ def quantize_command(
     actorder: Annotated[
         Optional[str], typer.Option("--actorder", help="With --calibrate (GPTQ): weight or static (its alias): quantize columns by decreasing activation, groups unchanged.")
     ] = None,
+    true_sequential: Annotated[
+        bool,
+        typer.Option(
+            "--true-sequential",
+            help="With --calibrate (GPTQ): each layer's Linears in the order the layer calls them, each on the outputs of those quantized before it, in one run of the layer: ~0.6x the time, more memory (every sample's tensors inside the layer while a Linear waits).",
+        ),
+    ] = False,
     dry_run: DryRunOpt = False,
     max_shard_size: MaxShardOpt = None,
     overwrite: OverwriteOpt = False,
@@ -165,6 +173,7 @@ def quantize_command(
             seed=seed,
             imatrix=imatrix,
             actorder=actorder,
+            true_sequential=true_sequential,
         )
     if dry_run:
         show_plan(plan, sink)
