@@ -239,6 +239,25 @@ def test_a_layer_without_one_order_of_its_linears_is_calibrated_in_two_runs(tmp_
     torch.testing.assert_close(seen[name + ".weight"].double(), captured_inputs(TINY, name, tokens), rtol=1e-4, atol=1e-3 * float(seen[name + ".weight"].abs().max()))
 
 
+def test_true_sequential_parks_each_waiting_input_and_writes_what_it_would_without(tmp_path, monkeypatch):
+    """While the passes wait at a Linear, each one's input (the normed hidden states at q and
+    at gate, the attention's output at o, the MLP's [seq, intermediate] product at down) is
+    parked on disk, its Gram taken as it arrived; the checkpoint written is byte for byte the
+    one written with every input kept in memory."""
+    from qtool.calibration.spill import Parking
+
+    model = tiny_model(tmp_path / "llama", "llama", dtype=torch.float32)
+    parked = []
+    real = Parking.park
+    monkeypatch.setattr(Parking, "park", lambda self, tensor: parked.append(tuple(tensor.shape)) or real(self, tensor))
+    api.run(calibrate_plan(model, tmp_path / "parked", text_file(tmp_path), true_sequential=True))
+    assert parked == ([(1, 32, 64)] * 4 * 3 + [(1, 32, 128)] * 4) * 2  # q, o, gate, down: every sample's, in both layers
+    monkeypatch.setattr(Parking, "park", lambda self, tensor: None)
+    api.run(calibrate_plan(model, tmp_path / "kept", text_file(tmp_path), true_sequential=True))
+    ours, kept = ((tmp_path / folder / "model.safetensors").read_bytes() for folder in ("parked", "kept"))
+    assert ours == kept
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize(
     "scheme, true_sequential", [("int4:g32", False), ("int4:g32:asym", False), ("int4:g32", True)], ids=["sym", "asym", "sym-true-sequential"]

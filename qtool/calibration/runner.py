@@ -233,7 +233,7 @@ def _store(name: str, module, codes, scheme: "QScheme", dtype: str, result: Cali
 ERROR_SHARE = 16  # true sequential GPTQ measures a layer's output error on one calibration sample in 16 (at least one)
 
 
-def _gptq_layer(index, layer, linears, schemes, by_name, hidden, kwargs, result: Calibration, options: RunnerOptions, on_statistics) -> tuple[list[str], float]:
+def _gptq_layer(index, layer, linears, schemes, by_name, hidden, kwargs, result: Calibration, options: RunnerOptions, on_statistics, parking=None) -> tuple[list[str], float]:
     """GPTQ for each Linear of the layer, the quantized layer's outputs over `hidden`; the names
     no token reached (an MoE expert the router never chose), which are rounded to nearest:
     GPTQ would zero every column of a weight whose inputs it never saw; and the layer's output
@@ -247,9 +247,10 @@ def _gptq_layer(index, layer, linears, schemes, by_name, hidden, kwargs, result:
     called twice) is done in two passes.
 
     Linears called one after another on the same input tensor (q/k/v on the normed hidden
-    states, gate/up) share one Hessian and GPTQ's factor of it (`gptq.factor`)."""
-    import weakref
-
+    states, gate/up) share one Hessian and GPTQ's factor of it (`gptq.factor`; in true
+    sequential, the `Order`'s followers). There the Gram of an input as large as a sample's
+    hidden states or larger is taken as each pass arrives, and the input waits in `parking`
+    (a `spill.Parking`; None: in memory)."""
     import torch
 
     from qtool.calibration import true_sequential
@@ -260,44 +261,59 @@ def _gptq_layer(index, layer, linears, schemes, by_name, hidden, kwargs, result:
         return _gptq_layer_in_two_passes(index, layer, linears, schemes, by_name, hidden, own, result, options, on_statistics)
     measured = -(-hidden.shape[0] // ERROR_SHARE)
     reference = torch.empty_like(hidden[:measured])
-    names = true_sequential.order(layer, hidden[:measured], own, linears, reference)
-    if names is None:
+    found = true_sequential.order(layer, hidden[:measured], own, linears, reference)
+    if found is None:
         return _gptq_layer_in_two_passes(index, layer, linears, schemes, by_name, hidden, own, result, options, on_statistics)
-    last: dict[str, Any] = {}  # the inputs of the last Hessian (weak references), it, its factor
+    sums: dict[str, "torch.Tensor"] = {}  # Linear: the upper blocks of the Grams taken as passes arrived
+    sample_size = hidden[0].numel()
 
-    def quantize(name: str, inputs: list["torch.Tensor"]) -> None:
+    def take(name: str, x: "torch.Tensor") -> bool:
+        """An input as large as a sample's hidden states or larger (a dense layer's, each
+        Linear's): its Gram now, so the input waits on disk; a smaller one's (an expert's
+        few routed tokens, whose Gram can outweigh them) at quantize time."""
+        if x.numel() < sample_size:
+            return False
+        flat = x.reshape(-1, x.shape[-1]).float()
+        if name not in sums:
+            sums[name] = torch.zeros((flat.shape[1], flat.shape[1]), dtype=torch.float32, device=flat.device)
+        _upper_gram(flat, sums[name], add=True)
+        return True
+
+    def quantize(group: list[str], inputs: list["torch.Tensor"]) -> None:
         trim_heap()  # the passes' freed temporaries, not resident beside every pass's kept tensors
-        previous = last.get("inputs", ())
-        if len(previous) != len(inputs) or any(ref() is not x for ref, x in zip(previous, inputs)):
-            last.clear()
-            hessian = _hessian(inputs)
-            last.update(inputs=[weakref.ref(x) for x in inputs], hessian=hessian)
-        hessian = last["hessian"]
-        if on_statistics is not None:
-            on_statistics(index, name, hessian)
-        if not hessian.any():
-            return _round_to_nearest(name, linears[name], schemes[name], by_name[name].dtype, result)
-        if "factor" not in last:
-            last["factor"] = factor(hessian, dtype=linears[name].weight.dtype, dampening=options.dampening, actorder=options.actorder)
-        _gptq_one(name, linears[name], hessian, last["factor"], schemes[name], by_name[name].dtype, result, options)
+        hessian = _hessian(inputs, sums.pop(group[0], None))
+        prepared = None
+        for name in group:
+            if on_statistics is not None:
+                on_statistics(index, name, hessian)
+            if not hessian.any():
+                _round_to_nearest(name, linears[name], schemes[name], by_name[name].dtype, result)
+                continue
+            if prepared is None:
+                prepared = factor(hessian, dtype=linears[name].weight.dtype, dampening=options.dampening, actorder=options.actorder)
+            _gptq_one(name, linears[name], hessian, prepared, schemes[name], by_name[name].dtype, result, options)
 
-    done = true_sequential.run(layer, hidden, own, {name: linears[name] for name in names}, quantize)
-    last.clear()
+    if parking is not None:
+        parking.reset()
+    chosen = {name: linears[name] for name in found.names}
+    done = true_sequential.run(layer, hidden, own, chosen, quantize, followers=found.followers, take=take, parking=parking)
     unrouted = [name for name in linears if name not in done]
     for name in unrouted:
         _round_to_nearest(name, linears[name], schemes[name], by_name[name].dtype, result)
     return unrouted, _relative_error(hidden[:measured], reference)
 
 
-def _hessian(inputs: list["torch.Tensor"]) -> "torch.Tensor":
-    """X^T X in float32 of the inputs' rows, summed in their order."""
+def _hessian(inputs: list["torch.Tensor"], taken: "torch.Tensor | None" = None) -> "torch.Tensor":
+    """X^T X in float32 of the inputs' rows, summed in their order (after `taken`'s, the upper
+    blocks of a sum begun before), made symmetric."""
     import torch
 
-    width = inputs[0].shape[-1]
-    total = torch.zeros((width, width), dtype=torch.float32, device=inputs[0].device)
-    gram = torch.zeros_like(total)
+    total = taken
     for x in inputs:
-        total.add_(_upper_gram(x.reshape(-1, width).float(), gram))
+        width = x.shape[-1]
+        if total is None:
+            total = torch.zeros((width, width), dtype=torch.float32, device=x.device)
+        _upper_gram(x.reshape(-1, width).float(), total, add=True)
     _mirror(total)
     return total
 
@@ -380,20 +396,17 @@ def _gptq_layer_in_two_passes(index, layer, linears, schemes, by_name, hidden, k
     return unrouted, _relative_error(hidden, outputs)
 
 
-def _gram_step(width: int) -> int:
-    """Column blocks of X^T X: about a quarter of the width, in multiples of 64."""
-    quarter = -(-width // 4)
-    return -(-quarter // 64) * 64
+GRAM_STEP = 192  # columns per block of X^T X: small enough to skip most of the lower half, large enough for a fast matmul
 
 
-def _upper_gram(x: "torch.Tensor", out: "torch.Tensor") -> "torch.Tensor":
-    """X^T X's blocks on and above the diagonal (of `_gram_step` columns) into `out` [in, in],
-    whose blocks below stay as they are (zeros): X^T X is symmetric, so the blocks below are
-    never computed (a third less work at 4 blocks) and `_mirror` fills them at the end."""
+def _upper_gram(x: "torch.Tensor", out: "torch.Tensor", *, add: bool = False) -> "torch.Tensor":
+    """X^T X's blocks on and above the diagonal (of `GRAM_STEP` columns) into `out` [in, in]
+    (`add`: added to it), each block's matmul written in place; the blocks below stay as they
+    are (zeros): X^T X is symmetric, so they are never computed (at 1536 columns, 36 of 64
+    blocks) and `_mirror` fills them at the end."""
     width = x.shape[1]
-    step = _gram_step(width)
-    for start in range(0, width, step):
-        out[start : start + step, start:] = x[:, start : start + step].T @ x[:, start:]
+    for start in range(0, width, GRAM_STEP):
+        out[start : start + GRAM_STEP, start:].addmm_(x[:, start : start + GRAM_STEP].T, x[:, start:], beta=1 if add else 0)
     return out
 
 
@@ -460,8 +473,7 @@ def _awq_layer(skeleton, layer, prefix: str, linears, schemes, by_name, hidden, 
         entry = grams[parent]
         if entry[0] is None:
             entry[0] = torch.zeros((x.shape[1], x.shape[1]), dtype=torch.float32, device=x.device)
-            entry.append(torch.zeros_like(entry[0]))
-        entry[0].add_(_upper_gram(x, entry[2]))
+        _upper_gram(x, entry[0], add=True)
         entry[1] += x.shape[0]
 
     for mapping in mappings:
@@ -556,6 +568,7 @@ def calibrate(
     import torch
 
     from qtool.calibration.skeleton import Skeleton
+    from qtool.calibration.spill import Parking
 
     if options.algorithm not in ALGORITHMS:
         raise UsageError(f"algorithm {options.algorithm!r} is not one of {', '.join(ALGORITHMS)}", option="algorithm")
@@ -570,29 +583,34 @@ def calibrate(
     outputs = torch.empty_like(hidden) if options.algorithm in ("awq", "rtn") else None  # the float layer's, for AWQ
     trim_heap()  # the tokenizer's and the embedding step's freed memory
     count = len(skeleton.layers)
-    for index in range(count):
-        layer_started = time.perf_counter()
-        prefix = f"{skeleton.layers_prefix}.{index}"
-        layer = skeleton.layers[index]
-        skeleton.materialize(layer, prefix, by_name, checkpoint, device)
-        routers = {block.router for block in skeleton.moe[index] if block.router is not None}
-        linears = {
-            f"{prefix}.{name}.weight": module
-            for name, module in layer.named_modules()
-            if (isinstance(module, torch.nn.Linear) or name in routers) and f"{prefix}.{name}.weight" in schemes
-        }
-        unrouted: list[str] = []
-        if outputs is not None:
-            _awq_layer(skeleton, layer, prefix, linears, schemes, by_name, hidden, kwargs, outputs, result, smooth=options.algorithm == "awq")
-            _run(layer, hidden, kwargs, hidden)  # the quantized layer's outputs feed the next
-            error = _relative_error(hidden, outputs)
-        else:
-            unrouted, error = _gptq_layer(index, layer, linears, schemes, by_name, hidden, kwargs, result, options, on_statistics)
-        skeleton.release(layer)
-        trim_heap()  # the layer's freed blocks, not resident through the next layer
-        layer_result = LayerResult(index, time.perf_counter() - layer_started, error, sorted(linears), unrouted)
-        result.layers.append(layer_result)
-        if on_layer is not None:
-            on_layer(layer_result, count)
+    parking = Parking() if options.true_sequential else None  # where true sequential's waiting passes park their inputs
+    try:
+        for index in range(count):
+            layer_started = time.perf_counter()
+            prefix = f"{skeleton.layers_prefix}.{index}"
+            layer = skeleton.layers[index]
+            skeleton.materialize(layer, prefix, by_name, checkpoint, device)
+            routers = {block.router for block in skeleton.moe[index] if block.router is not None}
+            linears = {
+                f"{prefix}.{name}.weight": module
+                for name, module in layer.named_modules()
+                if (isinstance(module, torch.nn.Linear) or name in routers) and f"{prefix}.{name}.weight" in schemes
+            }
+            unrouted: list[str] = []
+            if outputs is not None:
+                _awq_layer(skeleton, layer, prefix, linears, schemes, by_name, hidden, kwargs, outputs, result, smooth=options.algorithm == "awq")
+                _run(layer, hidden, kwargs, hidden)  # the quantized layer's outputs feed the next
+                error = _relative_error(hidden, outputs)
+            else:
+                unrouted, error = _gptq_layer(index, layer, linears, schemes, by_name, hidden, kwargs, result, options, on_statistics, parking)
+            skeleton.release(layer)
+            trim_heap()  # the layer's freed blocks, not resident through the next layer
+            layer_result = LayerResult(index, time.perf_counter() - layer_started, error, sorted(linears), unrouted)
+            result.layers.append(layer_result)
+            if on_layer is not None:
+                on_layer(layer_result, count)
+    finally:
+        if parking is not None:
+            parking.close()
     result.seconds = time.perf_counter() - started
     return result

@@ -4,23 +4,33 @@ layer run once per sample.
 
 Each sample's pass through the layer runs in a greenlet of its own, suspended before every
 Linear not yet quantized. When every pass waits or is done, the first Linear in the layer's
-order at which some wait has all the inputs it will get: `quantize(name, inputs)` sets its
-weight to its quantized values, and the passes waiting there go on, one at a time in sample
-order, to their next Linear. A mixture-of-experts expert waits only for the passes whose tokens
-the router sends it; an expert no pass reaches is never quantized here (the caller rounds it).
+order at which some wait has all the inputs it will get: `quantize(names, inputs)` sets its
+weight to its quantized values, with those of the Linears that follow it on the same input
+(`Order.followers`: k and v after q, up after gate, which need not wait, as their inputs are
+there already), and the passes waiting there go on, one at a time in sample order, to their
+next Linear. A mixture-of-experts expert waits only for the passes whose tokens the router
+sends it; an expert no pass reaches is never quantized here (the caller rounds it).
 
 The passes run one at a time on the calling thread: deterministic, and torch's thread pool and
 grad mode are the caller's. What it costs is memory: while a Linear waits, every pass holds the
-layer's intermediate tensors up to it (at a LLaMA down_proj, the MLP's [seq, intermediate]
-product, its input and the residual: about 4.7 times the hidden states).
+layer's intermediate tensors up to it. Where the caller `take`s what it needs of an input as
+the pass arrives (its Gram), the input's storage is parked on disk while the pass waits
+(`spill.Parking`) and read back just before the pass goes on. At SmolLM2's width a pass then
+holds at most about 2 times a sample's hidden states at a wait (at o_proj, the attention's q,
+k and v besides the residual); without followers up_proj's wait would hold gate_proj's
+activated [seq, intermediate] output, and without parking down_proj's the MLP's product, 2.7
+times the hidden states each (SmolLM2-135M at 32 x 512: peak RSS 0.69 GB without either,
+0.60 GB with both).
 
 `order` finds beforehand, on a float pass of a few samples, the order in which the layer calls
-its Linears, each at most once, as this needs: a Linear called again after it is quantized
-would have had inputs its Hessian never saw. A pass that finds one anyway raises `OutOfOrder`.
+its Linears, each at most once, as this needs (a Linear called again after it is quantized
+would have had inputs its Hessian never saw), and the followers. A pass that breaks either
+anyway raises `OutOfOrder`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from qtool.errors import InternalError, UsageError
@@ -28,7 +38,9 @@ from qtool.errors import InternalError, UsageError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["OutOfOrder", "forward", "order", "run"]
+    from qtool.calibration.spill import Parking
+
+__all__ = ["Order", "OutOfOrder", "forward", "order", "run"]
 
 
 class OutOfOrder(InternalError):
@@ -41,8 +53,18 @@ def forward(layer, sample: "torch.Tensor", kwargs: dict[str, Any]) -> "torch.Ten
     return (result[0] if isinstance(result, tuple) else result)[0]
 
 
-def order(layer, hidden: "torch.Tensor", kwargs: dict[str, Any], linears: dict[str, Any], out: "torch.Tensor") -> list[str] | None:
-    """The float layer over `hidden`'s samples into `out`, and the order `run` can take the
+@dataclass(frozen=True)
+class Order:
+    """The order `run` takes a layer's Linears in, and the followers: each called, by every
+    sample that calls the Linear before it in `names`, right after that one on the same input
+    tensor (and by no other sample), so quantized with it on the same Hessian."""
+
+    names: list[str]
+    followers: frozenset[str] = frozenset()
+
+
+def order(layer, hidden: "torch.Tensor", kwargs: dict[str, Any], linears: dict[str, Any], out: "torch.Tensor") -> Order | None:
+    """The float layer over `hidden`'s samples into `out`, and the `Order` `run` can take the
     Linears of `linears` in: their modules' order where each sample called them, each at most
     once, in it (an MoE expert is called by some samples only); else the one order in which
     every sample called every one of them once (Phi-3 registers o_proj before qkv_proj); None
@@ -51,31 +73,66 @@ def order(layer, hidden: "torch.Tensor", kwargs: dict[str, Any], linears: dict[s
 
     names = list(linears)
     rank = {id(module): position for position, module in enumerate(linears.values())}
-    calls: list[int] = []
-    sequences = []
-    hooks = [module.register_forward_pre_hook(lambda module, args: calls.append(rank[id(module)])) for module in linears.values()]
+    calls: list[tuple[int, Any]] = []
+    sequences = []  # per sample: (position, whether its input was the call before's) in call order
+    hooks = [module.register_forward_pre_hook(lambda module, args: calls.append((rank[id(module)], args[0]))) for module in linears.values()]
     try:
         with torch.no_grad():
             for index in range(hidden.shape[0]):
                 calls.clear()
                 out[index] = forward(layer, hidden[index : index + 1], kwargs)
-                sequences.append(tuple(calls))
+                sequences.append(tuple((position, i > 0 and x is calls[i - 1][1]) for i, (position, x) in enumerate(calls)))
+                calls.clear()
     finally:
         for hook in hooks:
             hook.remove()
-    if all(a < b for sequence in sequences for a, b in zip(sequence, sequence[1:])):
-        return names
-    first = sequences[0]
-    if sorted(first) == list(range(len(names))) and all(sequence == first for sequence in sequences):
-        return [names[position] for position in first]
-    return None
+    ranks = [tuple(position for position, _ in sequence) for sequence in sequences]
+    if all(a < b for sequence in ranks for a, b in zip(sequence, sequence[1:])):
+        found = list(range(len(names)))
+    elif sorted(ranks[0]) == list(range(len(names))) and all(sequence == ranks[0] for sequence in ranks):
+        found = list(ranks[0])
+    else:
+        return None
+    followers = frozenset(names[b] for a, b in zip(found, found[1:]) if _follows(sequences, a, b))
+    return Order([names[position] for position in found], followers)
 
 
-def run(layer, hidden: "torch.Tensor", kwargs: dict[str, Any], linears: dict[str, Any], quantize: Callable[[str, list["torch.Tensor"]], None]) -> list[str]:
+def _follows(sequences, before: int, after: int) -> bool:
+    """Whether some sample calls `after`, and every sample that calls either calls `after`
+    right after `before`, on the same input."""
+    called = False
+    for sequence in sequences:
+        at = {position: (i, same) for i, (position, same) in enumerate(sequence)}
+        if (before in at) != (after in at):
+            return False
+        if after in at:
+            called = True
+            if at[after] != (at[before][0] + 1, True):
+                return False
+    return called
+
+
+def run(
+    layer,
+    hidden: "torch.Tensor",
+    kwargs: dict[str, Any],
+    linears: dict[str, Any],
+    quantize: Callable[[list[str], list["torch.Tensor"]], None],
+    *,
+    followers: frozenset[str] = frozenset(),
+    take: Callable[[str, "torch.Tensor"], bool] | None = None,
+    parking: "Parking | None" = None,
+) -> list[str]:
     """Every sample of `hidden` [samples, seq, hidden] through `layer`, each Linear of
-    `linears` (name: module, in the layer's order) quantized by `quantize(name, the inputs of
-    the passes that reached it, in sample order)` once no pass can still reach it; each
-    sample's output written over its input in `hidden`. The names quantized, in order."""
+    `linears` (name: module, in the layer's order) quantized by `quantize(names, the inputs of
+    the passes that reached it, in sample order)` once no pass can still reach it, `names` the
+    Linear and the `followers` after it (`Order`), which read the same inputs; each sample's
+    output written over its input in `hidden`. The names quantized, in order.
+
+    `take(name, input)`, as each pass arrives at a Linear: True where the caller has taken what
+    it needs of that input then (`quantize` is not given it), and the input's storage is then
+    parked in `parking` until the pass goes on, unless the storage is one the passes share (the
+    samples' buffer, the layer's arguments and weights)."""
     import torch
 
     try:
@@ -84,11 +141,28 @@ def run(layer, hidden: "torch.Tensor", kwargs: dict[str, Any], linears: dict[str
         raise UsageError("GPTQ calibration needs the greenlet package, which is not installed", hint="pip install 'qtool[calibrate]'", option="calibrate") from None
     names = list(linears)
     rank = {id(module): position for position, module in enumerate(linears.values())}
+    group_of = {}  # a Linear's position: the positions quantized with it (it, then its followers)
+    for position, name in enumerate(names):
+        if name in followers and position:
+            group_of[position] = group_of.pop(position - 1) + [position]
+            for member in group_of[position]:
+                group_of[member] = group_of[position]
+        else:
+            group_of[position] = [position]
     quantized: set[int] = set()
     scheduler = getcurrent()
+    expected: dict[int, list] = {}  # sample: the followers its pass is to call next, and their input
 
     def wait(module, args):
-        position = rank[id(module)]
+        position, index = rank[id(module)], current[getcurrent()]
+        pending = expected.get(index)
+        if pending:
+            if pending[0] != position or args[0] is not pending[-1]:
+                raise OutOfOrder(f"the layer called {names[position]} where {names[pending[0]]} was to follow {names[pending[0] - 1]} on its input")
+            pending.pop(0)
+            if len(pending) == 1:
+                del expected[index]
+            return
         if position in quantized:
             raise OutOfOrder(f"the layer called {names[position]} again after it was quantized")
         scheduler.switch((position, args[0]))
@@ -97,12 +171,25 @@ def run(layer, hidden: "torch.Tensor", kwargs: dict[str, Any], linears: dict[str
         hidden[index] = forward(layer, hidden[index : index + 1], kwargs)
 
     passes = [greenlet(lambda index=index: one(index), parent=scheduler) for index in range(hidden.shape[0])]
-    waiting: dict[int, list[tuple[int, "torch.Tensor"]]] = {}  # Linear's position: (sample, its input)
+    current = {g: index for index, g in enumerate(passes)}
+    waiting: dict[int, list[tuple[int, "torch.Tensor", bool]]] = {}  # Linear's position: (sample, its input, whether taken)
+    parked: dict[int, Any] = {}  # sample: its pass's parked input
 
     def advance(index: int) -> None:
         state = passes[index].switch()
-        if state is not None:  # suspended before a Linear; None: the pass is done
-            waiting.setdefault(state[0], []).append((index, state[1]))
+        if state is None:  # the pass is done
+            if index in expected:
+                raise OutOfOrder(f"the layer did not call {names[expected[index][0]]} after {names[expected[index][0] - 1]}")
+            return
+        position, x = state  # suspended before a Linear
+        if index in expected:
+            raise OutOfOrder(f"the layer called {names[position]} where {names[expected[index][0]]} was to follow {names[expected[index][0] - 1]}")
+        taken = take is not None and take(names[position], x)
+        if taken and parking is not None and x.untyped_storage().data_ptr() not in _shared_storages(hidden, kwargs, layer):
+            spot = parking.park(x)
+            if spot is not None:
+                parked[index] = spot
+        waiting.setdefault(position, []).append((index, x, taken))
 
     done = []
     hooks = [module.register_forward_pre_hook(wait) for module in linears.values()]
@@ -112,18 +199,49 @@ def run(layer, hidden: "torch.Tensor", kwargs: dict[str, Any], linears: dict[str
                 advance(index)
             while waiting:
                 position = min(waiting)
+                group = group_of[position]
                 arrived = sorted(waiting.pop(position), key=lambda entry: entry[0])
-                quantize(names[position], [x for _, x in arrived])
-                quantized.add(position)
-                done.append(names[position])
-                resumed = [index for index, _ in arrived]
+                quantize([names[member] for member in group], [x for _, x, taken in arrived if not taken])
+                quantized.update(group)
+                done.extend(names[member] for member in group)
+                for index, x, _ in arrived:
+                    if len(group) > 1:
+                        expected[index] = [*group[1:], x]
+                resumed = [index for index, _, _ in arrived]
                 del arrived  # the inputs: each pass's own from here on
+                x = None
                 for index in resumed:
+                    if index in parked:
+                        parking.restore(parked.pop(index))
                     advance(index)
     finally:
         for hook in hooks:
             hook.remove()
-        for g in passes:  # after an error: unwind the passes still suspended
-            if not g.dead:
-                g.throw()
+        try:
+            for spot in parked.values():  # after an error: the passes unwind with their tensors whole
+                parking.restore(spot)
+        finally:
+            for g in passes:  # after an error: unwind the passes still suspended
+                if not g.dead:
+                    g.throw()
     return done
+
+
+def _shared_storages(hidden: "torch.Tensor", kwargs: dict[str, Any], layer) -> set[int]:
+    """The data pointers of the storages every pass reads, now: the samples' buffer, the tensors
+    in the layer's arguments (masks, rotary tables; in tuples and lists), its weights and
+    buffers (each quantized weight a new one, the float one's address free for another tensor)."""
+    import torch
+
+    found = {hidden.untyped_storage().data_ptr()}
+    pending = list(kwargs.values())
+    while pending:
+        value = pending.pop()
+        if isinstance(value, torch.Tensor):
+            found.add(value.untyped_storage().data_ptr())
+        elif isinstance(value, (tuple, list)):
+            pending.extend(value)
+        elif isinstance(value, dict):
+            pending.extend(value.values())
+    found.update(t.untyped_storage().data_ptr() for t in (*layer.parameters(), *layer.buffers()))
+    return found
