@@ -237,3 +237,42 @@ def test_the_float_outputs_caught_in_the_layers_run_are_the_ones_the_search_woul
     assert given.encoded.keys() == computed.encoded.keys()
     for name, tensors in given.encoded.items():
         assert all(torch.equal(tensors[key], computed.encoded[name][key]) for key in tensors), name
+
+
+def test_awq_feeds_each_layer_the_float_models_activations(tmp_path, monkeypatch):
+    """AWQ as AutoAWQ and llm-compressor run it: the smoothing keeps the float function, so the
+    next layer is fed the float layer's outputs, and each layer's scales are searched on the
+    float model's activations: layer 1's inputs are the float model's (transformers' own), far
+    from those of the model as written (a coarse scheme: a clear difference)."""
+    from qtool.calibration import runner
+    from tests.test_calibration_runner import TINY, calibrate_plan, relative
+
+    def layer_1_inputs(folder, tokens):
+        """X^T X of what transformers' own float32 model gives layer 1."""
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        total = []
+        hook = model.model.layers[1].register_forward_pre_hook(lambda module, args: total.append(args[0].reshape(-1, args[0].shape[-1]).double()))
+        with torch.no_grad():
+            for row in tokens:
+                model(row.unsqueeze(0))
+        hook.remove()
+        x = torch.cat(total)
+        return x.T @ x
+
+    seen = {}
+    real = runner._awq_layer
+
+    def catching(skeleton, layer, prefix, *args, **kwargs):
+        hidden = args[3]
+        if prefix.endswith(".1"):
+            x = hidden.reshape(-1, hidden.shape[-1]).double()
+            seen["gram"] = x.T @ x
+        return real(skeleton, layer, prefix, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "_awq_layer", catching)
+    plan = calibrate_plan(TINY, tmp_path / "out", text_file(tmp_path), scheme="int2:g32", algorithm="awq")
+    tokens = plan.calibration.tokens
+    api.run(plan)
+    api.dequantize(tmp_path / "out", tmp_path / "plain", dtype="f32")
+    assert relative(seen["gram"], layer_1_inputs(TINY, tokens)) < 1e-4
+    assert relative(seen["gram"], layer_1_inputs(tmp_path / "plain", tokens)) > 1e-2

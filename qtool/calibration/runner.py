@@ -10,13 +10,19 @@ calibration samples carried from layer to layer (DESIGN.md, "Calibration").
         (GPTQ with `true_sequential`: one run, each Linear quantized when every sample's pass
          waits before it, on the inputs the quantized Linears before it gave)
         -> the QUANTIZED layer's outputs feed the next layer -> back to meta
+        (AWQ: the FLOAT layer's outputs, as AutoAWQ and llm-compressor feed it: the smoothing
+         keeps the float function, the scales of each layer are searched against the float
+         model's activations, and the quantized layer runs on one sample in 16 only, for its
+         error; SmolLM2-135M int4 g64 at 32 samples: perplexity 14.12 against 14.41 when fed
+         the quantized outputs)
 
 The layer keyword arguments (causal mask, rotary position embeddings, positions) are the ones
 the base model's own forward passes each layer, caught there by stand-ins, so each
 architecture's conventions (Gemma's scaled embeddings, sliding windows alternating with global
 attention) are transformers' own. Peak memory: one layer, the activations twice (inputs, float
 outputs; true sequential: once, and every sample's tensors inside the layer while a Linear
-waits), the layer's Hessians, and the packed codes of the layers done so far (spilled to disk).
+waits, less the inputs parked on disk), the layer's Hessians, and the packed codes of the
+layers done so far (spilled to disk).
 """
 
 from __future__ import annotations
@@ -230,7 +236,7 @@ def _store(name: str, module, codes, scheme: "QScheme", dtype: str, result: Cali
     result.encoded[name] = {k: v.cpu() for k, v in packed.items()}
 
 
-ERROR_SHARE = 16  # true sequential GPTQ measures a layer's output error on one calibration sample in 16 (at least one)
+ERROR_SHARE = 16  # true sequential GPTQ and AWQ measure a layer's output error on one calibration sample in 16 (at least one)
 
 
 def _gptq_layer(index, layer, linears, schemes, by_name, hidden, kwargs, result: Calibration, options: RunnerOptions, on_statistics, parking=None) -> tuple[list[str], float]:
@@ -332,6 +338,17 @@ def _round_to_nearest(name: str, module, scheme: "QScheme", dtype: str, result: 
     from qtool.calibration import awq
 
     _store(name, module, awq.rtn(module.weight.data, **_rounding(scheme, dtype)), scheme, dtype, result)
+
+
+def _error_on_a_share(layer, hidden: "torch.Tensor", kwargs, reference: "torch.Tensor") -> float:
+    """The quantized layer's output error against `reference` (the float layer's outputs) on
+    the first samples (`ERROR_SHARE`)."""
+    import torch
+
+    measured = -(-hidden.shape[0] // ERROR_SHARE)
+    quantized = torch.empty_like(hidden[:measured])
+    _run(layer, hidden[:measured], kwargs, quantized)
+    return _relative_error(quantized, reference[:measured])
 
 
 def _relative_error(quantized: "torch.Tensor", reference: "torch.Tensor") -> float:
@@ -599,8 +616,12 @@ def calibrate(
             unrouted: list[str] = []
             if outputs is not None:
                 _awq_layer(skeleton, layer, prefix, linears, schemes, by_name, hidden, kwargs, outputs, result, smooth=options.algorithm == "awq")
-                _run(layer, hidden, kwargs, hidden)  # the quantized layer's outputs feed the next
-                error = _relative_error(hidden, outputs)
+                if options.algorithm == "awq":
+                    error = _error_on_a_share(layer, hidden, kwargs, outputs)
+                    hidden, outputs = outputs, hidden  # the float layer's outputs feed the next (AWQ as published)
+                else:
+                    _run(layer, hidden, kwargs, hidden)  # the quantized layer's outputs feed the next
+                    error = _relative_error(hidden, outputs)
             else:
                 unrouted, error = _gptq_layer(index, layer, linears, schemes, by_name, hidden, kwargs, result, options, on_statistics, parking)
             skeleton.release(layer)
