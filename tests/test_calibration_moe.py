@@ -82,10 +82,14 @@ def test_the_unfused_block_computes_what_transformers_fused_block_computes(tmp_p
 
 @pytest.mark.parametrize("true_sequential", [False, True], ids=["two-runs", "true-sequential"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_each_expert_gets_the_hessian_of_only_the_tokens_the_router_sends_it(tmp_path, family, true_sequential):
+def test_each_expert_gets_the_hessian_of_only_the_tokens_the_router_sends_it(tmp_path, monkeypatch, family, true_sequential):
     """The routing and the block's inputs are the float model's by default; with true
     sequential, those of the model as written: attention and the router are quantized before
-    the experts see their tokens."""
+    the experts see their tokens (every tensor a waiting pass holds parked on disk meanwhile,
+    whatever its size: the routing, the block's inputs, the experts' outputs so far)."""
+    from qtool.calibration import true_sequential as module
+
+    monkeypatch.setattr(module, "PARK_AT_LEAST", 0)
     model_folder = tiny_moe(tmp_path / family, family, dtype=torch.float32)
     plan = calibrate_plan(model_folder, tmp_path / "out", text_file(tmp_path), true_sequential=true_sequential)
     tokens = plan.calibration.tokens

@@ -113,13 +113,15 @@ def calibrate_plan(model, out, text, scheme="int4:g32", samples=4, seq_len=32, *
 
 def in_one_run_only(monkeypatch) -> None:
     """Every layer GPTQ'd in one true-sequential run: a layer the runner would do in two passes
-    (no one order of its Linears) fails the test."""
-    from qtool.calibration import runner
+    (no one order of its Linears) fails the test. And every tensor a waiting pass holds parked,
+    whatever its size, so the tiny models' few-kB tensors go through the parking too."""
+    from qtool.calibration import runner, true_sequential
 
     def refused(index, layer, *args):
         raise AssertionError(f"layer {index} ({type(layer).__name__}) was calibrated in two passes")
 
     monkeypatch.setattr(runner, "_gptq_layer_in_two_passes", refused)
+    monkeypatch.setattr(true_sequential, "PARK_AT_LEAST", 0)
 
 
 def hessians_of_layer(plan, tokens, index: int, *, true_sequential: bool = False) -> dict:
@@ -241,17 +243,23 @@ def test_a_layer_without_one_order_of_its_linears_is_calibrated_in_two_runs(tmp_
 
 def test_true_sequential_parks_each_waiting_input_and_writes_what_it_would_without(tmp_path, monkeypatch):
     """While the passes wait at a Linear, each one's input (the normed hidden states at q and
-    at gate, the attention's output at o, the MLP's [seq, intermediate] product at down) is
-    parked on disk, its Gram taken as it arrived; the checkpoint written is byte for byte the
-    one written with every input kept in memory."""
+    at gate, the attention's output at o, the MLP's [seq, intermediate] product at down), its
+    Gram taken as it arrived, and the other tensors its frames hold (the queries, keys and
+    values at o) are parked on disk; the checkpoint written is byte for byte the one written
+    with everything kept in memory."""
+    from qtool.calibration import true_sequential
     from qtool.calibration.spill import Parking
 
+    monkeypatch.setattr(true_sequential, "PARK_AT_LEAST", 0)  # the tiny model's tensors are a few kB
     model = tiny_model(tmp_path / "llama", "llama", dtype=torch.float32)
     parked = []
     real = Parking.park
     monkeypatch.setattr(Parking, "park", lambda self, tensor: parked.append(tuple(tensor.shape)) or real(self, tensor))
     api.run(calibrate_plan(model, tmp_path / "parked", text_file(tmp_path), true_sequential=True))
-    assert parked == ([(1, 32, 64)] * 4 * 3 + [(1, 32, 128)] * 4) * 2  # q, o, gate, down: every sample's, in both layers
+    counts = {shape: parked.count(shape) for shape in set(parked)}
+    assert counts[(1, 32, 128)] == 4 * 2  # the MLP's product at down_proj: every sample's, in both layers
+    assert counts[(1, 4, 32, 16)] == 4 * 2 and counts[(1, 2, 32, 16)] == 2 * 4 * 2  # the queries, keys, values at o_proj
+    assert counts[(1, 32, 64)] >= 4 * 3 * 2  # the normed hidden states at q and gate, the attention's output at o
     monkeypatch.setattr(Parking, "park", lambda self, tensor: None)
     api.run(calibrate_plan(model, tmp_path / "kept", text_file(tmp_path), true_sequential=True))
     ours, kept = ((tmp_path / folder / "model.safetensors").read_bytes() for folder in ("parked", "kept"))

@@ -137,12 +137,14 @@ class Widening(torch.nn.Module):
         return (self.b(torch.relu(self.a(x))),)
 
 
-def test_an_input_taken_on_arrival_waits_parked_and_comes_back_whole():
+def test_an_input_taken_on_arrival_waits_parked_and_comes_back_whole(monkeypatch):
     """`take` sees each pass's input as it arrives; a taken input's storage is freed while the
     pass waits (the parking file holds it) and restored before the pass goes on, so the outputs
     are those of a run that parks nothing. The samples' buffer, shared by every pass, is never
     parked, though `take` takes a's input (a view of it)."""
     from qtool.calibration.spill import Parking
+
+    monkeypatch.setattr(true_sequential, "PARK_AT_LEAST", 0)  # the toy's tensors are a few bytes
 
     def calibrate(parking):
         toy, hidden = Widening(), samples()

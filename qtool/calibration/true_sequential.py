@@ -13,14 +13,14 @@ sends it; an expert no pass reaches is never quantized here (the caller rounds i
 
 The passes run one at a time on the calling thread: deterministic, and torch's thread pool and
 grad mode are the caller's. What it costs is memory: while a Linear waits, every pass holds the
-layer's intermediate tensors up to it. Where the caller `take`s what it needs of an input as
-the pass arrives (its Gram), the input's storage is parked on disk while the pass waits
-(`spill.Parking`) and read back just before the pass goes on. At SmolLM2's width a pass then
-holds at most about 2 times a sample's hidden states at a wait (at o_proj, the attention's q,
-k and v besides the residual); without followers up_proj's wait would hold gate_proj's
-activated [seq, intermediate] output, and without parking down_proj's the MLP's product, 2.7
-times the hidden states each (SmolLM2-135M at 32 x 512: peak RSS 0.69 GB without either,
-0.60 GB with both).
+layer's intermediate tensors up to it. So with a `parking` (`spill.Parking`), each tensor a
+suspended pass's frames hold (`_held`: the attention's queries, keys and values at o_proj, the
+MLP's input at down_proj) and the input it waits with, once the caller has `take`n what it
+needs of it (its Gram), are written to disk and their storages freed while it waits, and read
+back just before it goes on; what stays is what torch's frames hold beyond Python's reach (a
+temporary on the interpreter's stack). Without followers up_proj's wait would hold gate_proj's
+activated [seq, intermediate] output there. SmolLM2-135M, int4 g64, 32 x 512: peak RSS 0.72 GB
+without either, 0.61 GB with both (0.45 GB of it torch and transformers themselves).
 
 `order` finds beforehand, on a float pass of a few samples, the order in which the layer calls
 its Linears, each at most once, as this needs (a Linear called again after it is quantized
@@ -130,9 +130,10 @@ def run(
     output written over its input in `hidden`. The names quantized, in order.
 
     `take(name, input)`, as each pass arrives at a Linear: True where the caller has taken what
-    it needs of that input then (`quantize` is not given it), and the input's storage is then
-    parked in `parking` until the pass goes on, unless the storage is one the passes share (the
-    samples' buffer, the layer's arguments and weights)."""
+    it needs of that input then (`quantize` is not given it). With `parking`, the storages a
+    waiting pass holds (`_held`: its frames' tensors and, if taken, its input) are parked there
+    until the pass goes on, but for those the passes share (the samples' buffer, the layer's
+    arguments and weights) and an input `quantize` is to read."""
     import torch
 
     try:
@@ -173,7 +174,7 @@ def run(
     passes = [greenlet(lambda index=index: one(index), parent=scheduler) for index in range(hidden.shape[0])]
     current = {g: index for index, g in enumerate(passes)}
     waiting: dict[int, list[tuple[int, "torch.Tensor", bool]]] = {}  # Linear's position: (sample, its input, whether taken)
-    parked: dict[int, Any] = {}  # sample: its pass's parked input
+    parked: dict[int, list] = {}  # sample: its pass's parked storages
 
     def advance(index: int) -> None:
         state = passes[index].switch()
@@ -185,10 +186,11 @@ def run(
         if index in expected:
             raise OutOfOrder(f"the layer called {names[position]} where {names[expected[index][0]]} was to follow {names[expected[index][0] - 1]}")
         taken = take is not None and take(names[position], x)
-        if taken and parking is not None and x.untyped_storage().data_ptr() not in _shared_storages(hidden, kwargs, layer):
-            spot = parking.park(x)
-            if spot is not None:
-                parked[index] = spot
+        if parking is not None:
+            kept = _shared_storages(hidden, kwargs, layer) | (set() if taken else {x.untyped_storage().data_ptr()})
+            spots = [spot for spot in (parking.park(t) for t in _held(passes[index].gr_frame, kept)) if spot is not None]
+            if spots:
+                parked[index] = spots
         waiting.setdefault(position, []).append((index, x, taken))
 
     done = []
@@ -211,20 +213,44 @@ def run(
                 del arrived  # the inputs: each pass's own from here on
                 x = None
                 for index in resumed:
-                    if index in parked:
-                        parking.restore(parked.pop(index))
+                    for spot in parked.pop(index, ()):
+                        parking.restore(spot)
                     advance(index)
     finally:
         for hook in hooks:
             hook.remove()
         try:
-            for spot in parked.values():  # after an error: the passes unwind with their tensors whole
-                parking.restore(spot)
+            for spots in parked.values():  # after an error: the passes unwind with their tensors whole
+                for spot in spots:
+                    parking.restore(spot)
         finally:
             for g in passes:  # after an error: unwind the passes still suspended
                 if not g.dead:
                     g.throw()
     return done
+
+
+PARK_AT_LEAST = 1 << 16  # bytes: smaller storages (routing indices, scalars) stay
+
+
+def _held(frame, kept: set[int]) -> list["torch.Tensor"]:
+    """One tensor for each storage of at least `PARK_AT_LEAST` bytes that the suspended pass's
+    frames hold (their locals, and the tuples, lists and dicts in them, a level deep), other
+    than the `kept` ones (by data pointer): what the pass needs again only once it goes on."""
+    import torch
+
+    found: dict[int, "torch.Tensor"] = {}
+    while frame is not None:
+        for value in list(frame.f_locals.values()):
+            inner = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else (value,)
+            for tensor in inner:
+                if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+                    storage = tensor.untyped_storage()
+                    pointer = storage.data_ptr()
+                    if pointer not in kept and pointer not in found and storage.nbytes() >= PARK_AT_LEAST:
+                        found[pointer] = tensor
+        frame = frame.f_back
+    return list(found.values())
 
 
 def _shared_storages(hidden: "torch.Tensor", kwargs: dict[str, Any], layer) -> set[int]:
