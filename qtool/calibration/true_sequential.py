@@ -93,16 +93,17 @@ def order(layer, hidden: "torch.Tensor", kwargs: dict[str, Any], linears: dict[s
         found = list(ranks[0])
     else:
         return None
-    followers = frozenset(names[b] for a, b in zip(found, found[1:]) if _follows(sequences, a, b))
+    calls_at = [{position: (i, same) for i, (position, same) in enumerate(sequence)} for sequence in sequences]
+    followers = frozenset(names[b] for a, b in zip(found, found[1:]) if _follows(calls_at, a, b))
     return Order([names[position] for position in found], followers)
 
 
-def _follows(sequences, before: int, after: int) -> bool:
+def _follows(calls_at: list[dict[int, tuple[int, bool]]], before: int, after: int) -> bool:
     """Whether some sample calls `after`, and every sample that calls either calls `after`
-    right after `before`, on the same input."""
+    right after `before`, on the same input (`calls_at`, per sample: each Linear's position in
+    its calls, and whether its input was the call before's)."""
     called = False
-    for sequence in sequences:
-        at = {position: (i, same) for i, (position, same) in enumerate(sequence)}
+    for at in calls_at:
         if (before in at) != (after in at):
             return False
         if after in at:
@@ -187,8 +188,9 @@ def run(
             raise OutOfOrder(f"the layer called {names[position]} where {names[expected[index][0]]} was to follow {names[expected[index][0] - 1]}")
         taken = take is not None and take(names[position], x)
         if parking is not None:
-            kept = _shared_storages(hidden, kwargs, layer) | (set() if taken else {x.untyped_storage().data_ptr()})
-            spots = [spot for spot in (parking.park(t) for t in _held(passes[index].gr_frame, kept)) if spot is not None]
+            shared, pointer = _shared_storages(hidden, kwargs, layer), x.untyped_storage().data_ptr()
+            held = ([x] if taken and pointer not in shared else []) + _held(passes[index].gr_frame, shared | {pointer})
+            spots = [spot for spot in (parking.park(t) for t in held) if spot is not None]
             if spots:
                 parked[index] = spots
         waiting.setdefault(position, []).append((index, x, taken))
@@ -236,11 +238,16 @@ PARK_AT_LEAST = 1 << 16  # bytes: smaller storages (routing indices, scalars) st
 def _held(frame, kept: set[int]) -> list["torch.Tensor"]:
     """One tensor for each storage of at least `PARK_AT_LEAST` bytes that the suspended pass's
     frames hold (their locals, and the tuples, lists and dicts in them, a level deep), other
-    than the `kept` ones (by data pointer): what the pass needs again only once it goes on."""
+    than the `kept` ones (by data pointer): what the pass needs again only once it goes on. The
+    frames of this module (the pass's entry, the hook it waits in) are passed over: their
+    closures hold the scheduler's state, other passes' inputs among it."""
     import torch
 
     found: dict[int, "torch.Tensor"] = {}
     while frame is not None:
+        if frame.f_code.co_filename == __file__:
+            frame = frame.f_back
+            continue
         for value in list(frame.f_locals.values()):
             inner = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else (value,)
             for tensor in inner:
