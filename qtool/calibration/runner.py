@@ -600,7 +600,7 @@ def calibrate(
     outputs = torch.empty_like(hidden) if options.algorithm in ("awq", "rtn") else None  # the float layer's, for AWQ
     trim_heap()  # the tokenizer's and the embedding step's freed memory
     count = len(skeleton.layers)
-    parking = Parking() if options.true_sequential else None  # where true sequential's waiting passes park their inputs
+    parking = Parking() if options.true_sequential else None  # where true sequential's waiting passes park what they hold
     try:
         for index in range(count):
             layer_started = time.perf_counter()
