@@ -128,7 +128,7 @@ def quantize_command(
         bool,
         typer.Option(
             "--true-sequential",
-            help="With --calibrate (GPTQ): each layer's Linears in the order the layer calls them, each on the outputs of those quantized before it, in one run of the layer: ~0.65-0.7x the time, more memory (every sample's tensors inside the layer while a Linear waits).",
+            help="With --calibrate (GPTQ): each layer's Linears in the order the layer calls them, each on the outputs of those quantized before it, in one run of the layer: ~0.7x the time; what each sample's pass holds while a Linear waits is parked in a temporary file.",
         ),
     ] = False,
     dry_run: DryRunOpt = False,
