@@ -143,26 +143,31 @@ def run(
         raise UsageError("GPTQ calibration needs the greenlet package, which is not installed", hint="pip install 'qtool[calibrate]'", option="calibrate") from None
     names = list(linears)
     rank = {id(module): position for position, module in enumerate(linears.values())}
-    group_of = {}  # a Linear's position: the positions quantized with it (it, then its followers)
+    group_of: dict[int, list[int]] = {}  # a Linear's position: the positions quantized with it (it, then its followers)
+    groups: list[list[int]] = []
     for position, name in enumerate(names):
-        if name in followers and position:
-            group_of[position] = group_of.pop(position - 1) + [position]
-            for member in group_of[position]:
-                group_of[member] = group_of[position]
+        if position and name in followers:
+            groups[-1].append(position)
         else:
-            group_of[position] = [position]
+            groups.append([position])
+        group_of[position] = groups[-1]
     quantized: set[int] = set()
     scheduler = getcurrent()
-    expected: dict[int, list] = {}  # sample: the followers its pass is to call next, and their input
+    expected: dict[int, tuple[list[int], "torch.Tensor"]] = {}  # sample: the followers its pass is to call next, and their input
+
+    def broken(position: int | None, index: int) -> OutOfOrder:
+        following = expected[index][0][0]
+        called = "did not call it" if position is None else f"called {names[position]}"
+        return OutOfOrder(f"the layer {called} where {names[following]} was to follow {names[following - 1]} on its input")
 
     def wait(module, args):
         position, index = rank[id(module)], current[getcurrent()]
-        pending = expected.get(index)
-        if pending:
-            if pending[0] != position or args[0] is not pending[-1]:
-                raise OutOfOrder(f"the layer called {names[position]} where {names[pending[0]]} was to follow {names[pending[0] - 1]} on its input")
+        if index in expected:
+            pending, x = expected[index]
+            if pending[0] != position or args[0] is not x:
+                raise broken(position, index)
             pending.pop(0)
-            if len(pending) == 1:
+            if not pending:
                 del expected[index]
             return
         if position in quantized:
@@ -181,11 +186,11 @@ def run(
         state = passes[index].switch()
         if state is None:  # the pass is done
             if index in expected:
-                raise OutOfOrder(f"the layer did not call {names[expected[index][0]]} after {names[expected[index][0] - 1]}")
+                raise broken(None, index)
             return
         position, x = state  # suspended before a Linear
         if index in expected:
-            raise OutOfOrder(f"the layer called {names[position]} where {names[expected[index][0]]} was to follow {names[expected[index][0] - 1]}")
+            raise broken(position, index)
         taken = take is not None and take(names[position], x)
         if parking is not None:
             shared, pointer = _shared_storages(hidden, kwargs, layer), x.untyped_storage().data_ptr()
@@ -210,7 +215,7 @@ def run(
                 done.extend(names[member] for member in group)
                 for index, x, _ in arrived:
                     if len(group) > 1:
-                        expected[index] = [*group[1:], x]
+                        expected[index] = (group[1:], x)
                 resumed = [index for index, _, _ in arrived]
                 del arrived  # the inputs: each pass's own from here on
                 x = None
