@@ -300,3 +300,20 @@ def test_a_shared_factor_gives_what_the_hessian_gives(actorder):
         assert torch.equal(alone.codes, shared.codes) and torch.equal(alone.scale, shared.scale)
     with pytest.raises(KernelError, match="does not fit"):
         gptq(torch.zeros(4, 64), None, bits=4, group_size=16, symmetric=True, scale_dtype=torch.float32, actorder="static" if actorder is None else None, prepared=prepared)
+
+
+@pytest.mark.parametrize("size", [1, 3, 64, 127, 200, 577])
+def test_the_factor_is_the_upper_cholesky_factor_of_the_damped_inverse(size):
+    """U (upper, positive diagonal) with U^T U = (H + damp I)^-1, the factor llm-compressor
+    takes by inverting and factoring again, here without forming the inverse."""
+    from qtool.calibration.gptq import factor
+
+    generator = torch.Generator().manual_seed(size)
+    inputs = torch.randn(2 * size + 5, size, generator=generator, dtype=torch.float64) * torch.logspace(-3, 2, size, dtype=torch.float64)
+    hessian = inputs.T @ inputs
+    U = factor(hessian, dtype=torch.float64).U
+    damped = hessian + 0.01 * hessian.diagonal().mean() * torch.eye(size, dtype=torch.float64)
+    expected = torch.linalg.cholesky(torch.linalg.inv(damped), upper=True)
+    assert torch.equal(U, torch.triu(U)) and bool((U.diagonal() > 0).all())
+    torch.testing.assert_close(U, expected, rtol=1e-9, atol=1e-9 * float(expected.abs().max()))
+    torch.testing.assert_close(U.T @ U @ damped, torch.eye(size, dtype=torch.float64), rtol=0, atol=1e-8)
