@@ -6,10 +6,10 @@ inputs, H = X^T X.
 Defaults are llm-compressor's `GPTQModifier`: dampening 1% of the mean diagonal, blocks of 128
 columns with lazy batch updates, and the upper Cholesky factor of H^-1 in place of the
 explicit inverse (the paper's numerically stable form; `factor` takes it from one Cholesky
-of H, where llm-compressor inverts H and factors the inverse again). A group's scale (and zero point) is
-chosen by the min-max observer when the sweep reaches the group's first column, on the values
-as they are then (earlier columns' errors already spread into them), so the scales follow the
-updated weights rather than the original ones. With the scheme's `mse` observer the scale is
+of H, where llm-compressor inverts H and factors the inverse again). A group's scale (and zero
+point) is chosen by the min-max observer when the sweep reaches the group's first column, on
+the values as they are then (earlier columns' errors already spread into them), so the scales
+follow the updated weights rather than the original ones. With the scheme's `mse` observer the scale is
 qtool.kernels.mse's search on those same values instead (GPTQ's own `find_params(mse=True)`
 idea; at 3 bits it is most of the quality, BENCHMARKS.md).
 
@@ -154,8 +154,9 @@ def factor(hessian: "torch.Tensor", *, dtype: "torch.dtype", dampening: float = 
     # U, the upper Cholesky factor of H^-1 (its rows: the elimination's H^-1 rows, scaled),
     # without forming H^-1 and factoring it again: with J the reversal, J H J = L L^T gives
     # H^-1 = (J L^-1 J)^T (J L^-1 J), and J L^-1 J is upper with a positive diagonal
-    L = torch.linalg.cholesky(H.flip(0, 1))
-    del H  # each [in, in] matrix freed once the next is made: two alive at once, not four
+    H = H.flip(0, 1)  # each [in, in] matrix freed once the next is made: two alive at once
+    L = torch.linalg.cholesky(H)
+    del H
     U = _lower_inverse(L).flip(0, 1)
     return Factor(order, dead, U, dampening, actorder)
 
