@@ -276,3 +276,92 @@ def test_awq_feeds_each_layer_the_float_models_activations(tmp_path, monkeypatch
     api.dequantize(tmp_path / "out", tmp_path / "plain", dtype="f32")
     assert relative(seen["gram"], layer_1_inputs(TINY, tokens)) < 1e-4
     assert relative(seen["gram"], layer_1_inputs(tmp_path / "plain", tokens)) > 1e-2
+
+
+def direct_clip(weight, inputs, quantize, group):
+    """llm-awq's auto_clip written out in float64 for every (row, group): each ratio on the grid
+    clamps the group, the group's share of the output (its columns' products with the inputs) is
+    compared with the unclipped one, and the ratio of least squared error wins (the first of equals)."""
+    rows, cols = weight.shape
+    best = torch.empty(rows, cols // group, dtype=torch.float64)
+    candidates = []
+    peak = weight.reshape(rows, -1, group).abs().amax(dim=2, keepdim=True)
+    for step in range(int(awq.CLIP_MAX_SHRINK * awq.CLIP_GRID)):
+        limit = peak * (1 - step / awq.CLIP_GRID)
+        candidates.append((limit, quantize(torch.clamp(weight.reshape(rows, -1, group), -limit, limit).reshape(rows, cols))))
+    for r in range(rows):
+        for g in range(cols // group):
+            columns = slice(g * group, (g + 1) * group)
+            reference = inputs[:, columns].double() @ weight[r, columns].double()
+            errors = [float((inputs[:, columns].double() @ q[r, columns].double() - reference).pow(2).sum()) for _, q in candidates]
+            best[r, g] = candidates[errors.index(min(errors))][0][r, g, 0]
+    return torch.clamp(weight.reshape(rows, -1, group).double(), -best.unsqueeze(2), best.unsqueeze(2)).reshape(rows, cols)
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_clipping_picks_each_groups_ratio_of_least_output_error(symmetric):
+    import functools
+
+    from qtool.calibration.runner import _rtn_values
+
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(16, 96, dtype=torch.float64, generator=generator)
+    weight[torch.rand(16, 96, generator=generator) < 0.03] *= 6  # outliers: clipping them pays
+    inputs = torch.randn(400, 96, dtype=torch.float64, generator=generator) @ torch.randn(96, 96, dtype=torch.float64, generator=generator)
+    quantize = functools.partial(_rtn_values, bits=3, group_size=32, symmetric=symmetric, scale_dtype=torch.float64)
+    clipped = awq.clip(weight, inputs.T @ inputs, quantize, 32)
+    expected = direct_clip(weight, inputs, quantize, 32)
+    assert torch.equal(clipped, expected)
+    assert not torch.equal(clipped, weight), "no group was clipped: the test compares nothing"
+    errors = lambda w: ((quantize(w) - weight) @ inputs.T).pow(2).sum()  # noqa: E731
+    assert errors(clipped) < 0.95 * errors(weight)
+
+
+def test_clipping_takes_every_linear_but_the_queries_and_keys():
+    names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.qkv_proj", "model.layers.3.self_attn.k_proj.weight"]
+    assert not any(awq.clipped(name) for name in names)
+    assert all(awq.clipped(name) for name in ["self_attn.v_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj", "block_sparse_moe.experts.0.w2"])
+
+
+def test_a_bad_hessian_for_clipping_is_a_kernel_error():
+    from qtool.errors import KernelError
+
+    with pytest.raises(KernelError, match="needs a hessian"):
+        awq.clip(torch.zeros(4, 64), torch.zeros(32, 32), lambda w: w, 32)
+
+
+def test_awq_clips_all_but_the_queries_and_keys_on_the_inputs_they_see_once_smoothed(tmp_path, monkeypatch):
+    """Each layer's v, o, gate, up and down weights go through the clipping search (q and k do
+    not), each with X^T X of its inputs as the smoothed layer feeds them: for layer 0's v_proj,
+    the smoothed input_layernorm's outputs (x / s), which the float model with that norm gives."""
+    model = _outlier_model(tmp_path / "model")
+    text = text_file(tmp_path)
+    handed, real = [], awq.clip
+
+    def recording(weight, hessian, quantize, group):
+        handed.append((tuple(weight.shape), hessian.clone()))
+        return real(weight, hessian, quantize, group)
+
+    monkeypatch.setattr(awq, "clip", recording)
+    _, result = _layer_errors(model, text, "awq", tmp_path)
+    v, o, gate, up, down = (32, 64), (64, 64), (128, 64), (128, 64), (64, 128)
+    assert sorted(shape for shape, _ in handed) == sorted([v, o, gate, up, down] * 2)
+    plan = api.prepare_quantize(model, tmp_path / "again", "int3:g32", calibrate=text, samples=4, seq_len=32)
+    tokens = plan.calibration.tokens
+    plan.source.close()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    norm = loaded.model.layers[0].input_layernorm
+    smoothed = result.replaced["model.layers.0.input_layernorm.weight"]
+    assert not torch.equal(smoothed, norm.weight.detach())
+    with torch.no_grad():
+        norm.weight.copy_(smoothed)
+    seen = []
+    hook = loaded.model.layers[0].self_attn.v_proj.register_forward_pre_hook(lambda module, args: seen.append(args[0].reshape(-1, 64).double()))
+    with torch.no_grad():
+        for row in tokens:
+            loaded(torch.as_tensor(row).unsqueeze(0))
+    hook.remove()
+    x = torch.cat(seen)
+    expected = x.T @ x
+    first_v = next(hessian for shape, hessian in handed if shape == v)
+    torch.testing.assert_close(first_v.double(), expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))

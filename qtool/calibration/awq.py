@@ -28,6 +28,11 @@ with Gemma 3's input_layernorm mapping left out (its q/k norms undo the smoothin
 llm-compressor notes), v_proj -> o_proj only where the shapes agree (no grouped-query
 attention), and a mapping whose balance layers are all left unquantized skipped. A norm that
 computes x * (1 + w) (Gemma's) folds as (1 + w) / s - 1, found by probing the module.
+
+Once every mapping is folded, each quantized Linear but the queries' and keys' is clipped
+before rounding (`clip`): llm-awq's `auto_clip`, part of the published method, which
+llm-compressor's AWQModifier leaves out. Each group's range shrinks to the ratio of its max
+that rounds with the least output error on the Linear's (smoothed) inputs.
 """
 
 from __future__ import annotations
@@ -42,9 +47,12 @@ if TYPE_CHECKING:
 
     from qtool.calibration.gptq import GptqResult
 
-__all__ = ["Mapping", "layer_mappings", "grid", "candidate_scales", "weight_means", "rtn", "fold", "search"]
+__all__ = ["Mapping", "layer_mappings", "grid", "candidate_scales", "weight_means", "rtn", "fold", "search", "clip", "clipped"]
 
 N_GRID = 20  # llm-compressor's n_grid
+CLIP_GRID = 20  # llm-awq's auto_clip: n_grid ...
+CLIP_MAX_SHRINK = 0.5  # ... and max_shrink: clipping ratios 1, 0.95, ..., 0.55
+CLIP_SKIPPED = ("q_proj", "k_proj", "qkv_proj")  # llm-awq's auto_clip leaves the queries and keys as they are
 
 
 @dataclass(frozen=True)
@@ -161,6 +169,44 @@ def rtn(weight: "torch.Tensor", *, bits: int, group_size: int | None, symmetric:
     codes = scaled.clamp(qmin, qmax).round().to(torch.int8).reshape(rows, cols)
     shape = (rows, cols // group)
     return GptqResult(codes, scale.reshape(shape), None if zero_point is None else zero_point.reshape(shape), 0.0)
+
+
+def clipped(name: str) -> bool:
+    """Whether AWQ's clipping search applies to the Linear `name`: all but the queries' and
+    keys' (llm-awq: their error reaches the output through the attention's softmax, which a
+    Linear's own output error does not measure)."""
+    return name.removesuffix(".weight").rpartition(".")[2] not in CLIP_SKIPPED
+
+
+def clip(weight: "torch.Tensor", hessian: "torch.Tensor", quantize: Callable[["torch.Tensor"], "torch.Tensor"], group: int) -> "torch.Tensor":
+    """`weight` [out, in] with each group clamped to +-r max|w| of that group, r on llm-awq's
+    clipping grid (1, 0.95, ..., 0.55: `CLIP_GRID`, `CLIP_MAX_SHRINK`), the r whose rounding
+    (`quantize`: the rounded values of a whole weight) gives the group's smallest output error
+    on the calibration inputs: d H_gg d^T for the group's difference d = Q(clamped) - w and
+    H_gg its block of X^T X (`hessian` [in, in], of the Linear's inputs as it will see them).
+    llm-awq's auto_clip measures the same on 512 sampled tokens; X^T X takes every token, at
+    out x in x group per ratio. r = 1 (no clipping) is on the grid, so no group gets worse."""
+    import torch
+
+    rows, cols = weight.shape
+    if cols % group or tuple(hessian.shape) != (cols, cols):
+        raise KernelError(f"awq: clipping {list(weight.shape)} in groups of {group} needs a hessian [{cols}, {cols}], got {list(hessian.shape)}")
+    groups = cols // group
+    blocks = torch.stack([hessian[g * group : (g + 1) * group, g * group : (g + 1) * group] for g in range(groups)]).to(weight.dtype)
+    grouped = weight.reshape(rows, groups, group)
+    peak = grouped.abs().amax(dim=2, keepdim=True)
+    best = best_error = None
+    for step in range(int(CLIP_MAX_SHRINK * CLIP_GRID)):
+        limit = peak * (1 - step / CLIP_GRID)
+        difference = (quantize(torch.clamp(grouped, -limit, limit).reshape(rows, cols)).reshape(rows, groups, group) - grouped).transpose(0, 1)
+        error = (torch.bmm(difference, blocks) * difference).sum(dim=2).T  # [rows, groups]
+        if best is None:
+            best, best_error = limit, error
+            continue
+        better = error < best_error
+        best = torch.where(better.unsqueeze(2), limit, best)
+        best_error = torch.where(better, error, best_error)
+    return torch.clamp(grouped, -best, best).reshape(rows, cols)
 
 
 def _is_offset_norm(module) -> bool:

@@ -452,7 +452,8 @@ def _awq_layer(skeleton, layer, prefix: str, linears, schemes, by_name, hidden, 
     """AWQ (qtool.calibration.awq): over the float layer's run, the mean |x| of each mapping's
     inputs and its parent's inputs are kept; each mapping's scales are searched and folded in
     turn (the float function unchanged, so the kept inputs stay valid); then every Linear is
-    rounded to nearest. The smoothed tensors that are not quantized (norms, an unquantized
+    clipped (`awq.clip`, on X^T X of its inputs, the smoothing's 1 / s applied to it; not the
+    queries and keys) and rounded to nearest. The smoothed tensors that are not quantized (norms, an unquantized
     smooth Linear's weight and bias) go to `result.replaced`. `smooth` False: round to nearest
     only (the runner's "rtn", AWQ's baseline)."""
     import functools
@@ -466,11 +467,18 @@ def _awq_layer(skeleton, layer, prefix: str, linears, schemes, by_name, hidden, 
 
     mappings = awq.layer_mappings(layer, skeleton.config.model_type, lambda relative: full(relative) in linears) if smooth else []
     modules = dict(layer.named_modules())
+    relative_of = {id(module): relative for relative, module in modules.items()}
     sums = {m.smooth: [None, 0] for m in mappings}
-    # a parent that is its one balance Linear: X^T X of its inputs (awq.search's `gram`); else its inputs, kept
+    # X^T X of a Linear's inputs, by the Linear that sees them first: for a parent that is its one
+    # balance Linear (awq.search's `gram`), and for each Linear the clipping search takes
+    # (awq.clip); the balance Linears of one mapping read one input, so share one
     lone = {m.parent for m in mappings if m.balance == (m.parent,)}
+    clipped = {relative_of[id(module)] for module in linears.values() if awq.clipped(relative_of[id(module)])} if smooth else set()
+    shared = {name: mapping.balance[0] for mapping in mappings for name in mapping.balance}
+    gram_of = {name: shared.get(name, name) for name in clipped | lone}
     inputs: dict[str, list] = {m.parent: [] for m in mappings if m.parent not in lone}
-    grams: dict[str, list] = {parent: [None, 0] for parent in lone}
+    grams: dict[str, list] = {source: [None, 0] for source in gram_of.values()}
+    input_scales: dict[str, "torch.Tensor"] = {}  # each smoothed balance Linear's s: its inputs are now x / s
     hooks = []
 
     def statistics(module, args, smooth):
@@ -485,9 +493,9 @@ def _awq_layer(skeleton, layer, prefix: str, linears, schemes, by_name, hidden, 
     def keep_output(module, args, kw, output, parent):
         references[parent].append(output[0] if isinstance(output, tuple) else output)
 
-    def gram(module, args, parent):
+    def gram(module, args, source):
         x = args[0].reshape(-1, args[0].shape[-1]).float()
-        entry = grams[parent]
+        entry = grams[source]
         if entry[0] is None:
             entry[0] = torch.zeros((x.shape[1], x.shape[1]), dtype=torch.float32, device=x.device)
         _upper_gram(x, entry[0], add=True)
@@ -503,8 +511,8 @@ def _awq_layer(skeleton, layer, prefix: str, linears, schemes, by_name, hidden, 
     for parent in inputs:
         hooks.append(modules[parent].register_forward_pre_hook(functools.partial(keep, parent=parent), with_kwargs=True))
         hooks.append(modules[parent].register_forward_hook(functools.partial(keep_output, parent=parent), with_kwargs=True))
-    for parent in grams:
-        hooks.append(modules[parent].register_forward_pre_hook(functools.partial(gram, parent=parent)))
+    for source in grams:
+        hooks.append(modules[source].register_forward_pre_hook(functools.partial(gram, source=source)))
     try:
         _run(layer, hidden, kwargs, outputs)  # float outputs, and the statistics
     finally:
@@ -530,15 +538,16 @@ def _awq_layer(skeleton, layer, prefix: str, linears, schemes, by_name, hidden, 
             dtype = by_name[full(name)].dtype
             quantizers.append(functools.partial(_rtn_values, **_rounding(scheme, dtype)))
             groups.append(_group(scheme) or module.in_features)
-        if mapping.parent in grams:
-            hessian, tokens = grams[mapping.parent][:2]
+        if mapping.parent in lone:
+            hessian, tokens = grams[gram_of[mapping.parent]][:2]
             found = awq.search(modules[mapping.parent], [], balance, quantizers, total / count, groups, gram=(hessian, tokens))
         else:
             found = awq.search(modules[mapping.parent], inputs[mapping.parent], balance, quantizers, total / count, groups, reference=references.pop(mapping.parent, None))
         awq.fold(modules[mapping.smooth], balance, found.scales)
         changed.add(mapping.smooth)
+        for name in mapping.balance:
+            input_scales[name] = found.scales
     inputs.clear()
-    grams.clear()
     references.clear()
     for relative in changed:
         module = modules[relative]
@@ -547,7 +556,17 @@ def _awq_layer(skeleton, layer, prefix: str, linears, schemes, by_name, hidden, 
             if full_name not in schemes:
                 result.replaced[full_name] = param.data.detach().float().cpu().clone()
     for name, module in linears.items():
+        relative = relative_of[id(module)]
+        hessian = grams[gram_of[relative]][0] if relative in clipped else None
+        if hessian is not None:
+            scales = input_scales.get(relative)
+            if scales is not None:  # the smoothed Linear sees x / s
+                inverse = 1 / scales.to(hessian.dtype)
+                hessian = hessian * inverse.unsqueeze(0) * inverse.unsqueeze(1)
+            rounding = _rounding(schemes[name], by_name[name].dtype)
+            module.weight.data = awq.clip(module.weight.data, hessian, functools.partial(_rtn_values, **rounding), _group(schemes[name]) or module.in_features)
         _round_to_nearest(name, module, schemes[name], by_name[name].dtype, result)
+    grams.clear()
 
 
 def _spill():
