@@ -317,3 +317,30 @@ def test_the_factor_is_the_upper_cholesky_factor_of_the_damped_inverse(size):
     assert torch.equal(U, torch.triu(U)) and bool((U.diagonal() > 0).all())
     torch.testing.assert_close(U, expected, rtol=1e-9, atol=1e-9 * float(expected.abs().max()))
     torch.testing.assert_close(U.T @ U @ damped, torch.eye(size, dtype=torch.float64), rtol=0, atol=1e-8)
+
+
+@pytest.mark.parametrize("size", [1, 300, 384, 385, 577, 1000, 1537])
+def test_the_cholesky_by_halves_is_torchs(size):
+    """On both sides of the recursion's base, and odd sizes whose halves are not equal."""
+    from qtool.calibration.gptq import _cholesky
+
+    generator = torch.Generator().manual_seed(size)
+    inputs = torch.randn(size + 50, size, generator=generator, dtype=torch.float64)
+    hessian = inputs.T @ inputs + torch.eye(size, dtype=torch.float64)
+    L = _cholesky(hessian)
+    expected = torch.linalg.cholesky(hessian)
+    assert torch.equal(L, torch.tril(L))
+    torch.testing.assert_close(L, expected, rtol=1e-10, atol=1e-10 * float(expected.abs().max()))
+
+
+def test_the_cholesky_by_halves_refuses_what_torch_refuses():
+    from qtool.calibration.gptq import _cholesky
+
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(800, 800, generator=generator, dtype=torch.float64)
+    indefinite = inputs.T @ inputs
+    indefinite[700, 700] = -1.0  # a negative pivot in the second half's Schur complement
+    with pytest.raises(torch.linalg.LinAlgError):
+        torch.linalg.cholesky(indefinite)
+    with pytest.raises(torch.linalg.LinAlgError):
+        _cholesky(indefinite)

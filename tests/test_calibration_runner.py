@@ -345,3 +345,19 @@ def test_the_embedding_step_reads_only_the_rows_of_the_samples_tokens_and_gives_
     assert sum(read) == embedding.data.nbytes  # the whole-embedding path, for comparison
     assert torch.equal(rows_hidden, whole_hidden)
     assert float(rows_hidden.abs().sum()) > 0
+
+
+@pytest.mark.parametrize("width", [1, 63, 64, 65, 200, 768, 769, 1000])
+def test_the_upper_blocks_mirrored_are_x_transpose_x(width):
+    """Each width on both sides of a block step and of the narrow inputs' step: summed over two
+    inputs, the upper blocks of X^T X made symmetric are X^T X."""
+    from qtool.calibration.runner import _mirror, _upper_gram
+
+    generator = torch.Generator().manual_seed(width)
+    first, second = (torch.randn(37, width, dtype=torch.float64, generator=generator) for _ in range(2))
+    total = torch.zeros(width, width, dtype=torch.float64)
+    _upper_gram(first, total, add=True)
+    _upper_gram(second, total, add=True)
+    _mirror(total)
+    both = torch.cat([first, second])
+    torch.testing.assert_close(total, both.T @ both, rtol=1e-12, atol=1e-10)

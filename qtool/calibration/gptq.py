@@ -142,11 +142,13 @@ def factor(hessian: "torch.Tensor", *, dtype: "torch.dtype", dampening: float = 
         raise KernelError(f"gptq needs a square hessian, got {list(hessian.shape)}")
     if actorder is not None and actorder not in ACTORDERS:
         raise KernelError(f"gptq: activation order {actorder!r} is not one of {', '.join(ACTORDERS)}")
-    H = hessian.to(dtype).clone()
+    H = hessian.to(dtype)
     order = None
-    if actorder is not None:
+    if actorder is not None:  # a permuted copy (index_select: 3x faster than H[order][:, order])
         order = torch.argsort(torch.diagonal(H), descending=True, stable=True)
-        H = H[order][:, order]
+        H = H.index_select(0, order).index_select(1, order)
+    else:
+        H = H.clone()  # the caller's Hessian stays as it was
     dead = torch.diagonal(H) == 0  # inputs never seen: their columns carry no error
     H[dead, dead] = 1
     damp = dampening * torch.mean(torch.diagonal(H))
@@ -155,10 +157,31 @@ def factor(hessian: "torch.Tensor", *, dtype: "torch.dtype", dampening: float = 
     # without forming H^-1 and factoring it again: with J the reversal, J H J = L L^T gives
     # H^-1 = (J L^-1 J)^T (J L^-1 J), and J L^-1 J is upper with a positive diagonal
     H = H.flip(0, 1)  # each [in, in] matrix freed once the next is made: two alive at once
-    L = torch.linalg.cholesky(H)
+    L = _cholesky(H)
     del H
     U = _lower_inverse(L).flip(0, 1)
     return Factor(order, dead, U, dampening, actorder)
+
+
+CHOLESKY_BASE = 384  # a matrix this wide or narrower is factored by one LAPACK call
+
+
+def _cholesky(H: "torch.Tensor") -> "torch.Tensor":
+    """The lower Cholesky factor of H, by halves: [[A, B^T], [B, C]] = L L^T with L11 = chol(A),
+    L21 = B L11^-T and L22 = chol(C - L21 L21^T), so most of the work is matrix products. One
+    thread of MKL's potrf ran at a third of the core's matmul speed: 1536 columns 32 -> 15 ms.
+    A matrix that is not positive definite fails as torch.linalg.cholesky fails."""
+    import torch
+
+    size = H.shape[0]
+    if size <= CHOLESKY_BASE:
+        return torch.linalg.cholesky(H)
+    half = -(-size // 2 // 64) * 64
+    L = torch.zeros_like(H)
+    L[:half, :half] = _cholesky(H[:half, :half])
+    L[half:, :half] = torch.linalg.solve_triangular(L[:half, :half], H[half:, :half].T, upper=False).T
+    L[half:, half:] = _cholesky(torch.addmm(H[half:, half:], L[half:, :half], L[half:, :half].T, alpha=-1))
+    return L
 
 
 INVERSE_BASE = 128  # a triangle this wide or narrower is inverted by one triangular solve
