@@ -365,3 +365,43 @@ def test_awq_clips_all_but_the_queries_and_keys_on_the_inputs_they_see_once_smoo
     expected = x.T @ x
     first_v = next(hessian for shape, hessian in handed if shape == v)
     torch.testing.assert_close(first_v.double(), expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+
+
+def test_the_raced_grid_sums_its_finalists_in_full_and_runs_far_fewer_forwards():
+    """Every point on the first eighth of the samples; point 0 and the best `RACE_FINALISTS`
+    there on all of them, each finalist's error exactly the whole grid's; the rest never
+    finish. Here the race's winner is the whole grid's, at well under half the forwards."""
+    import functools
+
+    from qtool.calibration.runner import _rtn_values
+
+    generator = torch.Generator().manual_seed(6)
+    linear = torch.nn.Linear(128, 48, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(48, 128, generator=generator))
+    channel = torch.rand(128, generator=generator) * 4 + torch.where(torch.rand(128, generator=generator) < 0.05, 20.0, 0.0)
+    samples = [((torch.randn(1, 40, 128, generator=generator) * channel,), {}) for _ in range(32)]
+    quantize = functools.partial(_rtn_values, bits=3, group_size=32, symmetric=True, scale_dtype=torch.float32)
+    x_mean = torch.cat([args[0].reshape(-1, 128) for args, _ in samples]).abs().mean(dim=0)
+    candidates = [awq.candidate_scales(x_mean, awq.weight_means([linear.weight.data], [32]), ratio, duo) for ratio, duo in awq.grid()]
+    original = linear.weight.data
+    reference = [linear(*args) for args, _ in samples]
+
+    def set_weights(scales):
+        linear.weight.data = quantize(original * scales.unsqueeze(0)) / scales.unsqueeze(0)
+
+    whole = []
+    for scales in candidates:
+        set_weights(scales)
+        whole.append(sum(float((linear(*args).double() - r.double()).pow(2).sum()) for (args, _), r in zip(samples, reference)) / sum(r.numel() for r in reference))
+    forwards = []
+    hook = linear.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    raced = awq._raced_errors(linear, samples, reference, set_weights, candidates)
+    hook.remove()
+    linear.weight.data = original
+    finished = [point for point, error in enumerate(raced) if error is not None]
+    assert 0 in finished and len(finished) <= 1 + awq.RACE_FINALISTS
+    for point in finished:
+        assert raced[point] == pytest.approx(whole[point], rel=1e-12)
+    assert min(finished, key=lambda point: raced[point]) == min(range(len(whole)), key=whole.__getitem__)
+    assert len(forwards) <= 0.45 * len(candidates) * len(samples)

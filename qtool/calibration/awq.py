@@ -11,9 +11,11 @@ r runs over a grid of 20 points (llm-compressor's `AWQModifier` defaults, duo sc
 without the weight term, then 19 ratios 0..1 with it); the s whose Q(W s) / s gives the
 smallest mean squared error of the parent module's output (the lowest common ancestor of the
 balance layers: the attention for q/k/v, the MLP for gate/up, the Linear itself alone) on the
-calibration inputs wins. Where the parent is the lone balance Linear (o_proj, down_proj) that
-error is computed from X^T X of its inputs instead of a forward per grid point: the same
-quantity, summed in another order (`search`'s `gram`).
+calibration inputs wins, the grid raced: every point on the first eighth of the samples, the
+best five there (and s = 1) on all (`_raced_errors`). Where the parent is the lone balance
+Linear (o_proj, down_proj) that error is computed from X^T X of its inputs instead of a
+forward per grid point: the same quantity, summed in another order (`search`'s `gram`), for
+every point.
 
 The mappings are llm-compressor's for LLaMA-like layers (by module name inside a decoder layer):
 
@@ -268,7 +270,8 @@ def search(
     reference: "list[torch.Tensor] | None" = None,
 ) -> SearchResult:
     """The grid's best scales for one mapping: `parent` run on each cached (args, kwargs) with
-    every balance Linear's weight set to quantizer(W s) / s, against its float outputs. The
+    every balance Linear's weight set to quantizer(W s) / s, against its float outputs, the
+    grid raced (`_raced_errors`: every point on the first samples, the best few on all). The
     balance weights are left as they were.
 
     `gram` (X^T X of the parent's inputs [in, in], the number of input rows): for a parent that
@@ -295,7 +298,7 @@ def search(
 
     try:
         if gram is None:
-            errors = _pruned_errors(parent, inputs, reference, set_weights, candidates)
+            errors = _raced_errors(parent, inputs, reference, set_weights, candidates)
         else:
             hessian, tokens = gram
             count = tokens * originals[0].shape[0]
@@ -321,18 +324,24 @@ def search(
     return SearchResult(candidates[best].clone(), ratio, duo, errors_best, identity)
 
 
-def _pruned_errors(parent, inputs, reference, set_weights, candidates) -> "list[float | None]":
-    """Each grid point's mean squared error of the parent's outputs over the samples, or None
-    for a point shown unable to win: the grid's argmin (first of equals) and s = 1's error
-    (point 0) are exactly those of evaluating every point on every sample.
+RACE_SHARE = 8  # every grid point is first run on this share of the samples (at least one) ...
+RACE_FINALISTS = 5  # ... and the best this many of them, with s = 1, on all of them
 
-    Each point's error is its samples' squared errors summed in sample order, then divided by
-    the element count. Adding a non-negative float never lowers a float sum, so once a point's
-    partial sum is above the best full sum so far (or equal to it, for a later point), no
-    remaining sample can make it win, and its remaining samples are skipped. Every point is
-    first run on sample 0 alone; then point 0 (s = 1) in full, then the others by increasing
-    sample-0 error, so the likely winner is summed first and the bound prunes early: on
-    SmolLM2-135M's first three layers, 14-46% of a mapping's grid forwards are skipped."""
+
+def _raced_errors(parent, inputs, reference, set_weights, candidates) -> "list[float | None]":
+    """Each grid point's mean squared error of the parent's outputs over the samples, or None for
+    a point that did not reach the final: every point is run on the first 1/`RACE_SHARE` of the
+    samples; the `RACE_FINALISTS` with the least error there, and point 0 (s = 1, the reported
+    baseline), go on to every sample. A few samples rank the points well: on SmolLM2-135M's first
+    8 layers (32 samples, int4 g64) the winner was the whole grid's in all 16 mappings searched
+    by forwards (BENCHMARKS.md), at about 40% of the forwards (the search is most of AWQ's
+    time, as in llm-compressor, which runs the whole grid on every sample).
+
+    Among the finalists the argmin (first of equals) is exact: each one's error is its samples'
+    squared errors summed in sample order, then divided by the element count; adding a
+    non-negative float never lowers a float sum, so once a finalist's partial sum is above the
+    best full sum so far (or equal to it, for a later point) its remaining samples are skipped.
+    Point 0 is summed in full, then the others by increasing first-share error."""
     import torch
 
     def outputs(index: int) -> "torch.Tensor":
@@ -353,11 +362,13 @@ def _pruned_errors(parent, inputs, reference, set_weights, candidates) -> "list[
     partial: list = [0] * len(candidates)  # int 0 first, as sum() starts
     if not inputs:
         return [total / count if count else float("nan") for total in partial]
+    first = max(1, len(inputs) // RACE_SHARE)
     for point, scales in enumerate(candidates):
         set_weights(scales)
-        partial[point] = partial[point] + squared(0)
+        for sample in range(first):
+            partial[point] = partial[point] + squared(sample)
     finite = [p if p == p else float("inf") for p in partial]
-    order = [0] + sorted(range(1, len(candidates)), key=lambda point: (finite[point], point))
+    order = [0] + sorted(range(1, len(candidates)), key=lambda point: (finite[point], point))[:RACE_FINALISTS]
     errors: list = [None] * len(candidates)
     best: tuple | None = None  # (error, point) of the best full sum so far
 
@@ -371,7 +382,7 @@ def _pruned_errors(parent, inputs, reference, set_weights, candidates) -> "list[
         if beaten(point):
             continue
         set_weights(candidates[point])
-        sample = 1
+        sample = first
         while sample < len(inputs) and not beaten(point):
             partial[point] = partial[point] + squared(sample)
             sample += 1
