@@ -23,6 +23,7 @@ every output (loaded by transformers with compressed-tensors, decompressed) on t
     python benchmarks/bench_calibrate.py --methods awq --schemes int4:g64   # AWQ only
     python benchmarks/bench_calibrate.py --methods gptq --schemes int3:g64,int3:g64:mse   # both observers
     python benchmarks/bench_calibrate.py --methods gptq,gptq-ts --schemes int4:g64,int4:g64:asym   # and --true-sequential
+    python benchmarks/bench_calibrate.py --methods gptq-ts --schemes int4:g64,int4:g64:asym,int3:g64 --eval-windows 32   # true sequential only
 
 Memory flat in depth (--depth 8,30): random-weight models of SmolLM2's width (hidden 576,
 intermediate 1536, 9 heads, its tokenizer) with each number of layers, bf16, made once in the
@@ -175,7 +176,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--schemes", default="int4:g64,int4:g64:asym")
-    parser.add_argument("--methods", default="rtn,gptq,awq", help="of rtn, gptq, awq; gptq-ts adds qtool's --true-sequential GPTQ beside gptq's")
+    parser.add_argument("--methods", default="rtn,gptq,awq", help="of rtn, gptq, gptq-ts, awq: gptq-ts is qtool's --true-sequential GPTQ (each against llm-compressor's GPTQ, run once)")
     parser.add_argument("--actorder", default="static", help="qtool GPTQ's --actorder ('none': without); llm-compressor 0.14's GPTQModifier defaults to static")
     parser.add_argument("--eval-windows", type=int, default=8)
     parser.add_argument("--workdir", default=str(Path.home() / ".cache" / "qtool-bench" / "calibrate"))
@@ -227,10 +228,11 @@ def main() -> None:
         if "rtn" in methods:
             runs["qtool rtn"] = [*qtool, "-o", str(work / f"qtool-rtn-{tag}")]
         for algorithm in ("gptq", "awq"):
-            if algorithm not in methods:
+            if algorithm not in methods and not (algorithm == "gptq" and "gptq-ts" in methods):
                 continue
             order = ["--actorder", args.actorder] if algorithm == "gptq" and args.actorder != "none" else []
-            runs[f"qtool {algorithm}"] = [*qtool, "-o", str(work / f"qtool-{algorithm}-{tag}"), *calibrated, "--algorithm", algorithm, *order]
+            if algorithm in methods:
+                runs[f"qtool {algorithm}"] = [*qtool, "-o", str(work / f"qtool-{algorithm}-{tag}"), *calibrated, "--algorithm", algorithm, *order]
             if algorithm == "gptq" and "gptq-ts" in methods:
                 runs["qtool gptq true-sequential"] = [*qtool, "-o", str(work / f"qtool-gptq-ts-{tag}"), *calibrated, "--algorithm", "gptq", *order, "--true-sequential"]
             if not args.skip_llmc:
