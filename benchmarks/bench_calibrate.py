@@ -31,6 +31,7 @@ workdir; qtool GPTQ int4 g64 on each, one process each: peak RSS and the per-lay
 its --json report (median over layers).
 
     python benchmarks/bench_calibrate.py --depth 8,30 --samples 8 --seq-len 512
+    python benchmarks/bench_calibrate.py --depth 8,30 --samples 32 --methods gptq-ts   # true sequential
 
 llm-compressor runs from its own virtual environment (torch pinned to the same version):
     python -m venv /work/venv-llmc && /work/venv-llmc/bin/pip install -c /work/constraints.txt 'llmcompressor==0.14.*'
@@ -131,7 +132,8 @@ def depth(args, model: str, text: Path, work: Path, env: dict) -> None:
     import subprocess
 
     me = str(Path(__file__).resolve())
-    print(f"GPTQ int4:g64, calibration {args.samples} x {args.seq_len} tokens, random models of SmolLM2-135M's width, one thread")
+    mode = " --true-sequential" if "gptq-ts" in args.methods.split(",") else ""
+    print(f"GPTQ{mode} int4:g64, calibration {args.samples} x {args.seq_len} tokens, random models of SmolLM2-135M's width, one thread")
     print("| layers | wall s | CPU s | peak RSS GB | median s per layer |")
     print("|---|---|---|---|---|")
     for layers in (int(n) for n in args.depth.split(",")):
@@ -142,6 +144,7 @@ def depth(args, model: str, text: Path, work: Path, env: dict) -> None:
         cmd = [
             sys.executable, "-m", "qtool", "quantize", str(folder), "-o", str(out), "--scheme", "int4:g64", "--calibrate", str(text),
             "--samples", str(args.samples), "--seq-len", str(args.seq_len), "--threads", "1", "--overwrite", "--json",
+            *(["--true-sequential"] if "gptq-ts" in args.methods.split(",") else []),
         ]  # fmt: skip
         result = measure(cmd, log_stem=work / f"depth-{layers}", cwd=REPO, env=env, timeout_s=args.timeout)
         if not result.ok:
