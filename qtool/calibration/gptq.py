@@ -9,8 +9,8 @@ explicit inverse (the paper's numerically stable form; `factor` takes it from on
 of H, where llm-compressor inverts H and factors the inverse again). A group's scale (and zero
 point) is chosen by the min-max observer when the sweep reaches the group's first column, on
 the values as they are then (earlier columns' errors already spread into them), so the scales
-follow the updated weights rather than the original ones. With the scheme's `mse` observer the scale is
-qtool.kernels.mse's search on those same values instead (GPTQ's own `find_params(mse=True)`
+follow the updated weights rather than the original ones. With the scheme's `mse` observer the
+scale is qtool.kernels.mse's search on those same values instead (GPTQ's own `find_params(mse=True)`
 idea; at 3 bits it is most of the quality, BENCHMARKS.md).
 
 With activation ordering (`actorder` "weight", compressed-tensors' alias "static"; llm-compressor's
@@ -166,6 +166,12 @@ def factor(hessian: "torch.Tensor", *, dtype: "torch.dtype", dampening: float = 
 CHOLESKY_BASE = 384  # a matrix this wide or narrower is factored by one LAPACK call
 
 
+def _half(size: int) -> int:
+    """Where `_cholesky` and `_lower_inverse` split a matrix: about half, a multiple of 64 for
+    the products' tiles."""
+    return -(-size // 2 // 64) * 64
+
+
 def _cholesky(H: "torch.Tensor") -> "torch.Tensor":
     """The lower Cholesky factor of H, by halves: [[A, B^T], [B, C]] = L L^T with L11 = chol(A),
     L21 = B L11^-T and L22 = chol(C - L21 L21^T), so most of the work is matrix products. One
@@ -176,7 +182,7 @@ def _cholesky(H: "torch.Tensor") -> "torch.Tensor":
     size = H.shape[0]
     if size <= CHOLESKY_BASE:
         return torch.linalg.cholesky(H)
-    half = -(-size // 2 // 64) * 64
+    half = _half(size)
     L = torch.zeros_like(H)
     L[:half, :half] = _cholesky(H[:half, :half])
     L[half:, :half] = torch.linalg.solve_triangular(L[:half, :half], H[half:, :half].T, upper=False).T
@@ -197,7 +203,7 @@ def _lower_inverse(L: "torch.Tensor") -> "torch.Tensor":
     size = L.shape[0]
     if size <= INVERSE_BASE:
         return torch.linalg.solve_triangular(L, torch.eye(size, dtype=L.dtype, device=L.device), upper=False)
-    half = -(-size // 2 // 64) * 64  # a multiple of 64, for the products' tiles
+    half = _half(size)
     inverse = torch.zeros_like(L)
     inverse[:half, :half] = _lower_inverse(L[:half, :half])
     inverse[half:, half:] = _lower_inverse(L[half:, half:])

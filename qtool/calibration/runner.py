@@ -464,8 +464,8 @@ def _awq_layer(skeleton, layer, prefix: str, linears, schemes, by_name, hidden, 
     inputs and its parent's inputs are kept; each mapping's scales are searched and folded in
     turn (the float function unchanged, so the kept inputs stay valid); then every Linear is
     clipped (`awq.clip`, on X^T X of its inputs, the smoothing's 1 / s applied to it; not the
-    queries and keys) and rounded to nearest. The smoothed tensors that are not quantized (norms, an unquantized
-    smooth Linear's weight and bias) go to `result.replaced`. `smooth` False: round to nearest
+    queries and keys) and rounded to nearest. The smoothed tensors that are not quantized
+    (norms, an unquantized smooth Linear's weight and bias) go to `result.replaced`. `smooth` False: round to nearest
     only (the runner's "rtn", AWQ's baseline)."""
     import functools
 
@@ -484,9 +484,9 @@ def _awq_layer(skeleton, layer, prefix: str, linears, schemes, by_name, hidden, 
     # balance Linear (awq.search's `gram`), and for each Linear the clipping search takes
     # (awq.clip); the balance Linears of one mapping read one input, so share one
     lone = {m.parent for m in mappings if m.balance == (m.parent,)}
-    clipped = {relative_of[id(module)] for module in linears.values() if awq.clipped(relative_of[id(module)])} if smooth else set()
+    to_clip = {relative_of[id(module)] for module in linears.values() if awq.clipped(relative_of[id(module)])} if smooth else set()
     shared = {name: mapping.balance[0] for mapping in mappings for name in mapping.balance}
-    gram_of = {name: shared.get(name, name) for name in clipped | lone}
+    gram_of = {name: shared.get(name, name) for name in to_clip | lone}
     inputs: dict[str, list] = {m.parent: [] for m in mappings if m.parent not in lone}
     grams: dict[str, list] = {source: [None, 0] for source in gram_of.values()}
     input_scales: dict[str, "torch.Tensor"] = {}  # each smoothed balance Linear's s: its inputs are now x / s
@@ -568,7 +568,7 @@ def _awq_layer(skeleton, layer, prefix: str, linears, schemes, by_name, hidden, 
                 result.replaced[full_name] = param.data.detach().float().cpu().clone()
     for name, module in linears.items():
         relative = relative_of[id(module)]
-        hessian = grams[gram_of[relative]][0] if relative in clipped else None
+        hessian = grams[gram_of[relative]][0] if relative in to_clip else None
         if hessian is not None:
             scales = input_scales.get(relative)
             if scales is not None:  # the smoothed Linear sees x / s
