@@ -5,9 +5,9 @@ SmolLM2-135M-Instruct (sample_models/real_models.py), the same calibration windo
 For each scheme (int4 g64 sym and asym by default; SmolLM2's hidden size 576 takes group 64):
 
     qtool rtn    python -m qtool quantize MODEL -o OUT --scheme S --threads 1 -q
-    qtool gptq   python -m qtool quantize MODEL -o OUT --scheme S --calibrate CALIB.txt --samples N --seq-len L --threads 1 -q --actorder static
-                 (llm-compressor 0.14's GPTQModifier writes actorder "static" unless told otherwise: the
-                 same algorithm; --actorder none for qtool's plain order)
+    qtool gptq   python -m qtool quantize MODEL -o OUT --scheme S --calibrate CALIB.txt --samples N --seq-len L --threads 1 -q
+                 (qtool's defaults: actorder "static", as llm-compressor 0.14's GPTQModifier; the bench's
+                 --actorder none or weight passes that order to qtool instead)
     llmc gptq    $LLMC_PYTHON this file --llmc-child ...   (oneshot + GPTQModifier, same windows, one thread)
     qtool awq    ... --algorithm awq                        (20-point grid, duo scaling: llm-compressor's defaults)
     llmc awq     $LLMC_PYTHON this file --llmc-child ... awq (AWQModifier defaults + QuantizationModifier;
@@ -180,7 +180,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--schemes", default="int4:g64,int4:g64:asym")
     parser.add_argument("--methods", default="rtn,gptq,awq", help="of rtn, gptq, gptq-ts, awq: gptq-ts is qtool's --true-sequential GPTQ (each against llm-compressor's GPTQ, run once)")
-    parser.add_argument("--actorder", default="static", help="qtool GPTQ's --actorder ('none': without); llm-compressor 0.14's GPTQModifier defaults to static")
+    parser.add_argument("--actorder", default="default", help="qtool GPTQ's --actorder (static, weight, none); 'default' passes none and runs qtool's default (static, as llm-compressor 0.14's GPTQModifier)")
     parser.add_argument("--eval-windows", type=int, default=8)
     parser.add_argument("--workdir", default=str(Path.home() / ".cache" / "qtool-bench" / "calibrate"))
     parser.add_argument("--llmc-python", default=LLMC_PYTHON)
@@ -233,7 +233,7 @@ def main() -> None:
         for algorithm in ("gptq", "awq"):
             if algorithm not in methods and not (algorithm == "gptq" and "gptq-ts" in methods):
                 continue
-            order = ["--actorder", args.actorder] if algorithm == "gptq" and args.actorder != "none" else []
+            order = ["--actorder", args.actorder] if algorithm == "gptq" and args.actorder != "default" else []
             if algorithm in methods:
                 runs[f"qtool {algorithm}"] = [*qtool, "-o", str(work / f"qtool-{algorithm}-{tag}"), *calibrated, "--algorithm", algorithm, *order]
             if algorithm == "gptq" and "gptq-ts" in methods:

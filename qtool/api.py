@@ -144,8 +144,8 @@ def prepare_quantize(
     that names none (a scheme string may also end in `:mse`).
     `calibrate` (a .txt, a .jsonl with a "text" field, or a folder of them) makes it a
     calibrated quantization: `algorithm` gptq (the default), awq or rtn, on `samples` windows of
-    `seq_len` tokens drawn with `seed`, GPTQ's columns in activation order with `actorder`
-    ("weight" or its alias "static"), and with `true_sequential` each layer's Linears in the
+    `seq_len` tokens drawn with `seed`, GPTQ's columns in activation order (`actorder`
+    "static", llm-compressor's default, or its alias "weight"; "none" for the stored order), and with `true_sequential` each layer's Linears in the
     order the layer calls them, each on the outputs of those quantized before it, in one run of
     the layer (qtool.calibration.true_sequential); checked here, run by `run` before the
     executor; with a GGUF output it computes llama.cpp's importance matrix instead.

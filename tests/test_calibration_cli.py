@@ -76,7 +76,7 @@ CASES = {
     "float scheme": (None, TEXT, ("--scheme", "FP8"), "GPTQ and AWQ calibrate int2..int8 per channel or per group, not fp8_e4m3"),
     "no such text": (None, None, (), "no such calibration text"),
     "actorder group": (None, TEXT, ("--actorder", "group"), "activation order 'group' (columns regrouped, a weight_g_idx per weight) is gone from compressed-tensors"),
-    "unknown actorder": (None, TEXT, ("--actorder", "sideways"), "activation order 'sideways' is not one of weight, static"),
+    "unknown actorder": (None, TEXT, ("--actorder", "sideways"), "activation order 'sideways' is not one of weight, static, none"),
     "actorder with awq": (None, TEXT, ("--actorder", "weight", "--algorithm", "awq"), "--actorder orders GPTQ's columns; awq has none to order"),
     "true sequential with awq": (None, TEXT, ("--true-sequential", "--algorithm", "awq"), "true sequential orders GPTQ's Linears; awq quantizes each layer from its float run"),
 }
@@ -127,23 +127,30 @@ def test_true_sequential_is_recorded_in_the_report_and_changes_the_codes(tmp_pat
 
 
 def test_actorder_is_recorded_in_the_config_and_changes_the_codes(tmp_path):
+    """GPTQ orders its columns by default as llm-compressor 0.14's GPTQModifier does ("static",
+    recorded in the config); `--actorder none` keeps the stored order and records nothing."""
     text = tmp_path / "text.txt"
     text.write_text(TEXT)
     outs = {}
-    for order in ("weight", None):
+    for order in ("weight", "none", None):
         out = outs[order] = tmp_path / f"out-{order}"
         extra = ("--actorder", order) if order else ()
         result = run_qtool("quantize", TINY, "-o", out, "--scheme", "int4:g32", "--calibrate", text, "--samples", "4", "--seq-len", "32", "--threads", "1", "-q", *extra)
         assert result.returncode == 0, result.stderr
-    weights = json.loads((outs["weight"] / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"]
-    assert weights["actorder"] == "weight"
-    assert "actorder" not in json.loads((outs[None] / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"]
+
+    def weight_args(order):
+        return json.loads((outs[order] / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"]
+
+    assert weight_args("weight")["actorder"] == "weight"
+    assert weight_args(None)["actorder"] == "static"
+    assert "actorder" not in weight_args("none")
     from safetensors.torch import load_file
 
-    ordered, plain = load_file(str(outs["weight"] / "model.safetensors")), load_file(str(outs[None] / "model.safetensors"))
+    ordered, plain, default = (load_file(str(outs[order] / "model.safetensors")) for order in ("weight", "none", None))
     assert set(ordered) == set(plain)  # the same tensors: no weight_g_idx
     name = "model.layers.0.self_attn.q_proj.weight_packed"
     assert not ordered[name].equal(plain[name])
+    assert all(ordered[key].equal(default[key]) for key in ordered)  # static is weight's alias
     # compressed-tensors (through transformers) reads the recorded order and decompresses the
     # weights exactly as qtool does
     import torch

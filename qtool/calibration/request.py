@@ -70,7 +70,7 @@ def prepare(plan: "Plan", text: str, algorithm: str, samples: int, seq_len: int,
     if quantized:
         raise UsageError(f"{source.path} is already quantized ({quantized[0]}); calibration needs float weights", option="calibrate")
     SampleOptions(samples, seq_len, seed).check()
-    _check_actorder(actorder, algorithm)
+    actorder = resolve_actorder(actorder, algorithm)
     if true_sequential and algorithm != "gptq":
         raise UsageError(f"true sequential orders GPTQ's Linears; {algorithm} quantizes each layer from its float run", hint="use --algorithm gptq, or leave --true-sequential out", option="true_sequential")
     if algorithm in ("gptq", "awq"):
@@ -86,20 +86,29 @@ def prepare(plan: "Plan", text: str, algorithm: str, samples: int, seq_len: int,
     return CalibrationRequest(os.fspath(text), algorithm, tokens, seed, actorder, true_sequential)
 
 
-def _check_actorder(actorder: str | None, algorithm: str) -> None:
+DEFAULT_ACTORDER = "static"  # llm-compressor 0.14's GPTQModifier writes this unless told otherwise
+NO_ACTORDER = "none"  # the columns in their stored order
+
+
+def resolve_actorder(actorder: str | None, algorithm: str) -> str | None:
+    """GPTQ's column order as the run uses it: the asked one checked, llm-compressor's default
+    ("static") when none was asked, None for `none` and for algorithms without columns to order."""
     from qtool.calibration.gptq import ACTORDERS
 
     if actorder is None:
-        return
+        return DEFAULT_ACTORDER if algorithm == "gptq" else None
+    if actorder == NO_ACTORDER:
+        return None
     if actorder in ("group", "dynamic"):
         raise UsageError(
             f"activation order {actorder!r} (columns regrouped, a weight_g_idx per weight) is gone from compressed-tensors since 0.19, which refuses its config",
             hint="use --actorder weight (or its alias static): the same column order, groups unchanged", option="actorder",
         )  # fmt: skip
     if actorder not in ACTORDERS:
-        raise UsageError(f"activation order {actorder!r} is not one of {', '.join(ACTORDERS)}", option="actorder")
+        raise UsageError(f"activation order {actorder!r} is not one of {', '.join((*ACTORDERS, NO_ACTORDER))}", option="actorder")
     if algorithm != "gptq":
         raise UsageError(f"--actorder orders GPTQ's columns; {algorithm} has none to order", hint="use --algorithm gptq, or leave --actorder out", option="actorder")
+    return actorder
 
 
 def _record_actorder(plan: "Plan", actorder: str) -> None:

@@ -122,7 +122,7 @@ def quantize_command(
     seq_len: Annotated[int, typer.Option("--seq-len", help="With --calibrate: tokens per window.")] = 512,
     seed: Annotated[int, typer.Option("--seed", help="With --calibrate: which windows are drawn.")] = 0,
     actorder: Annotated[
-        Optional[str], typer.Option("--actorder", help="With --calibrate (GPTQ): weight or static (its alias): quantize columns by decreasing activation, groups unchanged.")
+        Optional[str], typer.Option("--actorder", help="With --calibrate (GPTQ): static (the default, as llm-compressor's) or weight (its alias): quantize columns by decreasing activation, groups unchanged; none: in their stored order.")
     ] = None,
     true_sequential: Annotated[
         bool,
