@@ -47,7 +47,7 @@ def statistics_of_layer(plan, index: int, *, true_sequential: bool = False) -> d
     try:
         calibrate(
             plan.source, [j.weight for j in plan.jobs], {j.weight.name: j.scheme for j in plan.jobs if j.scheme is not None},
-            plan.layout, plan.calibration.tokens, RunnerOptions(true_sequential=true_sequential),
+            plan.layout, plan.calibration.tokens, RunnerOptions(true_sequential=true_sequential, actorder=plan.calibration.actorder),
             on_statistics=lambda at, name, hessian: seen.update({name: hessian.clone()}) if at == index else None,
         )  # fmt: skip
     finally:
