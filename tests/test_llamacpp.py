@@ -317,3 +317,23 @@ def test_imatrix_quantized_gguf_runs_in_llama_cpp(tmp_path, imatrices, made_by, 
     types = {t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors}
     assert types - {"F32", "F16", "BF16"}, types  # something was quantized
     assert_runs(load(out), b"Hello")
+
+
+@pytest.mark.parametrize("byte_fallback", [False, True])
+def test_smollm2s_byte_level_tokenizer_runs_and_tokenizes_real_text_as_transformers(tmp_path, byte_fallback):
+    """SmolLM2's real byte-level BPE tokenizer (with `byte_fallback: true`, as a folder had it,
+    once written as a "llama" vocabulary without byte tokens: llama.cpp aborted in
+    byte_to_token) tokenizes English prose as transformers does, and the model runs."""
+    from transformers import AutoTokenizer
+
+    from tests.test_gguf_hf import smollm2_tokenizer_folder
+
+    llama_cpp()
+    folder = smollm2_tokenizer_folder(tmp_path, byte_fallback=byte_fallback)
+    out = tmp_path / "smollm2.gguf"
+    qtool.quantize(folder, out, "q8_0")
+    llm = load(out)
+    text = (tmp_path / "english.txt").read_text(encoding="utf-8")
+    want = AutoTokenizer.from_pretrained(str(folder)).encode(text, add_special_tokens=False)
+    assert llm.tokenize(text.encode(), add_bos=False, special=False) == want
+    assert_runs(llm, text[:200].encode())

@@ -9,7 +9,8 @@ helpers (`SentencePieceVocab`, `SpecialVocab`, `GGUFWriter`'s key setters as a r
     tokenizer.model (sentencepiece installed)     "llama" tokenizer, sentencepiece's scores (gguf-py's
                                                   SentencePieceVocab); without sentencepiece, refused
     tokenizer.json, BPE with byte fallback        "llama" tokenizer (LLaMA 1/2, Mistral): LlamaHfVocab's tokens
-    tokenizer.json, byte-level BPE                "gpt2" tokenizer (LLaMA 3, Qwen2), its pre-tokenizer
+                                                  (its <0xNN> byte tokens required: llama.cpp aborts without)
+    tokenizer.json, byte-level BPE                "gpt2" tokenizer (LLaMA 3, Qwen2, SmolLM), its pre-tokenizer
                                                   named by the hash of a reference text's tokens
                                                   (read with transformers, which imports torch)
 
@@ -91,9 +92,18 @@ def _vocab_entries(staged: Path, present: set[str], arch: str, vocab_size: int |
     elif "tokenizer.json" not in present:
         raise CheckpointError("has only tokenizer.model, and reading it needs the sentencepiece package", path=folder, hint="pip install sentencepiece")
     else:
-        model = _json_object(staged / "tokenizer.json").get("model")
+        document = _json_object(staged / "tokenizer.json")
+        model = document.get("model")
         kind = model.get("type") if isinstance(model, dict) else None
-        if kind == "BPE" and model.get("byte_fallback") and arch == "llama":
+        if kind == "BPE" and _byte_level(document):
+            _gpt2(writer, staged, vocab_size, allow_incomplete, notes, folder)
+        elif kind == "BPE" and model.get("byte_fallback") and arch == "llama":
+            if not _has_byte_tokens(model):
+                raise CheckpointError(
+                    "its tokenizer.json is BPE with byte fallback but has no <0xNN> byte tokens and no byte-level pre-tokenizer, "
+                    "so llama.cpp could not encode a byte outside its vocabulary (llama_vocab::byte_to_token aborts)",
+                    path=folder, hint="give the model's original tokenizer.json",
+                )  # fmt: skip
             _llama_hf(writer, staged, vocab_size)
         elif kind == "BPE" and not model.get("byte_fallback"):
             _gpt2(writer, staged, vocab_size, allow_incomplete, notes, folder)
@@ -122,6 +132,28 @@ def _json_object(path: Path) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError(f"{path.name} is not a JSON object")
     return value
+
+
+def _byte_level(document: dict[str, Any]) -> bool:
+    """Whether a tokenizer.json maps bytes to symbols before BPE (GPT-2's ByteLevel, alone or in
+    a Sequence, as pre-tokenizer or decoder): llama.cpp's "gpt2" tokenizer. Its vocabulary holds
+    every byte as a symbol, so a `byte_fallback: true` beside it (transformers' GGUF reader
+    was seen in a SmolLM2 folder) never fires, and writing it as a SentencePiece-style "llama"
+    vocabulary without <0xNN> tokens makes llama.cpp abort on the first text."""
+    for part in (document.get("pre_tokenizer"), document.get("decoder")):
+        if not isinstance(part, dict):
+            continue
+        members = (part.get("pretokenizers") or part.get("decoders")) if part.get("type") == "Sequence" else [part]
+        if isinstance(members, list) and any(isinstance(m, dict) and m.get("type") == "ByteLevel" for m in members[:64]):
+            return True
+    return False
+
+
+def _has_byte_tokens(model: dict[str, Any]) -> bool:
+    """Whether a byte-fallback vocabulary has its <0xNN> tokens, which llama.cpp's SPM tokenizer
+    falls back to (a trimmed vocabulary may hold only some)."""
+    vocab = model.get("vocab")
+    return isinstance(vocab, dict) and any(f"<0x{byte:02X}>" in vocab for byte in range(256))
 
 
 def _has_sentencepiece() -> bool:
