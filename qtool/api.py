@@ -360,7 +360,8 @@ def run(
 ) -> "RunReport":
     """Stream a plan to its output, atomically, and write its report (if the plan names one)
     before the output is committed: on `device` (cpu, cuda, cuda:N, auto), with `threads` CPU
-    threads for the kernels, each quantized weight's error measured unless `measure` is off,
+    threads for the kernels, each quantized weight's error reported unless `measure` is off
+    (a finite weight whose scale overflows is refused either way),
     `on_progress` called with input bytes done. Imports torch unless qtool.native runs every
     job. Changes no process state.
 
