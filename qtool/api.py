@@ -19,6 +19,7 @@ from qtool.inspection import Inspection, inspect_checkpoint
 
 if TYPE_CHECKING:
     from qtool.audit import Audit, CheckRules
+    from qtool.distribute import WorkerPool
     from qtool.comparison import Comparison
     from qtool.formats.imatrix import Imatrix
     from qtool.plan import Plan
@@ -36,6 +37,7 @@ __all__ = [
     "imatrix",
     "prepare_quantize",
     "prepare_dequantize",
+    "worker_pool",
     "run",
     "quantize",
     "dequantize",
@@ -343,6 +345,17 @@ def _side_file_warnings(checkpoint: Checkpoint, single_file: bool) -> list[str]:
     return [*checkpoint.notes] + [f"{name} is not copied: it links out of the model folder, is not a regular file, or is too large" for name in skipped_links(checkpoint)]
 
 
+def worker_pool(plan: "Plan", workers: int) -> "WorkerPool":
+    """How many local worker processes `run(plan, workers=workers)` starts: at most the shard
+    jobs it cuts the plan into, and what the available memory holds at the largest job's
+    working set estimate (`WorkerPool.capped` says whether that is fewer than asked)."""
+    from qtool.distribute import worker_pool as pool
+
+    if workers < 1:
+        raise UsageError(f"workers {workers} must be at least 1", option="workers")
+    return pool(plan, workers)
+
+
 def run(
     plan: "Plan",
     *,
@@ -385,11 +398,14 @@ def run(
         raise UsageError("a calibrated quantization runs layer by layer in one process", hint="drop --workers and --executor with --calibrate", option="workers")
     runner = None
     if spread:
-        from qtool.distribute import threads_per_worker
+        from qtool.distribute import threads_per_worker, worker_pool
         from qtool.executors import DEFAULT_RETRIES, make_executor
 
         if device != "cpu" and (device != "auto" or resolve_device(device) != "cpu"):
             raise UsageError(f"device {device}: a run spread over workers runs on the CPU", hint="drop --workers and --executor, or use --device cpu", option="device")
+        requested = workers
+        if executor == "local" and workers > 1:  # no more processes than jobs, or than memory holds
+            workers = worker_pool(plan, workers).workers
         runner = make_executor(executor, workers=workers, address=ray_address, retries=DEFAULT_RETRIES if max_retries is None else max_retries, setup=worker_setup)
         if executor == "local":
             threads = threads_per_worker(threads, workers)
@@ -406,6 +422,8 @@ def run(
     def stage_report_spread(measured, shards) -> None:
         nonlocal execution
         execution = {"executor": runner.name, "workers": runner.workers, "threads_per_worker": options.threads, "shards": [s.to_json() for s in shards]}
+        if runner.name == "local":
+            execution["workers_requested"] = requested  # added for issue 42: the pool may be smaller
         stage_report(measured)
 
     def stage_report(measured) -> None:  # written in full before the output is committed
