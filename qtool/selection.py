@@ -2,8 +2,9 @@
 asked (`--scheme`, `--include`, `--ignore`, `--tensor-scheme`) to one `QScheme` per weight.
 
 By default: 2-D floating `*.weight` tensors of linear layers. Embeddings, `lm_head`, norms,
-biases and anything non-floating are skipped: quantizing those hurts quality for little gain,
-and no loader expects them quantized. `--include` replaces the default rule with patterns,
+MoE routers (`mlp.gate`, `block_sparse_moe.gate`, `shared_expert_gate`, `router`), biases and
+anything non-floating are skipped: quantizing those hurts quality for little gain, and no
+loader expects them quantized. `--include` replaces the default rule with patterns,
 `--ignore` removes matches, `--tensor-scheme PATTERN=SCHEME` picks a scheme per pattern (and
 selects what it matches). The first matching override wins.
 
@@ -28,6 +29,7 @@ from qtool.plan import Chosen
 from qtool.scheme import OBSERVERS, QScheme
 from qtool.scheme_strings import parse_scheme
 from qtool.weight import Weight
+from qtool.weight_position import weight_position
 
 if TYPE_CHECKING:
     from qtool.llamacpp.mixes import Mix
@@ -58,9 +60,15 @@ def quantizable(weight: Weight) -> str | None:
 
 
 def default_selects(name: str) -> bool:
+    """Whether the default rule quantizes a weight named `name`: a linear `*.weight` that is
+    not an embedding, head or norm, nor a mixture's router (llm-compressor's and vLLM's
+    convention: a router is tiny and routing is sensitive to its error; named by `--include` or
+    `--tensor-scheme`, one is quantized)."""
     module, _, leaf = name.rpartition(".")
     # `output` alone is the LM head in Meta/GGUF naming; `attention.output.dense` is a linear
-    return leaf == "weight" and module != "output" and not SKIP_WORDS.search(module)
+    if leaf != "weight" or module == "output" or SKIP_WORDS.search(module):
+        return False
+    return weight_position(name).kind != "router"
 
 
 Matcher = Callable[[str], bool]

@@ -182,7 +182,7 @@ def test_a_calibrated_mixture_loads_in_transformers_with_its_experts_decoded_as_
     )  # fmt: skip
     document = api.run(plan).to_json()
     stored, attribute, (gate, up, down) = NAMES[family]
-    per_layer = 4 + 3 * 4 + 1  # attention, the experts' Linears, the router
+    per_layer = 4 + 3 * 4  # attention, the experts' Linears (the router stays in float: issue 42 item 14)
     assert [len(layer["weights"]) for layer in document["calibration"]["layers"]] == [per_layer, per_layer]
     assert document["summary"]["quantized_weights"] == 2 * per_layer
     assert all(layer["output_rel_mse"] < 0.05 for layer in document["calibration"]["layers"])
