@@ -252,7 +252,7 @@ def _plan_quantize(
         imatrix_pending=has_imatrix and imatrix is None,
     )
     plan = chosen_layout.plan(checkpoint, weights, chosen, options)
-    return replace(plan, output=output, single_file=single_file, report=report, warnings=tuple(warnings + plan.notes + _side_file_warnings(checkpoint, single_file)))
+    return replace(plan, output=output, single_file=single_file, report=report, warnings=tuple(warnings + (plan.notes if plan.said is None else plan.said) + _side_file_warnings(checkpoint, single_file)))
 
 
 def prepare_dequantize(

@@ -179,7 +179,7 @@ def _mix_choice(
     """llama.cpp's rules for a file type (`llama_tensor_get_type`, on the GGUF names), as one
     GGML type's scheme per quantized weight and a float type where a row fits no block."""
     from qtool.ggml_types import ggml_type_named, type_for
-    from qtool.llamacpp.mixes import FLOAT_TYPES, MixTensor, choose_types
+    from qtool.llamacpp.mixes import FLOAT_TYPES, MixTensor, choose_types, fallback_summary
     from qtool.llamacpp.names import tensor_names
 
     names = tensor_names(checkpoint, allow_incomplete)
@@ -203,11 +203,13 @@ def _mix_choice(
     by_out = choose_types(mix, tensors, _model_facts(checkpoint), has_imatrix=has_imatrix)
     schemes: dict[str, QScheme] = {}
     keep_as: dict[str, str] = {}
-    notes = []
+    notes, said = [], []  # every tensor's note (the plan's), and what a run says: one line per fallback kind
     for name, out_name in out_names.items():
         choice = by_out[out_name]
         if choice.note:
             notes.append(f"{out_name}: {choice.note}")
+            if choice.fallback is None:
+                said.append(notes[-1])
         if choice.type == stored_types[name]:  # kept as it is stored
             continue
         if choice.type in FLOAT_TYPES:
@@ -217,7 +219,8 @@ def _mix_choice(
         if scheme is None:
             raise SchemeError(f"{out_name}: llama.cpp's rules chose {choice.type}, which qtool cannot write")
         schemes[name] = scheme
-    return Chosen(schemes, keep_as, mix.name, tuple(notes))
+    said.extend(fallback_summary([by_out[out_name] for out_name in out_names.values()]))
+    return Chosen(schemes, keep_as, mix.name, tuple(notes), tuple(said))
 
 
 def _model_facts(checkpoint: Checkpoint) -> Any:
