@@ -488,12 +488,15 @@ def imatrix(
     overwrite: bool = False,
     allow_incomplete_gguf: bool = False,
     on_layer: Callable[[Any, int], None] | None = None,
+    on_start: Callable[[int, int, int], None] | None = None,
 ) -> dict[str, Any]:
     """llama.cpp's importance matrix of a Hugging Face model on a calibration text, written to
     `output` (.gguf) in llama-imatrix's GGUF format, with GGUF tensor names as qtool's GGUF
     conversion names them, so `llama-quantize --imatrix` (and `quantize(..., imatrix=)`) take
     it: `chunks` chunks of `chunk_size` tokens from the start of the text (all, by default),
-    as llama-imatrix -c chunk_size --chunks N cuts them. Returns the `--json` document."""
+    as llama-imatrix -c chunk_size --chunks N cuts them. `on_start(chunks, chunk_size, layers)`
+    once the text is cut, before the first layer runs; `on_layer(layer, layers)` after each.
+    Returns the `--json` document."""
     from qtool.calibration.imatrix import as_imatrix, chunk_tokens, collect_imatrix, statistics_entries
     from qtool.calibration.samples import load_tokenizer, read_text
     from qtool.calibration.skeleton import Skeleton
@@ -524,8 +527,10 @@ def imatrix(
         if quantized:
             raise UsageError(f"{path} is already quantized ({quantized[0]}); the importance matrix needs float weights", option="path")
         folder = checkpoint.path if os.path.isdir(checkpoint.path) else os.path.dirname(os.path.abspath(checkpoint.path))
-        Skeleton.build(checkpoint)
+        layers = len(Skeleton.build(checkpoint).layers)
         tokens = chunk_tokens(read_text(text), load_tokenizer(folder), chunk_size, chunks, text)
+        if on_start is not None:
+            on_start(int(tokens.shape[0]), int(tokens.shape[1]), layers)
         import torch
 
         previous = torch.get_num_threads()
