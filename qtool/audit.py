@@ -75,7 +75,7 @@ class CheckRules:
     def validate(self) -> None:
         """Bad schemes and regexes fail here, before anything is read (exit 2)."""
         if self.expect_scheme is not None:
-            parse_scheme_option(self.expect_scheme, "expect_scheme")
+            parse_scheme_option(self.expect_scheme, "expect-scheme")
         for pattern in (*self.require_quantized, *self.allow_plain):
             compile_pattern(pattern)
 
@@ -190,9 +190,9 @@ def audit(
     logical = (lambda name: gguf_to_hf(name)) if checkpoint.format == "gguf" else (lambda name: name)
     allow = [compile_pattern(p) for p in rules.allow_plain]
     require = [(p, compile_pattern(p)) for p in rules.require_quantized]
-    expected = parse_scheme_option(rules.expect_scheme, "expect_scheme") if rules.expect_scheme else None
+    expected = parse_scheme_option(rules.expect_scheme, "expect-scheme") if rules.expect_scheme else None
     _refuse_unmatched(checkpoint, weights, require)
-    notes = [f"allow_plain pattern '{shorten(p)}' matches no weight" for p, match in zip(rules.allow_plain, allow) if not any(match(w.name) for w in weights)]
+    notes = [f"allow-plain pattern '{shorten(p)}' matches no weight" for p, match in zip(rules.allow_plain, allow) if not any(match(w.name) for w in weights)]
     if require:
         applied.append("require-quantized")
     if expected is not None:
@@ -248,7 +248,7 @@ def _refuse_unmatched(checkpoint: Checkpoint, weights: list[Weight], require: li
     for pattern, match in require:
         if not any(match(weight.name) for weight in weights):
             raise UsageError(
-                f"require_quantized pattern '{shorten(pattern)}' matches no weight",
+                f"require-quantized pattern '{shorten(pattern)}' matches no weight",
                 hint="patterns match weight names as `qtool inspect` lists them: a glob the whole name, re: a regex anchored at the start",
                 path=checkpoint.path,
                 option="require_quantized",

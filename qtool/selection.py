@@ -42,10 +42,13 @@ SKIP_WORDS = re.compile(r"(^|[._])(embed\w*|wte|wpe|lm_head|norm\w*|\w*_norm|ln_
 
 
 def parse_scheme_option(text: str, option: str = "scheme") -> QScheme:
+    """`text` as a scheme; a bad one is a SchemeError led by `option` as a rule names it (`scheme`,
+    `tensor scheme`, `expect-scheme`: what a policy file and a flag both say), whose `option`
+    is the API parameter (`expect_scheme`)."""
     try:
         return parse_scheme(text)
     except SchemeError as exc:
-        raise SchemeError(f"{option}: {exc}", hint=exc.hint, option=option.replace(" ", "_")) from None
+        raise SchemeError(f"{option}: {exc}", hint=exc.hint, option=option.replace(" ", "_").replace("-", "_")) from None
 
 
 def quantizable(weight: Weight) -> str | None:

@@ -317,8 +317,9 @@ def test_a_require_quantized_pattern_that_matches_nothing_is_exit_2_naming_it(w4
     )  # fmt: skip
     assert result.returncode == 2, result.stderr
     lines = result.stderr.splitlines()
-    shown = pattern.replace("\\", "\\\\")  # the error line escapes backslashes, as it does every name
-    assert lines[0] == f"error: {w4}: require_quantized pattern '{shown}' matches no weight"
+    # issue 42 item 24: the rule as the flag and the policy file name it, the pattern as typed
+    # (a backslash is doubled only where it would read as an escape: `\\x1b`)
+    assert lines[0] == f"error: {w4}: require-quantized pattern '{pattern}' matches no weight"
     assert lines[1].startswith("hint: patterns match weight names") and lines[1].endswith("(--require-quantized)")
     assert len(lines) == 2 and result.stdout == ""
 
@@ -326,13 +327,16 @@ def test_a_require_quantized_pattern_that_matches_nothing_is_exit_2_naming_it(w4
 def test_an_allow_plain_pattern_that_matches_nothing_warns(w4):
     result = runner.invoke(app, ["check", str(w4), "--allow-plain", "nomatch*", "--json"])
     assert result.exit_code == 0, result.output
-    assert "warning: allow_plain pattern 'nomatch*' matches no weight" in result.stderr
+    assert "warning: allow-plain pattern 'nomatch*' matches no weight" in result.stderr
+    result = runner.invoke(app, ["check", str(w4), "--allow-plain", "re:.*nomatch\\.x", "--json"])
+    assert "warning: allow-plain pattern 're:.*nomatch\\.x' matches no weight" in result.stderr
 
 
 def test_the_expect_scheme_hint_names_its_flag_once(w4):
     result = runner.invoke(app, ["check", str(w4), "--expect-scheme", "W5A16"])
     assert result.exit_code == 2
     assert "(--expect-scheme)" in result.stderr and "----" not in result.stderr
+    assert result.stderr.splitlines()[0] == "error: expect-scheme: unknown scheme 'W5A16'"
 
 
 def test_one_finding_is_singular(w4):
