@@ -27,7 +27,7 @@ from qtool.formats.checkpoint import Checkpoint
 from qtool.patterns import compile_pattern
 from qtool.plan import Chosen
 from qtool.scheme import OBSERVERS, QScheme
-from qtool.scheme_strings import parse_scheme
+from qtool.scheme_strings import parse_scheme, scheme_hint
 from qtool.weight import Weight
 from qtool.weight_position import weight_position
 
@@ -144,7 +144,13 @@ class Selection:
                 hint="a lowercase GGUF type (q4_k) is already one type on the weights qtool selects",
                 option="pure",
             )
-        return cls(observed(parse_scheme_option(scheme), scheme, "scheme"), tuple(include), tuple(ignore), tuple(overrides))
+        try:
+            parsed = parse_scheme_option(scheme)
+        except SchemeError as exc:  # here a llama.cpp file type is valid too: the hint lists them
+            from qtool.llamacpp.mixes import MIXES
+
+            raise SchemeError(exc.message, hint=scheme_hint(scheme, tuple(MIXES)), option="scheme") from None
+        return cls(observed(parsed, scheme, "scheme"), tuple(include), tuple(ignore), tuple(overrides))
 
     def _matchers(self) -> tuple[list[Matcher], list[Matcher], list[tuple[Matcher, QScheme]]]:
         return (
