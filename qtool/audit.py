@@ -220,7 +220,8 @@ def audit(
         total = sum(t.nbytes for t in checkpoint.tensors.values())
         bits = round(total * 8 / parameters, 4) if parameters else 0.0
         if bits > rules.max_bits_per_weight:
-            findings.append(Finding("max-bits-per-weight", None, f"{bits:.4f} bits per weight, more than {rules.max_bits_per_weight:g}"))
+            detail = f"{bits:.4f} bits per weight, more than {rules.max_bits_per_weight:g}{_plain_cost(weights, total)}"
+            findings.append(Finding("max-bits-per-weight", None, detail))
 
     if rules.fail_on_unknown:
         applied.append("fail-on-unknown")
@@ -240,6 +241,23 @@ def audit(
         applied.append("no-nan")
         findings.extend(_no_nan(checkpoint, weights, device, on_progress))
     return Audit(checkpoint.path, len(weights), applied, findings, notes, policy=rules.to_json(), container=checkpoint.format, listed=weights)
+
+
+PLAIN_NAMED = 3  # the largest plain weights a max-bits-per-weight finding names
+
+
+def _plain_cost(weights: list[Weight], total: int) -> str:
+    """What the plain weights cost, for a max-bits-per-weight finding: their share of the bytes
+    and the largest few with theirs (on a small model, the embeddings and head kept plain are
+    most of the file). Empty when every weight is quantized."""
+    import heapq
+
+    plain = [w for w in weights if not w.quantized]
+    if not plain or total <= 0:
+        return ""
+    largest = heapq.nlargest(PLAIN_NAMED, plain, key=lambda w: w.nbytes)  # linear in the weights
+    named = ", ".join(f"{shorten(w.name)} ({100 * w.nbytes / total:.0f}%)" for w in largest)
+    return f"; plain weights hold {100 * sum(w.nbytes for w in plain) / total:.0f}% of the bytes, the largest {named}"
 
 
 def _refuse_unmatched(checkpoint: Checkpoint, weights: list[Weight], require: list[tuple[str, Callable[[str], bool]]]) -> None:

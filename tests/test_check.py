@@ -124,7 +124,23 @@ def test_max_bits_per_weight_fires_exactly_at_its_threshold(w4):
     bits = qtool.inspect(w4).summary()["bits_per_weight"]  # what inspect reports, 4 decimals
     assert findings(w4, "--max-bits-per-weight", repr(bits)) == []
     document = check(w4, "--max-bits-per-weight", repr(math.nextafter(bits, 0)))
-    assert document["findings"] == [{"rule": "max-bits-per-weight", "weight": None, "detail": f"{bits:.4f} bits per weight, more than {math.nextafter(bits, 0):g}"}]
+    [finding] = document["findings"]
+    assert finding["rule"] == "max-bits-per-weight" and finding["weight"] is None
+    assert finding["detail"].startswith(f"{bits:.4f} bits per weight, more than {math.nextafter(bits, 0):g}; ")
+
+
+def test_max_bits_per_weight_names_the_plain_weights_that_cost_the_bits(w4):
+    """issue 42 item 24: on a small model the embeddings and head, kept plain, are most of the
+    bytes, and the finding said only the figure. It names the largest plain weights, with their
+    share of the checkpoint's bytes."""
+    inspection = qtool.inspect(w4)
+    total = sum(t.nbytes for t in inspection.checkpoint.tensors.values())
+    plain = sorted((w for w in inspection.weights if not w.quantized), key=lambda w: -w.nbytes)
+    share = round(100 * sum(w.nbytes for w in plain) / total)
+    [finding] = check(w4, "--max-bits-per-weight", "4.5")["findings"]
+    largest = ", ".join(f"{w.name} ({100 * w.nbytes / total:.0f}%)" for w in plain[:3])
+    assert finding["detail"].endswith(f"; plain weights hold {share}% of the bytes, the largest {largest}")
+    assert plain[0].name in ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def test_fail_on_unknown(w4, tmp_path):
