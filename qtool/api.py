@@ -19,6 +19,7 @@ from qtool.inspection import Inspection, inspect_checkpoint
 
 if TYPE_CHECKING:
     from qtool.audit import Audit, CheckRules
+    from qtool.distribute import WorkerPool
     from qtool.comparison import Comparison
     from qtool.formats.imatrix import Imatrix
     from qtool.plan import Plan
@@ -36,6 +37,7 @@ __all__ = [
     "imatrix",
     "prepare_quantize",
     "prepare_dequantize",
+    "worker_pool",
     "run",
     "quantize",
     "dequantize",
@@ -250,7 +252,7 @@ def _plan_quantize(
         imatrix_pending=has_imatrix and imatrix is None,
     )
     plan = chosen_layout.plan(checkpoint, weights, chosen, options)
-    return replace(plan, output=output, single_file=single_file, report=report, warnings=tuple(warnings + plan.notes + _side_file_warnings(checkpoint, single_file)))
+    return replace(plan, output=output, single_file=single_file, report=report, warnings=tuple(warnings + (plan.notes if plan.said is None else plan.said) + _side_file_warnings(checkpoint, single_file)))
 
 
 def prepare_dequantize(
@@ -343,6 +345,17 @@ def _side_file_warnings(checkpoint: Checkpoint, single_file: bool) -> list[str]:
     return [*checkpoint.notes] + [f"{name} is not copied: it links out of the model folder, is not a regular file, or is too large" for name in skipped_links(checkpoint)]
 
 
+def worker_pool(plan: "Plan", workers: int) -> "WorkerPool":
+    """How many local worker processes `run(plan, workers=workers)` starts: at most the shard
+    jobs it cuts the plan into, and what the available memory holds at the largest job's
+    working set estimate (`WorkerPool.capped` says whether that is fewer than asked)."""
+    from qtool.distribute import worker_pool as pool
+
+    if workers < 1:
+        raise UsageError(f"workers {workers} must be at least 1", option="workers")
+    return pool(plan, workers)
+
+
 def run(
     plan: "Plan",
     *,
@@ -360,7 +373,8 @@ def run(
 ) -> "RunReport":
     """Stream a plan to its output, atomically, and write its report (if the plan names one)
     before the output is committed: on `device` (cpu, cuda, cuda:N, auto), with `threads` CPU
-    threads for the kernels, each quantized weight's error measured unless `measure` is off,
+    threads for the kernels, each quantized weight's error reported unless `measure` is off
+    (a finite weight whose scale overflows is refused either way),
     `on_progress` called with input bytes done. Imports torch unless qtool.native runs every
     job. Changes no process state.
 
@@ -384,11 +398,14 @@ def run(
         raise UsageError("a calibrated quantization runs layer by layer in one process", hint="drop --workers and --executor with --calibrate", option="workers")
     runner = None
     if spread:
-        from qtool.distribute import threads_per_worker
+        from qtool.distribute import threads_per_worker, worker_pool
         from qtool.executors import DEFAULT_RETRIES, make_executor
 
         if device != "cpu" and (device != "auto" or resolve_device(device) != "cpu"):
             raise UsageError(f"device {device}: a run spread over workers runs on the CPU", hint="drop --workers and --executor, or use --device cpu", option="device")
+        requested = workers
+        if executor == "local" and workers > 1:  # no more processes than jobs, or than memory holds
+            workers = worker_pool(plan, workers).workers
         runner = make_executor(executor, workers=workers, address=ray_address, retries=DEFAULT_RETRIES if max_retries is None else max_retries, setup=worker_setup)
         if executor == "local":
             threads = threads_per_worker(threads, workers)
@@ -405,6 +422,8 @@ def run(
     def stage_report_spread(measured, shards) -> None:
         nonlocal execution
         execution = {"executor": runner.name, "workers": runner.workers, "threads_per_worker": options.threads, "shards": [s.to_json() for s in shards]}
+        if runner.name == "local":
+            execution["workers_requested"] = requested  # added for issue 42: the pool may be smaller
         stage_report(measured)
 
     def stage_report(measured) -> None:  # written in full before the output is committed
@@ -469,12 +488,15 @@ def imatrix(
     overwrite: bool = False,
     allow_incomplete_gguf: bool = False,
     on_layer: Callable[[Any, int], None] | None = None,
+    on_start: Callable[[int, int, int], None] | None = None,
 ) -> dict[str, Any]:
     """llama.cpp's importance matrix of a Hugging Face model on a calibration text, written to
     `output` (.gguf) in llama-imatrix's GGUF format, with GGUF tensor names as qtool's GGUF
     conversion names them, so `llama-quantize --imatrix` (and `quantize(..., imatrix=)`) take
     it: `chunks` chunks of `chunk_size` tokens from the start of the text (all, by default),
-    as llama-imatrix -c chunk_size --chunks N cuts them. Returns the `--json` document."""
+    as llama-imatrix -c chunk_size --chunks N cuts them. `on_start(chunks, chunk_size, layers)`
+    once the text is cut, before the first layer runs; `on_layer(layer, layers)` after each.
+    Returns the `--json` document."""
     from qtool.calibration.imatrix import as_imatrix, chunk_tokens, collect_imatrix, statistics_entries
     from qtool.calibration.samples import load_tokenizer, read_text
     from qtool.calibration.skeleton import Skeleton
@@ -505,8 +527,10 @@ def imatrix(
         if quantized:
             raise UsageError(f"{path} is already quantized ({quantized[0]}); the importance matrix needs float weights", option="path")
         folder = checkpoint.path if os.path.isdir(checkpoint.path) else os.path.dirname(os.path.abspath(checkpoint.path))
-        Skeleton.build(checkpoint)
+        layers = len(Skeleton.build(checkpoint).layers)
         tokens = chunk_tokens(read_text(text), load_tokenizer(folder), chunk_size, chunks, text)
+        if on_start is not None:
+            on_start(int(tokens.shape[0]), int(tokens.shape[1]), layers)
         import torch
 
         previous = torch.get_num_threads()

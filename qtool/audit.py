@@ -75,7 +75,7 @@ class CheckRules:
     def validate(self) -> None:
         """Bad schemes and regexes fail here, before anything is read (exit 2)."""
         if self.expect_scheme is not None:
-            parse_scheme_option(self.expect_scheme, "expect_scheme")
+            parse_scheme_option(self.expect_scheme, "expect-scheme")
         for pattern in (*self.require_quantized, *self.allow_plain):
             compile_pattern(pattern)
 
@@ -190,9 +190,9 @@ def audit(
     logical = (lambda name: gguf_to_hf(name)) if checkpoint.format == "gguf" else (lambda name: name)
     allow = [compile_pattern(p) for p in rules.allow_plain]
     require = [(p, compile_pattern(p)) for p in rules.require_quantized]
-    expected = parse_scheme_option(rules.expect_scheme, "expect_scheme") if rules.expect_scheme else None
+    expected = parse_scheme_option(rules.expect_scheme, "expect-scheme") if rules.expect_scheme else None
     _refuse_unmatched(checkpoint, weights, require)
-    notes = [f"allow_plain pattern '{shorten(p)}' matches no weight" for p, match in zip(rules.allow_plain, allow) if not any(match(w.name) for w in weights)]
+    notes = [f"allow-plain pattern '{shorten(p)}' matches no weight" for p, match in zip(rules.allow_plain, allow) if not any(match(w.name) for w in weights)]
     if require:
         applied.append("require-quantized")
     if expected is not None:
@@ -220,7 +220,8 @@ def audit(
         total = sum(t.nbytes for t in checkpoint.tensors.values())
         bits = round(total * 8 / parameters, 4) if parameters else 0.0
         if bits > rules.max_bits_per_weight:
-            findings.append(Finding("max-bits-per-weight", None, f"{bits:.4f} bits per weight, more than {rules.max_bits_per_weight:g}"))
+            detail = f"{bits:.4f} bits per weight, more than {rules.max_bits_per_weight:g}{_plain_cost(weights, total)}"
+            findings.append(Finding("max-bits-per-weight", None, detail))
 
     if rules.fail_on_unknown:
         applied.append("fail-on-unknown")
@@ -242,13 +243,30 @@ def audit(
     return Audit(checkpoint.path, len(weights), applied, findings, notes, policy=rules.to_json(), container=checkpoint.format, listed=weights)
 
 
+PLAIN_NAMED = 3  # the largest plain weights a max-bits-per-weight finding names
+
+
+def _plain_cost(weights: list[Weight], total: int) -> str:
+    """What the plain weights cost, for a max-bits-per-weight finding: their share of the bytes
+    and the largest few with theirs (on a small model, the embeddings and head kept plain are
+    most of the file). Empty when every weight is quantized."""
+    import heapq
+
+    plain = [w for w in weights if not w.quantized]
+    if not plain or total <= 0:
+        return ""
+    largest = heapq.nlargest(PLAIN_NAMED, plain, key=lambda w: w.nbytes)  # linear in the weights
+    named = ", ".join(f"{shorten(w.name)} ({100 * w.nbytes / total:.0f}%)" for w in largest)
+    return f"; plain weights hold {100 * sum(w.nbytes for w in plain) / total:.0f}% of the bytes, the largest {named}"
+
+
 def _refuse_unmatched(checkpoint: Checkpoint, weights: list[Weight], require: list[tuple[str, Callable[[str], bool]]]) -> None:
     """A gate whose pattern matches no weight checks nothing: a typo in a CI policy would pass
     every model, so it is a usage error naming the pattern, before anything is read."""
     for pattern, match in require:
         if not any(match(weight.name) for weight in weights):
             raise UsageError(
-                f"require_quantized pattern '{shorten(pattern)}' matches no weight",
+                f"require-quantized pattern '{shorten(pattern)}' matches no weight",
                 hint="patterns match weight names as `qtool inspect` lists them: a glob the whole name, re: a regex anchored at the start",
                 path=checkpoint.path,
                 option="require_quantized",

@@ -22,7 +22,7 @@ from qtool.pipeline import ExecOptions, Measurements, write_side_files
 from qtool.plan import Plan
 from qtool.shard_job import ShardJob, ShardResult, split, verify
 
-__all__ = ["ShardRecord", "execute_sharded", "threads_per_worker"]
+__all__ = ["ShardRecord", "WorkerPool", "execute_sharded", "threads_per_worker", "worker_pool"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,79 @@ class ShardRecord:
             "attempts": self.attempts,
             "peak_rss_bytes": self.peak_rss_bytes,
         }
+
+
+# a spawned worker's own footprint before its first job: Python, numpy and qtool (a job that
+# imports torch costs more; the estimate is a ceiling on the pool, not a promise)
+WORKER_BASE_BYTES = 192 << 20
+
+
+@dataclass(frozen=True)
+class WorkerPool:
+    """How many local worker processes a spread run starts, and why that many: at most the
+    `requested` count, the shard `jobs` a split makes (a worker without a job is a process for
+    nothing), and what the `available` memory holds at `per_worker` bytes each."""
+
+    workers: int
+    requested: int
+    jobs: int
+    per_worker: int
+    available: int | None
+
+    @property
+    def capped(self) -> bool:
+        return self.workers < self.requested
+
+    @property
+    def by_memory(self) -> bool:
+        """Memory, not the job count, set the pool."""
+        return self.capped and self.workers < min(self.requested, self.jobs)
+
+
+def job_working_set(job) -> int:
+    """A ceiling on the bytes one plan job holds at its peak in a worker: its input as read, the
+    weight's float32 values twice (decoded, and the decoded output its error is measured on),
+    and its encoded output."""
+    elements = 1
+    for size in job.weight.shape:
+        elements *= size
+    return job.bytes_in + 8 * elements + job.bytes_out
+
+
+def available_memory() -> int | None:
+    """The memory new processes can take without swapping (Linux's MemAvailable), else the free
+    pages, else None (unknown)."""
+    try:
+        with open("/proc/meminfo", "rb") as handle:
+            for line in handle.read(1 << 16).splitlines():
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+_UNKNOWN = object()
+
+
+def worker_pool(plan: Plan, requested: int, available: Any = _UNKNOWN) -> WorkerPool:
+    """The local pool for `requested` workers: capped at the shard jobs `split` makes of the plan
+    for that many, and at `available` memory (default: `available_memory()`; None: no memory
+    cap) over one worker's estimate (`WORKER_BASE_BYTES` + two jobs' working sets at the
+    largest: a worker reads one job ahead while it encodes another). Never below one."""
+    from qtool.shard_job import shard_count
+
+    if available is _UNKNOWN:
+        available = available_memory()
+    jobs = shard_count(plan, requested)
+    per_worker = WORKER_BASE_BYTES + 2 * max((job_working_set(job) for job in plan.jobs), default=0)
+    workers = min(requested, max(1, jobs))
+    if available is not None:
+        workers = min(workers, max(1, available // per_worker))
+    return WorkerPool(workers, requested, jobs, per_worker, available)
 
 
 def threads_per_worker(threads: int | None, workers: int) -> int:

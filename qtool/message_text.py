@@ -15,18 +15,27 @@ __all__ = ["escape", "shorten", "message_line", "counted", "NAME_LIMIT", "LINE_L
 NAME_LIMIT = 200  # characters of one name (a run without spaces) in a message
 LINE_LIMIT = 2000  # characters of one message line, whatever it holds
 _ESCAPES = {"\t": "\\t", "\n": "\\n", "\r": "\\r", "\\": "\\\\"}
+_ESCAPE_LETTERS = frozenset("tnrxuU")  # what follows the backslash of an escape this module writes
 _LONG_WORD = re.compile(r"\S{%d,}" % (NAME_LIMIT + 1))
 
 
 def escape(text: str) -> str:
     """Escape control and non-printable characters (bidi overrides too), so a tensor name from a
     file can't move the cursor, clear the screen, fake a line of output or reorder what a page
-    shows (as gguf_dump's `sanitize_name` does)."""
+    shows (as gguf_dump's `sanitize_name` does). A backslash is doubled only where what follows
+    it would read as one of these escapes (a letter of `\\t \\n \\r \\x \\u \\U`, a backslash, or
+    an escaped character), so the text still reads back one way, and a user's pattern
+    `re:.*foo\\.bar` shows as typed."""
     if text.isprintable() and "\\" not in text:
         return text
     out = []
-    for char in text:
-        if char in _ESCAPES:
+    last = len(text) - 1
+    for at, char in enumerate(text):
+        if char == "\\":
+            following = text[at + 1] if at < last else ""
+            ambiguous = following in _ESCAPE_LETTERS or following in _ESCAPES or (following != "" and not following.isprintable())
+            out.append("\\\\" if ambiguous else "\\")
+        elif char in _ESCAPES:
             out.append(_ESCAPES[char])
         elif char.isprintable():
             out.append(char)

@@ -44,7 +44,7 @@ class ExecOptions:
 
     device: str = "cpu"  # a resolved device: "cpu", "cuda", "cuda:N"
     threads: int | None = None  # CPU threads for the kernels (native and torch); None: every CPU
-    measure: bool = True  # measure each quantized weight's error against the original
+    measure: bool = True  # report each weight's error against the original (the overflow check runs either way)
     on_progress: Callable[[int], None] | None = None  # called with input bytes done, per weight
 
 
@@ -158,7 +158,9 @@ class _Runner:
     def encoder(self, job: Job):
         key = id(job)
         if key not in self._encoders:
-            self._encoders[key] = encoders.choose(self.plan.layout, job, self.options.device, self.options.measure)
+            # a quantized weight's error sums are always taken: they carry the overflow check
+            # (`_check_finite`), which a run without measuring must pass too; only the report skips them
+            self._encoders[key] = encoders.choose(self.plan.layout, job, self.options.device, job.action == QUANTIZE or self.options.measure)
         return self._encoders[key]
 
     def load(self, job: Job):
@@ -210,9 +212,10 @@ class _Runner:
         if job.action == QUANTIZE:
             encoder = self.encoder(job)
             yield from encoder.encode(loaded)
-            if self.options.measure and encoder.errors is not None:
+            if encoder.errors is not None:
                 self._check_finite(job, encoder.errors)
-                self.measured.errors[job.weight.name] = encoder.errors
+                if self.options.measure:
+                    self.measured.errors[job.weight.name] = encoder.errors
             del self._encoders[id(job)]
         elif job.transform is not None:  # a whole weight, changed as the plan says (GGUF's rotary order)
             data = loaded if job.action == DEQUANTIZE else self._converted(job, loaded)

@@ -45,7 +45,8 @@ class Chosen:
     schemes: dict[str, QScheme] = field(default_factory=dict)
     keep_as: dict[str, str] = field(default_factory=dict)
     mix: str | None = None
-    notes: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()  # per tensor, where a rule did something worth knowing (a row fallback)
+    said: tuple[str, ...] | None = None  # what a run says of the notes (one line per fallback kind); None: the notes
 
     def get(self, name: str) -> QScheme | None:
         return self.schemes.get(name)
@@ -156,7 +157,8 @@ class Plan:
     files: list[str]  # output file names, in shard order
     metadata: Any  # the container's own metadata (safetensors `__metadata__`, GGUF key-values)
     config: dict[str, Any] | None  # config.json to write beside the weights, or None
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # the details, in the --dry-run document
+    said: list[str] | None = None  # what a run warns of them (fewer lines: one per fallback kind); None: the notes
     # where it goes, set by the API once the paths are checked
     output: str | None = None
     single_file: bool = False

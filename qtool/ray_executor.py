@@ -4,7 +4,8 @@ One Ray task per shard job, `num_cpus` its share of threads; jobs and results tr
 Ray's object store; staged files are written by the tasks straight into the staging folder
 beside the output, which every node must see (shared storage). Ray retries a task whose worker
 or node was lost (`max_retries`); an error the job raises itself (a `QtoolError`: a bad input)
-is not retried. On any failure, or when the driver is interrupted, every task still running is
+is not retried; each attempt checks in with a counting actor first, so the report's
+`attempts` counts Ray's retries too. On any failure, or when the driver is interrupted, every task still running is
 cancelled (force: its worker process is killed) and the driver disconnects, so the cluster
 keeps no qtool task; the driver then removes the staging.
 
@@ -27,9 +28,38 @@ __all__ = ["RayCluster"]
 _setup_done = False
 
 
-def _run_task(job: ShardJob, setup: Callable[[], None] | None) -> ShardResult:
-    """In a Ray worker: the caller's process settings once per worker process, then the job."""
+class _Attempts:
+    """A Ray actor (no CPU) that counts each shard job's attempts: every attempt of a task checks
+    in before it works, so one whose worker is lost afterwards counts too. Ray retries out of the
+    driver's sight; this is how the report's `attempts` sees them."""
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+
+    def start(self, index: int) -> None:
+        self.counts[index] = self.counts.get(index, 0) + 1
+
+    def count(self, index: int) -> int:
+        return self.counts.get(index, 0)
+
+
+def _check_in(counter, index: int) -> None:
+    """Best effort: a counter that cannot answer (its node lost) never fails the job."""
+    if counter is None:
+        return
+    import ray
+
+    try:
+        ray.get(counter.start.remote(index))
+    except Exception:  # noqa: BLE001 - counting is a report figure, not the job
+        pass
+
+
+def _run_task(job: ShardJob, setup: Callable[[], None] | None, counter=None) -> ShardResult:
+    """In a Ray worker: check in with the attempt counter, the caller's process settings once per
+    worker process, then the job."""
     global _setup_done
+    _check_in(counter, job.index)
     if setup is not None and not _setup_done:
         setup()
         _setup_done = True
@@ -148,15 +178,16 @@ class RayCluster:
             wanted = max(job.options.threads or 1 for job in jobs) if jobs else 1
             if wanted > self.largest_node:  # Ray would wait for such a node for ever
                 raise UsageError(f"each shard job asks for {wanted} CPUs, and no node of the Ray cluster has more than {self.largest_node}", hint="lower --threads (under Ray, the CPUs of one task)", option="threads")
+            counter = self._counter()
             for job in jobs:
                 threads = job.options.threads or 1
-                refs[task.options(num_cpus=threads, max_retries=self.retries, retry_exceptions=False, name=f"qtool shard {job.index}").remote(job, self.setup)] = job
+                refs[task.options(num_cpus=threads, max_retries=self.retries, retry_exceptions=False, name=f"qtool shard {job.index}").remote(job, self.setup, counter)] = job
             while refs:
                 done, _ = ray.wait(list(refs), num_returns=1)
                 for ref in done:
                     job = refs.pop(ref)
                     result = self._result(ref, job)
-                    result.attempts = 0  # Ray retries out of sight: 0 means "not counted"
+                    result.attempts = self._attempts(counter, job.index)
                     on_result(job, result)
         except BaseException:
             for ref in refs:
@@ -167,6 +198,22 @@ class RayCluster:
             raise
         finally:
             self._disconnect()
+
+    def _counter(self):
+        """The attempt counter (`_Attempts`), or None where the cluster will not start it."""
+        try:
+            return self.ray.remote(num_cpus=0, max_restarts=0)(_Attempts).remote()
+        except Exception:  # noqa: BLE001 - without it the report says 0: "not counted"
+            return None
+
+    def _attempts(self, counter, index: int) -> int:
+        """How many times Ray ran the job, as its attempts checked in; 0 when not counted."""
+        if counter is None:
+            return 0
+        try:
+            return int(self.ray.get(counter.count.remote(index)))
+        except Exception:  # noqa: BLE001 - the counter's node lost: the figure only
+            return 0
 
     def _result(self, ref, job: ShardJob) -> ShardResult:
         ray = self.ray

@@ -120,10 +120,19 @@ def _unknown(text: str, why: str | None = None) -> SchemeError:
     if why is None and re.fullmatch(r"Q[2-6]_K_[SML]", text.strip().upper()):
         why = "a llama.cpp file type (a mix of GGUF types), which only quantize --scheme takes; name one type here, e.g. q4_k"
 
-    names = scheme_names()
-    close = difflib.get_close_matches(text, names, n=1, cutoff=0.5) or difflib.get_close_matches(
-        text.upper(), [n.upper() for n in names], n=1, cutoff=0.5
-    )
     message = f"unknown scheme {text!r}" + (f": {why}" if why else "")
-    hint = (f"did you mean {close[0]!r}? " if close else "") + "valid: " + ", ".join(names)
-    return SchemeError(message, hint=hint)
+    return SchemeError(message, hint=scheme_hint(text))
+
+
+def scheme_hint(text: str, file_types: "tuple[str, ...]" = ()) -> str:
+    """The hint for an unknown scheme: the closest valid name (among `file_types` too: llama.cpp's
+    file types, where the caller takes them, as `quantize`'s scheme does) and every valid name."""
+    import difflib
+
+    names = scheme_names()
+    every = [*names, *file_types]
+    folded = [n.upper() for n in every]  # case-blind: q4_k_m is close to Q4_K_M
+    upper = difflib.get_close_matches(text.strip().upper(), folded, n=1, cutoff=0.5)
+    close = [every[folded.index(upper[0])]] if upper else []
+    listed = "valid: " + ", ".join(names) + (f"; llama.cpp file types: {', '.join(file_types)}" if file_types else "")
+    return (f"did you mean {close[0]!r}? " if close else "") + listed

@@ -2,8 +2,9 @@
 asked (`--scheme`, `--include`, `--ignore`, `--tensor-scheme`) to one `QScheme` per weight.
 
 By default: 2-D floating `*.weight` tensors of linear layers. Embeddings, `lm_head`, norms,
-biases and anything non-floating are skipped: quantizing those hurts quality for little gain,
-and no loader expects them quantized. `--include` replaces the default rule with patterns,
+MoE routers (`mlp.gate`, `block_sparse_moe.gate`, `shared_expert_gate`, `router`), biases and
+anything non-floating are skipped: quantizing those hurts quality for little gain, and no
+loader expects them quantized. `--include` replaces the default rule with patterns,
 `--ignore` removes matches, `--tensor-scheme PATTERN=SCHEME` picks a scheme per pattern (and
 selects what it matches). The first matching override wins.
 
@@ -26,8 +27,9 @@ from qtool.formats.checkpoint import Checkpoint
 from qtool.patterns import compile_pattern
 from qtool.plan import Chosen
 from qtool.scheme import OBSERVERS, QScheme
-from qtool.scheme_strings import parse_scheme
+from qtool.scheme_strings import parse_scheme, scheme_hint
 from qtool.weight import Weight
+from qtool.weight_position import weight_position
 
 if TYPE_CHECKING:
     from qtool.llamacpp.mixes import Mix
@@ -40,10 +42,13 @@ SKIP_WORDS = re.compile(r"(^|[._])(embed\w*|wte|wpe|lm_head|norm\w*|\w*_norm|ln_
 
 
 def parse_scheme_option(text: str, option: str = "scheme") -> QScheme:
+    """`text` as a scheme; a bad one is a SchemeError led by `option` as a rule names it (`scheme`,
+    `tensor scheme`, `expect-scheme`: what a policy file and a flag both say), whose `option`
+    is the API parameter (`expect_scheme`)."""
     try:
         return parse_scheme(text)
     except SchemeError as exc:
-        raise SchemeError(f"{option}: {exc}", hint=exc.hint, option=option.replace(" ", "_")) from None
+        raise SchemeError(f"{option}: {exc}", hint=exc.hint, option=option.replace(" ", "_").replace("-", "_")) from None
 
 
 def quantizable(weight: Weight) -> str | None:
@@ -58,9 +63,15 @@ def quantizable(weight: Weight) -> str | None:
 
 
 def default_selects(name: str) -> bool:
+    """Whether the default rule quantizes a weight named `name`: a linear `*.weight` that is
+    not an embedding, head or norm, nor a mixture's router (llm-compressor's and vLLM's
+    convention: a router is tiny and routing is sensitive to its error; named by `--include` or
+    `--tensor-scheme`, one is quantized)."""
     module, _, leaf = name.rpartition(".")
     # `output` alone is the LM head in Meta/GGUF naming; `attention.output.dense` is a linear
-    return leaf == "weight" and module != "output" and not SKIP_WORDS.search(module)
+    if leaf != "weight" or module == "output" or SKIP_WORDS.search(module):
+        return False
+    return weight_position(name).kind != "router"
 
 
 Matcher = Callable[[str], bool]
@@ -133,7 +144,13 @@ class Selection:
                 hint="a lowercase GGUF type (q4_k) is already one type on the weights qtool selects",
                 option="pure",
             )
-        return cls(observed(parse_scheme_option(scheme), scheme, "scheme"), tuple(include), tuple(ignore), tuple(overrides))
+        try:
+            parsed = parse_scheme_option(scheme)
+        except SchemeError as exc:  # here a llama.cpp file type is valid too: the hint lists them
+            from qtool.llamacpp.mixes import MIXES
+
+            raise SchemeError(exc.message, hint=scheme_hint(scheme, tuple(MIXES)), option="scheme") from None
+        return cls(observed(parsed, scheme, "scheme"), tuple(include), tuple(ignore), tuple(overrides))
 
     def _matchers(self) -> tuple[list[Matcher], list[Matcher], list[tuple[Matcher, QScheme]]]:
         return (
@@ -171,7 +188,7 @@ def _mix_choice(
     """llama.cpp's rules for a file type (`llama_tensor_get_type`, on the GGUF names), as one
     GGML type's scheme per quantized weight and a float type where a row fits no block."""
     from qtool.ggml_types import ggml_type_named, type_for
-    from qtool.llamacpp.mixes import FLOAT_TYPES, MixTensor, choose_types
+    from qtool.llamacpp.mixes import FLOAT_TYPES, MixTensor, choose_types, fallback_summary
     from qtool.llamacpp.names import tensor_names
 
     names = tensor_names(checkpoint, allow_incomplete)
@@ -195,11 +212,13 @@ def _mix_choice(
     by_out = choose_types(mix, tensors, _model_facts(checkpoint), has_imatrix=has_imatrix)
     schemes: dict[str, QScheme] = {}
     keep_as: dict[str, str] = {}
-    notes = []
+    notes, said = [], []  # every tensor's note (the plan's), and what a run says: one line per fallback kind
     for name, out_name in out_names.items():
         choice = by_out[out_name]
         if choice.note:
             notes.append(f"{out_name}: {choice.note}")
+            if choice.fallback is None:
+                said.append(notes[-1])
         if choice.type == stored_types[name]:  # kept as it is stored
             continue
         if choice.type in FLOAT_TYPES:
@@ -209,7 +228,8 @@ def _mix_choice(
         if scheme is None:
             raise SchemeError(f"{out_name}: llama.cpp's rules chose {choice.type}, which qtool cannot write")
         schemes[name] = scheme
-    return Chosen(schemes, keep_as, mix.name, tuple(notes))
+    said.extend(fallback_summary([by_out[out_name] for out_name in out_names.values()]))
+    return Chosen(schemes, keep_as, mix.name, tuple(notes), tuple(said))
 
 
 def _model_facts(checkpoint: Checkpoint) -> Any:

@@ -31,7 +31,7 @@ from qtool.formats.checkpoint import Checkpoint
 from qtool.plan import Job, Piece
 from qtool.pipeline import ExecOptions, Runner, kernel_threads, stream
 
-__all__ = ["ShardJob", "ShardResult", "split", "run", "verify"]
+__all__ = ["ShardJob", "ShardResult", "split", "shard_count", "run", "verify"]
 
 _HASH_CHUNK = 16 << 20  # bytes per read when a range is hashed from the file
 
@@ -93,12 +93,8 @@ def split(plan, paths: list[str], ranges: list[dict[str, tuple[int, int]]], opti
     """The plan as shard jobs, in plan order: one per output file, and a file's jobs cut into
     contiguous slices of about equal input bytes where there are fewer files than `parts` (a
     GGUF output is one file). `paths[i]` and `ranges[i]` are file i's staged path and tensor ranges."""
-    runs: list[list[Job]] = []  # plan order kept: the driver merges the reports in it
-    for job in plan.jobs:
-        if not runs or runs[-1][-1].shard != job.shard:
-            runs.append([])
-        runs[-1].append(job)
-    slices_per_run = max(1, -(-parts // max(1, len(runs))))
+    runs = _runs(plan)
+    slices_per_run = _slices_per_run(runs, parts)
     shard_jobs: list[ShardJob] = []
     for jobs in runs:
         shard = jobs[0].shard
@@ -119,6 +115,27 @@ def split(plan, paths: list[str], ranges: list[dict[str, tuple[int, int]]], opti
                 )
             )
     return shard_jobs
+
+
+def shard_count(plan, parts: int) -> int:
+    """How many shard jobs `split(..., parts)` makes of `plan`, without making them; linear."""
+    runs = _runs(plan)
+    slices_per_run = _slices_per_run(runs, parts)
+    return sum(len(_balanced(jobs, slices_per_run)) for jobs in runs)
+
+
+def _runs(plan) -> list[list[Job]]:
+    """The plan's jobs by output file, in plan order (the driver merges the reports in it)."""
+    runs: list[list[Job]] = []
+    for job in plan.jobs:
+        if not runs or runs[-1][-1].shard != job.shard:
+            runs.append([])
+        runs[-1].append(job)
+    return runs
+
+
+def _slices_per_run(runs: list[list[Job]], parts: int) -> int:
+    return max(1, -(-parts // max(1, len(runs))))
 
 
 def _balanced(jobs: list[Job], count: int) -> list[list[Job]]:

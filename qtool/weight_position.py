@@ -55,7 +55,7 @@ _LEAF_KINDS = {
     "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down",
     "ffn_gate_shexp": "gate", "ffn_up_shexp": "up", "ffn_down_shexp": "down",
     "ffn_gate_exps": "experts", "ffn_up_exps": "experts", "ffn_down_exps": "experts", "ffn_gate_up_exps": "experts",
-    "ffn_gate_inp": "router", "router": "router",
+    "ffn_gate_inp": "router", "router": "router", "shared_expert_gate": "router",  # Qwen2-MoE: its shared expert's gate
     # embeddings and heads
     "embed_tokens": "embed", "word_embeddings": "embed", "position_embeddings": "embed", "token_type_embeddings": "embed",
     "wte": "embed", "wpe": "embed", "tok_embeddings": "embed", "token_embd": "embed", "embed_positions": "embed",

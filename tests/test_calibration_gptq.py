@@ -196,6 +196,28 @@ def test_the_mse_observer_searched_a_few_rows_at_a_time_gives_the_whole_search(s
     assert symmetric or torch.equal(zero_point, whole_zero.reshape(-1).to(torch.int8))
 
 
+@pytest.mark.parametrize("observer", ["minmax", "mse"])
+@pytest.mark.parametrize("actorder", [None, "static"], ids=["plain", "static"])
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_a_weight_with_no_rows_gives_empty_codes_not_a_crash(observer, actorder, symmetric):
+    """issue 42 item 17: the mse observer joined its row chunks with torch.cat, and a weight with
+    no rows (out_features 0) has none; activation order reshaped it with -1. Both: empty results."""
+    from qtool.calibration.awq import rtn
+    from qtool.kernels.mse import choose_qparams_mse
+
+    weight = torch.zeros(0, 64)
+    hessian = torch.eye(64)
+    result = gptq(weight, hessian, bits=4, group_size=32, symmetric=symmetric, scale_dtype=torch.float16, actorder=actorder, observer=observer)
+    assert result.codes.shape == (0, 64) and result.scale.shape == (0, 2)
+    assert symmetric or result.zero_point.shape == (0, 2)
+    rounded = rtn(weight, bits=4, group_size=32, symmetric=symmetric, scale_dtype=torch.float16, observer=observer)
+    assert rounded.codes.shape == (0, 64) and rounded.scale.shape == (0, 2)
+    scale, zero_point = observe(weight.reshape(0, 32), 4, symmetric, torch.float32, observer)
+    assert scale.shape == (0,) and (zero_point is None if symmetric else zero_point.shape == (0,))
+    scale, _ = choose_qparams_mse(weight, (1, 32), "int4", symmetric, torch.float32)
+    assert scale.shape == (0, 2)
+
+
 @pytest.mark.parametrize("group", [32, None], ids=["g32", "channel"])
 def test_gptq_beats_rounding_on_the_layer_output(group):
     generator = torch.Generator().manual_seed(0)

@@ -124,7 +124,23 @@ def test_max_bits_per_weight_fires_exactly_at_its_threshold(w4):
     bits = qtool.inspect(w4).summary()["bits_per_weight"]  # what inspect reports, 4 decimals
     assert findings(w4, "--max-bits-per-weight", repr(bits)) == []
     document = check(w4, "--max-bits-per-weight", repr(math.nextafter(bits, 0)))
-    assert document["findings"] == [{"rule": "max-bits-per-weight", "weight": None, "detail": f"{bits:.4f} bits per weight, more than {math.nextafter(bits, 0):g}"}]
+    [finding] = document["findings"]
+    assert finding["rule"] == "max-bits-per-weight" and finding["weight"] is None
+    assert finding["detail"].startswith(f"{bits:.4f} bits per weight, more than {math.nextafter(bits, 0):g}; ")
+
+
+def test_max_bits_per_weight_names_the_plain_weights_that_cost_the_bits(w4):
+    """issue 42 item 24: on a small model the embeddings and head, kept plain, are most of the
+    bytes, and the finding said only the figure. It names the largest plain weights, with their
+    share of the checkpoint's bytes."""
+    inspection = qtool.inspect(w4)
+    total = sum(t.nbytes for t in inspection.checkpoint.tensors.values())
+    plain = sorted((w for w in inspection.weights if not w.quantized), key=lambda w: -w.nbytes)
+    share = round(100 * sum(w.nbytes for w in plain) / total)
+    [finding] = check(w4, "--max-bits-per-weight", "4.5")["findings"]
+    largest = ", ".join(f"{w.name} ({100 * w.nbytes / total:.0f}%)" for w in plain[:3])
+    assert finding["detail"].endswith(f"; plain weights hold {share}% of the bytes, the largest {largest}")
+    assert plain[0].name in ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def test_fail_on_unknown(w4, tmp_path):
@@ -317,8 +333,9 @@ def test_a_require_quantized_pattern_that_matches_nothing_is_exit_2_naming_it(w4
     )  # fmt: skip
     assert result.returncode == 2, result.stderr
     lines = result.stderr.splitlines()
-    shown = pattern.replace("\\", "\\\\")  # the error line escapes backslashes, as it does every name
-    assert lines[0] == f"error: {w4}: require_quantized pattern '{shown}' matches no weight"
+    # issue 42 item 24: the rule as the flag and the policy file name it, the pattern as typed
+    # (a backslash is doubled only where it would read as an escape: `\\x1b`)
+    assert lines[0] == f"error: {w4}: require-quantized pattern '{pattern}' matches no weight"
     assert lines[1].startswith("hint: patterns match weight names") and lines[1].endswith("(--require-quantized)")
     assert len(lines) == 2 and result.stdout == ""
 
@@ -326,13 +343,16 @@ def test_a_require_quantized_pattern_that_matches_nothing_is_exit_2_naming_it(w4
 def test_an_allow_plain_pattern_that_matches_nothing_warns(w4):
     result = runner.invoke(app, ["check", str(w4), "--allow-plain", "nomatch*", "--json"])
     assert result.exit_code == 0, result.output
-    assert "warning: allow_plain pattern 'nomatch*' matches no weight" in result.stderr
+    assert "warning: allow-plain pattern 'nomatch*' matches no weight" in result.stderr
+    result = runner.invoke(app, ["check", str(w4), "--allow-plain", "re:.*nomatch\\.x", "--json"])
+    assert "warning: allow-plain pattern 're:.*nomatch\\.x' matches no weight" in result.stderr
 
 
 def test_the_expect_scheme_hint_names_its_flag_once(w4):
     result = runner.invoke(app, ["check", str(w4), "--expect-scheme", "W5A16"])
     assert result.exit_code == 2
     assert "(--expect-scheme)" in result.stderr and "----" not in result.stderr
+    assert result.stderr.splitlines()[0] == "error: expect-scheme: unknown scheme 'W5A16'"
 
 
 def test_one_finding_is_singular(w4):

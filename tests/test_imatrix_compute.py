@@ -110,3 +110,16 @@ def test_bad_requests_are_one_line_exit_2(text, tmp_path):
     done = qtool("imatrix", TINY, "--calibrate", tiny_text, "-o", tmp_path / "imatrix.gguf", "--chunk-size", "64")
     assert done.returncode == 2 and "fewer than one chunk of 64" in done.stderr
     assert not (tmp_path / "imatrix.gguf").exists() and "Traceback" not in done.stderr
+
+
+def test_the_cli_says_how_many_chunks_before_it_starts(text, tmp_path):
+    """issue 42 item 24: `qtool imatrix` said nothing of the work ahead (the README's example ran
+    376 s on the sample model, its first output at 198 s). Now its first line says how many
+    chunks of how many tokens over how many layers, before the first layer runs; -q says nothing."""
+    done = qtool("imatrix", TINY, "--calibrate", text, "-o", tmp_path / "imatrix.gguf", "--chunks", "3", "--chunk-size", "64", "--json")
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[0] == "imatrix: 3 chunks of 64 tokens, through 2 decoder layers", lines
+    assert lines[1].startswith("layer 1/2: ")
+    quiet = qtool("imatrix", TINY, "--calibrate", text, "-o", tmp_path / "quiet.gguf", "--chunks", "3", "--chunk-size", "64", "-q", "--json")
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr

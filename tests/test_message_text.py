@@ -38,6 +38,36 @@ def test_short_messages_are_unchanged_and_long_names_keep_their_context():
     assert escape("a\x1b[2Jb") == "a\\x1b[2Jb"
 
 
+def test_a_backslash_is_doubled_only_where_it_would_read_as_an_escape():
+    """issue 42 item 24: a user's `re:.*foo\.bar` was shown as `re:.*foo\\.bar`. A backslash stays
+    single unless what follows would read as one of escape's own sequences."""
+    assert escape("re:.*foo\\.bar") == "re:.*foo\\.bar"
+    assert escape("re:\\d+\\s") == "re:\\d+\\s"
+    assert escape("a\\x1b") == "a\\\\x1b" and escape("a\\n") == "a\\\\n" and escape("a\\\\b") == "a\\\\\\b"
+    assert escape("a\x1b") == "a\\x1b" and escape("a\\") == "a\\"
+
+
+@given(st.text(max_size=200))
+def test_escaped_text_reads_back_as_it_was(text):
+    assert _unescape(escape(text)) == text
+
+
+def _unescape(shown: str) -> str:
+    import re
+
+    singles = {"t": "\t", "n": "\n", "r": "\r", "\\": "\\"}
+
+    def one(found):
+        body = found.group(1)
+        if body[0] in singles:
+            return singles[body[0]]
+        if body[0] in "xuU":
+            return chr(int(body[1:], 16))
+        return found.group(0)
+
+    return re.sub(r"\\(x[0-9a-f]{2}|u[0-9a-f]{4}|U[0-9a-f]{8}|[tnr\\])", one, shown)
+
+
 def test_cli_error_naming_a_16_kb_tensor_name_is_one_short_line(tmp_path):
     name = "w" * 16000
     raw = json.dumps({name: {"dtype": "F32", "shape": [4], "data_offsets": [0, 999]}}).encode()

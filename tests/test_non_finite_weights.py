@@ -133,3 +133,21 @@ def test_the_rule_holds_for_the_safetensors_encoders_too(tmp_path):
     done = quantize(odd, "-o", tmp_path / "odd-out", "--scheme", "W4A16", "-q")
     assert done.returncode == 0, done.stderr
     assert done.stderr.splitlines() == ["warning: model.layers.0.self_attn.q_proj.weight holds NaN values: encoded as its toolchain does, no error figure (see `qtool check --no-nan`)"]
+
+
+@pytest.mark.parametrize("scheme", ["Q8_0", "Q4_0"])
+def test_the_overflow_check_holds_without_measuring(tmp_path, scheme):
+    """issue 42 item 17: `api.run(measure=False)` skipped the check (it read the error sums only
+    when measuring) and committed an output holding inf/NaN. The report stays unmeasured."""
+    from qtool import api
+    from qtool.errors import SchemeError
+
+    source, out = tmp_path / "big.gguf", tmp_path / "out.gguf"
+    gguf_holding(source, 3e38)
+    with pytest.raises(SchemeError, match="too large for"):
+        api.run(api.prepare_quantize(source, out, scheme), measure=False)
+    assert not out.exists()
+    fine = tmp_path / "fine.gguf"
+    gguf_holding(fine, 1.5)
+    report = api.run(api.prepare_quantize(fine, tmp_path / "fine-out.gguf", scheme), measure=False)
+    assert report.to_json()["summary"]["sqnr_db"] is None  # measured for the check, not reported

@@ -222,6 +222,17 @@ def test_did_you_mean(tmp_path):
     assert "did you mean" in result.stderr and "W4A16" in result.stderr
 
 
+@pytest.mark.parametrize("typed, meant", [("Q4_K_MM", "Q4_K_M"), ("iq4_xs_", "IQ4_XS"), ("q5_k_s", "Q5_K_S")])
+def test_the_scheme_suggestions_include_llama_cpps_file_types(tmp_path, typed, meant):
+    """issue 42 item 24: --scheme takes llama.cpp's file types, but its list and its guess did
+    not know them ('Q4_K_MM': did you mean 'Q4_K'?)."""
+    result = run("quantize", TINY, "-o", tmp_path / "out.gguf", "--scheme", typed)
+    assert result.exit_code == 2
+    hint = result.stderr.splitlines()[1]
+    assert hint.startswith(f"hint: did you mean {meant!r}? valid: W8A16, ")
+    assert "; llama.cpp file types: Q2_K, Q3_K_S, Q3_K_M" in hint and "IQ2_XXS" in hint and hint.endswith("(--scheme)")
+
+
 def test_existing_output_and_the_input_itself_are_refused(tmp_path):
     (tmp_path / "out").mkdir()
     result = run("quantize", TINY, "-o", tmp_path / "out")

@@ -181,7 +181,7 @@ class Placeholders:
             "model.gguf": lambda: self._qtool("quantize model/ -o model.gguf --scheme q4_0 -q", "model"),
             "model-q4_0.gguf": lambda: self._qtool("quantize model/ -o model-q4_0.gguf --scheme q4_0 -q", "model"),
             "model-f16.gguf": lambda: _f16_gguf(store / "model-f16.gguf"),
-            "imatrix.gguf": lambda: self._qtool("imatrix model/ --calibrate calibration.txt -o imatrix.gguf --chunk-size 128 -q", "model", "calibration.txt"),
+            "imatrix.gguf": lambda: self._qtool("imatrix model/ --calibrate calibration.txt -o imatrix.gguf --chunks 16 --chunk-size 128 -q", "model", "calibration.txt"),
             # `--calibrate calibration.txt`: English prose, CPython's language reference topics
             "calibration.txt": lambda: (store.mkdir(parents=True, exist_ok=True), (store / "calibration.txt").write_text(_prose())),
             # `compare a/ b/ --map 're:^transformer\.h\.=model.layers.'`: GPT-2 style names in A

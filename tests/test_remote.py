@@ -756,8 +756,9 @@ def test_shard_names_are_file_names_not_url_syntax(served, tmp_path):
         ("dequantize", "REMOTE", "-o", "OUT"),
         ("check", "REMOTE", "--no-nan"),
         ("compare", "LOCAL", "REMOTE"),
+        ("inspect", "REMOTE", "--stats"),
     ],
-    ids=lambda a: a[0],
+    ids=lambda a: a[0] + (" --stats" if "--stats" in a else ""),
 )
 @pytest.mark.parametrize("location", ["hf://org/repo", "hf://org/repo@v1.0/sub"])
 def test_offline_commands_that_read_data_give_the_documented_refusal(tmp_path, args, location):

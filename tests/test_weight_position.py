@@ -41,6 +41,7 @@ EXAMPLES = [
     ("model.layers.2.block_sparse_moe.experts.3.w2.weight", 2, "experts", 3),
     ("model.layers.2.block_sparse_moe.gate.weight", 2, "router", None),
     ("model.layers.2.mlp.gate.weight", 2, "router", None),
+    ("model.layers.2.mlp.shared_expert_gate.weight", 2, "router", None),
     ("model.layers.2.mlp.shared_expert.down_proj.weight", 2, "down", None),
     ("model.layers.2.mlp.experts.gate_up_proj", 2, "experts", None),
     ("transformer.h.5.attn.c_attn.weight", 5, "qkv", None),

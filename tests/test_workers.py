@@ -383,3 +383,44 @@ def test_the_progress_bar_counts_shard_jobs_beside_bytes(monkeypatch):
     with output.progress("quantizing", 300) as advance:
         advance(300)
     assert descriptions == []
+
+
+def test_the_pool_is_capped_at_the_shard_jobs_and_at_memory(four_shards, tmp_path):
+    """issue 42 item 9: `--workers 1000000` started one process per weight. The pool is at most
+    the number of shard jobs a split makes, and what the available memory holds at the largest
+    job's working set estimate."""
+    from qtool import api
+    from qtool.distribute import worker_pool
+    from qtool.shard_job import shard_count
+
+    plan = api.prepare_quantize(four_shards, tmp_path / "out", "W4A16")
+    jobs = shard_count(plan, 10**6)
+    assert 4 < jobs <= len(plan.jobs)
+    roomy = worker_pool(plan, 10**6, available=1 << 50)
+    assert (roomy.workers, roomy.jobs, roomy.requested, roomy.capped) == (jobs, jobs, 10**6, True)
+    tight = worker_pool(plan, 10**6, available=3 * roomy.per_worker + 1)
+    assert tight.workers == 3 and tight.by_memory
+    from qtool.cli.plans import _pool_warning
+
+    assert _pool_warning(tight).startswith(f"--workers 1000000: starting 3 worker processes: memory for 3 at about ")
+    assert _pool_warning(tight).endswith(f"available; {jobs} shard jobs)")
+    assert worker_pool(plan, 10**6, available=1).workers == 1  # never none
+    assert not worker_pool(plan, 2, available=1 << 50).capped  # nothing capped: nothing to say
+    assert worker_pool(plan, 2, available=None).workers == 2  # memory unknown: the request
+
+
+def test_a_million_workers_start_as_many_as_there_are_shard_jobs_and_say_so(four_shards, tmp_path):
+    from qtool import api
+    from qtool.distribute import worker_pool
+
+    out = tmp_path / "out"
+    result = qtool("quantize", four_shards, "-o", out, "--scheme", "W4A16", "--workers", "1000000", "--json")
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: --workers 1000000: starting "), result.stderr
+    assert "shard jobs" in lines[0]
+    execution = json.loads(result.stdout)["execution"]
+    expected = worker_pool(api.prepare_quantize(four_shards, tmp_path / "x", "W4A16"), 10**6).workers
+    assert execution["workers"] <= expected and execution["workers_requested"] == 10**6
+    assert len(execution["shards"]) <= len(api.prepare_quantize(four_shards, tmp_path / "x", "W4A16").jobs)
+    assert execution["threads_per_worker"] >= 1

@@ -163,7 +163,7 @@ def rtn(weight: "torch.Tensor", *, bits: int, group_size: int | None, symmetric:
     if cols % group:
         raise KernelError(f"awq: group size {group} does not divide in_features {cols}")
     qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
-    grouped = weight.reshape(-1, group)
+    grouped = weight.reshape(rows * (cols // group), group)  # not -1: a weight may have no rows
     scale, zero_point = observe(grouped, bits, symmetric, scale_dtype, observer)
     scaled = grouped / scale.to(weight.dtype).unsqueeze(1)
     if zero_point is not None:
@@ -310,14 +310,14 @@ def search(
     finally:
         for module, original in zip(balance, originals):
             module.weight.data = original
-    best = None
+    best, errors_best = None, float("inf")  # both bound before the loop: no read behind a short-circuit
     for index, error in enumerate(errors):  # in grid order: the first of equal errors wins
         if error is None:
             continue  # shown unable to win
         error = error if error == error else float("inf")  # NaN never wins
         if best is None or error < errors_best:
             best, errors_best = index, error
-    identity = errors[0] if errors[0] == errors[0] else float("inf")
+    identity = errors[0] if errors and errors[0] == errors[0] else float("inf")
     if best is None or errors_best == float("inf"):
         raise KernelError("awq: no finite output error on the grid (the layer's outputs hold inf or NaN)")
     ratio, duo = points_[best]

@@ -85,7 +85,7 @@ def observe(columns: "torch.Tensor", bits: int, symmetric: bool, scale_dtype: "t
         # tensors small beside a whole weight's groups (activation order observes them at once)
         step = max(1, MSE_CHUNK // max(1, columns.shape[1]))
         scales, zeros = [], []
-        for start in range(0, columns.shape[0], step):
+        for start in range(0, max(1, columns.shape[0]), step):  # one call at least: no rows, empty results
             scale, zero_point = choose_qparams_mse(columns[start : start + step], (1, columns.shape[1]), f"int{bits}", symmetric, scale_dtype)
             scales.append(scale.reshape(-1))
             zeros.append(None if zero_point is None else zero_point.reshape(-1).to(torch.int8))
@@ -262,11 +262,11 @@ def gptq(
     scale_values = torch.empty((rows, cols // group), dtype=dtype, device=W.device)
     zero_values = None if symmetric else torch.empty_like(scale_values)
     if order is not None:  # each group's scale chosen up front on the original weight (llm-compressor's observer)
-        scale_all, zero_all = observe(weight.reshape(-1, group), bits, symmetric, scale_dtype, observer)
-        scales.copy_(scale_all.reshape(rows, -1))
+        scale_all, zero_all = observe(weight.reshape(rows * (cols // group), group), bits, symmetric, scale_dtype, observer)
+        scales.copy_(scale_all.reshape(rows, cols // group))
         scale_values.copy_(scales)
         if zero_points is not None:
-            zero_points.copy_(zero_all.reshape(rows, -1))
+            zero_points.copy_(zero_all.reshape(rows, cols // group))
             zero_values.copy_(zero_points)
         columns = order
     else:

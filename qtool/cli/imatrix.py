@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Annotated, Optional
 
 import typer
 
 from qtool.cli.options import CheckpointArg, DeviceOpt, FormatOpt, JsonOpt, OutputFormat, OverwriteOpt, QuietOpt, ThreadsOpt
-from qtool.cli.output import Column, Output, Rows, Section, print_status
+from qtool.cli.output import Column, Output, Rows, Section, print_status, progress
 
 HELP = """Compute llama.cpp's importance matrix of a model on a calibration text.
 
@@ -49,13 +50,22 @@ def imatrix_command(
     sink = Output("json" if json_ else fmt.value)
     api.import_transformers_lean()
 
+    bars = contextlib.ExitStack()
+    advance = [lambda _step: None]
+
+    def started(count: int, size: int, layers: int) -> None:  # the work ahead, before the first layer runs
+        print_status(f"imatrix: {count} chunk{'s' if count != 1 else ''} of {size} tokens, through {layers} decoder layer{'s' if layers != 1 else ''}", quiet)
+        advance[0] = bars.enter_context(progress("imatrix layers", layers, quiet, bytes_=False))
+
     def layer_done(layer, layers: int) -> None:
+        advance[0](1)
         print_status(f"layer {layer.index + 1}/{layers}: {len(layer.weights)} weights in {layer.seconds:.1f} s", quiet)
 
-    document = api.imatrix(
-        path, output_path, calibrate, chunks=chunks, chunk_size=chunk_size, device=device, threads=threads,
-        overwrite=overwrite, allow_incomplete_gguf=allow_incomplete_gguf, on_layer=layer_done,
-    )  # fmt: skip
+    with bars:
+        document = api.imatrix(
+            path, output_path, calibrate, chunks=chunks, chunk_size=chunk_size, device=device, threads=threads,
+            overwrite=overwrite, allow_incomplete_gguf=allow_incomplete_gguf, on_layer=layer_done, on_start=started,
+        )  # fmt: skip
     rows = Rows(
         [Column("name"), Column("columns", justify="right"), Column("tokens", justify="right")],
         [[t["name"], t["columns"], t["counts"][0]] for t in document["tensors"]],

@@ -49,6 +49,8 @@ def inspect_command(
     from qtool import api
 
     output = Output("json" if json_ else fmt.value, collapse=collapse)
+    if stats:
+        api.refuse_remote_data(path)  # before any open, which would need the network
     imatrix = None if raw else api.imatrix_of(path)  # a legacy .dat has no header to tell by
     if imatrix is not None:
         return _show_imatrix(output, imatrix, filter_)

@@ -173,21 +173,22 @@ def print_status(message: str, quiet: bool = False) -> None:
 
 
 @contextlib.contextmanager
-def progress(description: str, total: int, quiet: bool = False, count: str | None = None) -> Iterator[Callable[[int], None]]:
+def progress(description: str, total: int, quiet: bool = False, count: str | None = None, bytes_: bool = True) -> Iterator[Callable[[int], None]]:
     """A Rich progress bar on stderr, advanced by the callback it yields. Silent when stderr is
     not a terminal, or when quiet. With `count` ("shard jobs"), each call is also one of those
-    done, counted in the description."""
+    done, counted in the description. `bytes_` False: `total` counts steps (layers), shown as
+    done/total."""
     if quiet or not sys.stderr.isatty():
         yield lambda _advance: None
         return
     from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+    from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
+    amounts = (DownloadColumn(), TransferSpeedColumn()) if bytes_ else (MofNCompleteColumn(),)
     bar = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
+        *amounts,
         TimeRemainingColumn(),
         console=Console(stderr=True),
         transient=True,

@@ -117,6 +117,16 @@ def worker_setup() -> None:
     _keep_freed_memory()
 
 
+def _pool_warning(pool) -> str:
+    """One line: how many worker processes start instead of --workers, and what capped them."""
+    from qtool.cli.text import human_bytes
+
+    said = f"--workers {pool.requested}: starting {pool.workers} worker process{'es' if pool.workers != 1 else ''}"
+    if pool.by_memory:
+        return f"{said}: memory for {pool.workers} at about {human_bytes(pool.per_worker)} each ({human_bytes(pool.available)} available; {pool.jobs} shard jobs)"
+    return f"{said}, one per shard job ({pool.jobs} shard jobs)"
+
+
 def run_plan(plan, *, device: str, threads: int | None, overwrite: bool, quiet: bool, measure: bool, spread: tuple = (1, "local", None, None)):
     """`spread`: (workers, executor, ray address, max retries), as `api.run` takes them."""
     from qtool import api
@@ -126,7 +136,10 @@ def run_plan(plan, *, device: str, threads: int | None, overwrite: bool, quiet: 
         print_warning(warning)
     _keep_freed_memory()
     if executor == "local" and workers > 1:  # spawned workers inherit it: each gets its share
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (threads or os.cpu_count() or 1) // workers))
+        pool = api.worker_pool(plan, workers)  # api.run starts this many (the same sums)
+        if pool.capped:
+            print_warning(_pool_warning(pool))
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (threads or os.cpu_count() or 1) // pool.workers))
     elif threads and "torch" not in __import__("sys").modules:
         os.environ["OMP_NUM_THREADS"] = str(threads)  # torch sizes its pool from this if a job imports it
     total = sum(job.bytes_in for job in plan.jobs)

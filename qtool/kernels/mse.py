@@ -78,7 +78,8 @@ def _to_rows(x: torch.Tensor, block: tuple[int, ...]) -> tuple[torch.Tensor, tup
     ndim = x.dim()
     grid = tuple(blocks.shape[0::2])
     order = [*range(0, 2 * ndim, 2), *range(1, 2 * ndim, 2)]
-    return blocks.permute(order).reshape(math.prod(grid), -1), grid
+    size = math.prod(blocks.shape[1::2])  # named, not -1: a tensor with no rows has no blocks to infer it from
+    return blocks.permute(order).reshape(math.prod(grid), size), grid
 
 
 def _codes(rows: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, qt: QType) -> torch.Tensor:

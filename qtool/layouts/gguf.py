@@ -32,6 +32,7 @@ and the output records the file in `quantize.imatrix.*`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from qtool import encoders
@@ -162,7 +163,8 @@ class Gguf:
         entries = input_entries if gguf_input else model
         recorded = imatrix_metadata(options.imatrix, options.imatrix_name) if options.imatrix is not None else []
         metadata = (None if gguf_input else names.arch, _stamped(entries, jobs, chosen.mix, recorded))
-        return Plan(source, self, jobs, [options.file_name], metadata, None, names.notes + list(chosen.notes) + imatrix_notes)
+        said = names.notes + list(chosen.notes if chosen.said is None else chosen.said) + imatrix_notes
+        return Plan(source, self, jobs, [options.file_name], metadata, None, names.notes + list(chosen.notes) + imatrix_notes, said)
 
     def side_files(self, plan: Plan) -> dict[str, Any]:
         return {}
@@ -290,7 +292,7 @@ def _shown(value: Any, kind: str) -> Any:
     """A metadata value for --dry-run's JSON: text for bytes, long arrays summarised."""
     if isinstance(value, (bytes, bytearray)):
         return bytes(value).decode("utf-8", "replace")
-    if isinstance(value, list):
+    if isinstance(value, Sequence) and not isinstance(value, str):  # a list, or a GGUF input's StringArray
         if len(value) > 16:
             item = kind.partition(":")[2]
             return f"[{len(value)} × {item}]" if item else f"[{len(value)} values]"

@@ -53,6 +53,7 @@ __all__ = [
     "allows_quantization",
     "choose_types",
     "fallback_type",
+    "fallback_summary",
     "requires_imatrix",
     "FLOAT_TYPES",
 ]
@@ -181,6 +182,7 @@ class Choice:
 
     type: str
     note: str | None = None
+    fallback: tuple[str, int] | None = None  # (the type wanted, the row length it did not fit)
 
 
 # -- which tensors llama.cpp quantizes ---------------------------------------------------------
@@ -458,11 +460,32 @@ def choose_types(mix: Mix, tensors: list[MixTensor], facts: ModelFacts, *, has_i
         final, fell = fallback_type(cols, new)
         if fell:
             note = f"rows of {cols} values are not a multiple of the {new} block ({block_size(new)}): {final} instead"
-        chosen[name] = Choice(final, note)
+        chosen[name] = Choice(final, note, (new, cols) if fell else None)
     return {t.name: chosen[t.name] for t in tensors}
 
 
 _NEEDS_IMATRIX = ("IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_M", "IQ1_S")
+
+
+def fallback_summary(choices: "list[Choice]") -> list[str]:
+    """One line per kind of row fallback (Q4_K -> Q5_0) among `choices`, with how many tensors
+    and which row lengths: what a run says, where each tensor's own note is in the plan."""
+    kinds: dict[tuple[str, str], tuple[int, set[int]]] = {}
+    for choice in choices:
+        if choice.fallback is not None:
+            wanted, cols = choice.fallback
+            count, lengths = kinds.get((wanted, choice.type), (0, set()))
+            lengths.add(cols)
+            kinds[(wanted, choice.type)] = (count + 1, lengths)
+    lines = []
+    for (wanted, final), (count, lengths) in kinds.items():
+        shown = sorted(lengths)
+        values = ", ".join(map(str, shown[:-1])) + f" or {shown[-1]}" if len(shown) > 1 else str(shown[0])
+        tensors = "tensor falls" if count == 1 else "tensors fall"
+        lines.append(
+            f"{count} {tensors} back from {wanted} to {final}: their rows of {values} values are not a multiple of {wanted}'s block ({block_size(wanted)}); each is listed in --dry-run --json's notes"
+        )
+    return lines
 
 
 def requires_imatrix(name: str, gguf_type: str, mix: str | None) -> bool:
