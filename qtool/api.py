@@ -386,6 +386,7 @@ def run(
 
     A calibrated plan calibrates first (`on_layer(layer result, layers)` after each decoder
     layer), in this process, then streams."""
+    from qtool.formats.revision import revision_of
     from qtool.formats.writer import Output
     from qtool.pipeline import ExecOptions, execute, resolve_device
     from qtool.report_output import stage_report as stage
@@ -413,6 +414,7 @@ def run(
             threads = threads or 1
     options = ExecOptions(device=resolve_device(device), threads=threads, measure=measure, on_progress=on_progress)
     staged: list = []
+    revision = revision_of(plan.source.path)  # read now: the report's lookup never runs after the commit (issue 42)
 
     if plan.output is None:
         raise UsageError("the plan names no output", hint="plan with qtool.api.prepare_quantize or prepare_dequantize", option="plan")
@@ -429,7 +431,7 @@ def run(
     def stage_report(measured) -> None:  # written in full before the output is committed
         if plan.report is None and plan.html is None:
             return
-        document = RunReport(plan, measured, options.device, execution).to_json()
+        document = RunReport(plan, measured, options.device, execution, revision).to_json()
         if plan.report is not None:
             staged.append(stage(plan.report, "quantize", [document], overwrite=overwrite))  # JSON, or HTML by its suffix
         if plan.html is not None:
@@ -460,7 +462,7 @@ def run(
         plan.source.close()
     for report in staged:
         report.commit()
-    return RunReport(plan, measured, options.device, execution)
+    return RunReport(plan, measured, options.device, execution, revision)
 
 
 def quantize(path, output, scheme: str = "W4A16", *, device: str = "cpu", overwrite: bool = False, threads: int | None = None, **options) -> "RunReport":
@@ -527,8 +529,9 @@ def imatrix(
         if quantized:
             raise UsageError(f"{path} is already quantized ({quantized[0]}); the importance matrix needs float weights", option="path")
         folder = checkpoint.path if os.path.isdir(checkpoint.path) else os.path.dirname(os.path.abspath(checkpoint.path))
+        calibration = read_text(text)  # its files checked (regular, in size) before transformers is imported
         layers = len(Skeleton.build(checkpoint).layers)
-        tokens = chunk_tokens(read_text(text), load_tokenizer(folder), chunk_size, chunks, text)
+        tokens = chunk_tokens(calibration, load_tokenizer(folder), chunk_size, chunks, text)
         if on_start is not None:
             on_start(int(tokens.shape[0]), int(tokens.shape[1]), layers)
         import torch

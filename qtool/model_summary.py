@@ -26,9 +26,10 @@ def _bits(nbytes: int, parameters: int) -> float:
     return round(nbytes * 8 / parameters, 4) if parameters else 0.0
 
 
-def describe_model(path: str, container: str, weights: Iterable[tuple[str | None, int, int]], *, revision: bool = True) -> dict[str, Any]:
-    """`weights`: (scheme label or None, parameters, bytes) per weight. `revision` False for a
-    model qtool has just written (it has none yet)."""
+def describe_model(path: str, container: str, weights: Iterable[tuple[str | None, int, int]], *, revision: bool | dict[str, str | None] | None = True) -> dict[str, Any]:
+    """`weights`: (scheme label or None, parameters, bytes) per weight. `revision`: True to
+    look it up now; else the one looked up before (`revision_of`, a run does so before it
+    commits anything), None where it is unknown or for a model qtool has just written."""
     by_scheme: dict[str, dict[str, Any]] = {}
     count = total_parameters = total_bytes = 0
     for label, parameters, nbytes in weights:
@@ -44,7 +45,7 @@ def describe_model(path: str, container: str, weights: Iterable[tuple[str | None
     return {
         "path": path,
         "format": container,
-        "revision": revision_of(path) if revision else None,
+        "revision": revision_of(path) if revision is True else revision or None,
         "weights": count,
         "parameters": total_parameters,
         "bytes": total_bytes,

@@ -32,6 +32,7 @@ from typing import Any
 from qtool.audit import CheckRules
 from qtool.comparison import Gates
 from qtool.errors import UsageError
+from qtool.formats.regular_files import NotReadable, read_regular
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -51,6 +52,7 @@ _CHECK_KEYS = {
 }
 _COMPARE_KEYS = {"min-sqnr": float, "max-rel-rmse": float, "max-missing": int, "map": list}
 _SECTIONS = {"check": _CHECK_KEYS, "compare": _COMPARE_KEYS}
+MAX_POLICY_BYTES = 1 << 20  # a policy is a few lines; more is not a policy
 
 
 @dataclass(frozen=True)
@@ -109,10 +111,17 @@ def load_policy(path: str | os.PathLike[str] | None) -> Policy:
         return Policy()
     where = os.fspath(path)
     try:
-        with open(where, "rb") as handle:
-            document = tomllib.load(handle)
+        raw = read_regular(where, MAX_POLICY_BYTES)  # a FIFO is never waited on, /dev/zero never read
+    except NotReadable as exc:
+        raise UsageError(f"cannot read the policy file: {exc}", path=where) from None
     except OSError as exc:
         raise UsageError(f"cannot read the policy file: {exc.strerror or exc}", path=where) from None
+    if len(raw) > MAX_POLICY_BYTES:
+        raise UsageError(f"the policy file is larger than {MAX_POLICY_BYTES} bytes", path=where, hint="see README, 'qtool-policy.toml'")
+    try:
+        document = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"the policy file is not UTF-8 text (byte {exc.start})", path=where) from None
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"the policy file is not valid TOML: {exc}", path=where, hint="see README, 'qtool-policy.toml'") from None
     values: dict[str, dict[str, Any]] = {}

@@ -34,6 +34,7 @@ class RunReport:
     measured: "Measurements"
     device: str
     execution: dict[str, Any] | None = None  # a run spread over workers: the executor and each shard job (`qtool.distribute`)
+    input_revision: bool | dict[str, Any] | None = True  # the input's revision as `api.run` read it before the commit (True: look it up)
 
     @property
     def errors(self) -> dict[str, ErrorStats]:
@@ -114,9 +115,9 @@ class RunReport:
         source = self.plan.source
         rows = plan["weights"]
         return {
-            "input": describe_model(source.path, source.format, ((w["from"], _parameters(w["shape"]), w["bytes_before"]) for w in rows)),
+            "input": describe_model(source.path, source.format, ((w["from"], _parameters(w["shape"]), w["bytes_before"]) for w in rows), revision=self.input_revision),
             "output": describe_model(
-                self.plan.output, self.plan.layout.container, ((w["scheme"], _parameters(w["shape"]), w["bytes_after"]) for w in rows), revision=False
+                self.plan.output, self.plan.layout.container, ((w["scheme"], _parameters(w["shape"]), w["bytes_after"]) for w in rows), revision=None
             ),
         }
 

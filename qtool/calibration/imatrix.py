@@ -26,6 +26,7 @@ from qtool.errors import UsageError
 if TYPE_CHECKING:
     import torch
 
+    from qtool.calibration.samples import CalibrationText
     from qtool.formats.checkpoint import Checkpoint
     from qtool.weight import Weight
 
@@ -54,11 +55,16 @@ class ImatrixStatistics:
     seconds: float = 0.0
 
 
-def chunk_tokens(documents: list[str], tokenizer, chunk_size: int, chunks: int | None, where: str) -> "torch.Tensor":
-    """[chunks, chunk_size] int64: the documents tokenized (BOS first where the tokenizer adds
-    one) and joined, cut into consecutive chunks from the start, each chunk's first token BOS
-    where the tokenizer adds one (llama-imatrix's `compute_imatrix`); all of them, or `chunks`."""
+def chunk_tokens(text: "CalibrationText", tokenizer, chunk_size: int, chunks: int | None, where: str) -> "torch.Tensor":
+    """[chunks, chunk_size] int64: the text tokenized a piece at a time (BOS first where the
+    tokenizer adds one) and joined, cut into consecutive chunks from the start, each chunk's
+    first token BOS where the tokenizer adds one (llama-imatrix's `compute_imatrix`); all of
+    them, or `chunks` (reading stops once they are full)."""
+    from array import array
+
     import torch
+
+    from qtool.calibration.samples import token_pieces
 
     if chunk_size < 16:
         raise UsageError(f"chunk size {chunk_size}: llama-imatrix ignores batches of fewer than 16 tokens", option="chunk_size")
@@ -68,14 +74,17 @@ def chunk_tokens(documents: list[str], tokenizer, chunk_size: int, chunks: int |
     bos = tokenizer.bos_token_id
     probe_with, probe_without = tokenizer("a")["input_ids"], tokenizer("a", add_special_tokens=False)["input_ids"]
     add_bos = bos is not None and len(probe_with) > len(probe_without) and probe_with[0] == bos
-    ids: list[int] = [bos] if add_bos else []
-    for document in documents:
-        ids.extend(tokenizer(document, add_special_tokens=False)["input_ids"])
+    ids = array("q", [bos] if add_bos else [])
+    wanted = None if chunks is None else chunks * chunk_size
+    for piece in token_pieces(text, tokenizer):
+        ids.extend(piece if wanted is None else piece[: wanted - len(ids)])
+        if wanted is not None and len(ids) >= wanted:
+            break
     available = len(ids) // chunk_size
     if available < 1:
         raise UsageError(f"{where}: the calibration text has {len(ids)} tokens, fewer than one chunk of {chunk_size}", hint="give more text, or a smaller chunk size", option="calibrate")
     count = available if chunks is None else min(chunks, available)
-    tokens = torch.tensor(ids[: count * chunk_size], dtype=torch.int64).view(count, chunk_size)
+    tokens = torch.frombuffer(ids, dtype=torch.int64)[: count * chunk_size].clone().view(count, chunk_size)
     if add_bos:
         tokens[:, 0] = bos
     return tokens
@@ -199,8 +208,9 @@ def prepare_request(plan: Any, text: str, chunks: int, chunk_size: int) -> Imatr
     if quantized:
         raise UsageError(f"{source.path} is already quantized ({quantized[0]}); calibration needs float weights", option="calibrate")
     folder = source.path if os.path.isdir(source.path) else os.path.dirname(os.path.abspath(source.path))
+    calibration = read_text(text)  # its files checked (regular, in size) before transformers is imported
     Skeleton.build(source)
-    tokens = chunk_tokens(read_text(text), load_tokenizer(folder), chunk_size, chunks, text)
+    tokens = chunk_tokens(calibration, load_tokenizer(folder), chunk_size, chunks, text)
     return ImatrixRequest(os.fspath(text), tokens)
 
 

@@ -78,9 +78,9 @@ def prepare(plan: "Plan", text: str, algorithm: str, samples: int, seq_len: int,
             if job.action == QUANTIZE and job.scheme is not None:
                 check_scheme(job.weight.name, job.scheme)
     folder = source.path if os.path.isdir(source.path) else os.path.dirname(os.path.abspath(source.path))
+    calibration = read_text(text)  # its files checked (regular, in size) before transformers is imported
     Skeleton.build(source)  # an architecture transformers does not know is refused here
-    documents = read_text(text)
-    tokens = draw_samples(documents, load_tokenizer(folder), SampleOptions(samples, seq_len, seed), text)
+    tokens = draw_samples(calibration, load_tokenizer(folder), SampleOptions(samples, seq_len, seed), text)
     if actorder is not None:
         _record_actorder(plan, actorder)
     return CalibrationRequest(os.fspath(text), algorithm, tokens, seed, actorder, true_sequential)

@@ -279,21 +279,34 @@ class _Info:
 
 def read_gguf_file(path: str) -> tuple[list[StoredTensor], dict[str, str]]:
     """The stored tensors of one GGUF file, in file order, and its metadata as display strings."""
+    fd, info = _open_checked(path)
     try:
-        size = os.path.getsize(path)
+        size = info.st_size
         if size == 0:
             raise CheckpointError("file is empty (0 bytes)", path=path, hint=_HINT)
-        with open(path, "rb") as handle:
-            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-            identity = _identity(os.fstat(handle.fileno()))
+        mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        identity = _identity(info)
     except OSError as exc:
         raise CheckpointError(f"cannot read: {exc.strerror or exc}", path=path) from None
+    finally:
+        os.close(fd)
     try:
         cur = _Cursor(mapped, size, path)
         cur.identity = identity if identity[2] == size else None
         return _parse(cur)
     finally:
         mapped.close()
+
+
+def _open_checked(path: str) -> tuple[int, os.stat_result]:
+    """One descriptor of the regular file `path` (a FIFO is never waited on, a device never
+    mapped: `regular_files.open_regular`) and its stat."""
+    from qtool.formats.regular_files import NotReadable, open_regular
+
+    try:
+        return open_regular(path)
+    except NotReadable as exc:
+        raise CheckpointError(f"cannot read: {exc}", path=path, hint=_HINT) from None
 
 
 def _identity(info: os.stat_result) -> tuple[int, int, int, int]:
@@ -326,13 +339,15 @@ def _read_key_values(path: str) -> list[tuple[str, object, str]]:
     bounds-checked cursor as the listing (a 32k vocabulary in tens of ms, where gguf-py's
     reader takes seconds). Nested arrays, which llama.cpp refuses,
     raise a CheckpointError saying so."""
+    fd, info = _open_checked(path)
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as handle:
-            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
-            identity = _identity(os.fstat(handle.fileno()))
+        size = info.st_size
+        mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else b""
+        identity = _identity(info)
     except OSError as exc:
         raise CheckpointError(f"cannot read: {exc.strerror or exc}", path=path) from None
+    finally:
+        os.close(fd)
     cur = _Cursor(mapped, size, path)
     cur.identity = identity if identity[2] == size else None
     try:

@@ -23,6 +23,10 @@ llama.cpp itself accepts more than this reader: a GGUF whose sums hold NaN (llam
 stops later, mid-file), a sums tensor whose size is no multiple of its counts, a legacy file
 with a repeated name (the last wins) or bytes after the dataset name. Each is refused here in
 one line naming the file, before anything is written. Reading needs numpy, never torch.
+
+The file is opened once through `regular_files.open_regular`: a FIFO is never waited on and a
+device (`/dev/zero`, or a `.dat` linked to it) never read; a legacy file is read whole, at
+most `MAX_LEGACY_BYTES`, a GGUF through its own bounded cursor.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ KEY_TYPE, KEY_DATASETS, KEY_CHUNK_COUNT, KEY_CHUNK_SIZE = (
     "imatrix.chunk_count",
     "imatrix.chunk_size",
 )
+MAX_LEGACY_BYTES = 1 << 32  # a legacy .dat read whole; a MoE model's with hundreds of experts is ~1 GB
 MAX_NAME_BYTES = (
     1 << 16
 )  # a weight's name; GGML's own limit is 63 bytes, a legacy file has none
@@ -156,19 +161,27 @@ def is_imatrix_gguf(metadata: dict[str, str], tensor_names: Collection[str]) -> 
 
 def read_imatrix(path: str | os.PathLike[str]) -> Imatrix:
     """Read and check an importance-matrix file of either format."""
+    from qtool.formats.regular_files import NotReadable, open_regular
+
     path = os.fspath(path)
     try:
-        with open(path, "rb") as handle:
-            magic = handle.read(4)
-    except OSError as exc:
-        raise ImatrixError(f"cannot read: {exc.strerror or exc}", path=path) from None
-    return _read_gguf(path) if magic == b"GGUF" else _read_legacy(path)
+        fd, info = open_regular(path)
+    except NotReadable as exc:
+        raise ImatrixError(f"cannot read: {exc}", path=path, hint="pass the .gguf or .dat file llama-imatrix wrote") from None
+    try:
+        try:
+            magic = os.pread(fd, 4, 0)
+        except OSError as exc:
+            raise ImatrixError(f"cannot read: {exc.strerror or exc}", path=path) from None
+        return _read_gguf(path, fd) if magic == b"GGUF" else _read_legacy(path, fd, info)
+    finally:
+        os.close(fd)
 
 
 # -- GGUF ------------------------------------------------------------------------------------------
 
 
-def _read_gguf(path: str) -> Imatrix:
+def _read_gguf(path: str, fd: int) -> Imatrix:
     import numpy as np
 
     from qtool.errors import CheckpointError
@@ -217,53 +230,52 @@ def _read_gguf(path: str) -> Imatrix:
             f"holds no {SUMS_SUFFIX} / {COUNTS_SUFFIX} tensors: not an importance matrix",
         )
     entries: dict[str, ImatrixEntry] = {}
-    with open(path, "rb") as handle:
-        fd = handle.fileno()
-        for name in sorted(pairs, key=lambda n: n.encode("utf-8", "surrogateescape")):
-            sums_t, counts_t = pairs[name]
-            shown = _shown(name)
-            if sums_t is None or counts_t is None:
+    # the sums and counts are read from the descriptor read_imatrix checked
+    for name in sorted(pairs, key=lambda n: n.encode("utf-8", "surrogateescape")):
+        sums_t, counts_t = pairs[name]
+        shown = _shown(name)
+        if sums_t is None or counts_t is None:
+            raise _fail(
+                path,
+                f"{shown} has {'no' + SUMS_SUFFIX if sums_t is None else 'no' + COUNTS_SUFFIX} tensor to pair with its {'counts' if sums_t is None else 'sums'}",
+            )
+        for tensor in (sums_t, counts_t):
+            if tensor.encoding is not None or tensor.dtype.name != "F32":
                 raise _fail(
                     path,
-                    f"{shown} has {'no' + SUMS_SUFFIX if sums_t is None else 'no' + COUNTS_SUFFIX} tensor to pair with its {'counts' if sums_t is None else 'sums'}",
+                    f"{_shown(tensor.name)} is {tensor.encoding or tensor.dtype.name}; llama.cpp reads F32 sums and counts",
                 )
-            for tensor in (sums_t, counts_t):
-                if tensor.encoding is not None or tensor.dtype.name != "F32":
-                    raise _fail(
-                        path,
-                        f"{_shown(tensor.name)} is {tensor.encoding or tensor.dtype.name}; llama.cpp reads F32 sums and counts",
-                    )
-            if counts_t.numel == 0 or sums_t.numel == 0:
-                raise _fail(
-                    path,
-                    f"{shown} has {sums_t.numel} sums and {counts_t.numel} counts; both must be non-empty",
-                )
-            if sums_t.numel % counts_t.numel:
-                raise _fail(
-                    path,
-                    f"{shown} has {sums_t.numel} sums, not a whole row per each of its {counts_t.numel} counts",
-                )
-            sums = _floats(fd, sums_t, path)
-            raw_counts = _floats(fd, counts_t, path).astype(np.float64)
-            if not np.isfinite(sums).all():
-                raise _fail(path, f"{shown}{SUMS_SUFFIX} holds NaN or inf")
-            if (sums < 0).any():
-                raise _fail(
-                    path, f"{shown}{SUMS_SUFFIX} holds a negative sum of squares"
-                )
-            if (
-                not np.isfinite(raw_counts).all()
-                or (raw_counts < 0).any()
-                or (raw_counts > MAX_COUNT).any()
-            ):
-                raise _fail(
-                    path,
-                    f"{shown}{COUNTS_SUFFIX} holds a count that is negative, NaN, inf or above 2^53",
-                )
-            counts = tuple(
-                int(c) for c in np.floor(raw_counts + 0.5)
-            )  # std::lround of a non-negative value
-            entries[name] = ImatrixEntry(name, sums, counts)
+        if counts_t.numel == 0 or sums_t.numel == 0:
+            raise _fail(
+                path,
+                f"{shown} has {sums_t.numel} sums and {counts_t.numel} counts; both must be non-empty",
+            )
+        if sums_t.numel % counts_t.numel:
+            raise _fail(
+                path,
+                f"{shown} has {sums_t.numel} sums, not a whole row per each of its {counts_t.numel} counts",
+            )
+        sums = _floats(fd, sums_t, path)
+        raw_counts = _floats(fd, counts_t, path).astype(np.float64)
+        if not np.isfinite(sums).all():
+            raise _fail(path, f"{shown}{SUMS_SUFFIX} holds NaN or inf")
+        if (sums < 0).any():
+            raise _fail(
+                path, f"{shown}{SUMS_SUFFIX} holds a negative sum of squares"
+            )
+        if (
+            not np.isfinite(raw_counts).all()
+            or (raw_counts < 0).any()
+            or (raw_counts > MAX_COUNT).any()
+        ):
+            raise _fail(
+                path,
+                f"{shown}{COUNTS_SUFFIX} holds a count that is negative, NaN, inf or above 2^53",
+            )
+        counts = tuple(
+            int(c) for c in np.floor(raw_counts + 0.5)
+        )  # std::lround of a non-negative value
+        entries[name] = ImatrixEntry(name, sums, counts)
     return Imatrix(
         path,
         "gguf",
@@ -295,14 +307,19 @@ def _shown(name: str) -> str:
 # -- legacy .dat -----------------------------------------------------------------------------------
 
 
-def _read_legacy(path: str) -> Imatrix:
+def _read_legacy(path: str, fd: int, info: os.stat_result) -> Imatrix:
     import numpy as np
 
+    from qtool.formats.regular_files import read_descriptor
+
+    if info.st_size > MAX_LEGACY_BYTES:
+        raise _fail(path, f"is {info.st_size} bytes, more than a legacy importance matrix's {MAX_LEGACY_BYTES}")
     try:
-        with open(path, "rb") as handle:
-            data = handle.read()
+        data = read_descriptor(fd, info.st_size)
     except OSError as exc:
         raise ImatrixError(f"cannot read: {exc.strerror or exc}", path=path) from None
+    if len(data) > info.st_size:
+        raise _fail(path, "grew while it was read")
     size = len(data)
     pos = 0
 

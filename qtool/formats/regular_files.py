@@ -13,7 +13,7 @@ import errno
 import os
 import stat
 
-__all__ = ["NotReadable", "read_regular", "descriptor_path"]
+__all__ = ["NotReadable", "open_regular", "read_regular", "read_descriptor", "descriptor_path"]
 
 _FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
 _CHUNK = 1 << 20
@@ -31,17 +31,18 @@ def descriptor_path(fd: int) -> str | None:
         return None
 
 
-def read_regular(path: str, limit: int, *, follow: bool = True, expect: os.stat_result | None = None, inside: tuple[str, ...] = ()) -> bytes:
-    """The bytes of the regular file `path`, at most `limit` + 1 of them (more than `limit`
-    means the file is over it: the caller says so in its own words).
+def open_regular(path: str, *, follow: bool = True, expect: os.stat_result | None = None, inside: tuple[str, ...] = ()) -> tuple[int, os.stat_result]:
+    """A blocking descriptor of the regular file `path`, checked, and its stat; the caller
+    closes it. For a file read in pieces (a calibration text, an importance matrix): the
+    checks of `read_regular`, and nothing read yet.
 
     follow: whether a symlink as the last component is followed (False: O_NOFOLLOW).
     expect: the stat of the file checked earlier; a different device or inode is refused.
     inside: folders the descriptor's real path must lie in (checked where the kernel says).
-    Raises NotReadable with the reason; OSError only for a failing read."""
+    Raises NotReadable with the reason."""
     flags = _FLAGS | (0 if follow else getattr(os, "O_NOFOLLOW", 0))
     try:
-        fd = os.open(path, flags)
+        fd = os.open(path, flags)  # O_NONBLOCK: a FIFO with no writer opens at once, and is refused below
     except OSError as exc:
         raise NotReadable("it is a link" if exc.errno == errno.ELOOP and not follow else exc.strerror or "cannot open") from None
     try:
@@ -55,14 +56,31 @@ def read_regular(path: str, limit: int, *, follow: bool = True, expect: os.stat_
             if real is not None and not any(real == root or real.startswith(root.rstrip(os.sep) + os.sep) for root in inside):
                 raise NotReadable("it links out of the model folder")
         os.set_blocking(fd, True)
-        pieces: list[bytes] = []
-        left = min(limit, info.st_size) + 1  # one byte over: the file is (or grew) past the limit
-        while left > 0:
-            piece = os.read(fd, min(left, _CHUNK))
-            if not piece:
-                break
-            pieces.append(piece)
-            left -= len(piece)
-        return b"".join(pieces)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, info
+
+
+def read_descriptor(fd: int, limit: int) -> bytes:
+    """From `fd`'s position, at most `limit` + 1 bytes (fewer at the end of the file)."""
+    pieces: list[bytes] = []
+    left = limit + 1
+    while left > 0:
+        piece = os.read(fd, min(left, _CHUNK))
+        if not piece:
+            break
+        pieces.append(piece)
+        left -= len(piece)
+    return b"".join(pieces)
+
+
+def read_regular(path: str, limit: int, *, follow: bool = True, expect: os.stat_result | None = None, inside: tuple[str, ...] = ()) -> bytes:
+    """The bytes of the regular file `path`, at most `limit` + 1 of them (more than `limit`
+    means the file is over it: the caller says so in its own words). The checks and arguments
+    are `open_regular`'s. Raises NotReadable with the reason; OSError only for a failing read."""
+    fd, info = open_regular(path, follow=follow, expect=expect, inside=inside)
+    try:
+        return read_descriptor(fd, min(limit, info.st_size))  # one byte over: the file is (or grew) past the limit
     finally:
         os.close(fd)

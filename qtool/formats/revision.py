@@ -4,15 +4,19 @@
     a path inside a git work tree                   that work tree's HEAD commit (and branch)
 
 Read from the files themselves, never by running git: `.git` (a folder, or a file
-`gitdir: ...` in a linked work tree), `HEAD`, a loose ref or `packed-refs`. Every file read is
-capped in size and every value checked (a commit is 40 or 64 hex digits); anything unexpected
-means "unknown" (None), never an error: a revision is a courtesy in a report, not an input.
+`gitdir: ...` in a linked work tree), `HEAD`, a loose ref or `packed-refs`. Every file is read
+through one checked descriptor (`regular_files.read_regular`: a FIFO as `.git/HEAD` is never
+waited on, a link to /dev/zero never read), capped in size, and every value checked (a commit
+is 40 or 64 hex digits); anything unexpected means "unknown" (None), never an error: a
+revision is a courtesy in a report, not an input.
 """
 
 from __future__ import annotations
 
 import os
 import re
+
+from qtool.formats.regular_files import NotReadable, read_regular
 
 __all__ = ["revision_of"]
 
@@ -25,9 +29,8 @@ _MAX_DEPTH = 64  # parent folders searched for a .git
 
 def _read(path: str, limit: int) -> str | None:
     try:
-        with open(path, "rb") as handle:
-            data = handle.read(limit + 1)
-    except OSError:
+        data = read_regular(path, limit)
+    except (NotReadable, OSError):
         return None
     if len(data) > limit:
         return None

@@ -41,13 +41,26 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _calibrates(roots: list[Path]) -> bool:
+    """Whether a case to replay runs `--calibrate` (or `imatrix`), which imports transformers."""
+    import json
+
+    from tests.fuzz.campaign import case_folders
+
+    for folder in case_folders(roots):
+        argv = json.loads((folder / "case.json").read_text())["argv"]
+        if "--calibrate" in argv:
+            return True
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     log = (lambda text: None) if args.quiet else (lambda text: print(text, file=sys.stderr, flush=True))
     started = time.monotonic()
     from tests.fuzz.runner import Limits, preload
 
-    preload()
+    preload(calibration=bool(args.replay) and _calibrates(args.replay))
     log(f"preloaded qtool and torch in {time.monotonic() - started:.1f} s")
     limits = Limits(seconds=args.timeout, memory=args.memory_mib * 2**20)
     with tempfile.TemporaryDirectory(prefix="qtool-fuzz-") as scratch:

@@ -10,6 +10,7 @@ A case is a folder: `in/` (the seed's files, some mutated) and `case.json` (argv
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
@@ -48,6 +49,7 @@ class Case:
     files: dict[str, bytes]  # every file of in/, mutated or not
     number: int = 0
     env: dict[str, str] = field(default_factory=dict)  # for the child (QTOOL_FUZZ_SWAP: runner._swap_during_copy)
+    special: dict[str, str] = field(default_factory=dict)  # in/ paths made "fifo", or a symlink to the target given (git keeps neither FIFO nor device)
 
     def write(self, folder: Path, result: Result | None = None, extra: dict | None = None) -> Path:
         if folder.exists():
@@ -57,9 +59,18 @@ class Case:
             path = folder / "in" / name
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
+        for name, what in self.special.items():
+            path = folder / "in" / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if what == "fifo":
+                os.mkfifo(path)
+            else:
+                os.symlink(what, path)
         document = {"container": self.container, "seed": self.seed, "target": self.target, "argv": self.argv, "mutations": self.mutations, "number": self.number}
         if self.env:
             document["env"] = self.env
+        if self.special:
+            document["special"] = self.special
         if result is not None:
             document |= {
                 "outcome": result.outcome,
@@ -76,8 +87,9 @@ class Case:
     @classmethod
     def read(cls, folder: Path) -> Case:
         document = json.loads((folder / "case.json").read_text())
-        files = {str(p.relative_to(folder / "in")): p.read_bytes() for p in sorted((folder / "in").rglob("*")) if p.is_file()}
-        return cls(document["container"], document["seed"], document["target"], document["argv"], document["mutations"], files, document.get("number", 0), document.get("env", {}))
+        special = document.get("special", {})
+        files = {name: p.read_bytes() for p in sorted((folder / "in").rglob("*")) if (name := str(p.relative_to(folder / "in"))) not in special and p.is_file()}
+        return cls(document["container"], document["seed"], document["target"], document["argv"], document["mutations"], files, document.get("number", 0), document.get("env", {}), special)
 
 
 def _seed_files(seed: Seed) -> dict[str, bytes]:

@@ -22,6 +22,17 @@ Issue 18 (#4-#7):
 
 Issue 18 (#8), giant names: every stderr line at most `expect.max_line` characters.
 
+Issue 42 (#3, #8), special files where a file is read whole (`case.json`'s `special`: git keeps
+no FIFO, and a link to /dev/zero must not be read when the case is loaded):
+
+- side_json/handmade-calibration-{fifo,dev-zero}: a `--calibrate` folder whose `a.txt` is a
+  FIFO or a link to /dev/zero (open() hung; /dev/zero was read to 1 GiB and tokenized), and
+  the `imatrix` command given such a text;
+- gguf/handmade-imatrix-*: `--imatrix /dev/zero`, a `.dat` linked to it (read to MemoryError)
+  and a FIFO `.gguf` (hung);
+- side_json/handmade-git-head-fifo: the model folder's `.git/HEAD` a FIFO (the report's
+  revision lookup hung, after the output was committed): exit 0, the revision unknown.
+
 - gguf/handmade-giant-name-*: a tensor name that swallowed the tensor table (its length field
   covers the next tensor's info and runs on), through `inspect` and `quantize`; and a 16 KB
   name that is otherwise valid, refused by `quantize` (GGUF names are at most 63 bytes).
@@ -153,6 +164,48 @@ def side_swap_model() -> dict[str, bytes]:
     }
 
 
+def special_file_cases(regressions: Path) -> list[Path]:
+    """Issue 42 (#3, #8): the special files a run reads whole, made when the case is written."""
+    written = []
+    model = {name: data for name, data in side_swap_model().items() if name.startswith("m/") and not name.endswith((".txt", ".json")) or name == "m/config.json"}
+    text = ("An iterator is created for the result of the expression list. " * 40).encode()
+    gguf_scratch = tempfile.TemporaryDirectory()
+    gguf_holding(Path(gguf_scratch.name) / "model.gguf", 0.5)
+    weights = (Path(gguf_scratch.name) / "model.gguf").read_bytes()
+    gguf_scratch.cleanup()
+    calibrate = ["quantize", "{in}", "-o", "{out}", "--calibrate", "in/texts", "--samples", "1", "--seq-len", "2", "-q"]
+    imatrix_command = ["imatrix", "{in}", "--calibrate", "in/texts/a.txt", "-o", "{out}.gguf", "--chunk-size", "16"]
+    cases = []
+    refused_text = ["error: in/texts/a.txt: cannot be read: it is not a regular file", "hint: a calibration text is a .txt or .jsonl file, or a folder of them"]
+    for kind, to in (("fifo", "fifo"), ("dev-zero", "/dev/zero")):
+        files = {**model, "texts/0.txt": text}
+        cases.append(("side_json", f"handmade-calibration-{kind}", "m", calibrate, files, {"texts/a.txt": to}, f"a --calibrate folder whose a.txt is {to}", "calibration", refused_text))
+        cases.append(("side_json", f"handmade-imatrix-text-{kind}", "m", imatrix_command, files, {"texts/a.txt": to}, f"the imatrix command's text a.txt is {to}", "calibration", refused_text))
+    quantize_imatrix = ["quantize", "{in}", "-o", "{out}.gguf", "--scheme", "Q4_K_M", "-q", "--imatrix"]
+    for name, path, special in (
+        ("handmade-imatrix-dev-zero", "/dev/zero", {}),
+        ("handmade-imatrix-dat-dev-zero", "in/i.dat", {"i.dat": "/dev/zero"}),
+        ("handmade-imatrix-fifo", "in/i.gguf", {"i.gguf": "fifo"}),
+        ("handmade-imatrix-dat-fifo", "in/i.dat", {"i.dat": "fifo"}),
+    ):
+        refused = [f"error: {path}: cannot read: it is not a regular file", "hint: pass the .gguf or .dat file llama-imatrix wrote"]
+        cases.append(("gguf", name, "model.gguf", [*quantize_imatrix, path], {"model.gguf": weights}, special, f"--imatrix {path} is {special.get(path[3:], path)}", "formats.imatrix", refused))
+    cases.append(("side_json", "handmade-git-head-fifo", "m", ["quantize", "{in}", "-o", "{out}", "--json", "-q"], model, {"m/.git/HEAD": "fifo"}, "the model folder's .git/HEAD is a FIFO", "formats.revision", []))
+    for container, name, target, argv, files, special, what, area, stderr in cases:
+        case = Case(container, "handmade", target, argv, [f"handmade: {what}"], files, special=special)
+        folder = regressions / container / name
+        expect = {"outcome": "exit2-one-line" if stderr else "exit0", "stderr": stderr}
+        case.write(folder, extra={"area": area, "signature": ["handmade", what, area], "expect": expect})
+        for made in special:  # the case folder keeps only what git can keep: Case.write makes these
+            path = folder / "in" / made
+            path.unlink()
+            while path.parent != folder / "in" and not any(path.parent.iterdir()):
+                path = path.parent
+                path.rmdir()
+        written.append(folder)
+    return written
+
+
 def write_all(regressions: Path) -> list[Path]:
     written = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -219,7 +272,7 @@ def write_all(regressions: Path) -> list[Path]:
         folder = regressions / "side_json" / f"handmade-side-swap-{kind}"
         case.write(folder, extra={"area": "side_files", "signature": ["handmade", what, "side_files"], "expect": {"outcome": "exit2-one-line"}})
         written.append(folder)
-    return written
+    return written + special_file_cases(regressions)
 
 
 if __name__ == "__main__":

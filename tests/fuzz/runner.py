@@ -92,9 +92,11 @@ def classify(result: Result) -> str:
     return "other-exit"
 
 
-def preload(extra_modules: tuple[str, ...] = ()) -> None:
+def preload(extra_modules: tuple[str, ...] = (), calibration: bool = False) -> None:
     """Import what a qtool run imports, once, in the fork server: the CLI and every command,
-    every convention, numpy, torch, gguf, safetensors, cbor2, and the optional toolchains."""
+    every convention, numpy, torch, gguf, safetensors, cbor2, and the optional toolchains;
+    with `calibration`, transformers as `--calibrate` imports it (seconds more: only a replay
+    of cases that calibrate asks for it)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
     import importlib
@@ -136,6 +138,10 @@ def preload(extra_modules: tuple[str, ...] = ()) -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001, S110 - optional (torchao) or moved by another branch
             pass
+    if calibration:
+        from qtool.api import import_transformers_lean
+
+        import_transformers_lean()
 
 
 def _rss_bytes(pid: int | str = "self") -> int:
