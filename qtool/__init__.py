@@ -25,8 +25,13 @@ def _exit_at_once(signum: int, frame: object) -> None:
 
 
 def _started_as_the_command() -> bool:
-    """`qtool ...` or `python -m qtool ...`, not a program that imports qtool (pytest, a script)."""
+    """`qtool ...` or `python -m qtool ...`, not a program that imports qtool (pytest, a script),
+    nor a worker a `--workers` run spawned: multiprocessing runs the driver's main module (the
+    `qtool` console script) in it, with the driver's argv, and each worker then printed
+    `error: terminated` beside the driver's one line when the driver stopped it."""
     argv = getattr(sys, "orig_argv", sys.argv)
+    if "--multiprocessing-fork" in argv:  # multiprocessing's spawn and forkserver children
+        return False
     return os.path.basename(sys.argv[0] if sys.argv else "") == "qtool" or any(a == "-m" and b == "qtool" for a, b in zip(argv, argv[1:]))
 
 

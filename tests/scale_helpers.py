@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.signal_helpers import default_signal_dispositions
+
 REPO = Path(__file__).resolve().parent.parent
 STAGING_MARK = ".qtool-tmp-"
 
@@ -28,14 +30,31 @@ def qtool(
     )
 
 
-def start_qtool(*args, env: dict | None = None) -> subprocess.Popen:
+CONSOLE_SCRIPT = "import sys\nfrom qtool.cli import main\n\nif __name__ == '__main__':\n    sys.exit(main())\n"
+
+
+def console_script(folder: Path) -> list[str]:
+    """The command line of a `qtool` console script like the one pip writes (its file named
+    `qtool`, which a spawned worker is told is its main module), importing this checkout."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "qtool").write_text(CONSOLE_SCRIPT)
+    return [sys.executable, str(folder / "qtool")]
+
+
+def start_qtool(*args, env: dict | None = None, program: list[str] | None = None) -> subprocess.Popen:
+    """A qtool run a test may signal: the signals at their default action (a test run in the
+    background of a script would otherwise pass on SIGINT ignored). `program`: how qtool is
+    started (`python -m qtool` unless given)."""
+    if program is not None:
+        env = {**(os.environ if env is None else env), "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
-        [sys.executable, "-m", "qtool", *map(str, args)],
+        [*(program or [sys.executable, "-m", "qtool"]), *map(str, args)],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        preexec_fn=default_signal_dispositions,
     )
 
 
