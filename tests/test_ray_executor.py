@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_for_qtool_handlers
+from tests.signal_helpers import wait_for_qtool_handlers
 from tests.scale_helpers import assert_same_output, processes_writing, qtool, report_less_timings, staging_left, start_qtool, wait_for_writer
 from tests.scale_models import llama_shaped, reshard
 
