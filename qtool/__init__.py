@@ -36,11 +36,12 @@ def _started_as_the_command() -> bool:
 
 
 # The earliest line of qtool's own code: from here a Ctrl-C during start-up is one line and exit
-# 130, never a traceback (before it, only the interpreter's own start-up remains).
-if _started_as_the_command() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, _exit_at_once)
-    for _name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM"):  # qtool.cli's _TERMINATING
-        if hasattr(signal, _name) and signal.getsignal(getattr(signal, _name)) is not signal.SIG_IGN:  # `nohup`: stays ignored
+# 130, never a traceback (before it, only the interpreter's own start-up remains). A signal the
+# parent ignored stays ignored (`nohup`; SIGINT and SIGQUIT under a script's `qtool ... &`), and
+# only that one: the others are still handled.
+if _started_as_the_command():
+    for _name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM"):  # qtool.cli's
+        if hasattr(signal, _name) and signal.getsignal(getattr(signal, _name)) is not signal.SIG_IGN:
             signal.signal(getattr(signal, _name), _exit_at_once)
     del _name
 

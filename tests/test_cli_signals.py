@@ -250,3 +250,23 @@ def test_sighup_stays_ignored_under_nohup():
     stdout, stderr = process.communicate(timeout=120)
     assert (process.returncode, stderr) == (0, ""), stderr
     assert stdout
+
+
+@posix_only
+def test_started_with_sigint_ignored_qtool_still_handles_the_other_signals_from_its_first_line(tmp_path):
+    """A script's `qtool ... &` starts qtool with SIGINT ignored. qtool keeps that, but its first
+    line skipped every early handler with it: a SIGTERM during start-up then killed the process
+    silently (no `error: terminated`), where the docstring of `qtool.cli` promises one line."""
+    probe = tmp_path / "qtool"  # named as the console script is: qtool acts as the command
+    probe.write_text(
+        "import signal\nimport qtool\nhandlers = [signal.getsignal(getattr(signal, n)) for n in ('SIGINT', 'SIGTERM', 'SIGHUP')]\n"
+        "print(*(h.name if isinstance(h, signal.Handlers) else h.__name__ for h in handlers))\n"
+    )
+
+    def background() -> None:
+        default_signal_dispositions()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    result = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, env=_environment(), timeout=120, preexec_fn=background)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["SIG_IGN", "_exit_at_once", "_exit_at_once"]
