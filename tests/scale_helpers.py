@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from tests.signal_helpers import default_signal_dispositions
+from tests.signal_helpers import default_signal_dispositions, signal_while
 
 REPO = Path(__file__).resolve().parent.parent
 STAGING_MARK = ".qtool-tmp-"
@@ -105,17 +106,14 @@ def processes_writing(
     return found
 
 
-def wait_for_writer(
-    staging_parent: Path,
-    exclude: set[int],
-    process: subprocess.Popen,
-    timeout: float = 120,
-) -> int | None:
-    """The PID of a process in the middle of writing a staged file, polled until one shows."""
+def kill_a_writer(staging_parent: Path, process: subprocess.Popen, timeout: float = 300) -> int | None:
+    """SIGKILL a worker (not `process`, the driver) while it holds a staged file open, frozen in
+    that state (`signal_while`), so its job is certainly lost, not just finished. Its PID, or
+    None when the run ended first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and process.poll() is None:
-        pids = processes_writing(staging_parent, exclude)
-        if pids:
-            return pids[0]
+        for pid in processes_writing(staging_parent, {process.pid}):
+            if signal_while(pid, signal.SIGKILL, lambda: pid in processes_writing(staging_parent, {process.pid})):  # noqa: B023
+                return pid
         time.sleep(0.002)
     return None

@@ -82,26 +82,36 @@ def _stopped(pid: int) -> bool:
     return True
 
 
-def signal_while(process: subprocess.Popen, signum: int, holds: Callable[[], bool] = lambda: True) -> bool:
-    """Send `signum` while `holds()` is true of the running process, for certain: stop it
-    (SIGSTOP), check that it still runs and `holds()` still holds, send the signal, and let it go
-    on (SIGCONT). The signal is delivered before the process runs on, so it lands in that state
-    however loaded the machine is. False, with nothing sent, when it has exited or the state
-    has passed."""
+def _running(process: subprocess.Popen | int) -> bool:
+    if isinstance(process, subprocess.Popen):
+        return process.poll() is None
+    try:  # another process's child (a --workers worker): alive until it is a zombie
+        return Path(f"/proc/{process}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except (OSError, IndexError):
+        return False
+
+
+def signal_while(process: subprocess.Popen | int, signum: int, holds: Callable[[], bool] = lambda: True) -> bool:
+    """Send `signum` while `holds()` is true of the running process (a Popen, or the pid of
+    another's child), for certain: stop it (SIGSTOP), check that it still runs and `holds()`
+    still holds, send the signal, and let it go on (SIGCONT). The signal is delivered before the
+    process runs on, so it lands in that state however loaded the machine is. False, with nothing
+    sent, when it has exited or the state has passed."""
+    pid = process.pid if isinstance(process, subprocess.Popen) else process
     try:
-        os.kill(process.pid, signal.SIGSTOP)
+        os.kill(pid, signal.SIGSTOP)
     except ProcessLookupError:
         return False
     try:
-        while not _stopped(process.pid):
+        while not _stopped(pid):
             time.sleep(0.0005)
-        if process.poll() is not None or not holds():
+        if not _running(process) or not holds():
             return False
-        process.send_signal(signum)
+        os.kill(pid, signum)
         return True
     finally:
         try:
-            os.kill(process.pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             pass
 

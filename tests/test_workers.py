@@ -18,12 +18,12 @@ from tests.signal_helpers import signal_when, wait_for_qtool_handlers
 from tests.scale_helpers import (
     assert_same_output,
     console_script,
+    kill_a_writer,
     processes_writing,
     qtool,
     report_less_timings,
     staging_left,
     start_qtool,
-    wait_for_writer,
 )
 from tests.scale_models import llama_shaped, reshard
 
@@ -132,9 +132,8 @@ def test_a_worker_killed_mid_job_is_retried_and_the_output_is_the_same(
         "--json",
         "-q",
     )
-    victim = wait_for_writer(tmp_path / "spread", {process.pid}, process)
+    victim = kill_a_writer(tmp_path / "spread", process)
     assert victim is not None, "no worker was seen writing"
-    os.kill(victim, signal.SIGKILL)
     stdout, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stderr
     assert_same_output(reference, out)
