@@ -8,7 +8,8 @@ Not part of `.ci/run`: it takes a while (a few minutes a run on 2 cores). Each r
 CPU (what `stress --cpu 2` does), with SIGINT and SIGQUIT ignored in pytest, as they are in a
 test run started in the background of a script (`.ci/run &`): issue 43's lost SIGINT came from
 exactly that. `--foreground` leaves them at their defaults. It prints each run's outcome and the
-failed tests, then the failures per run; it exits 1 if any run failed.
+failed tests, then the failures per run, and keeps a failed run's whole output in `--logs`; it
+exits 1 if any run failed.
 """
 
 from __future__ import annotations
@@ -45,25 +46,34 @@ def _as_a_background_job() -> None:
     signal.signal(signal.SIGQUIT, signal.SIG_IGN)
 
 
-def one_run(tests: list[str], workers: str, foreground: bool, timeout: float) -> dict:
+def one_run(tests: list[str], workers: str, foreground: bool, timeout: float) -> tuple[dict, str]:
+    """One pytest run: its outcome, and its whole output."""
     started = time.monotonic()
     command = [sys.executable, "-m", "pytest", "-n", workers, "-q", "-rfE", "-p", "no:cacheprovider", *tests]
+    process = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        preexec_fn=None if foreground else _as_a_background_job,
+    )  # fmt: skip
     try:
-        result = subprocess.run(
-            command, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-            preexec_fn=None if foreground else _as_a_background_job,
-        )  # fmt: skip
-        output, code = result.stdout + result.stderr, result.returncode
-    except subprocess.TimeoutExpired as timed_out:
-        output, code = str(timed_out.stdout or "") + f"\n(run over {timeout} s)", None
+        output, _ = process.communicate(timeout=timeout)
+        code = process.returncode
+    except subprocess.TimeoutExpired:
+        output, code = f"(run over {timeout} s)", None
+    finally:  # the run over, or this script stopped: pytest's workers and their qtool runs too
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
     failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", output, re.MULTILINE)))
     summary = re.findall(r"^=+ (.*(?:passed|failed|error).*) in [\d.]+s", output, re.MULTILINE)
-    return {
+    outcome = {
         "exit": code,
         "seconds": round(time.monotonic() - started, 1),
         "failed": failed,
         "summary": summary[-1] if summary else output.strip().splitlines()[-1:],
     }
+    return outcome, output
 
 
 def main() -> int:
@@ -74,17 +84,22 @@ def main() -> int:
     parser.add_argument("--foreground", action="store_true", help="leave SIGINT and SIGQUIT at their defaults in pytest")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for one run")
     parser.add_argument("--json", type=Path, help="write every run's outcome here")
+    parser.add_argument("--logs", type=Path, default=Path("stress-logs"), help="a failed run's output goes here, as run-N.txt")
     parser.add_argument("tests", nargs="*", default=TESTS)
     args = parser.parse_args()
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the busy processes and pytest on the way out
     burners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(args.busy)]
     for burner in burners:
         burner.start()
     runs = []
     try:
         for number in range(1, args.runs + 1):
-            outcome = one_run(args.tests, args.workers, args.foreground, args.timeout)
+            outcome, output = one_run(args.tests, args.workers, args.foreground, args.timeout)
             runs.append(outcome)
+            if outcome["exit"] != 0:
+                args.logs.mkdir(parents=True, exist_ok=True)
+                (args.logs / f"run-{number}.txt").write_text(output)
             verdict = "ok" if outcome["exit"] == 0 else f"FAILED (exit {outcome['exit']})"
             print(f"run {number}/{args.runs}: {verdict}, {outcome['summary']}, {outcome['seconds']} s", flush=True)
             for test in outcome["failed"]:

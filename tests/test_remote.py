@@ -605,7 +605,7 @@ def test_a_trickling_or_stalled_server_ends_at_the_request_deadline(served, tmp_
     assert line == f"error: {url}: no complete answer within 2 s (QTOOL_HTTP_TIMEOUT, the limit for one request)"
     assert "set QTOOL_HTTP_TIMEOUT=SECONDS to wait longer" in result.stderr
     assert seconds < 2 + 45, seconds  # the deadline, plus start-up on a loaded machine (without the deadline: hours)
-    assert served.trickling == 1  # a request past its deadline is not retried
+    assert served.trickling == 1, (served.trickling, served.log)  # a request past its deadline is not retried
 
 
 def test_the_command_deadline_bounds_all_requests_together(served, tmp_path):
