@@ -25,17 +25,23 @@ def _exit_at_once(signum: int, frame: object) -> None:
 
 
 def _started_as_the_command() -> bool:
-    """`qtool ...` or `python -m qtool ...`, not a program that imports qtool (pytest, a script)."""
+    """`qtool ...` or `python -m qtool ...`, not a program that imports qtool (pytest, a script),
+    nor a worker a `--workers` run spawned: multiprocessing runs the driver's main module (the
+    `qtool` console script) in it, with the driver's argv, and each worker then printed
+    `error: terminated` beside the driver's one line when the driver stopped it."""
     argv = getattr(sys, "orig_argv", sys.argv)
+    if "--multiprocessing-fork" in argv:  # multiprocessing's spawn and forkserver children
+        return False
     return os.path.basename(sys.argv[0] if sys.argv else "") == "qtool" or any(a == "-m" and b == "qtool" for a, b in zip(argv, argv[1:]))
 
 
 # The earliest line of qtool's own code: from here a Ctrl-C during start-up is one line and exit
-# 130, never a traceback (before it, only the interpreter's own start-up remains).
-if _started_as_the_command() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, _exit_at_once)
-    for _name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM"):  # qtool.cli's _TERMINATING
-        if hasattr(signal, _name) and signal.getsignal(getattr(signal, _name)) is not signal.SIG_IGN:  # `nohup`: stays ignored
+# 130, never a traceback (before it, only the interpreter's own start-up remains). A signal the
+# parent ignored stays ignored (`nohup`; SIGINT and SIGQUIT under a script's `qtool ... &`), and
+# only that one: the others are still handled.
+if _started_as_the_command():
+    for _name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM"):  # qtool.cli's
+        if hasattr(signal, _name) and signal.getsignal(getattr(signal, _name)) is not signal.SIG_IGN:
             signal.signal(getattr(signal, _name), _exit_at_once)
     del _name
 

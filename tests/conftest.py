@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 import struct
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -52,19 +49,3 @@ def make_safetensors(tmp_path):
         return write_safetensors(tmp_path / name, tensors, **kwargs)
 
     return make
-
-
-def wait_for_qtool_handlers(process: subprocess.Popen, timeout: float = 60) -> None:
-    """Until qtool's SIGTERM handler shows in /proc (Python catches SIGINT from its own start,
-    SIGTERM only once qtool's code runs). Before that instant the interpreter is still starting
-    and its defaults apply; on a loaded machine that can take longer than a fixed delay."""
-    status = Path(f"/proc/{process.pid}/status")
-    deadline = time.monotonic() + timeout
-    while process.poll() is None and time.monotonic() < deadline:
-        try:
-            caught = next(int(line.split()[1], 16) for line in status.read_text().splitlines() if line.startswith("SigCgt:"))
-        except (OSError, StopIteration):
-            return
-        if caught & (1 << (signal.SIGTERM - 1)):
-            return
-        time.sleep(0.001)

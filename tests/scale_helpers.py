@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tests.signal_helpers import default_signal_dispositions, signal_while
 
 REPO = Path(__file__).resolve().parent.parent
 STAGING_MARK = ".qtool-tmp-"
@@ -28,14 +31,31 @@ def qtool(
     )
 
 
-def start_qtool(*args, env: dict | None = None) -> subprocess.Popen:
+CONSOLE_SCRIPT = "import sys\nfrom qtool.cli import main\n\nif __name__ == '__main__':\n    sys.exit(main())\n"
+
+
+def console_script(folder: Path) -> list[str]:
+    """The command line of a `qtool` console script like the one pip writes (its file named
+    `qtool`, which a spawned worker is told is its main module), importing this checkout."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "qtool").write_text(CONSOLE_SCRIPT)
+    return [sys.executable, str(folder / "qtool")]
+
+
+def start_qtool(*args, env: dict | None = None, program: list[str] | None = None) -> subprocess.Popen:
+    """A qtool run a test may signal: the signals at their default action (a test run in the
+    background of a script would otherwise pass on SIGINT ignored). `program`: how qtool is
+    started (`python -m qtool` unless given)."""
+    if program is not None:
+        env = {**(os.environ if env is None else env), "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
-        [sys.executable, "-m", "qtool", *map(str, args)],
+        [*(program or [sys.executable, "-m", "qtool"]), *map(str, args)],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        preexec_fn=default_signal_dispositions,
     )
 
 
@@ -86,17 +106,14 @@ def processes_writing(
     return found
 
 
-def wait_for_writer(
-    staging_parent: Path,
-    exclude: set[int],
-    process: subprocess.Popen,
-    timeout: float = 120,
-) -> int | None:
-    """The PID of a process in the middle of writing a staged file, polled until one shows."""
+def kill_a_writer(staging_parent: Path, process: subprocess.Popen, timeout: float = 300) -> int | None:
+    """SIGKILL a worker (not `process`, the driver) while it holds a staged file open, frozen in
+    that state (`signal_while`), so its job is certainly lost, not just finished. Its PID, or
+    None when the run ended first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and process.poll() is None:
-        pids = processes_writing(staging_parent, exclude)
-        if pids:
-            return pids[0]
+        for pid in processes_writing(staging_parent, {process.pid}):
+            if signal_while(pid, signal.SIGKILL, lambda: pid in processes_writing(staging_parent, {process.pid})):  # noqa: B023
+                return pid
         time.sleep(0.002)
     return None

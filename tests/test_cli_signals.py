@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, SAMPLES, wait_for_qtool_handlers
+from tests.conftest import REPO, SAMPLES
+from tests.signal_helpers import default_signal_dispositions, qtool_handlers_in, signal_when, wait_for_qtool_handlers
 
 TINY = SAMPLES / "tiny-llama"
 posix_only = pytest.mark.skipif(os.name != "posix", reason="POSIX signals")
@@ -65,14 +66,6 @@ def test_the_console_script_imports_only_light_modules_before_main_installs_the_
     assert (REPO / "qtool" / "__main__.py").read_text().startswith("from qtool.cli import main\n")
 
 
-def _default_dispositions() -> None:
-    """In the child: every signal these tests send at its default action. qtool keeps a signal
-    its parent ignored ignored (`nohup`), and a test run under `nohup`, or started with `&` from
-    a script (SIGINT and SIGQUIT ignored), would otherwise pass that on and see exit 0."""
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM):
-        signal.signal(signum, signal.SIG_DFL)
-
-
 def _start(*args: str, cwd: Path = REPO) -> tuple[subprocess.Popen, float]:
     started = time.monotonic()
     process = subprocess.Popen(
@@ -82,7 +75,7 @@ def _start(*args: str, cwd: Path = REPO) -> tuple[subprocess.Popen, float]:
         text=True,
         env=_environment(),
         cwd=cwd,
-        preexec_fn=_default_dispositions if os.name == "posix" else None,
+        preexec_fn=default_signal_dispositions if os.name == "posix" else None,
     )
     return process, started
 
@@ -106,17 +99,20 @@ SIGNALS = [(signal.SIGINT, 130, "error: interrupted"), (signal.SIGTERM, 143, "er
 @pytest.mark.parametrize("args", [["inspect", str(TINY)], ["inspect", str(TINY), "--stats", "-q"]], ids=["inspect", "inspect-stats"])
 def test_a_signal_at_any_moment_exits_with_its_code_and_no_traceback(signum, code, line, args):
     """`--stats` imports torch: signals land inside a long import, as Ctrl-C in the first second
-    of a quantize does."""
-    outcomes = []
+    of a quantize does. The first signal is sent the instant qtool's handlers are in, with the
+    process frozen there (`signal_when`), so it lands inside the run on any machine; the others
+    at fixed delays, wherever those fall."""
+    process, _ = _start(*args)
+    assert signal_when(process, signum, lambda: qtool_handlers_in(process)), "qtool ended before its handlers showed"
+    _, stderr = process.communicate(timeout=120)
+    assert (process.returncode, stderr) == (code, line + "\n")
     for delay in DELAYS:
         result = _signal_at(delay, signum, *args)
-        outcomes.append(result.returncode)
         assert "Traceback" not in result.stderr, (delay, result.stderr)
         if result.returncode == 0:  # it had finished: the signal came during the exit, or after
             assert result.stderr == ""
         else:
             assert (result.returncode, result.stderr) == (code, line + "\n"), delay
-    assert code in outcomes, "no signal landed while qtool was running"
 
 
 @posix_only
@@ -154,17 +150,20 @@ def _staging(folder: Path) -> list[Path]:
 
 
 def _quantize_and_signal(tmp_path: Path, signum: int, ready) -> subprocess.CompletedProcess:
-    """Quantize ~200 MB and send `signum` as soon as `ready(staging folder)` holds."""
+    """Quantize ~200 MB and send `signum` while `ready(staging folder)` holds, the process
+    frozen in that state (`signal_when`): the signal lands there however loaded the machine."""
     model = _big_model(tmp_path / "model")
     process, _ = _start("quantize", str(model), "-o", str(tmp_path / "out"), "--scheme", "int8", "-q", "--threads", "1", cwd=tmp_path)
-    deadline = time.monotonic() + 60
-    while process.poll() is None and time.monotonic() < deadline:
-        staging = _staging(tmp_path)
-        if staging and ready(staging[0]):
-            process.send_signal(signum)
-            break
-        time.sleep(0.001)
+
+    def in_state() -> bool:
+        try:
+            return any(ready(staging) for staging in _staging(tmp_path))
+        except FileNotFoundError:  # the staging folder went meanwhile
+            return False
+
+    sent = signal_when(process, signum, in_state)
     stdout, stderr = process.communicate(timeout=120)
+    assert sent, f"quantize ended (exit {process.returncode}) before the state the signal was meant for: {stderr}"
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
@@ -178,7 +177,7 @@ def test_a_signal_while_quantize_writes_removes_the_output(tmp_path, signum, cod
 
     result = _quantize_and_signal(tmp_path, signum, writing)
     assert "Traceback" not in result.stderr, result.stderr
-    assert (result.returncode, result.stderr) == (code, line + "\n"), "quantize finished before the signal: make the model bigger"
+    assert (result.returncode, result.stderr) == (code, line + "\n")
     assert result.stdout == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no output, no staging folder
 
@@ -241,7 +240,7 @@ def test_sighup_stays_ignored_under_nohup():
     process = subprocess.Popen(
         [sys.executable, "-m", "qtool", "inspect", str(TINY), "--stats", "-q"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_environment(), cwd=REPO,
-        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),
+        preexec_fn=lambda: (default_signal_dispositions(), signal.signal(signal.SIGHUP, signal.SIG_IGN)),
     )
     wait_for_qtool_handlers(process)
     for _ in range(5):
@@ -251,3 +250,23 @@ def test_sighup_stays_ignored_under_nohup():
     stdout, stderr = process.communicate(timeout=120)
     assert (process.returncode, stderr) == (0, ""), stderr
     assert stdout
+
+
+@posix_only
+def test_started_with_sigint_ignored_qtool_still_handles_the_other_signals_from_its_first_line(tmp_path):
+    """A script's `qtool ... &` starts qtool with SIGINT ignored. qtool keeps that, but its first
+    line skipped every early handler with it: a SIGTERM during start-up then killed the process
+    silently (no `error: terminated`), where the docstring of `qtool.cli` promises one line."""
+    probe = tmp_path / "qtool"  # named as the console script is: qtool acts as the command
+    probe.write_text(
+        "import signal\nimport qtool\nhandlers = [signal.getsignal(getattr(signal, n)) for n in ('SIGINT', 'SIGTERM', 'SIGHUP')]\n"
+        "print(*(h.name if isinstance(h, signal.Handlers) else h.__name__ for h in handlers))\n"
+    )
+
+    def background() -> None:
+        default_signal_dispositions()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    result = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, env=_environment(), timeout=120, preexec_fn=background)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["SIG_IGN", "_exit_at_once", "_exit_at_once"]

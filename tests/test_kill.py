@@ -4,8 +4,10 @@ appears, and twice while it writes). Afterwards the final path holds nothing or 
 output, the input is unchanged, a SIGTERM or SIGINT run cleaned up after itself (exit 143 or
 130, one line, no traceback), and whatever a SIGKILL left is gone after the next run.
 
-FP8 runs on torch (~2 s here, most of it writing), so the signals land inside the run; the last
-test checks that most of them did, so the test cannot pass by signalling finished runs."""
+Each signal is sent in a state the test sees (qtool's handlers in /proc; the staging folder; a
+share of the output's bytes staged) with the process frozen there (`signal_when`), so every one
+lands inside the run, however loaded the machine: a SIGTERM run always exits 143, a SIGINT run
+130, a SIGKILL run by the signal. No test counts on another having run before it."""
 
 from __future__ import annotations
 
@@ -15,13 +17,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.conftest import wait_for_qtool_handlers
+from tests.signal_helpers import default_signal_dispositions, qtool_handlers_in, signal_when
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS, ROWS, COLS = 12, 2048, 4096  # 12 bf16 weights of 16 MiB: ~200 MB
@@ -57,13 +58,13 @@ def _quantize(model: Path, out: Path) -> subprocess.Popen:
     env.pop("QTOOL_DEBUG", None)
     return subprocess.Popen(
         [sys.executable, "-m", "qtool", "quantize", str(model), "-o", str(out), "--scheme", "FP8", "-q"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True, preexec_fn=default_signal_dispositions,
     )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> tuple[Path, str, str]:
-    """The model, its digest, and the digest of a complete output."""
+def model(tmp_path_factory) -> tuple[Path, str, str, int]:
+    """The model, its digest, the digest of a complete output, and that output's size."""
     root = tmp_path_factory.mktemp("kill")
     folder = root / "model"
     _write_model(folder)
@@ -71,51 +72,56 @@ def model(tmp_path_factory) -> tuple[Path, str, str]:
     finished = _quantize(folder, reference)
     _, err = finished.communicate(timeout=300)
     assert finished.returncode == 0, err
-    return folder, _digest(folder), _digest(reference)
+    return folder, _digest(folder), _digest(reference), _size(reference)
 
 
 def _leftovers(parent: Path) -> list[str]:
     return sorted(p.name for p in parent.iterdir() if ".qtool-tmp-" in p.name)
 
 
-def _wait_for_staging(parent: Path, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 60
-    while not _leftovers(parent) and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.001)
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
 
 
-INTERRUPTED: list[bool] = []  # per run: did the signal land before the run finished?
+def _staged_bytes(parent: Path) -> int:
+    """The bytes written under the staging folders so far."""
+    total = 0
+    for name in _leftovers(parent):
+        try:
+            total += _size(parent / name)
+        except FileNotFoundError:  # it went (committed, or removed) as we looked
+            continue
+    return total
+
+
+# where a signal lands: (share of the complete output's bytes staged; None: once qtool's handlers are in)
+POINTS = {"importing": None, "staged": 0.0, "writing": 0.25, "late": 0.75}
+EXIT = {signal.SIGKILL: -signal.SIGKILL, signal.SIGTERM: 143, signal.SIGINT: 130}
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=["KILL", "TERM", "INT"])
-@pytest.mark.parametrize("point", ["importing", "staged", "writing", "late"])
+@pytest.mark.parametrize("point", list(POINTS))
 def test_a_killed_quantize_leaves_nothing_or_everything(tmp_path, model, sig, point):
-    folder, model_digest, complete_digest = model
+    folder, model_digest, complete_digest, complete_size = model
     out = tmp_path / "out"
     process = _quantize(folder, out)
-    if point == "importing":  # once qtool's first handler is in (the interpreter's own start-up before it is not ours)
-        wait_for_qtool_handlers(process)
-        time.sleep(0.005)
+    share = POINTS[point]
+    if share is None:  # the interpreter's own start-up before qtool's first handler is not ours
+        ready = lambda: qtool_handlers_in(process)  # noqa: E731
     else:
-        _wait_for_staging(tmp_path, process)
-        time.sleep({"staged": 0.0, "writing": 0.3, "late": 1.0}[point])
-    process.send_signal(sig)
-    _, err = process.communicate(timeout=120)
+        ready = lambda: (_staged_bytes(tmp_path) if _leftovers(tmp_path) else -1) >= share * complete_size  # noqa: E731
+    sent = signal_when(process, sig, ready)
+    _, err = process.communicate(timeout=300)
     code = process.returncode
-    INTERRUPTED.append(code != 0)
 
+    assert sent, f"the run ended (exit {code}) before it reached {point!r}: {err}"
+    assert (code, "Traceback" in err) == (EXIT[sig], False), err  # it landed inside the run, every time
     assert _digest(folder) == model_digest, "the input changed"
     if out.exists():
         assert _digest(out) == complete_digest, "a partial output sits under the final name"
-    assert "Traceback" not in err, err
-    if sig == signal.SIGTERM:
-        assert code in (0, 143), (code, err)
-    elif sig == signal.SIGINT:
-        assert code in (0, 130), (code, err)
     if sig != signal.SIGKILL:
         assert _leftovers(tmp_path) == [], "an interrupted run left its staging behind"
-        if code:
-            assert err.strip().splitlines()[-1].startswith("error: "), err
+        assert err.strip().splitlines() == ["error: " + ("terminated" if sig == signal.SIGTERM else "interrupted")], err
 
     # whatever a SIGKILL left behind, the next run in the same folder removes
     after = _quantize(folder, tmp_path / "next")
@@ -123,7 +129,3 @@ def test_a_killed_quantize_leaves_nothing_or_everything(tmp_path, model, sig, po
     assert after.returncode == 0, err
     assert _leftovers(tmp_path) == []
     assert _digest(tmp_path / "next") == complete_digest
-
-
-def test_the_signals_landed_inside_the_runs():
-    assert len(INTERRUPTED) == 12 and sum(INTERRUPTED) >= 9, INTERRUPTED

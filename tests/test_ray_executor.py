@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_for_qtool_handlers
-from tests.scale_helpers import assert_same_output, processes_writing, qtool, report_less_timings, staging_left, start_qtool, wait_for_writer
+from tests.signal_helpers import signal_when, wait_for_qtool_handlers
+from tests.scale_helpers import assert_same_output, kill_a_writer, processes_writing, qtool, report_less_timings, staging_left, start_qtool
 from tests.scale_models import llama_shaped, reshard
 
 ray = pytest.importorskip("ray")
@@ -121,9 +121,7 @@ def test_a_ray_worker_killed_mid_task_is_retried_and_the_output_is_the_same(clus
     (tmp_path / "ray").mkdir()
     out = tmp_path / "ray" / "out"
     process = start_qtool("quantize", slow_four_shards, "-o", out, "--scheme", "W4A16", "--executor", "ray", "-q", env=cluster)
-    victim = wait_for_writer(tmp_path / "ray", {process.pid}, process)
-    assert victim is not None, "no Ray worker was seen writing"
-    os.kill(victim, signal.SIGKILL)
+    assert kill_a_writer(tmp_path / "ray", process) is not None, "no Ray worker was seen writing"
     _, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stderr
     assert_same_output(reference, out)
@@ -134,9 +132,7 @@ def test_retries_exhausted_is_exit_2_naming_the_shard_and_nothing_is_committed(c
     (tmp_path / "ray").mkdir()
     out = tmp_path / "ray" / "out"
     process = start_qtool("quantize", slow_four_shards, "-o", out, "--scheme", "W4A16", "--executor", "ray", "--max-retries", "0", env=cluster)
-    victim = wait_for_writer(tmp_path / "ray", {process.pid}, process)
-    assert victim is not None, "no Ray worker was seen writing"
-    os.kill(victim, signal.SIGKILL)
+    assert kill_a_writer(tmp_path / "ray", process) is not None, "no Ray worker was seen writing"
     _, stderr = process.communicate(timeout=600)
     assert process.returncode == 2, stderr
     lines = [line for line in stderr.splitlines() if line.startswith("error:")]
@@ -151,8 +147,8 @@ def test_sigterm_to_the_ray_driver_commits_nothing_and_leaves_no_task_writing(cl
     out = tmp_path / "ray" / "out"
     process = start_qtool("quantize", slow_four_shards, "-o", out, "--scheme", "W4A16", "--executor", "ray", "-q", env=cluster)
     wait_for_qtool_handlers(process)
-    assert wait_for_writer(tmp_path / "ray", {process.pid}, process) is not None, "no Ray worker was seen writing"
-    process.send_signal(signal.SIGTERM)
+    writing = lambda: bool(processes_writing(tmp_path / "ray", {process.pid}))  # noqa: E731 - checked again with the driver frozen
+    assert signal_when(process, signal.SIGTERM, writing), "no Ray worker was seen writing"
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 143, stderr
     assert stderr.strip().splitlines()[-1] == "error: terminated"

@@ -45,7 +45,9 @@ class Server:
         self.trickling = 0  # answers that have started to trickle
         self.busy_sent = False
         self.latency = 0.0  # seconds added before each file response (benchmarks/bench_remote.py)
-        self.log: list[dict] = []
+        self.log: list[dict] = []  # one entry per answered request, once its handler has returned
+        self.answering = 0  # handlers under way
+        self.lock = threading.Lock()
         self.repos: dict[str, dict] = {}  # repo id -> {"folder": Path, "private": bool}
         server = self
 
@@ -74,15 +76,28 @@ class Server:
     def requests(self, part: str = "") -> list[dict]:
         return [r for r in self.log if part in r["path"]]
 
+    def settle(self, timeout: float = 120) -> None:
+        """Until every handler under way has returned (its client gone): a request's entry is
+        in the log only then. A wait on that state, not a sleep, so a loaded machine cannot
+        leave an entry out of what a test checks."""
+        deadline = time.monotonic() + timeout
+        while self.answering:
+            assert time.monotonic() < deadline, f"{self.answering} requests still being answered after {timeout} s"
+            time.sleep(0.01)
+
     def handle(self, h: BaseHTTPRequestHandler, head: bool) -> None:
         entry = {"method": h.command, "path": h.path, "range": h.headers.get("Range"), "status": None, "sent": 0,
                  "auth": h.headers.get("Authorization")}
+        with self.lock:
+            self.answering += 1
         try:
             self._answer(h, head, entry)
         except (BrokenPipeError, ConnectionResetError):
             pass
         finally:
             self.log.append(entry)
+            with self.lock:
+                self.answering -= 1
 
     def _send(self, h, entry, status: int, body: bytes = b"", headers: dict | None = None) -> None:
         entry["status"] = status
@@ -423,7 +438,8 @@ def test_misbehaving_servers_are_refused_in_one_line(served, tmp_path, mode, say
     finally:
         served.mode = "ok"
     assert says in line and url in line
-    time.sleep(0.3)  # the server notices the client left
+    served.settle()  # the server noticed the client left
+    assert served.requests("big/model.safetensors")
     for entry in served.requests("big/model.safetensors"):
         assert entry["sent"] <= FIRST_READ + SLACK + 4 * CHUNK, entry
     assert not list((tmp_path / "remote").glob("*")) if (tmp_path / "remote").exists() else True  # nothing cached
@@ -588,8 +604,8 @@ def test_a_trickling_or_stalled_server_ends_at_the_request_deadline(served, tmp_
     line = one_error(result)
     assert line == f"error: {url}: no complete answer within 2 s (QTOOL_HTTP_TIMEOUT, the limit for one request)"
     assert "set QTOOL_HTTP_TIMEOUT=SECONDS to wait longer" in result.stderr
-    assert seconds < 2 + 15, seconds  # the deadline, plus the interpreter's start-up on a busy machine
-    assert served.trickling == 1  # a request past its deadline is not retried
+    assert seconds < 2 + 45, seconds  # the deadline, plus start-up on a loaded machine (without the deadline: hours)
+    assert served.trickling == 1, (served.trickling, served.log)  # a request past its deadline is not retried
 
 
 def test_the_command_deadline_bounds_all_requests_together(served, tmp_path):
@@ -602,7 +618,7 @@ def test_the_command_deadline_bounds_all_requests_together(served, tmp_path):
     line = one_error(result)
     assert "remote reads took over 2 s (QTOOL_HTTP_DEADLINE, the limit for the whole command)" in line
     assert "set QTOOL_HTTP_DEADLINE=SECONDS" in result.stderr
-    assert seconds < 2 + 15, seconds
+    assert seconds < 2 + 45, seconds
 
 
 @pytest.mark.parametrize("variable", ["QTOOL_HTTP_TIMEOUT", "QTOOL_HTTP_DEADLINE"])
@@ -616,24 +632,27 @@ def test_a_bad_timeout_setting_is_one_line(served, tmp_path, variable, value):
 @pytest.mark.parametrize(("signum", "code", "says"), [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_ends_a_stalled_remote_read_at_once(served, tmp_path, signum, code, says):
     """The read runs in a worker thread: the signal must end the command at once, not when the
-    worker's request ends (here: in 60 s, the default deadline; 91 hours without one)."""
-    from tests.conftest import wait_for_qtool_handlers
+    worker's request ends (here: in 10 minutes, the deadlines set below; 91 hours without one).
+
+    The signal is sent once the server is trickling its answer, the process frozen in that state
+    (`signal_when`), and qtool starts with the signals at their defaults: a test run in the
+    background of a script inherits SIGINT ignored, which qtool keeps, and that SIGINT was lost
+    (issue 43: the run then waited out the test's timeout)."""
+    from tests.signal_helpers import default_signal_dispositions, signal_when, wait_for_qtool_handlers
 
     served.mode, served.log[:], served.trickling = "trickle", [], 0
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("QTOOL_", "HF_"))}
-    environment.update(PYTHONPATH=str(REPO), QTOOL_CACHE=str(tmp_path))
+    environment.update(PYTHONPATH=str(REPO), QTOOL_CACHE=str(tmp_path), QTOOL_HTTP_TIMEOUT="600", QTOOL_HTTP_DEADLINE="600")
     url = f"{served.url}/tiny-llama/model.safetensors"
-    process = subprocess.Popen([sys.executable, "-m", "qtool", "inspect", url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment, cwd=REPO)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "qtool", "inspect", url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment, cwd=REPO,
+        preexec_fn=default_signal_dispositions,
+    )  # fmt: skip
     try:
         wait_for_qtool_handlers(process)
-        deadline = time.monotonic() + 30
-        while not served.trickling and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert served.trickling, "the request never came"
-        time.sleep(0.5)  # the worker is inside its read
-        process.send_signal(signum)
+        assert signal_when(process, signum, lambda: served.trickling > 0, timeout=120), "the request never came"
         sent = time.monotonic()
-        _, stderr = process.communicate(timeout=20)
+        _, stderr = process.communicate(timeout=120)
         took = time.monotonic() - sent
     finally:
         served.mode = "ok"
@@ -641,7 +660,7 @@ def test_a_signal_ends_a_stalled_remote_read_at_once(served, tmp_path, signum, c
             process.kill()
             process.communicate()
     assert (process.returncode, stderr) == (code, f"error: {says}\n")
-    assert took < 5, took
+    assert took < 60, took  # at once: the request's own deadline is 600 s away
 
 
 # -- HTTP(S) only (issue 18, item 3) ------------------------------------------------------------------

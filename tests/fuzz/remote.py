@@ -38,6 +38,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote
 
+from tests.signal_helpers import default_signal_dispositions, wait_for_qtool_handlers
+
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "sample_models"
 REQUEST_TIMEOUT = 1.5  # QTOOL_HTTP_TIMEOUT in every case
@@ -285,20 +287,6 @@ def _verdict(behaviour: Behaviour, code: int | None, seconds: float, stderr: str
     return "internal-error" if code == 70 else f"exit{code}"
 
 
-def _wait_for_handlers(process: subprocess.Popen, timeout: float = 30) -> None:
-    """Until qtool's SIGTERM handler shows in /proc: before it, the interpreter's defaults apply."""
-    status = Path(f"/proc/{process.pid}/status")
-    deadline = time.monotonic() + timeout
-    while process.poll() is None and time.monotonic() < deadline:
-        try:
-            caught = next(int(line.split()[1], 16) for line in status.read_text().splitlines() if line.startswith("SigCgt:"))
-        except (OSError, StopIteration):
-            return
-        if caught & (1 << (signal.SIGTERM - 1)):
-            return
-        time.sleep(0.002)
-
-
 ACCEPTED = ("exit0", "exit2-one-line", "signal-exit")
 
 
@@ -311,10 +299,13 @@ def run_case(number: int, behaviour: Behaviour, root: Path, server: HostileServe
     env = {k: v for k, v in os.environ.items() if not k.startswith(("QTOOL_", "HF_"))}
     env.update(PYTHONPATH=str(REPO), QTOOL_CACHE=str(cache), QTOOL_HTTP_TIMEOUT=str(REQUEST_TIMEOUT), QTOOL_HTTP_DEADLINE=str(COMMAND_TIMEOUT))
     started = time.monotonic()
-    process = subprocess.Popen([sys.executable, "-m", "qtool", "inspect", url], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=root)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "qtool", "inspect", url], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=root,
+        preexec_fn=default_signal_dispositions,  # a campaign run in the background would pass on SIGINT ignored
+    )  # fmt: skip
     signal_sent_at = None
     if behaviour.signum is not None:
-        _wait_for_handlers(process)
+        wait_for_qtool_handlers(process)
         try:
             process.wait(timeout=behaviour.signal_at)
         except subprocess.TimeoutExpired:
