@@ -138,6 +138,32 @@ def safetensors_named(name: str, dtype: str, shape: list[int], nbytes: int) -> b
     return struct.pack("<Q", len(header)) + header + bytes(nbytes)
 
 
+def surrogate_key_pt(path: Path, legacy: bool = False) -> None:
+    """A torch checkpoint whose key `a\\ud800b.weight` is spelled with the pickle's protocol-0
+    UNICODE opcode (raw-unicode-escape), the one opcode that can make a lone UTF-16 surrogate:
+    torch.save's own BINUNICODE is strict UTF-8. Beside it, a plain `c.weight`."""
+    import io
+    import zipfile
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save({"aXb.weight": torch.ones(4, 4), "c.weight": torch.ones(2, 2)}, buffer, _use_new_zipfile_serialization=not legacy)
+    old = b"X" + struct.pack("<I", 10) + b"aXb.weight"
+    new = b"Va\\ud800b.weight\n"
+    if legacy:
+        assert buffer.getvalue().count(old) == 1
+        path.write_bytes(buffer.getvalue().replace(old, new))
+        return
+    with zipfile.ZipFile(buffer) as source, zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as target:
+        for info in source.infolist():
+            data = source.read(info)
+            if info.filename.endswith("data.pkl"):
+                assert data.count(old) == 1
+                data = data.replace(old, new)
+            target.writestr(info.filename, data)
+
+
 def side_swap_model() -> dict[str, bytes]:
     """A llama folder with one 8x128 weight, merges.txt and vocab.json: the files of a swap case."""
     import numpy as np
