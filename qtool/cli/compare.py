@@ -12,6 +12,7 @@ from qtool.cli.options import DeviceOpt, FormatOpt, HtmlOpt, JsonOpt, OutputForm
 from qtool.cli.output import Column, Output, Rows, Section, print_error, print_warning, progress
 from qtool.errors import ViolationError
 from qtool.message_text import counted
+from qtool.patterns import REGEX_HELP
 
 __all__ = ["HELP", "compare_command"]
 
@@ -41,7 +42,7 @@ Examples:
 
 MapOpt = Annotated[
     Optional[List[str]],
-    typer.Option("--map", help="Rename OLD=NEW before matching: re:REGEX (anchored) or a literal prefix; \\1 in NEW. Repeatable, applied in order."),
+    typer.Option("--map", help=f"Rename OLD=NEW before matching: re:REGEX (anchored; {REGEX_HELP}) or a literal prefix; \\1 in NEW. Repeatable, applied in order."),
 ]
 
 
