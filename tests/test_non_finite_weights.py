@@ -133,3 +133,61 @@ def test_the_rule_holds_for_the_safetensors_encoders_too(tmp_path):
     done = quantize(odd, "-o", tmp_path / "odd-out", "--scheme", "W4A16", "-q")
     assert done.returncode == 0, done.stderr
     assert done.stderr.splitlines() == ["warning: model.layers.0.self_attn.q_proj.weight holds NaN values: encoded as its toolchain does, no error figure (see `qtool check --no-nan`)"]
+
+
+# -- issue 42 #11: the same rule when decoding ------------------------------------------------------
+
+
+def dequantize(*args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("QTOOL_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "qtool", "dequantize", *map(str, args)], capture_output=True, text=True, env=env, check=False)
+
+
+def _word(path) -> str | None:
+    from safetensors.numpy import load_file
+
+    values = load_file(str(path))[NAME]
+    return "NaN" if np.isnan(values).any() else "inf" if np.isinf(values).any() else None
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("type_name", ["IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ3_S"])
+def test_a_decoded_block_with_a_non_finite_scale_is_reported_by_name(tmp_path, type_name, value):
+    """An IQ block whose f16 scale is NaN or inf decoded to NaN/inf silently (exit 0, no word):
+    now the write side's rule, one warning naming the weight, and --json says so."""
+    from tests.fuzz.handmade import gguf_iq_scaled
+
+    source, out = tmp_path / "odd.gguf", tmp_path / "back.safetensors"
+    gguf_iq_scaled(source, type_name, value)
+    done = dequantize(source, "-o", out, "--dtype", "f32", "--json", "-q")
+    assert done.returncode == 0, done.stderr
+    word = _word(out)
+    assert word is not None  # the decoder writes what the block says, as llama.cpp does
+    assert done.stderr.splitlines() == [f"warning: {NAME} decodes to {word} values: written as they decode (see `qtool check --no-nan`)"]
+    document = json.loads(done.stdout)
+    assert document["summary"]["non_finite_weights"] == [NAME]
+    assert [w["non_finite_decoded"] for w in document["weights"]] == [word]
+
+
+@pytest.mark.parametrize("extra", [(), ("--workers", "2")], ids=["one-process", "workers"])
+def test_bf16_output_and_spread_runs_report_it_too(tmp_path, extra):
+    from tests.fuzz.handmade import gguf_iq_scaled
+
+    source, out = tmp_path / "odd.gguf", tmp_path / "back.safetensors"
+    gguf_iq_scaled(source, "IQ4_NL", math.nan)
+    done = dequantize(source, "-o", out, "--json", "-q", *extra)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [f"warning: {NAME} decodes to NaN values: written as they decode (see `qtool check --no-nan`)"]
+    assert json.loads(done.stdout)["summary"]["non_finite_weights"] == [NAME]
+
+
+def test_finite_decoded_weights_report_nothing(tmp_path):
+    from tests.fuzz.handmade import gguf_iq_scaled
+
+    source, out = tmp_path / "fine.gguf", tmp_path / "back.safetensors"
+    gguf_iq_scaled(source, "IQ4_NL", 0.02)
+    done = dequantize(source, "-o", out, "--json", "-q")
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    document = json.loads(done.stdout)
+    assert document["summary"]["non_finite_weights"] == [] and document["weights"][0]["non_finite_decoded"] is None

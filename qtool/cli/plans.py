@@ -151,6 +151,10 @@ def run_plan(plan, *, device: str, threads: int | None, overwrite: bool, quiet: 
             max_retries=max_retries,
             worker_setup=worker_setup if (workers > 1 or executor != "local") else None,
         )
+    decoded = {job.weight.name for job in plan.jobs if job.action == "dequantize"}
     for name, value in sorted(outcome.measured.non_finite.items()):
-        print_warning(f"{name} holds {value} values: encoded as its toolchain does, no error figure (see `qtool check --no-nan`)")
+        if name in decoded:  # the read side's rule is the write side's: said, by name, never silent
+            print_warning(f"{name} decodes to {value} values: written as they decode (see `qtool check --no-nan`)")
+        else:
+            print_warning(f"{name} holds {value} values: encoded as its toolchain does, no error figure (see `qtool check --no-nan`)")
     return outcome

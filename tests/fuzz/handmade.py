@@ -103,6 +103,29 @@ def gguf_holding(path: Path, value: float) -> None:
     writer.close()
 
 
+def gguf_iq_scaled(path: Path, type_name: str, scale: float, rows: int = 4) -> None:
+    """One 4x256 tensor of GGUF IQ type `type_name` from seeded random code bytes, every block's
+    f16 scale `d` (its first two bytes) 0.01 except the first block's, which is `scale` (NaN or
+    inf: a decoded block that comes out non-finite, issue 42 #11)."""
+    import gguf
+    import numpy as np
+
+    gtype = gguf.GGMLQuantizationType[type_name]
+    block, size = gguf.GGML_QUANT_SIZES[gtype]
+    blocks = rows * 256 // block
+    raw = bytearray(np.random.default_rng(0).integers(0, 256, blocks * size, dtype=np.uint8).tobytes())
+    for index in range(blocks):
+        raw[index * size : index * size + 2] = np.float16(0.01).tobytes()
+    raw[0:2] = np.float16(scale).tobytes()
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("blk.0.attn_q.weight", np.frombuffer(bytes(raw), np.uint8).reshape(rows, -1), raw_dtype=gtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 GIANT = "blk.0.attn_q.weight" + "X" * 16_000  # 16 KB: what a name that swallowed a table echoes
 MAX_LINE = 600  # a message line with a name cut to message_text.NAME_LIMIT (200) and its text
 
