@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["escape", "shorten", "message_line", "counted", "NAME_LIMIT", "LINE_LIMIT"]
+__all__ = ["escape", "shorten", "excerpt", "message_line", "counted", "NAME_LIMIT", "LINE_LIMIT"]
 
 NAME_LIMIT = 200  # characters of one name (a run without spaces) in a message
 LINE_LIMIT = 2000  # characters of one message line, whatever it holds
@@ -53,6 +53,13 @@ def escape(text: str, *, backslashes: bool = True) -> str:
 def shorten(text: str, limit: int = NAME_LIMIT) -> str:
     """`text` if it fits in `limit` characters, else its first `limit - 1` and "…"."""
     return text if len(text) <= limit else text[: max(limit - 1, 0)] + "…"
+
+
+def excerpt(text: str, limit: int = NAME_LIMIT) -> str:
+    """`text` (a name, a foreign exception's message) as part of a message: escaped once, as
+    `message_line` leaves it, then cut to `limit` characters. Cutting first and escaping after
+    let a cut name grow tenfold (an invisible tag character escapes to 10 characters)."""
+    return shorten(escape(text, backslashes=False), limit)
 
 
 def message_line(text: str) -> str:

@@ -94,3 +94,27 @@ def test_cli_error_naming_a_long_name_with_spaces_and_controls_is_short(tmp_path
     line = _one_line_exit_2(result, path)
     assert len(line) < 300 + len(str(path)), len(line)
     assert "'\\x01 \\x01 " in line and "\\\\" not in line
+
+
+def test_an_excerpt_is_escaped_then_cut():
+    from qtool.message_text import excerpt
+
+    tags = "\U000e0001" * 199  # each escapes to 10 characters
+    assert len(excerpt(tags)) == NAME_LIMIT and excerpt(tags).startswith("\\U000e0001")
+    assert excerpt("a\\x01b") == "a\\x01b"  # already escaped text is left as it is
+    assert message_line(excerpt(tags)) == excerpt(tags)
+
+
+def test_an_imatrix_entry_name_is_escaped_then_cut(tmp_path):
+    """The imatrix reader cut a name to 200 characters, then the message escaped it: a name of
+    invisible tag characters and spaces came out 10x longer than the cut."""
+    import numpy as np
+
+    from tests.imatrix_files import legacy_bytes
+
+    name = (("\U000e0001" * 150 + " ") * 50).encode()
+    path = tmp_path / "bad.dat"
+    path.write_bytes(legacy_bytes([(name, 1, np.ones(4)), (name, 1, np.ones(4))]))
+    result = _qtool("inspect", str(path))
+    line = _one_line_exit_2(result, path)
+    assert "appears twice" in line and len(line) < 300 + len(str(path)), len(line)

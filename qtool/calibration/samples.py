@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from qtool.errors import CheckpointError, UsageError
+from qtool.message_text import excerpt
 
 if TYPE_CHECKING:
     import torch
@@ -103,7 +104,7 @@ def load_tokenizer(model_folder: str):
     try:
         return AutoTokenizer.from_pretrained(model_folder, local_files_only=True)
     except Exception as exc:  # transformers raises anything from OSError to ValueError here
-        raise UsageError(f"{model_folder}: its tokenizer cannot be loaded ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})", option="calibrate") from None
+        raise UsageError(f"{model_folder}: its tokenizer cannot be loaded ({type(exc).__name__}: {excerpt(str(exc).splitlines()[0]) if str(exc) else ''})", option="calibrate") from None
 
 
 def draw_samples(documents: list[str], tokenizer, options: SampleOptions, where: str) -> "torch.Tensor":
