@@ -118,3 +118,22 @@ def test_an_imatrix_entry_name_is_escaped_then_cut(tmp_path):
     result = _qtool("inspect", str(path))
     line = _one_line_exit_2(result, path)
     assert "appears twice" in line and len(line) < 300 + len(str(path)), len(line)
+
+
+def test_json_naming_a_path_that_is_not_utf8_is_valid_json_and_utf8(tmp_path):
+    """A file name that is not UTF-8 (from the command line or a folder listing) reaches qtool
+    as lone surrogates: `--json` wrote it as a raw byte (invalid UTF-8) or failed half-way."""
+    import os
+
+    from tests.conftest import write_safetensors
+
+    folder = os.fsencode(tmp_path)
+    path = folder + b"/\xff.safetensors"
+    write_safetensors(os.fsdecode(path), {"w.weight": ("F32", [2, 2])})
+    for env in ({"LC_ALL": "C.UTF-8"}, {"LC_ALL": "C", "PYTHONUTF8": "0"}, {"PYTHONIOENCODING": "utf-8:strict"}):
+        result = subprocess.run(
+            [sys.executable, "-m", "qtool", "inspect", os.fsdecode(path), "--json"], capture_output=True, cwd=REPO, timeout=300, env={**os.environ, **env}
+        )
+        assert result.returncode == 0, (env, result.stderr)
+        document = json.loads(result.stdout.decode("utf-8"))  # strict: valid UTF-8
+        assert os.fsencode(document["path"]) == path, env
