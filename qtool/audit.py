@@ -34,7 +34,7 @@ from typing import Any, Callable
 from qtool.error_measures import count_non_finite
 from qtool.errors import CheckpointError, QtoolError, UsageError, ViolationError
 from qtool.formats.checkpoint import Checkpoint
-from qtool.message_text import counted, shorten
+from qtool.message_text import counted, excerpt, shorten
 from qtool.model_summary import describe_model
 from qtool.naming import gguf_to_hf
 from qtool.patterns import compile_pattern, matches_any
@@ -192,7 +192,7 @@ def audit(
     require = [(p, compile_pattern(p)) for p in rules.require_quantized]
     expected = parse_scheme_option(rules.expect_scheme, "expect-scheme") if rules.expect_scheme else None
     _refuse_unmatched(checkpoint, weights, require)
-    notes = [f"allow-plain pattern '{shorten(p)}' matches no weight" for p, match in zip(rules.allow_plain, allow) if not any(match(w.name) for w in weights)]
+    notes = [f"allow-plain pattern '{excerpt(p)}' matches no weight" for p, match in zip(rules.allow_plain, allow) if not any(match(w.name) for w in weights)]
     if require:
         applied.append("require-quantized")
     if expected is not None:
@@ -266,7 +266,7 @@ def _refuse_unmatched(checkpoint: Checkpoint, weights: list[Weight], require: li
     for pattern, match in require:
         if not any(match(weight.name) for weight in weights):
             raise UsageError(
-                f"require-quantized pattern '{shorten(pattern)}' matches no weight",
+                f"require-quantized pattern '{excerpt(pattern)}' matches no weight",
                 hint="patterns match weight names as `qtool inspect` lists them: a glob the whole name, re: a regex anchored at the start",
                 path=checkpoint.path,
                 option="require_quantized",

@@ -125,6 +125,10 @@ class Gates:
     max_rel_rmse: float | None = None  # per weight
     max_missing: int | None = None  # weights of A or B without a counterpart
 
+    @property
+    def any_set(self) -> bool:
+        return any(value is not None for value in (self.min_sqnr, self.max_rel_rmse, self.max_missing))
+
     def to_json(self) -> dict[str, float | int | None]:
         return {"min_sqnr": self.min_sqnr, "max_rel_rmse": self.max_rel_rmse, "max_missing": self.max_missing}
 
@@ -169,9 +173,19 @@ class Comparison:
         exact matches (and pairs whose A is all zeros while B is not) are counted apart."""
         return sqnr_histogram(p.sqnr_db for p in self.measured)
 
+    def nothing_compared(self) -> str | None:
+        """Why nothing was compared, when no weight of A pairs with one of B (a GGUF dequantized
+        back keeps GGUF names; the original has Hugging Face names): such a comparison measured
+        nothing, so it can't pass. None when something paired."""
+        if self.pairs:
+            return None
+        return f"nothing was compared: no weight of A pairs with one of B by name ({self.weights_a} in A, {self.weights_b} in B)"
+
     def violations(self, gates: Gates = Gates()) -> list[str]:
-        """One line per violation: findings first, then gate breaches, worst first."""
-        lines = [f"{p.name}: {p.finding}" for p in sorted(self.pairs, key=Pair.sort_key) if p.finding is not None]
+        """One line per violation: nothing compared, findings, then gate breaches, worst first."""
+        nothing = self.nothing_compared()
+        lines = [nothing] if nothing else []
+        lines += [f"{p.name}: {p.finding}" for p in sorted(self.pairs, key=Pair.sort_key) if p.finding is not None]
         for pair in sorted(self.measured, key=Pair.sort_key):
             stats = pair.stats
             if stats is None:  # `measured` holds the pairs that have stats
@@ -211,7 +225,8 @@ class Comparison:
                 "findings": sum(1 for p in self.pairs if p.finding is not None),
                 "only_in_a": len(self.only_a),
                 "only_in_b": len(self.only_b),
-                **self.model_error().to_json(),
+                # figures that were not measured are null, never 0 (nor "no error")
+                **(self.model_error().to_json() if self.measured else dict.fromkeys(("sqnr_db", "rel_rmse", "max_abs_err", "cosine"))),
                 "worst": None if worst is None else {"name": worst.name, "sqnr_db": worst.to_json()["sqnr_db"], "exact": worst.exact, "finding": worst.finding},
                 "histogram": self.histogram(),
                 # added (issue 18): integer and boolean tensors, compared for equality only

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from qtool.errors import UsageError
-from qtool.patterns import REGEX_PREFIX
+from qtool.patterns import REGEX_PREFIX, BoundedRegex, compile_regex
 
 __all__ = ["Rename", "parse_rename", "rename", "gguf_to_hf", "hf_to_gguf", "rope_heads", "GGUF_ROPE_PERMUTED"]
 
@@ -41,9 +41,9 @@ def parse_rename(text: str, option: str = "--map") -> Rename:
     if not sep or not old:
         raise UsageError(f"{option} '{text}' is not OLD=NEW", hint=r"e.g. --map 're:^blk\.(\d+)\.=model.layers.\1.'")
     if old.startswith(REGEX_PREFIX):
-        try:
-            regex = re.compile(old[len(REGEX_PREFIX) :])
-        except re.error as exc:
+        try:  # bounded in time, as every user regex (qtool.patterns)
+            regex = compile_regex(old[len(REGEX_PREFIX) :], f"{option} '{text}'")
+        except ValueError as exc:
             raise UsageError(f"{option} '{text}': invalid regex: {exc}") from None
         try:  # a bad group reference in NEW fails here, not in the middle of a run
             _check_template(regex, new)
@@ -62,7 +62,7 @@ def parse_rename(text: str, option: str = "--map") -> Rename:
     return Rename(text, by_prefix)
 
 
-def _check_template(regex: re.Pattern[str], template: str) -> None:
+def _check_template(regex: BoundedRegex, template: str) -> None:
     """Expand `template` against a fake match with every group present, so \\3 on a regex with
     two groups is refused up front."""
     for ref in re.findall(r"\\(\d+)|\\g<(\w+)>", template):

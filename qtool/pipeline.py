@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 from qtool import encoders, native, native_decoders
 from qtool.buffers import tensor_bytes, tensor_from_bytes
 from qtool.dtypes import float_dtype_named, storage_dtype
-from qtool.error_measures import ErrorStats
+from qtool.error_measures import ErrorStats, count_non_finite
 from qtool.errors import SchemeError, UsageError
 from qtool.formats.checkpoint import Checkpoint
 from qtool.formats.writer import Output
@@ -54,7 +54,8 @@ class Measurements:
     the float weights written unquantized (exact copies, or a cast's rounding); time and bytes."""
 
     errors: dict[str, ErrorStats] = field(default_factory=dict)
-    non_finite: dict[str, str] = field(default_factory=dict)  # quantized weight -> "NaN" | "inf" it held
+    # quantized weight -> "NaN" | "inf" its input held; dequantized weight -> what its decoded values hold
+    non_finite: dict[str, str] = field(default_factory=dict)
     unquantized: ErrorStats = field(default_factory=ErrorStats)
     seconds: float = 0.0
     bytes_read: int = 0
@@ -191,7 +192,7 @@ class _Runner:
             if transcodes is not None and transcodes(weight):  # decoded row by row as it is encoded
                 return encoders.StoredBlocks(weight.data.encoding, self.source.read_bytes(weight.data))
         if job.action == DEQUANTIZE:
-            wanted = job.out_dtype or "BF16"
+            wanted = _dequantized_dtype(job)
         elif self.encoder(job).takes == encoders.RAW:
             wanted = "F32"
         else:
@@ -218,12 +219,15 @@ class _Runner:
                     self.measured.errors[job.weight.name] = encoder.errors
             del self._encoders[id(job)]
         elif job.transform is not None:  # a whole weight, changed as the plan says (GGUF's rotary order)
+            if job.action == DEQUANTIZE:
+                self._check_decoded(job, loaded)
             data = loaded if job.action == DEQUANTIZE else self._converted(job, loaded)
             if self.options.measure and job.action != DEQUANTIZE:
                 dtype = job.weight.data.dtype.name
                 self._keep(kept_error(loaded, data, dtype, job.out_dtype or dtype))
             yield name, job.transform.apply(data, job.weight.shape[0]), 0
         elif job.action == DEQUANTIZE:
+            self._check_decoded(job, loaded)
             yield name, loaded, 0
         else:
             yield from self._stream(job)
@@ -240,6 +244,17 @@ class _Runner:
                 f"{job.weight.name}: its values are finite but too large for {_scheme_name(job)}: a scale overflows its type, and the output would hold inf or NaN",
                 hint="leave this weight unquantized (--ignore), or rescale it",
             )
+
+    def _check_decoded(self, job: Job, data) -> None:
+        """The same rule on the read side: a quantized weight whose blocks decode to inf or NaN
+        (a GGUF IQ or K-quant block whose f16 scale holds one) is written as it decodes, as
+        llama.cpp would read it, and reported by name (`non_finite`). Checked whether or not
+        the run measures: it costs one pass over the decoded values, a fraction of decoding."""
+        dtype = storage_dtype(_dequantized_dtype(job))
+        values = tensor_from_bytes(data, dtype, (memoryview(data).nbytes // (dtype.bits // 8),))
+        nan, inf = count_non_finite(values)
+        if nan or inf:
+            self.measured.non_finite[job.weight.name] = "NaN" if nan else "inf"
 
     def _stream(self, job: Job) -> Iterator[Piece]:
         """COPY and CAST, in pieces of at most COPY_CHUNK bytes."""
@@ -344,6 +359,11 @@ def execute(plan: Plan, output: Output, options: ExecOptions = ExecOptions(), *,
             output.abort()
             raise
     return runner.measured
+
+
+def _dequantized_dtype(job: Job) -> str:
+    """The dtype a DEQUANTIZE job writes: the plan's, else BF16."""
+    return job.out_dtype or "BF16"
 
 
 def _scheme_name(job: Job) -> str:

@@ -92,9 +92,9 @@ class RunReport:
                 "histogram": sqnr_histogram(stats.sqnr_db for stats in self.measured.errors.values()),  # added for issue 23
                 "non_finite_weights": sorted(self.measured.non_finite),  # added for issue 18: inputs holding inf/NaN
             }
-        else:
-            weights = [w for w in plan["weights"] if w["action"] == "dequantize"]
-            summary = plan["summary"]
+        else:  # added for issue 42: weights whose decoded values hold inf/NaN, as quantize's inputs
+            weights = [{**w, "non_finite_decoded": self.measured.non_finite.get(w["name"])} for w in plan["weights"] if w["action"] == "dequantize"]
+            summary = {**plan["summary"], "non_finite_weights": sorted(self.measured.non_finite)}
         return {
             "schema_version": REPORT_SCHEMA_VERSION,
             "input": self.plan.source.path,

@@ -333,8 +333,7 @@ def test_a_require_quantized_pattern_that_matches_nothing_is_exit_2_naming_it(w4
     )  # fmt: skip
     assert result.returncode == 2, result.stderr
     lines = result.stderr.splitlines()
-    # issue 42 item 24: the rule as the flag and the policy file name it, the pattern as typed
-    # (a backslash is doubled only where it would read as an escape: `\\x1b`)
+    # issue 42 #12, #24: the rule as the flag and the policy file name it, the pattern as typed
     assert lines[0] == f"error: {w4}: require-quantized pattern '{pattern}' matches no weight"
     assert lines[1].startswith("hint: patterns match weight names") and lines[1].endswith("(--require-quantized)")
     assert len(lines) == 2 and result.stdout == ""

@@ -377,3 +377,62 @@ def test_minilm_compare_agrees_with_the_quantize_report(tmp_path):
     comparison = qtool.compare(source, tmp_path / "minilm-w4")
     assert comparison.model_error().sqnr_db == pytest.approx(report.all_weights_error().sqnr_db, rel=1e-9)
     assert comparison.to_json()["summary"]["integer"] == {"compared": 1, "equal": 1}
+
+
+# -- issue 42 #20: nothing compared is never a pass ------------------------------------------------
+
+
+def _disjoint(tmp_path):
+    """A GGUF dequantized back keeps GGUF names; against the Hugging Face original no name pairs."""
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"model.layers.0.self_attn.q_proj.weight": torch.randn(8, 32)}, a)
+    save_file({"blk.0.attn_q.weight": torch.randn(8, 32)}, b)
+    return a, b
+
+
+def _cli(*argv):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    return subprocess.run([sys.executable, "-m", "qtool", "compare", *map(str, argv)], capture_output=True, text=True, cwd=REPO, timeout=300)
+
+
+def test_nothing_matched_is_exit_2_with_the_reason(tmp_path):
+    a, b = _disjoint(tmp_path)
+    for extra in ((), ("--json",)):
+        result = _cli(a, b, *extra)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert result.stdout == ""
+        lines = result.stderr.splitlines()
+        assert lines[0].startswith("error: ") and "nothing was compared" in lines[0] and "1 in A, 1 in B" in lines[0], lines
+        assert lines[1].startswith("hint: ") and "--map" in lines[1] and len(lines) == 2
+
+
+def test_nothing_matched_under_a_gate_is_a_violation_and_no_figure_is_zero(tmp_path):
+    a, b = _disjoint(tmp_path)
+    result = _cli(a, b, "--json", "--max-missing", "5")
+    assert result.returncode == 1, result.stderr
+    document = json.loads(result.stdout)
+    summary = document["summary"]
+    assert document["ok"] is False and "nothing was compared" in document["violations"][0]
+    assert summary["matched"] == summary["measured"] == 0
+    assert [summary[k] for k in ("sqnr_db", "rel_rmse", "max_abs_err", "cosine")] == [None] * 4
+    assert "nothing was compared" in result.stderr
+    text = _cli(a, b, "--format", "table", "--max-missing", "5")
+    assert text.returncode == 1
+    facts = {line.split("  ")[0].strip(): line for line in text.stdout.splitlines() if line.strip()}
+    assert "n/a" in facts["model SQNR"] and "n/a" in facts["model rel RMSE"], text.stdout
+    assert "OK" not in facts["result"]
+
+
+def test_a_comparison_of_nothing_reports_no_figures():
+    from types import SimpleNamespace
+
+    from qtool.comparison import Comparison
+
+    empty = Comparison(SimpleNamespace(path="a"), SimpleNamespace(path="b"), [], ["x"], ["y"], 1, 1)  # type: ignore[arg-type]
+    document = empty.to_json()
+    assert document["ok"] is False
+    assert all(document["summary"][k] is None for k in ("sqnr_db", "rel_rmse", "max_abs_err", "cosine"))

@@ -33,7 +33,7 @@ def test_short_messages_are_unchanged_and_long_names_keep_their_context():
     assert message_line("tensor 'a.weight' is cut short") == "tensor 'a.weight' is cut short"
     name = "x" * 16000
     line = message_line(f"tensor {name!r} is 999 bytes but shape [4] of F32 needs 16")
-    assert line.startswith("tensor 'xxx") and line.endswith("… is 999 bytes but shape [4] of F32 needs 16")
+    assert line.startswith("tensor 'xxx") and line.endswith("…' is 999 bytes but shape [4] of F32 needs 16")
     assert len(line) < 300
     assert escape("a\x1b[2Jb") == "a\\x1b[2Jb"
 

@@ -151,3 +151,62 @@ def test_the_overflow_check_holds_without_measuring(tmp_path, scheme):
     gguf_holding(fine, 1.5)
     report = api.run(api.prepare_quantize(fine, tmp_path / "fine-out.gguf", scheme), measure=False)
     assert report.to_json()["summary"]["sqnr_db"] is None  # measured for the check, not reported
+
+
+# -- issue 42 #11: the same rule when decoding ------------------------------------------------------
+
+
+def dequantize(*args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("QTOOL_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "qtool", "dequantize", *map(str, args)], capture_output=True, text=True, env=env, check=False)
+
+
+def _word(path) -> str | None:
+    from safetensors.numpy import load_file
+
+    values = load_file(str(path))[NAME]
+    return "NaN" if np.isnan(values).any() else "inf" if np.isinf(values).any() else None
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("type_name", ["IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ3_S"])
+def test_a_decoded_block_with_a_non_finite_scale_is_reported_by_name(tmp_path, type_name, value):
+    """An IQ block whose f16 scale is NaN or inf decoded to NaN/inf silently (exit 0, no word):
+    now the write side's rule, one warning naming the weight, and --json says so."""
+    from tests.fuzz.handmade import gguf_iq_scaled
+
+    source, out = tmp_path / "odd.gguf", tmp_path / "back.safetensors"
+    gguf_iq_scaled(source, type_name, value)
+    done = dequantize(source, "-o", out, "--dtype", "f32", "--json", "-q")
+    assert done.returncode == 0, done.stderr
+    word = _word(out)
+    assert word is not None  # the decoder writes what the block says, as llama.cpp does
+    assert done.stderr.splitlines() == [f"warning: {NAME} decodes to {word} values: written as they decode (see `qtool check --no-nan`)"]
+    document = json.loads(done.stdout)
+    assert document["summary"]["non_finite_weights"] == [NAME]
+    assert [w["non_finite_decoded"] for w in document["weights"]] == [word]
+
+
+@pytest.mark.parametrize("extra", [(), ("--workers", "2")], ids=["one-process", "workers"])
+def test_bf16_output_and_spread_runs_report_it_too(tmp_path, extra):
+    from tests.fuzz.handmade import gguf_iq_scaled
+
+    source, out = tmp_path / "odd.gguf", tmp_path / "back.safetensors"
+    gguf_iq_scaled(source, "IQ4_NL", math.nan)
+    done = dequantize(source, "-o", out, "--json", "-q", *extra)
+    assert done.returncode == 0, done.stderr
+    capped = ["warning: --workers 2: starting 1 worker process, one per shard job"] if extra else []  # one weight, one shard job
+    assert done.stderr.splitlines() == [*capped, f"warning: {NAME} decodes to NaN values: written as they decode (see `qtool check --no-nan`)"]
+    assert json.loads(done.stdout)["summary"]["non_finite_weights"] == [NAME]
+
+
+def test_finite_decoded_weights_report_nothing(tmp_path):
+    from tests.fuzz.handmade import gguf_iq_scaled
+
+    source, out = tmp_path / "fine.gguf", tmp_path / "back.safetensors"
+    gguf_iq_scaled(source, "IQ4_NL", 0.02)
+    done = dequantize(source, "-o", out, "--json", "-q")
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    document = json.loads(done.stdout)
+    assert document["summary"]["non_finite_weights"] == [] and document["weights"][0]["non_finite_decoded"] is None

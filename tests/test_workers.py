@@ -428,7 +428,7 @@ def test_a_million_workers_start_as_many_as_there_are_shard_jobs_and_say_so(four
     assert result.returncode == 0, result.stderr
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("warning: --workers 1000000: starting "), result.stderr
-    assert "shard jobs" in lines[0]
+    assert lines[0].endswith(", one per shard job") or "shard jobs)" in lines[0]  # capped by the jobs, or by memory
     execution = json.loads(result.stdout)["execution"]
     expected = worker_pool(api.prepare_quantize(four_shards, tmp_path / "x", "W4A16"), 10**6).workers
     assert execution["workers"] <= expected and execution["workers_requested"] == 10**6

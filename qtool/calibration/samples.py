@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
 from qtool.errors import CheckpointError, UsageError
+from qtool.message_text import excerpt
 
 if TYPE_CHECKING:
     import torch
@@ -226,7 +227,7 @@ def load_tokenizer(model_folder: str):
     try:
         return AutoTokenizer.from_pretrained(model_folder, local_files_only=True)
     except Exception as exc:  # transformers raises anything from OSError to ValueError here
-        raise UsageError(f"{model_folder}: its tokenizer cannot be loaded ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})", option="calibrate") from None
+        raise UsageError(f"{model_folder}: its tokenizer cannot be loaded ({type(exc).__name__}: {excerpt(str(exc).splitlines()[0]) if str(exc) else ''})", option="calibrate") from None
 
 
 def draw_samples(text: CalibrationText, tokenizer, options: SampleOptions, where: str) -> "torch.Tensor":

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from qtool.errors import CheckpointError, UsageError
+from qtool.message_text import excerpt
 
 if TYPE_CHECKING:
     import torch
@@ -66,7 +67,7 @@ def _config(checkpoint: "Checkpoint"):
     except (ValueError, KeyError):
         raise UsageError(f"{checkpoint.path}: architecture {model_type!r} is not known to this transformers", option="calibrate") from None
     except Exception as exc:  # a config transformers rejects (a bad field, a bad value)
-        raise CheckpointError(f"config.json is refused by transformers' {model_type} config: {type(exc).__name__}: {str(exc)[:200]}", path=checkpoint.path) from None
+        raise CheckpointError(f"config.json is refused by transformers' {model_type} config: {type(exc).__name__}: {excerpt(str(exc))}", path=checkpoint.path) from None
     config._attn_implementation = "sdpa"
     return config
 

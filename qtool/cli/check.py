@@ -10,6 +10,7 @@ import typer
 from qtool.cli.options import CheckpointArg, DeviceOpt, FormatOpt, HtmlOpt, JsonOpt, OutputFormat, QuietOpt, ReportOpt, ReportOverwriteOpt
 from qtool.cli.output import Column, Output, Rows, Section, print_warning, progress
 from qtool.message_text import counted
+from qtool.patterns import REGEX_HELP
 
 __all__ = ["HELP", "PolicyOpt", "check_command"]
 
@@ -43,10 +44,10 @@ def check_command(
         Optional[str], typer.Option("--expect-scheme", help="Every quantized and every selected weight has this scheme (W4A16, int8, ...).")
     ] = None,
     require_quantized: Annotated[
-        Optional[List[str]], typer.Option("--require-quantized", help="Weights matching (glob, or re:regex) must be quantized. Repeatable.")
+        Optional[List[str]], typer.Option("--require-quantized", help=f"Weights matching (glob, or re:regex; {REGEX_HELP}) must be quantized. Repeatable.")
     ] = None,
     allow_plain: Annotated[
-        Optional[List[str]], typer.Option("--allow-plain", help="Weights matching (glob, or re:regex) may stay plain. Repeatable.")
+        Optional[List[str]], typer.Option("--allow-plain", help=f"Weights matching (glob, or re:regex; {REGEX_HELP}) may stay plain. Repeatable.")
     ] = None,
     max_bits_per_weight: Annotated[
         Optional[float], typer.Option("--max-bits-per-weight", help="All stored bits / all parameters, as inspect reports it, at most this.", min=0)

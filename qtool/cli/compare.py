@@ -10,8 +10,9 @@ import typer
 from qtool.cli.check import PolicyOpt
 from qtool.cli.options import DeviceOpt, FormatOpt, HtmlOpt, JsonOpt, OutputFormat, QuietOpt, ReportOpt, ReportOverwriteOpt
 from qtool.cli.output import Column, Output, Rows, Section, print_error, print_warning, progress
-from qtool.errors import ViolationError
+from qtool.errors import UsageError, ViolationError
 from qtool.message_text import counted
+from qtool.patterns import REGEX_HELP
 
 __all__ = ["HELP", "compare_command"]
 
@@ -23,8 +24,8 @@ names are read as Hugging Face names, and --map renames more. Both sides are deq
 --device, one pair at a time, and measured: SQNR (dB), relative RMSE, max abs error and
 cosine. The table lists the worst weights first, then the weights only in A or only in B, the
 model-wide SQNR and a histogram of per-weight SQNR. Exit status: 1 when a gate is breached,
-shapes differ, or a weight holds NaN/Inf (one line each on stderr); 2 on bad usage or an
-unreadable input.
+shapes differ, or a weight holds NaN/Inf (one line each on stderr); 2 on bad usage, an
+unreadable input, or when no weight pairs at all (1 under a gate): nothing compared never passes.
 
 More candidates (A B C ...) are each measured against A: the table then gives each one's SQNR
 per weight, --json a document holding each comparison, and --html one page with them overlaid
@@ -41,12 +42,23 @@ Examples:
 
 MapOpt = Annotated[
     Optional[List[str]],
-    typer.Option("--map", help="Rename OLD=NEW before matching: re:REGEX (anchored) or a literal prefix; \\1 in NEW. Repeatable, applied in order."),
+    typer.Option("--map", help=f"Rename OLD=NEW before matching: re:REGEX (anchored; {REGEX_HELP}) or a literal prefix; \\1 in NEW. Repeatable, applied in order."),
 ]
+
+
+NOTHING_HINT = "pair the names with --map OLD=NEW (a GGUF dequantized back keeps GGUF names), or compare two versions of one model"
 
 
 def _number(value, digits: str) -> str:
     return "—" if value is None else format(value, digits)
+
+
+def _model_sqnr(summary: dict) -> str:
+    """The model SQNR as the summary shows it: null is "exact" when something was measured,
+    and "n/a" when nothing was (never a figure that was not measured)."""
+    if not summary["measured"]:
+        return "n/a (nothing measured)"
+    return "exact" if summary["sqnr_db"] is None else f"{_number(summary['sqnr_db'], '.2f')} dB"
 
 
 def compare_command(
@@ -76,6 +88,10 @@ def compare_command(
         min_sqnr=min_sqnr, max_rel_rmse=max_rel_rmse, max_missing=max_missing, maps=tuple(maps or ())
     )
     comparisons = [api.prepare_compare(a, candidate, maps=chosen.maps) for candidate in (b, *(more or ()))]
+    for comparison in comparisons:  # nothing paired: bad input, unless a gate makes it a violation (exit 1)
+        reason = comparison.nothing_compared()
+        if reason and not chosen.gates.any_set:
+            raise UsageError(f"{comparison.b.path}: {reason}", hint=NOTHING_HINT)
     if report is not None or html is not None:  # before the measuring, which may take long
         api.refuse_report_paths([c for comparison in comparisons for c in (comparison.a, comparison.b)], [report, html], overwrite=overwrite)
     for note in dict.fromkeys(note for c in comparisons for note in (*c.a.notes, *c.b.notes)):
@@ -135,7 +151,7 @@ def _show_overlay(documents: list[dict], sink: Output) -> None:
             [
                 f"B{index + 1}",
                 d["b"],
-                "exact" if s["sqnr_db"] is None and s["measured"] else f"{_number(s['sqnr_db'], '.2f')} dB",
+                _model_sqnr(s),
                 "—" if worst is None else f"{worst['name']} ({worst['finding'] or ('exact' if worst['exact'] else _number(worst['sqnr_db'], '.2f') + ' dB')})",
                 "OK" if d["ok"] else counted(len(d['violations']), "violation"),
             ]
@@ -176,8 +192,8 @@ def _show(document: dict, sink: Output) -> None:
             ["measured", f"{summary['measured']} ({summary['exact']} exact)"],
             ["findings", str(summary["findings"])],
             ["only in A / only in B", f"{summary['only_in_a']} / {summary['only_in_b']}"],
-            ["model SQNR", "exact" if summary["sqnr_db"] is None and summary["measured"] else f"{_number(summary['sqnr_db'], '.2f')} dB"],
-            ["model rel RMSE", _number(summary["rel_rmse"], ".4f")],
+            ["model SQNR", _model_sqnr(summary)],
+            ["model rel RMSE", _number(summary["rel_rmse"], ".4f") if summary["measured"] else "n/a (nothing measured)"],
             ["worst weight", "—" if worst is None else f"{worst['name']} ({worst['finding'] or ('exact' if worst['exact'] else _number(worst['sqnr_db'], '.2f') + ' dB')})"],
             ["time", f"{document['seconds']:.1f} s on {document['device']}"],
             ["result", "OK" if document["ok"] else counted(len(document['violations']), "violation")],

@@ -12,6 +12,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from qtool.patterns import REGEX_HELP
+
 __all__ = ["CheckpointArg", "OutputFormat", "FormatOpt", "JsonOpt", "FilterOpt", "OutputPathOpt", "QuantizeOutputOpt", "QuietOpt", "HtmlOpt", "ReportOpt", "ReportOverwriteOpt"]
 
 
@@ -38,7 +40,7 @@ FormatOpt = Annotated[
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON: the same as --format json.")]
 FilterOpt = Annotated[
     Optional[str],
-    typer.Option("--filter", "-k", help="Only names matching a glob ('*.q_proj.*'), or a regex after 're:' (anchored at the start)."),
+    typer.Option("--filter", "-k", help=f"Only names matching a glob ('*.q_proj.*'), or a regex after 're:' (anchored at the start; {REGEX_HELP})."),
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
 

@@ -71,6 +71,7 @@ class Output:
             # For a person: indented, and ASCII-only so no name from a file reaches the terminal
             # raw (C1 controls, bidi overrides). For a pipe: compact, where json's C encoder is
             # ~10x faster, and UTF-8.
+            _escape_surrogates_on_stdout()
             tty = _stdout_is_tty()
             if tty:
                 document = {key: _materialized(value) for key, value in document.items()}
@@ -103,6 +104,18 @@ class Output:
             if section.rows:
                 console.print()
                 console.print(_rich_table(section.title, section.columns, section.rows, section.show_header))
+
+
+def _escape_surrogates_on_stdout() -> None:
+    """A path from the command line or a folder listing that is not UTF-8 reaches qtool as
+    lone surrogates (Python's surrogateescape); names from files never do (the readers refuse
+    them). Written to stdout, such a character raised UnicodeEncodeError half-way through a
+    document, or (under the C locale) went out as a raw byte that is not UTF-8. Backslash
+    escapes write it as `\\udcff`, which is JSON's own escape for it: the document stays valid
+    JSON and valid UTF-8, whatever the locale."""
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None:
+        reconfigure(errors="backslashreplace")
 
 
 def _materialized(value: Any) -> Any:

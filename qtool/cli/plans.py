@@ -124,7 +124,7 @@ def _pool_warning(pool) -> str:
     said = f"--workers {pool.requested}: starting {pool.workers} worker process{'es' if pool.workers != 1 else ''}"
     if pool.by_memory:
         return f"{said}: memory for {pool.workers} at about {human_bytes(pool.per_worker)} each ({human_bytes(pool.available)} available; {pool.jobs} shard jobs)"
-    return f"{said}, one per shard job ({pool.jobs} shard jobs)"
+    return f"{said}, one per shard job"
 
 
 def run_plan(plan, *, device: str, threads: int | None, overwrite: bool, quiet: bool, measure: bool, spread: tuple = (1, "local", None, None)):
@@ -164,6 +164,10 @@ def run_plan(plan, *, device: str, threads: int | None, overwrite: bool, quiet: 
             max_retries=max_retries,
             worker_setup=worker_setup if (workers > 1 or executor != "local") else None,
         )
+    decoded = {job.weight.name for job in plan.jobs if job.action == "dequantize"}
     for name, value in sorted(outcome.measured.non_finite.items()):
-        print_warning(f"{name} holds {value} values: encoded as its toolchain does, no error figure (see `qtool check --no-nan`)")
+        if name in decoded:  # the read side's rule is the write side's: said, by name, never silent
+            print_warning(f"{name} decodes to {value} values: written as they decode (see `qtool check --no-nan`)")
+        else:
+            print_warning(f"{name} holds {value} values: encoded as its toolchain does, no error figure (see `qtool check --no-nan`)")
     return outcome

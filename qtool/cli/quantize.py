@@ -26,6 +26,7 @@ from qtool.cli.output import Column, Output, Rows, Section
 from qtool.cli.plans import run_plan, show_plan
 from qtool.cli.text import human_bytes
 from qtool.gcpause import paused_gc
+from qtool.patterns import REGEX_HELP
 
 HELP = """Quantize a checkpoint's linear weights and write a layout real loaders accept.
 
@@ -81,10 +82,10 @@ def quantize_command(
     path: CheckpointArg,
     output_path: QuantizeOutputOpt,
     scheme: Annotated[str, typer.Option("--scheme", "-s", help="A preset (W4A16, FP8_BLOCK, ...), a short form (int4:g64:asym, q4_k) or a llama.cpp file type (Q4_K_M).")] = "W4A16",
-    include: Annotated[Optional[List[str]], typer.Option("--include", help="Quantize only names matching (glob, or re:regex). Repeatable.")] = None,
-    ignore: Annotated[Optional[List[str]], typer.Option("--ignore", help="Never quantize names matching (glob, or re:regex). Repeatable.")] = None,
+    include: Annotated[Optional[List[str]], typer.Option("--include", help=f"Quantize only names matching (glob, or re:regex; {REGEX_HELP}). Repeatable.")] = None,
+    ignore: Annotated[Optional[List[str]], typer.Option("--ignore", help=f"Never quantize names matching (glob, or re:regex; {REGEX_HELP}). Repeatable.")] = None,
     tensor_scheme: Annotated[
-        Optional[List[str]], typer.Option("--tensor-scheme", help="PATTERN=SCHEME: another scheme for matching weights. Repeatable.")
+        Optional[List[str]], typer.Option("--tensor-scheme", help=f"PATTERN=SCHEME: another scheme for weights matching PATTERN (glob, or re:regex; {REGEX_HELP}). Repeatable.")
     ] = None,
     observer: Annotated[
         Optional[str],

@@ -34,8 +34,8 @@ raises "tensor column shape must be divisble by the given group_size" on them.
 
 from __future__ import annotations
 
+import functools
 import math
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +44,7 @@ from qtool.dtypes import WEIGHT_FLOATS
 from qtool.errors import JsonTypeError
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
 from qtool.formats.untrusted_json import AnyOf, Boolean, Integer, ListOf, MapOf, Record, String, describe, field_path
+from qtool.patterns import BoundedRegex, compile_regex
 from qtool.qtypes import qtype
 from qtool.scheme import QScheme
 from qtool.weight import DATA, Provenance, Weight
@@ -150,13 +151,21 @@ def _matches(target: str, module: str) -> bool:
     """compressed-tensors' `match_name`: `re:` is re.match, else an exact name. A bare class
     name such as "Linear" can't be resolved from a header, so it matches every module."""
     if target.startswith("re:"):
-        try:
-            return re.match(target[3:], module) is not None
-        except re.error:
-            return False
+        regex = _config_regex(target)
+        return regex is not None and regex.match(module) is not None
     if target == module:
         return True
     return "." not in target and target[:1].isupper()
+
+
+@functools.lru_cache(maxsize=256)
+def _config_regex(target: str) -> BoundedRegex | None:
+    """A config's `re:` target, bounded in time as every regex qtool runs (qtool.patterns): the
+    config comes from a stranger. An invalid one matches nothing, as before."""
+    try:
+        return compile_regex(target[3:], f"{target!r} (a quantization_config target)")
+    except ValueError:
+        return None
 
 
 class _Config:

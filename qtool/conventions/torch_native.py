@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from qtool.conventions.base import Pool, require_convention
 from qtool.errors import CheckpointError, InternalError
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
+from qtool.message_text import excerpt
 from qtool.qtypes import QType, qtype
 from qtool.scheme import TENSOR, QScheme
 from qtool.weight import DATA, PLAIN, Provenance, Weight
@@ -131,5 +132,5 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
         values = tensor.dequantize()
     except RuntimeError as exc:  # torch checks the pickled quantizer here: the file's fault
         first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        raise CheckpointError(f"quantized tensor {weight.data.name!r} does not dequantize: {first[:200]}", path=weight.data.file) from None
+        raise CheckpointError(f"quantized tensor {weight.data.name!r} does not dequantize: {excerpt(first)}", path=weight.data.file) from None
     return values.to(device)

@@ -299,9 +299,9 @@ def _floats(fd: int, tensor, path: str) -> Any:
 
 
 def _shown(name: str) -> str:
-    from qtool.message_text import shorten
+    from qtool.message_text import excerpt
 
-    return shorten(name)
+    return excerpt(name)
 
 
 # -- legacy .dat -----------------------------------------------------------------------------------

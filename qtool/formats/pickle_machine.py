@@ -22,6 +22,10 @@ Bounded, whatever the bytes:
 - Dicts and sets are `PDict` / `PSet`: lists of entries, never hashed, so crafted keys with one
   hash can't make insertion quadratic. A key set twice keeps both entries; readers take the last.
 
+Every str it makes is Unicode text: a lone UTF-16 surrogate (which only the protocol-0 UNICODE
+opcode can spell) is refused, as the safetensors and JSON readers refuse one, so no name from a
+pickle breaks a UTF-8 output (`--json`, a report) half-way.
+
 Every malformed input raises `PickleError`, with the byte offset; `Truncated` (a subclass)
 when the bytes end before `STOP`, so a caller reading a stream can fetch more and retry.
 """
@@ -29,6 +33,7 @@ when the bytes end before `STOP`, so a caller reading a stream can fetch more an
 from __future__ import annotations
 
 import codecs
+import re
 import struct
 from typing import Any, Protocol
 
@@ -37,6 +42,9 @@ from qtool.gcpause import paused_gc
 __all__ = ["PickleError", "Truncated", "OverLimit", "PDict", "PSet", "Hooks", "interpret", "MAX_INT_BYTES", "REFERENCES_PER_CALL"]
 
 MAX_INT_BYTES = 256  # LONG1/LONG4 payloads; a tensor checkpoint needs 8
+# The one opcode that can make a str no UTF-8 output can carry: raw-unicode-escape spells any
+# code point, lone surrogates too (the other string opcodes decode strict UTF-8 or latin-1).
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
 REFERENCES_PER_CALL = 16  # memo references each REDUCE allows, under `max_references`
 _MAX_LINE = 1 << 16  # text opcodes (GLOBAL names, protocol 0 numbers and strings)
 _MAX_MEMO_INDEX = 1 << 32
@@ -503,9 +511,12 @@ class _Machine:
             text = self._line()
             self._spend()
             try:
-                push(text.decode("raw-unicode-escape"))
+                value = text.decode("raw-unicode-escape")
             except UnicodeDecodeError:
                 raise PickleError("UNICODE opcode with a bad escape", at) from None
+            if not value.isascii() and _SURROGATE.search(value):  # `\ud800`: no UTF-8 output can carry it
+                raise PickleError("UNICODE opcode holds a lone UTF-16 surrogate, which is not Unicode text", at)
+            push(value)
         elif op == 0x67:  # GET
             push(self._memo_get(self._text_int(self._line())))
         elif op == 0x70:  # PUT

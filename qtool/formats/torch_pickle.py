@@ -56,6 +56,7 @@ from qtool.formats.torch_unpickle import (
     TensorRecord,
     quiet,
 )
+from qtool.message_text import excerpt
 
 __all__ = ["SUFFIXES", "STATE_DICT_KEYS", "PICKLE_LIMIT", "Subclass", "Quantization", "TorchCheckpoint", "read_torch_files"]
 
@@ -221,7 +222,7 @@ class TorchCheckpoint(Checkpoint):
                     storage.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8).untyped_storage())
         except RuntimeError as exc:  # torch's checks of values that came from the file
             first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-            raise CheckpointError(f"quantized tensor {tensor.name!r} is invalid: {first[:200]}", path=tensor.file) from None
+            raise CheckpointError(f"quantized tensor {tensor.name!r} is invalid: {excerpt(first)}", path=tensor.file) from None
         return made
 
 

@@ -33,6 +33,7 @@ from typing import Any, Iterator
 
 from qtool.errors import CheckpointError, UsageError
 from qtool.formats.regular_files import NotReadable, read_regular
+from qtool.message_text import excerpt
 from qtool.side_files import SIDE_FILE_LIMIT, linked_out
 
 __all__ = ["tokenizer_entries", "llama_hf_tokens", "refuse_or_note", "BPE_PRE_TOKENIZERS"]
@@ -394,7 +395,7 @@ def _as_checkpoint_error(folder: str, staged: Path) -> Iterator[None]:
     except (CheckpointError, UsageError):
         raise
     except Exception as exc:  # noqa: BLE001 - gguf-py and transformers raise anything on bad files
-        detail = f"no entry {exc}" if isinstance(exc, KeyError) else " ".join(str(exc).replace(str(staged), folder).split())[:200] or type(exc).__name__
+        detail = f"no entry {exc}" if isinstance(exc, KeyError) else excerpt(" ".join(str(exc).replace(str(staged), folder).split())) or type(exc).__name__
         raise CheckpointError(f"cannot read its tokenizer: {detail}", path=folder, hint="fix or replace the tokenizer files") from None
 
 
@@ -405,7 +406,7 @@ def _gguf_warnings(notes: list[str]) -> Iterator[None]:
     class Collect(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             if record.levelno >= logging.WARNING:
-                notes.append("tokenizer: " + " ".join(record.getMessage().split())[:200])
+                notes.append("tokenizer: " + excerpt(" ".join(record.getMessage().split())))
 
     logger = logging.getLogger("gguf")
     handler, propagate = Collect(), logger.propagate

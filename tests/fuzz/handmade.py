@@ -38,6 +38,19 @@ no FIFO, and a link to /dev/zero must not be read when the case is loaded):
   name that is otherwise valid, refused by `quantize` (GGUF names are at most 63 bytes).
 - safetensors/handmade-giant-name-*: a 16 KB tensor name with an unknown dtype, and with a
   shape its bytes do not fill.
+
+Issue 42 (#6, #7, #11, #12), hostile text (`write_issue_42`):
+
+- pt/handmade-surrogate-key-*, pt_legacy/handmade-surrogate-key-*: a key holding a lone
+  surrogate (`\\ud800` through the pickle's UNICODE opcode): refused at read, exit 2, never a
+  half-written `--json` and exit 70.
+- safetensors/handmade-spaced-control-name: a 16 KB name of control characters and spaces,
+  escaped once and cut in the one error line.
+- safetensors/handmade-evil-regex-*: `re:(a|aa)+$` as --tensor-scheme and --filter against a
+  name of 40 a's: refused past the match bound, exit 2; handmade-issue-regex-*: the issue's
+  `.*(a+)+$`, which the regex module matches at once (exit 0).
+- gguf/handmade-iq-*-scale-dequantize: IQ blocks whose f16 scale is NaN or inf: written as they
+  decode, with one warning naming the weight.
 """
 
 from __future__ import annotations
@@ -114,6 +127,29 @@ def gguf_holding(path: Path, value: float) -> None:
     writer.close()
 
 
+def gguf_iq_scaled(path: Path, type_name: str, scale: float, rows: int = 4) -> None:
+    """One 4x256 tensor of GGUF IQ type `type_name` from seeded random code bytes, every block's
+    f16 scale `d` (its first two bytes) 0.01 except the first block's, which is `scale` (NaN or
+    inf: a decoded block that comes out non-finite, issue 42 #11)."""
+    import gguf
+    import numpy as np
+
+    gtype = gguf.GGMLQuantizationType[type_name]
+    block, size = gguf.GGML_QUANT_SIZES[gtype]
+    blocks = rows * 256 // block
+    raw = bytearray(np.random.default_rng(0).integers(0, 256, blocks * size, dtype=np.uint8).tobytes())
+    for index in range(blocks):
+        raw[index * size : index * size + 2] = np.float16(0.01).tobytes()
+    raw[0:2] = np.float16(scale).tobytes()
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("blk.0.attn_q.weight", np.frombuffer(bytes(raw), np.uint8).reshape(rows, -1), raw_dtype=gtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 GIANT = "blk.0.attn_q.weight" + "X" * 16_000  # 16 KB: what a name that swallowed a table echoes
 MAX_LINE = 600  # a message line with a name cut to message_text.NAME_LIMIT (200) and its text
 
@@ -147,6 +183,32 @@ def gguf_name_swallowing_the_table(path: Path) -> None:
 def safetensors_named(name: str, dtype: str, shape: list[int], nbytes: int) -> bytes:
     header = json.dumps({name: {"dtype": dtype, "shape": shape, "data_offsets": [0, nbytes]}}).encode()
     return struct.pack("<Q", len(header)) + header + bytes(nbytes)
+
+
+def surrogate_key_pt(path: Path, legacy: bool = False) -> None:
+    """A torch checkpoint whose key `a\\ud800b.weight` is spelled with the pickle's protocol-0
+    UNICODE opcode (raw-unicode-escape), the one opcode that can make a lone UTF-16 surrogate:
+    torch.save's own BINUNICODE is strict UTF-8. Beside it, a plain `c.weight`."""
+    import io
+    import zipfile
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save({"aXb.weight": torch.ones(4, 4), "c.weight": torch.ones(2, 2)}, buffer, _use_new_zipfile_serialization=not legacy)
+    old = b"X" + struct.pack("<I", 10) + b"aXb.weight"
+    new = b"Va\\ud800b.weight\n"
+    if legacy:
+        assert buffer.getvalue().count(old) == 1
+        path.write_bytes(buffer.getvalue().replace(old, new))
+        return
+    with zipfile.ZipFile(buffer) as source, zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as target:
+        for info in source.infolist():
+            data = source.read(info)
+            if info.filename.endswith("data.pkl"):
+                assert data.count(old) == 1
+                data = data.replace(old, new)
+            target.writestr(info.filename, data)
 
 
 def side_swap_model() -> dict[str, bytes]:
@@ -202,6 +264,45 @@ def special_file_cases(regressions: Path) -> list[Path]:
             while path.parent != folder / "in" and not any(path.parent.iterdir()):
                 path = path.parent
                 path.rmdir()
+        written.append(folder)
+    return written
+
+
+EVIL_REGEX = "re:(a|aa)+$"  # backtracks catastrophically in Python's re on 40 a's and a mismatch
+SPACED_NAME = "\x01 " * 8000  # a 16 KB name of control characters and spaces: escaped once, then cut
+
+
+def write_issue_42(regressions: Path, scratch: Path) -> list[Path]:
+    """Issue 42's hostile text: lone surrogates, runaway user regexes, a long spaced name, and
+    IQ blocks whose scales decode to NaN/inf."""
+    from tests.fuzz.seeds import safetensors_bytes
+
+    surrogate_key_pt(scratch / "surrogate.pt")
+    surrogate_key_pt(scratch / "surrogate-legacy.pt", legacy=True)
+    (scratch / "spaced.safetensors").write_bytes(safetensors_named(SPACED_NAME, "F32", [4], 8))
+    evil_names = ("a" * 40 + ".weight", "b.weight")
+    weight = bytes(4 * 8 * 128)
+    (scratch / "evil.safetensors").write_bytes(safetensors_bytes({name: ("F32", [8, 128], weight) for name in evil_names}))
+    gguf_iq_scaled(scratch / "iq-nan.gguf", "IQ4_NL", float("nan"))
+    gguf_iq_scaled(scratch / "iq-inf.gguf", "IQ2_XXS", float("inf"))
+    refused = {"outcome": "exit2-one-line"}
+    decodes = "warning: blk.0.attn_q.weight decodes to {} values: written as they decode (see `qtool check --no-nan`)"
+    cases = [
+        ("pt", "handmade-surrogate-key-inspect-json", "model.pt", ["inspect", "{in}", "--json"], "surrogate.pt", "a key holding a lone surrogate (pickle UNICODE opcode), inspect --json", "torchpt", refused),
+        ("pt", "handmade-surrogate-key-quantize", "model.pt", ["quantize", "{in}", "-o", "{out}", "--scheme", "int8", "-q"], "surrogate.pt", "a key holding a lone surrogate, quantized", "torchpt", refused),
+        ("pt_legacy", "handmade-surrogate-key-inspect-json", "model.pt", ["inspect", "{in}", "--json"], "surrogate-legacy.pt", "a key holding a lone surrogate, legacy format, inspect --json", "torchpt", refused),
+        ("safetensors", "handmade-spaced-control-name", "model.safetensors", ["inspect", "{in}"], "spaced.safetensors", "a 16 KB name of control characters and spaces, cut in the one error line", "messages", {"outcome": "exit2-one-line", "max_line": MAX_LINE}),
+        ("safetensors", "handmade-evil-regex-tensor-scheme", "model.safetensors", ["quantize", "{in}", "-o", "{out}", "--scheme", "W4A16", "--tensor-scheme", EVIL_REGEX + "=W8A16", "--dry-run"], "evil.safetensors", "a backtracking --tensor-scheme regex against a name of 40 a's", "patterns", refused),
+        ("safetensors", "handmade-evil-regex-filter", "model.safetensors", ["inspect", "{in}", "-k", EVIL_REGEX], "evil.safetensors", "a backtracking --filter regex against a name of 40 a's", "patterns", refused),
+        ("safetensors", "handmade-issue-regex-tensor-scheme", "model.safetensors", ["quantize", "{in}", "-o", "{out}", "--scheme", "W4A16", "--tensor-scheme", "re:.*(a+)+$=W8A16", "--dry-run"], "evil.safetensors", "the issue's .*(a+)+$ against a name of 40 a's: the regex module matches it at once", "patterns", {"outcome": "exit0"}),
+        ("gguf", "handmade-iq-nan-scale-dequantize", "model.gguf", ["dequantize", "{in}", "-o", "{out}.safetensors", "--json", "-q"], "iq-nan.gguf", "an IQ4_NL block whose f16 scale is NaN, dequantized", "pipeline", {"outcome": "exit0", "stderr": [decodes.format("NaN")]}),
+        ("gguf", "handmade-iq-inf-scale-dequantize", "model.gguf", ["dequantize", "{in}", "-o", "{out}.safetensors", "--dtype", "f32", "-q"], "iq-inf.gguf", "an IQ2_XXS block whose f16 scale is inf, dequantized", "pipeline", {"outcome": "exit0", "stderr": [decodes.format("inf")]}),
+    ]
+    written = []
+    for container, name, target, argv, source, what, area, expect in cases:
+        case = Case(container, "handmade", target, argv, [f"handmade: {what}"], {target: (scratch / source).read_bytes()})
+        folder = regressions / container / name
+        case.write(folder, extra={"area": area, "signature": ["handmade", what, area], "expect": expect})
         written.append(folder)
     return written
 
@@ -264,6 +365,7 @@ def write_all(regressions: Path) -> list[Path]:
             extra = {"area": area, "signature": ["handmade", what, area]} | ({"expect": expect[name]} if name in expect else {})
             case.write(folder, extra=extra)
             written.append(folder)
+        written += write_issue_42(regressions, scratch)
     model = side_swap_model()
     for kind, to in (("link-out", "/etc/passwd"), ("fifo", "fifo"), ("dev-zero", "/dev/zero")):
         swap = {"after": "merges.txt", "path": "in/m/vocab.json", "to": to}
