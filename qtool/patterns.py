@@ -28,7 +28,7 @@ REGEX_HELP = f"a regex match over {MATCH_SECONDS:g} s on one name is refused"  #
 
 
 class BoundedRegex:
-    """A compiled user or config regex whose `match` and `expand` are bounded in time.
+    """A compiled user or config regex whose `match` is bounded in time.
 
     `shown` is how the pattern is named when it is refused (`re:...`, or `--map 'OLD=NEW'`)."""
 
