@@ -198,3 +198,20 @@ def test_registry_has_plain_last_and_two_conventions_never_claim_one_tensor(make
 
     with pytest.raises(ClaimConflict):
         resolve(qtool.open_checkpoint(path), registry=(REGISTRY[0], Greedy()))
+
+
+def test_a_config_regex_that_backtracks_is_refused_not_run_for_hours(make_safetensors):
+    """Configs come from strangers: an `ignore` entry of `re:(a|aa)+$` met a module of 40 a's
+    and ran for hours in Python's re. Now every match is bounded (qtool.patterns), exit 2."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    module = "a" * 40 + "!"
+    tensors = {f"{module}.weight_packed": ("I32", [16, 32]), f"{module}.weight_scale": ("BF16", [16, 2]), f"{module}.weight_shape": ("I64", [2])}
+    path = make_safetensors(tensors, data={f"{module}.weight_shape": (16).to_bytes(8, "little") + (256).to_bytes(8, "little")})
+    (path.parent / "config.json").write_text(json.dumps({"quantization_config": dict(_ct_config(), ignore=["re:(a|aa)+$"])}))
+    done = subprocess.run([sys.executable, "-m", "qtool", "inspect", str(path)], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "(a|aa)+$" in done.stderr and "quantization_config" in done.stderr and "backtracks" in done.stderr

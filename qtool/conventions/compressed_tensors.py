@@ -163,7 +163,7 @@ def _config_regex(target: str) -> BoundedRegex | None:
     """A config's `re:` target, bounded in time as every regex qtool runs (qtool.patterns): the
     config comes from a stranger. An invalid one matches nothing, as before."""
     try:
-        return compile_regex(target[3:], f"{target!r} (a quantization_config target)")
+        return compile_regex(target[3:], f"{target!r} (a quantization_config targets or ignore entry)")
     except ValueError:
         return None
 

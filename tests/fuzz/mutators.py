@@ -268,10 +268,12 @@ def pickle_edit(rng, data: bytearray, s: Structure) -> str:
     op = rng.random()
     if op < 0.5 and inside.fields:
         what = field_edit(rng, data, inside)
-    elif op < 0.8:
+    elif op < 0.75:
         pos = rng.randrange(region.start, max(region.start + 1, region.end))
         data[pos] ^= 1 << rng.randrange(8)
         what = f"pickle bit flip at {pos}"
+    elif op < 0.85 and (swap := _surrogate_string(rng, data, inside, region)):
+        what = swap
     else:
         ops = [b for b in sorted(inside.boundaries) if b < region.end]
         pos = rng.choice(ops) if ops else region.start
@@ -282,6 +284,21 @@ def pickle_edit(rng, data: bytearray, s: Structure) -> str:
         _fix_zip_crcs(data)
         what += " (CRCs fixed)"
     return what
+
+
+def _surrogate_string(rng, data: bytearray, inside: Structure, region) -> str | None:
+    """A BINUNICODE string (a key, a storage name) rewritten in place, same length, as a
+    protocol-0 UNICODE opcode holding a lone surrogate (`V\\ud800...\\n`): the one opcode that
+    can make a str no UTF-8 output carries (issue 42 #7)."""
+    starts = [b for b in sorted(inside.boundaries) if b + 5 <= region.end and data[b] == 0x58]
+    rng.shuffle(starts)
+    for at in starts:
+        n = struct.unpack_from("<I", data, at + 1)[0]
+        if 3 <= n and at + 5 + n <= region.end:
+            payload = b"\\ud800" + b"a" * (n + 3 - 6)
+            data[at : at + 5 + n] = b"V" + payload + b"\n"
+            return f"pickle string at {at} as UNICODE with a lone surrogate"
+    return None
 
 
 _DIM_SETS = (
