@@ -262,7 +262,8 @@ def prepare_dequantize(
     dtype: str | None = None,
     max_shard_size: str | None = None,
 ) -> "Plan":
-    """Plan decoding every quantized weight to float, keyed by its logical name. Writes nothing."""
+    """Plan decoding every quantized weight to float, keyed by its logical name (a llama or qwen2
+    GGUF's tensors by their Hugging Face names, q/k rows in Hugging Face's order). Writes nothing."""
     from qtool.layouts import LAYOUTS
     from qtool.pipeline import parse_dtype, parse_size
     from qtool.plan import Chosen, PlanOptions
@@ -280,6 +281,7 @@ def prepare_dequantize(
             out_dtype=parse_dtype(dtype),
             max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
             file_name=os.path.basename(output) if single_file else "model.safetensors",
+            hugging_face_names=True,
         )
         plan = LAYOUTS["safetensors"].plan(checkpoint, weights, Chosen(), options)
     except BaseException:

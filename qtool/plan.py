@@ -145,6 +145,7 @@ class PlanOptions:
     imatrix: Any = None  # GGUF: a qtool.formats.imatrix.Imatrix whose importance the quantizers weigh
     imatrix_name: str = ""  # the imatrix path as the user gave it (quantize.imatrix.file)
     imatrix_pending: bool = False  # GGUF: an importance matrix is computed after planning (--calibrate)
+    hugging_face_names: bool = False  # safetensors from a llama/qwen2 GGUF: Hugging Face names and q/k row order
 
 
 @dataclass

@@ -380,3 +380,57 @@ def test_smollm2s_tokenizer_reads_back_from_the_gguf_with_the_folders_ids(tmp_pa
     want = AutoTokenizer.from_pretrained(str(folder)).encode(text, add_special_tokens=False)
     back = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=out.name).encode(text, add_special_tokens=False)
     assert back == want and len(want) > 3000
+
+
+# -- a GGUF back to Hugging Face names (issue 42 #21) -----------------------------------------------
+
+
+@pytest.mark.parametrize("attention", ["q8_0", "float"])
+def test_a_llama_gguf_dequantizes_to_hugging_face_names_and_row_order(tmp_path, attention):
+    """`dequantize` of a llama GGUF writes what the README promises: logical names
+    (`model.layers.0.self_attn.q_proj.weight`) and q/k rows in Hugging Face's order, so the
+    output pairs with the model it came from: compare matches every weight, and q/k kept float
+    in the GGUF (copied, not decoded) come back bit for bit."""
+    import subprocess
+    import sys
+
+    import torch
+    from safetensors.torch import load_file
+
+    gguf_file, back = tmp_path / "model.gguf", tmp_path / "back.safetensors"
+    qtool.quantize(TINY, gguf_file, "q8_0", ignore=["re:.*self_attn.*"] if attention == "float" else [])
+    assert "blk.0.attn_q.weight" in fields_or_tensors(gguf_file)
+    qtool.dequantize(gguf_file, back, dtype="bf16")
+    original, decoded = load_file(str(TINY / "model.safetensors")), load_file(str(back))
+    assert set(decoded) == set(original)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight", "lm_head.weight"):
+        error = float((decoded[name].double() - original[name].double()).norm() / original[name].double().norm())
+        assert error < 0.01, (name, error)
+    if attention == "float":  # bf16 in, bf16 out
+        assert torch.equal(decoded["model.layers.1.self_attn.k_proj.weight"], original["model.layers.1.self_attn.k_proj.weight"])
+        assert torch.equal(decoded["model.layers.0.self_attn.q_proj.weight"], original["model.layers.0.self_attn.q_proj.weight"])
+    result = subprocess.run([sys.executable, "-m", "qtool", "compare", str(TINY), str(back), "--json"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)["summary"]
+    assert summary["matched"] == len(original), summary
+
+
+def test_two_gguf_tensors_that_would_take_one_name_are_refused(tmp_path):
+    """A stranger's GGUF holding both `output_norm.weight` and `model.norm.weight`: both would be
+    written as `model.norm.weight`. One line, exit 2, nothing written."""
+    import numpy as np
+
+    path = tmp_path / "twice.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
+    writer.add_tensor("model.norm.weight", np.ones(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    one_error(run("dequantize", path, "-o", tmp_path / "out.safetensors"), "would both be written as 'model.norm.weight'")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def fields_or_tensors(path) -> set[str]:
+    return {t.name for t in gguf.GGUFReader(str(path)).tensors}

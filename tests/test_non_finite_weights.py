@@ -165,7 +165,7 @@ def dequantize(*args) -> subprocess.CompletedProcess:
 def _word(path) -> str | None:
     from safetensors.numpy import load_file
 
-    values = load_file(str(path))[NAME]
+    values = load_file(str(path))["model.layers.0.self_attn.q_proj.weight"]  # NAME, written under its Hugging Face name
     return "NaN" if np.isnan(values).any() else "inf" if np.isinf(values).any() else None
 
 

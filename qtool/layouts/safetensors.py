@@ -25,6 +25,31 @@ __all__ = ["SafetensorsLayout", "PlainSafetensors", "planned", "recorded_dtype",
 CHUNK_ELEMENTS = 4 << 20  # elements per row chunk when quantizing in torch
 
 
+def _hugging_face_names(jobs: list[Job], source: Checkpoint) -> None:
+    """A llama or qwen2 GGUF's tensors written under their Hugging Face names, a llama's q/k rows
+    put back in Hugging Face's order (qtool.llamacpp.names); any other input keeps its names.
+    Two tensors that would take one name (a stranger's file may hold both `output_norm.weight`
+    and `model.norm.weight`) are refused."""
+    from dataclasses import replace
+
+    from qtool.errors import CheckpointError
+    from qtool.llamacpp.names import hugging_face_names
+
+    named = hugging_face_names(source)
+    if named is None:
+        return
+    taken: dict[str, str] = {}
+    for job in jobs:
+        name, rows = named(job.weight.name)
+        if name in taken:
+            raise CheckpointError(f"tensors {taken[name]!r} and {job.weight.name!r} would both be written as {name!r}", path=source.path)
+        taken[name] = job.weight.name
+        if rows is not None and not rows.fits(job.weight.shape[0]):
+            raise CheckpointError(f"{job.weight.name!r} has {job.weight.shape[0]} rows, not a whole number of its {rows.heads} rotary heads' pairs", path=source.path)
+        job.outputs = [replace(job.outputs[0], name=name)]
+        job.transform = rows
+
+
 def planned(name: str, dtype: str, shape: tuple[int, ...]) -> OutputTensor:
     """A safetensors tensor of `dtype` and `shape`, sized."""
     size = nbytes_for(storage_dtype(dtype), math.prod(shape))
@@ -116,6 +141,8 @@ class SafetensorsLayout:
             else:
                 data = weight.data
                 jobs.append(Job(weight, COPY, [OutputTensor(weight.name, data.dtype.name, tuple(data.shape), data.nbytes)]))
+        if options.hugging_face_names:
+            _hugging_face_names(jobs, source)
         files = self._shards(jobs, source, options)
         jobs.sort(key=lambda j: j.shard)
         schemes = {j.weight.name.rpartition(".")[0]: j.scheme for j in jobs if j.scheme is not None}

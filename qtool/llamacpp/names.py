@@ -13,7 +13,8 @@ Names come from gguf-py's `get_tensor_name_map`; the permutation is llama.cpp's 
 (`LlamaModel.permute` in convert_hf_to_gguf.py, llama.cpp 0c1e57098bba43ac29e6e3b677cdceebdd22334f).
 Any other model, or a tensor llama.cpp's architecture does not name, is refused (exit 2) unless
 the caller allows an incomplete GGUF; then names are kept, and a note says no runtime may load it.
-A GGUF input keeps its own names.
+A GGUF input keeps its own names in a GGUF; written as safetensors (`dequantize`), a llama or
+qwen2 GGUF's tensors take their Hugging Face names and q/k rows their Hugging Face order back.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, Callable
 from qtool.errors import UsageError
 from qtool.formats.checkpoint import Checkpoint
 
-__all__ = ["TensorNames", "tensor_names", "RotaryRows", "SUPPORTED_ARCHITECTURES", "config_int"]
+__all__ = ["TensorNames", "tensor_names", "RotaryRows", "hugging_face_names", "SUPPORTED_ARCHITECTURES", "config_int"]
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 _MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
@@ -141,11 +142,13 @@ def _renamer(arch: str, config: dict[str, Any], source: Checkpoint, allow_incomp
 
 @dataclass(frozen=True)
 class RotaryRows:
-    """Hugging Face's rotary layout of q or k back to llama.cpp's (`LlamaModel.permute` in
+    """Hugging Face's rotary layout of q or k to llama.cpp's (`LlamaModel.permute` in
     convert_hf_to_gguf.py): within each of `heads` heads, rows [0, 2, 4, ..., 1, 3, 5, ...]
-    interleave. A transform the GGUF plan declares for the executor to apply on the way out."""
+    interleave; `back` undoes it (a GGUF's rows in Hugging Face's order). A transform a plan
+    declares for the executor to apply on the way out."""
 
     heads: int
+    back: bool = False
 
     def fits(self, rows: int) -> bool:
         return rows > 0 and rows % (2 * self.heads) == 0
@@ -153,11 +156,32 @@ class RotaryRows:
     def apply(self, values: Any, rows: int) -> Any:
         """`values` permuted: raw row-major bytes of `rows` rows (any dtype, never converted), or
         a tensor whose first dim is the rows."""
+        half = rows // self.heads // 2
+        split = (self.heads, half, 2) if self.back else (self.heads, 2, half)
         if not isinstance(values, (bytes, bytearray, memoryview)):  # a torch tensor
             shape = values.shape
-            return values.reshape(self.heads, 2, rows // self.heads // 2, -1).transpose(1, 2).reshape(shape).contiguous()
+            return values.reshape(*split, -1).transpose(1, 2).reshape(shape).contiguous()
         import numpy as np
 
         table = np.frombuffer(values, dtype=np.uint8).reshape(rows, -1)
-        permuted = table.reshape(self.heads, 2, rows // self.heads // 2, table.shape[1]).swapaxes(1, 2).reshape(table.shape)
+        permuted = table.reshape(*split, table.shape[1]).swapaxes(1, 2).reshape(table.shape)
         return memoryview(np.ascontiguousarray(permuted)).cast("B")
+
+
+def hugging_face_names(source: Checkpoint) -> "Callable[[str], tuple[str, RotaryRows | None]] | None":
+    """For a GGUF of an architecture qtool writes (llama, qwen2): each tensor's Hugging Face name
+    and, for a llama's q and k, the transform that puts its rows back in Hugging Face's order
+    (what `dequantize` writes, so the output pairs with the original). None for any other
+    input, whose names are kept."""
+    from qtool.naming import gguf_to_hf, rope_heads
+
+    if source.format != "gguf" or source.metadata.get("general.architecture") not in set(SUPPORTED_ARCHITECTURES.values()):
+        return None
+    metadata = source.metadata
+
+    def named(name: str) -> tuple[str, RotaryRows | None]:
+        hf = gguf_to_hf(name)
+        heads = rope_heads(hf, metadata)
+        return hf, (RotaryRows(heads, back=True) if heads else None)
+
+    return named
