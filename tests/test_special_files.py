@@ -72,16 +72,6 @@ def test_the_imatrix_command_refuses_a_special_calibration_text(tmp_path, make):
     assert not (tmp_path / "i.gguf").exists()
 
 
-def test_the_text_api_refuses_a_fifo_before_reading_anything(tmp_path):
-    from qtool.calibration.samples import read_text
-    from qtool.errors import CheckpointError
-
-    (tmp_path / "0.txt").write_text(TEXT)
-    os.mkfifo(tmp_path / "b.jsonl")
-    with pytest.raises(CheckpointError, match="b.jsonl: cannot be read: it is not a regular file"):
-        read_text(tmp_path)
-
-
 # -- importance matrices -------------------------------------------------------------------------
 
 
@@ -166,3 +156,13 @@ def test_a_fifo_among_the_ref_files_leaves_the_revision_unknown(tmp_path, fifo):
     except subprocess.TimeoutExpired:
         pytest.fail(f"the revision lookup hung on a FIFO as .git/{fifo}")
     assert result.returncode == 0 and result.stdout == "None\n", result.stderr
+
+
+# -- checkpoint files named directly ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "model.pt", "model.bpk", "model.gguf"])
+def test_a_fifo_named_as_the_checkpoint_is_refused_at_once(tmp_path, name):
+    path = _fifo(tmp_path / name)
+    one_error(run_qtool("inspect", path), name, "not a regular file")
+

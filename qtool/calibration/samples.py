@@ -158,8 +158,9 @@ def _jsonl_pieces(path: str, info: os.stat_result, limit: int) -> Iterator[str]:
     while True:
         text = next(chunks, None)
         if text is not None:
+            newline = text.rfind("\n")  # searched in the new text only: a long line stays linear
+            end = len(buffer) + newline + 1 if newline >= 0 else 0  # complete lines only: \r\n stays whole
             buffer += text
-            end = buffer.rfind("\n") + 1  # complete lines only: \r\n stays whole
             if not end:
                 if len(buffer) > _MAX_LINE:
                     raise CheckpointError(f"line {number + 1} is longer than {_MAX_LINE} characters", path=path)

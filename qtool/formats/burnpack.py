@@ -91,9 +91,15 @@ def _fail(path: str, message: str) -> CheckpointError:
 
 def read_burnpack_file(path: str) -> tuple[list[StoredTensor], dict[str, str]]:
     """The stored tensors of one burnpack file, in data order, and its metadata as strings."""
+    from qtool.formats.regular_files import NotReadable, open_regular
+
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as handle:
+        fd, info = open_regular(path)  # a FIFO is never waited on, a device never read
+    except NotReadable as exc:
+        raise CheckpointError(f"cannot read: {exc}", path=path, hint=_HINT) from None
+    try:
+        size = info.st_size
+        with os.fdopen(fd, "rb") as handle:
             header = handle.read(HEADER_SIZE)
             if size == 0:
                 raise _fail(path, "file is empty (0 bytes)")

@@ -137,7 +137,7 @@ class Checkpoint:
             if fd is not None:
                 return fd
             try:
-                fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # swapped for a FIFO: no wait, and refused as changed
                 seen = _identity_of(os.fstat(fd))
             except OSError as exc:
                 if fd is not None:
@@ -147,6 +147,7 @@ class Checkpoint:
             if how is not None:
                 os.close(fd)
                 raise _changed(file, how)
+            os.set_blocking(fd, True)
             self._fds[file] = fd
             return fd
 

@@ -190,9 +190,8 @@ def _looks_like_pickle(path: str) -> bool:
     """A zip archive (torch.save since 1.6) or a bare pickle (PROTO opcode first): a folder's
     other .bin files (tokenizer blobs, placeholders) are not taken for checkpoints."""
     try:
-        with open(path, "rb") as handle:
-            head = handle.read(4)
-    except OSError:
+        head = read_regular(path, 4)[:4]  # a FIFO is never waited on
+    except (NotReadable, OSError):
         return False
     return head == b"PK\x03\x04" or head[:1] == b"\x80"
 

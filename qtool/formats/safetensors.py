@@ -46,13 +46,14 @@ def header_length(path: str, first8: bytes, size: int) -> int:
 def read_header(path: str) -> tuple[bytes, int]:
     """Return the raw header bytes and the file size, checking the size limits."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO opens at once, refused below
     except OSError as exc:
         raise CheckpointError(f"cannot open: {exc.strerror}", path=path) from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise _fail(path, "is not a regular file", hint="pass a .safetensors file or the folder that holds it")
+        os.set_blocking(fd, True)
         size = info.st_size
         if size == 0:
             raise _fail(path, "file is empty (0 bytes)")

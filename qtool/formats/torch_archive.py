@@ -18,6 +18,7 @@ refused. What the object graph means (which dict is the state dict, what each te
 from __future__ import annotations
 
 import os
+import stat
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,13 +76,17 @@ class TorchArchive:
 
 def open_archive(path: str) -> TorchArchive:
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO opens at once, refused below
     except OSError as exc:
         raise CheckpointError(
             f"cannot read: {exc.strerror or exc}", path=path
         ) from None
     try:
-        size = os.fstat(fd).st_size
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError("cannot read: it is not a regular file", path=path, hint="pass the .pt/.pth/.bin file or the folder that holds it")
+        os.set_blocking(fd, True)
+        size = info.st_size
         if size == 0:
             raise CheckpointError(
                 "file is empty (0 bytes)",
