@@ -189,6 +189,8 @@ def prepare_quantize(
             from qtool.calibration.request import prepare
 
             plan = replace(plan, calibration=prepare(plan, os.fspath(calibrate), algorithm or "gptq", samples, seq_len, seed, actorder=actorder, true_sequential=true_sequential))
+        if calibrate is not None and plan.calibration.notes:  # what transformers said reading the model: warnings, escaped where shown
+            plan = replace(plan, warnings=plan.warnings + plan.calibration.notes)
         return plan
     except BaseException:
         checkpoint.close()  # `run` closes it after a plan; nothing does after a refusal
@@ -505,15 +507,18 @@ def imatrix(
         if quantized:
             raise UsageError(f"{path} is already quantized ({quantized[0]}); the importance matrix needs float weights", option="path")
         folder = checkpoint.path if os.path.isdir(checkpoint.path) else os.path.dirname(os.path.abspath(checkpoint.path))
-        Skeleton.build(checkpoint)
-        tokens = chunk_tokens(read_text(text), load_tokenizer(folder), chunk_size, chunks, text)
+        said = list(Skeleton.build(checkpoint).notes)  # what transformers and torch say: the document's warnings
+        tokens = chunk_tokens(read_text(text), load_tokenizer(folder, said), chunk_size, chunks, text)
         import torch
+
+        from qtool.formats.transformers_boundary import collected
 
         previous = torch.get_num_threads()
         if threads:
             torch.set_num_threads(threads)
         try:
-            stats = collect_imatrix(checkpoint, weights, names.tensor_name, tokens, resolve_device(device), on_layer)
+            with collected(said, "calibration: "):
+                stats = collect_imatrix(checkpoint, weights, names.tensor_name, tokens, resolve_device(device), on_layer)
         finally:
             torch.set_num_threads(previous)
     finally:
@@ -521,7 +526,7 @@ def imatrix(
     staged = stage_file(output, imatrix_gguf_bytes(statistics_entries(stats), [text], stats.chunks, stats.chunk_size), overwrite=overwrite)
     staged.commit()
     document = as_imatrix(stats, output, text).to_json()
-    return {**document, "text": text, "seconds": round(stats.seconds, 3), "layers": [layer.to_json() for layer in stats.layers]}
+    return {**document, "text": text, "seconds": round(stats.seconds, 3), "layers": [layer.to_json() for layer in stats.layers]} | ({"warnings": said} if said else {})
 
 
 # -- compare and check -------------------------------------------------------------------------

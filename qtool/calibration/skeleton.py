@@ -11,7 +11,8 @@ back to `meta`, so one layer is in memory at a time. Buffers transformers comput
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from qtool.errors import CheckpointError, UsageError
@@ -53,22 +54,38 @@ def import_transformers_lean() -> None:
                 del sys.modules[name]
 
 
-def _config(checkpoint: "Checkpoint"):
+def _config(checkpoint: "Checkpoint", notes: list[str]):
+    """transformers' config of the checkpoint, from config.json checked first
+    (`qtool.calibration.config_check`): a folder that names its own code for an architecture
+    transformers lacks is refused (`qtool.formats.transformers_boundary`), never run."""
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from qtool.calibration.config_check import check_config
+    from qtool.formats.transformers_boundary import collected, refuse_folder_code
 
     raw = dict(checkpoint.config)
     model_type = raw.pop("model_type", None)
+    folder = checkpoint.path if os.path.isdir(checkpoint.path) else os.path.dirname(os.path.abspath(checkpoint.path))
+    refuse_folder_code(folder, raw, known_model_type=isinstance(model_type, str) and model_type in CONFIG_MAPPING)
     if not isinstance(model_type, str):
         raise UsageError(f"{checkpoint.path}: config.json names no model_type, so transformers cannot build the model", option="calibrate")
+    if model_type not in CONFIG_MAPPING:
+        raise UsageError(f"{checkpoint.path}: architecture {model_type!r} is not known to this transformers", option="calibrate")
     raw.pop("quantization_config", None)
+    raw.pop("auto_map", None)  # a known architecture: transformers' own classes, never the folder's
+    check_config(checkpoint, raw)
     try:
-        config = AutoConfig.for_model(model_type, **raw)
-    except (ValueError, KeyError):
-        raise UsageError(f"{checkpoint.path}: architecture {model_type!r} is not known to this transformers", option="calibrate") from None
+        with collected(notes, "transformers: "):
+            config = AutoConfig.for_model(model_type, **raw)
     except Exception as exc:  # a config transformers rejects (a bad field, a bad value)
-        raise CheckpointError(f"config.json is refused by transformers' {model_type} config: {type(exc).__name__}: {str(exc)[:200]}", path=checkpoint.path) from None
+        raise _refused(checkpoint, model_type, exc) from None
     config._attn_implementation = "sdpa"
     return config
+
+
+def _refused(checkpoint: "Checkpoint", model_type: str, exc: BaseException) -> CheckpointError:
+    return CheckpointError(f"config.json is refused by transformers' {model_type} config: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}", path=checkpoint.path)
 
 
 @dataclass
@@ -81,22 +98,34 @@ class Skeleton:
     layers_prefix: str  # "model.layers"
     moe: list  # per layer, its mixture-of-experts blocks (qtool.calibration.experts.MoeBlock), unfused
 
+    notes: list = field(default_factory=list)  # transformers' and torch's talk while it was built, for the user's warnings
+
     @classmethod
     def build(cls, checkpoint: "Checkpoint") -> "Skeleton":
+        """The skeleton, config.json checked against the checkpoint before and after it is built
+        (`qtool.calibration.config_check`), remote code never trusted, whatever transformers
+        logs or warns kept in `notes`."""
         import torch
         from transformers import AutoModelForCausalLM
 
-        config = _config(checkpoint)
-        try:
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(config)
-        except ValueError:
-            config._attn_implementation = "eager"  # an architecture without SDPA attention (Gemma 2)
+        from qtool.calibration.config_check import check_shapes
+        from qtool.formats.transformers_boundary import TRUST, collected
+
+        notes: list[str] = []
+        config = _config(checkpoint, notes)
+        model = None
+        for attention in ("sdpa", "eager"):  # eager: an architecture without SDPA attention (Gemma 2)
+            config._attn_implementation = attention
             try:
-                with torch.device("meta"):
-                    model = AutoModelForCausalLM.from_config(config)
+                with collected(notes, "transformers: "), torch.device("meta"):
+                    model = AutoModelForCausalLM.from_config(config, trust_remote_code=TRUST)
+                break
             except ValueError:
-                raise UsageError(f"{checkpoint.path}: transformers has no causal LM for architecture {config.model_type!r}", option="calibrate") from None
+                continue
+            except Exception as exc:  # a value transformers' modules cannot be built from
+                raise _refused(checkpoint, config.model_type, exc) from None
+        if model is None:
+            raise UsageError(f"{checkpoint.path}: transformers has no causal LM for architecture {config.model_type!r}", option="calibrate")
         count = getattr(config, "num_hidden_layers", None)
         found = None
         for name, module in model.named_modules():
@@ -110,9 +139,10 @@ class Skeleton:
 
         names = list(checkpoint.tensors)
         moe = [unfuse(layer, f"{layers_prefix}.{index}", names, checkpoint.path) for index, layer in enumerate(layers)]
+        check_shapes(checkpoint, model, layers_prefix, config.model_type)
         base_prefix = layers_prefix.rpartition(".")[0]
         base = model.get_submodule(base_prefix) if base_prefix else model
-        return cls(model, config, base, base_prefix, layers, layers_prefix, moe)
+        return cls(model, config, base, base_prefix, layers, layers_prefix, moe, notes)
 
     def materialize(self, module, prefix: str, weights: dict[str, "Weight"], checkpoint: "Checkpoint", device: str, *, skip: tuple[str, ...] = ()) -> None:
         """Give `module` (named `prefix` in the checkpoint) real float32 tensors on `device`,

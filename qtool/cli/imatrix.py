@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from qtool.cli.options import CheckpointArg, DeviceOpt, FormatOpt, JsonOpt, OutputFormat, OverwriteOpt, QuietOpt, ThreadsOpt
-from qtool.cli.output import Column, Output, Rows, Section, print_status
+from qtool.cli.output import Column, Output, Rows, Section, print_status, print_warning
 
 HELP = """Compute llama.cpp's importance matrix of a model on a calibration text.
 
@@ -56,6 +56,8 @@ def imatrix_command(
         path, output_path, calibrate, chunks=chunks, chunk_size=chunk_size, device=device, threads=threads,
         overwrite=overwrite, allow_incomplete_gguf=allow_incomplete_gguf, on_layer=layer_done,
     )  # fmt: skip
+    for warning in document.get("warnings", ()):
+        print_warning(warning)
     rows = Rows(
         [Column("name"), Column("columns", justify="right"), Column("tokens", justify="right")],
         [[t["name"], t["columns"], t["counts"][0]] for t in document["tensors"]],

@@ -151,6 +151,9 @@ def run_plan(plan, *, device: str, threads: int | None, overwrite: bool, quiet: 
             max_retries=max_retries,
             worker_setup=worker_setup if (workers > 1 or executor != "local") else None,
         )
+    calibration = plan.calibration if isinstance(plan.calibration, dict) else {}
+    for warning in calibration.get("warnings", ()):  # transformers' and torch's talk while calibrating
+        print_warning(warning)
     for name, value in sorted(outcome.measured.non_finite.items()):
         print_warning(f"{name} holds {value} values: encoded as its toolchain does, no error figure (see `qtool check --no-nan`)")
     return outcome
