@@ -27,6 +27,10 @@ Issue 18 (#8), giant names: every stderr line at most `expect.max_line` characte
   name that is otherwise valid, refused by `quantize` (GGUF names are at most 63 bytes).
 - safetensors/handmade-giant-name-*: a 16 KB tensor name with an unknown dtype, and with a
   shape its bytes do not fill.
+
+Issue 42 (#1, #2, #5): side_json/handmade-calibrate-*, hostile model folders at calibration's
+door to transformers (`tests/fuzz/hostile_folders.py`): an `auto_map` to the folder's own code,
+terminal escapes and unknown names in config values, a config the weights belie.
 """
 
 from __future__ import annotations
@@ -219,7 +223,9 @@ def write_all(regressions: Path) -> list[Path]:
         folder = regressions / "side_json" / f"handmade-side-swap-{kind}"
         case.write(folder, extra={"area": "side_files", "signature": ["handmade", what, "side_files"], "expect": {"outcome": "exit2-one-line"}})
         written.append(folder)
-    return written
+    from tests.fuzz.hostile_folders import write_cases
+
+    return written + write_cases(regressions)
 
 
 if __name__ == "__main__":

@@ -94,7 +94,8 @@ def classify(result: Result) -> str:
 
 def preload(extra_modules: tuple[str, ...] = ()) -> None:
     """Import what a qtool run imports, once, in the fork server: the CLI and every command,
-    every convention, numpy, torch, gguf, safetensors, cbor2, and the optional toolchains."""
+    every convention, numpy, torch, gguf, safetensors, cbor2, transformers' LLaMA (calibration's
+    cases), and the optional toolchains."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
     import importlib
@@ -129,6 +130,10 @@ def preload(extra_modules: tuple[str, ...] = ()) -> None:
         "qtool.inspection",
         "qtool.native",
         "torchao",
+        "transformers.modeling_utils",  # calibration's cases (side_json/handmade-calibrate-*): not once per case
+        "transformers.models.llama.modeling_llama",
+        "qtool.calibration.skeleton",
+        "qtool.calibration.samples",
         *extra_modules,
     ]
     for name in names:
@@ -182,6 +187,11 @@ def _child(argv: list[str], cwd: Path, out: Path, err: Path, env: dict[str, str]
         faulthandler.enable(file=sys.stderr, all_threads=True)
         faulthandler.register(signal.SIGVTALRM, file=sys.stderr, all_threads=True)
         os.chdir(cwd)
+        if "QTOOL_FUZZ_STDIN" in env:  # what a user would type: "y" to transformers' custom-code prompt
+            (cwd / ".fuzz-stdin").write_text(env["QTOOL_FUZZ_STDIN"])
+            typed = os.open(cwd / ".fuzz-stdin", os.O_RDONLY)
+            os.dup2(typed, 0)
+            os.close(typed)
         os.environ.update(env)
         sys.argv = ["qtool", *argv]
         if "QTOOL_FUZZ_SWAP" in env:
