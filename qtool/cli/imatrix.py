@@ -17,7 +17,7 @@ its GGUF format with the GGUF tensor names qtool's conversion gives, so `llama-q
 --imatrix` and `qtool quantize --imatrix` take it. The text is cut as llama-imatrix cuts it:
 consecutive chunks of --chunk-size tokens from the start (each one's first token BOS where the
 model's tokenizer adds one). One decoder layer is in memory at a time (transformers' layer
-classes, pip install 'qtool[calibrate]').
+classes, pip install 'qtool[calibrate]'); the model folder's own code (auto_map) never runs.
 
 \b
 Examples:
