@@ -1,7 +1,9 @@
 """The model's structure from transformers, its weights from qtool's readers.
 
 `Skeleton.build` makes the architecture's causal LM on the `meta` device from config.json (no
-weight allocated) and finds its stack of decoder layers: one `nn.ModuleList` of
+weight allocated; the config checked against the checkpoint before and after,
+`qtool.calibration.config_check`; the folder's own code never trusted,
+`qtool.formats.transformers_boundary`) and finds its stack of decoder layers: one `nn.ModuleList` of
 `num_hidden_layers` modules of one class, their fused mixture-of-experts weights replaced by
 one Linear per expert (`qtool.calibration.experts`). `materialize(module, prefix)` gives one part real
 tensors on the device, read from the checkpoint by name when its turn comes; `release` sends it
@@ -79,13 +81,14 @@ def _config(checkpoint: "Checkpoint", notes: list[str]):
         with collected(notes, "transformers: "):
             config = AutoConfig.for_model(model_type, **raw)
     except Exception as exc:  # a config transformers rejects (a bad field, a bad value)
-        raise _refused(checkpoint, model_type, exc) from None
+        raise _refused(checkpoint, f"transformers' {model_type} config", exc) from None
     config._attn_implementation = "sdpa"
     return config
 
 
-def _refused(checkpoint: "Checkpoint", model_type: str, exc: BaseException) -> CheckpointError:
-    return CheckpointError(f"config.json is refused by transformers' {model_type} config: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}", path=checkpoint.path)
+def _refused(checkpoint: "Checkpoint", by: str, exc: BaseException) -> CheckpointError:
+    """config.json refused `by` transformers' config or model classes, in one line."""
+    return CheckpointError(f"config.json is refused by {by}: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}", path=checkpoint.path)
 
 
 @dataclass
@@ -123,7 +126,7 @@ class Skeleton:
             except ValueError:
                 continue
             except Exception as exc:  # a value transformers' modules cannot be built from
-                raise _refused(checkpoint, config.model_type, exc) from None
+                raise _refused(checkpoint, f"transformers' {config.model_type} model", exc) from None
         if model is None:
             raise UsageError(f"{checkpoint.path}: transformers has no causal LM for architecture {config.model_type!r}", option="calibrate")
         count = getattr(config, "num_hidden_layers", None)
