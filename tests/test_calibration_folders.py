@@ -353,3 +353,16 @@ def test_collected_keeps_loggers_and_warnings_as_they_were(capfd):
     assert (logger.handlers, logger.propagate) == (handlers, propagate)
     captured = capfd.readouterr()
     assert ESCAPES not in captured.err and ESCAPES not in captured.out
+
+
+def test_the_legacy_list_form_of_a_tokenizers_auto_map_is_refused_too(tmp_path, monkeypatch):
+    """tokenizer_config.json's `auto_map` as [slow, fast] (transformers' old spelling)."""
+    from qtool.calibration.samples import load_tokenizer
+
+    monkeypatch.setenv("QTOOL_TEST_MARKER", str(tmp_path / "MARKER"))
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    folder = copy_of(tmp_path)
+    (folder / "evil.py").write_text(EVIL)
+    edit_json(folder / "tokenizer_config.json", tokenizer_class=None, auto_map=["evil.EvilTokenizer", "evil.EvilTokenizer"])
+    refused(lambda: load_tokenizer(str(folder)), f"{folder}/tokenizer_config.json", "names its own code for its tokenizer", "evil.EvilTokenizer")
+    assert not (tmp_path / "MARKER").exists()
