@@ -191,6 +191,8 @@ def prepare_quantize(
             from qtool.calibration.request import prepare
 
             plan = replace(plan, calibration=prepare(plan, os.fspath(calibrate), algorithm or "gptq", samples, seq_len, seed, actorder=actorder, true_sequential=true_sequential))
+        if calibrate is not None and plan.calibration.notes:  # what transformers said reading the model: warnings, escaped where shown
+            plan = replace(plan, warnings=plan.warnings + plan.calibration.notes)
         return plan
     except BaseException:
         checkpoint.close()  # `run` closes it after a plan; nothing does after a refusal
@@ -532,17 +534,21 @@ def imatrix(
             raise UsageError(f"{path} is already quantized ({quantized[0]}); the importance matrix needs float weights", option="path")
         folder = checkpoint.path if os.path.isdir(checkpoint.path) else os.path.dirname(os.path.abspath(checkpoint.path))
         calibration = read_text(text)  # its files checked (regular, in size) before transformers is imported
-        layers = len(Skeleton.build(checkpoint).layers)
-        tokens = chunk_tokens(calibration, load_tokenizer(folder), chunk_size, chunks, text)
+        skeleton = Skeleton.build(checkpoint)
+        said = list(skeleton.notes)  # what transformers and torch say: the document's warnings
+        tokens = chunk_tokens(calibration, load_tokenizer(folder, said), chunk_size, chunks, text)
         if on_start is not None:
-            on_start(int(tokens.shape[0]), int(tokens.shape[1]), layers)
+            on_start(int(tokens.shape[0]), int(tokens.shape[1]), len(skeleton.layers))
         import torch
+
+        from qtool.formats.transformers_boundary import collected
 
         previous = torch.get_num_threads()
         if threads:
             torch.set_num_threads(threads)
         try:
-            stats = collect_imatrix(checkpoint, weights, names.tensor_name, tokens, resolve_device(device), on_layer)
+            with collected(said, "calibration: "):
+                stats = collect_imatrix(checkpoint, weights, names.tensor_name, tokens, resolve_device(device), on_layer)
         finally:
             torch.set_num_threads(previous)
     finally:
@@ -550,7 +556,7 @@ def imatrix(
     staged = stage_file(output, imatrix_gguf_bytes(statistics_entries(stats), [text], stats.chunks, stats.chunk_size), overwrite=overwrite)
     staged.commit()
     document = as_imatrix(stats, output, text).to_json()
-    return {**document, "text": text, "seconds": round(stats.seconds, 3), "layers": [layer.to_json() for layer in stats.layers]}
+    return {**document, "text": text, "seconds": round(stats.seconds, 3), "layers": [layer.to_json() for layer in stats.layers]} | ({"warnings": said} if said else {})
 
 
 # -- compare and check -------------------------------------------------------------------------

@@ -64,7 +64,7 @@ def chunk_tokens(text: "CalibrationText", tokenizer, chunk_size: int, chunks: in
 
     import torch
 
-    from qtool.calibration.samples import token_pieces
+    from qtool.calibration.samples import token_pieces, tokenized
 
     if chunk_size < 16:
         raise UsageError(f"chunk size {chunk_size}: llama-imatrix ignores batches of fewer than 16 tokens", option="chunk_size")
@@ -72,7 +72,7 @@ def chunk_tokens(text: "CalibrationText", tokenizer, chunk_size: int, chunks: in
         raise UsageError(f"chunks {chunks} must be at least 1", option="chunks")
     tokenizer.model_max_length = 1 << 62
     bos = tokenizer.bos_token_id
-    probe_with, probe_without = tokenizer("a")["input_ids"], tokenizer("a", add_special_tokens=False)["input_ids"]
+    probe_with, probe_without = tokenized(tokenizer, "a"), tokenized(tokenizer, "a", add_special_tokens=False)
     add_bos = bos is not None and len(probe_with) > len(probe_without) and probe_with[0] == bos
     ids = array("q", [bos] if add_bos else [])
     wanted = None if chunks is None else chunks * chunk_size
@@ -188,6 +188,7 @@ class ImatrixRequest:
 
     text: str
     tokens: "torch.Tensor"  # [chunks, chunk_size]
+    notes: tuple[str, ...] = ()  # what transformers said while the model and tokenizer were read, for the warnings
 
     def to_json(self) -> dict[str, Any]:
         return {"text": self.text, "algorithm": "imatrix", "chunks": int(self.tokens.shape[0]), "chunk_size": int(self.tokens.shape[1])}
@@ -209,9 +210,9 @@ def prepare_request(plan: Any, text: str, chunks: int, chunk_size: int) -> Imatr
         raise UsageError(f"{source.path} is already quantized ({quantized[0]}); calibration needs float weights", option="calibrate")
     folder = source.path if os.path.isdir(source.path) else os.path.dirname(os.path.abspath(source.path))
     calibration = read_text(text)  # its files checked (regular, in size) before transformers is imported
-    Skeleton.build(source)
-    tokens = chunk_tokens(calibration, load_tokenizer(folder), chunk_size, chunks, text)
-    return ImatrixRequest(os.fspath(text), tokens)
+    notes = list(Skeleton.build(source).notes)
+    tokens = chunk_tokens(calibration, load_tokenizer(folder, notes), chunk_size, chunks, text)
+    return ImatrixRequest(os.fspath(text), tokens, tuple(notes))
 
 
 def apply_request(plan: Any, request: ImatrixRequest, device: str, threads: int | None = None, on_layer: Callable[[Any, int], None] | None = None) -> dict[str, Any]:
@@ -220,19 +221,22 @@ def apply_request(plan: Any, request: ImatrixRequest, device: str, threads: int 
     calibration document for the report."""
     import torch
 
+    from qtool.formats.transformers_boundary import collected
     from qtool.llamacpp.importance import IMATRIX_KEYS, attach_importance, imatrix_metadata
     from qtool.llamacpp.names import tensor_names
 
     previous = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
+    said: list[str] = []
     try:
         names = tensor_names(plan.source, True)
-        stats = collect_imatrix(plan.source, [job.weight for job in plan.jobs], names.tensor_name, request.tokens, device, on_layer)
+        with collected(said, "calibration: "):
+            stats = collect_imatrix(plan.source, [job.weight for job in plan.jobs], names.tensor_name, request.tokens, device, on_layer)
     finally:
         torch.set_num_threads(previous)
     imatrix = as_imatrix(stats, request.text, request.text)
     notes = attach_importance(plan.jobs, imatrix, None)
     arch, entries = plan.metadata
     plan.metadata = (arch, [e for e in entries if e[0] not in IMATRIX_KEYS] + imatrix_metadata(imatrix, request.text))
-    return {**request.to_json(), "seconds": round(stats.seconds, 3), "entries": len(imatrix.entries), "notes": notes, "layers": [layer.to_json() for layer in stats.layers]}
+    return {**request.to_json(), "seconds": round(stats.seconds, 3), "entries": len(imatrix.entries), "notes": notes, "layers": [layer.to_json() for layer in stats.layers]} | ({"warnings": said} if said else {})

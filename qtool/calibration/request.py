@@ -43,6 +43,7 @@ class CalibrationRequest:
     seed: int
     actorder: str | None = None  # GPTQ's column order: "weight" / "static", or None
     true_sequential: bool = False  # GPTQ: each layer's Linears on their quantized predecessors' outputs, in one run
+    notes: tuple[str, ...] = ()  # what transformers said while the model and tokenizer were read, for the warnings
 
     def to_json(self) -> dict[str, Any]:
         document = {"text": self.text, "algorithm": self.algorithm, "samples": int(self.tokens.shape[0]), "seq_len": int(self.tokens.shape[1]), "seed": self.seed}
@@ -79,11 +80,11 @@ def prepare(plan: "Plan", text: str, algorithm: str, samples: int, seq_len: int,
                 check_scheme(job.weight.name, job.scheme)
     folder = source.path if os.path.isdir(source.path) else os.path.dirname(os.path.abspath(source.path))
     calibration = read_text(text)  # its files checked (regular, in size) before transformers is imported
-    Skeleton.build(source)  # an architecture transformers does not know is refused here
-    tokens = draw_samples(calibration, load_tokenizer(folder), SampleOptions(samples, seq_len, seed), text)
+    notes = list(Skeleton.build(source).notes)  # an architecture transformers does not know, or a config the weights belie, is refused here
+    tokens = draw_samples(calibration, load_tokenizer(folder, notes), SampleOptions(samples, seq_len, seed), text)
     if actorder is not None:
         _record_actorder(plan, actorder)
-    return CalibrationRequest(os.fspath(text), algorithm, tokens, seed, actorder, true_sequential)
+    return CalibrationRequest(os.fspath(text), algorithm, tokens, seed, actorder, true_sequential, tuple(notes))
 
 
 DEFAULT_ACTORDER = "static"  # llm-compressor 0.14's GPTQModifier writes this unless told otherwise
@@ -145,12 +146,16 @@ def _calibrated(plan: "Plan", request: CalibrationRequest, device: str, on_layer
     from qtool.errors import InternalError
     from qtool.plan import CAST, COPY, QUANTIZE, Precomputed
 
+    from qtool.formats.transformers_boundary import collected
+
     jobs = [job for job in plan.jobs if job.action == QUANTIZE and job.scheme is not None]
     schemes = {job.weight.name: job.scheme for job in jobs}
-    result = calibrate(
-        plan.source, [job.weight for job in plan.jobs], schemes, plan.layout, request.tokens,
-        RunnerOptions(algorithm=request.algorithm, device=device, actorder=request.actorder, true_sequential=request.true_sequential), seed=request.seed, on_layer=on_layer,
-    )  # fmt: skip
+    said: list[str] = []
+    with collected(said, "calibration: "):  # transformers' and torch's talk: the report's warnings, escaped where shown
+        result = calibrate(
+            plan.source, [job.weight for job in plan.jobs], schemes, plan.layout, request.tokens,
+            RunnerOptions(algorithm=request.algorithm, device=device, actorder=request.actorder, true_sequential=request.true_sequential), seed=request.seed, on_layer=on_layer,
+        )  # fmt: skip
     for job in jobs:
         tensors = result.encoded.pop(job.weight.name, None)
         if tensors is not None:
@@ -164,4 +169,4 @@ def _calibrated(plan: "Plan", request: CalibrationRequest, device: str, on_layer
         job.transform = Replaced(values, job.out_dtype or job.weight.data.dtype.name)
     if result.replaced:
         raise InternalError(f"calibration changed {sorted(result.replaced)[0]}, which the plan does not write")
-    return {**request.to_json(), **result.to_json()}
+    return {**request.to_json(), **result.to_json()} | ({"warnings": said} if said else {})

@@ -31,7 +31,7 @@ from qtool.message_text import excerpt
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SampleOptions", "CalibrationText", "read_text", "draw_samples", "token_pieces", "load_tokenizer"]
+__all__ = ["SampleOptions", "CalibrationText", "read_text", "draw_samples", "token_pieces", "load_tokenizer", "tokenized"]
 
 MAX_TEXT_BYTES = 1 << 30  # a calibration text larger than this is surely a mistake
 PIECE_CHARS = 1 << 20  # the most characters the tokenizer is handed at once (~300 MB while it works)
@@ -214,21 +214,34 @@ def token_pieces(text: CalibrationText, tokenizer, limit: int = PIECE_CHARS) -> 
     `limit` characters at a time."""
     tokenizer.model_max_length = 1 << 62  # the text is cut into windows here; no warning about its length
     for piece in text.pieces(limit):
-        yield tokenizer(piece, add_special_tokens=False)["input_ids"]
+        yield tokenized(tokenizer, piece, add_special_tokens=False)
 
 
-def load_tokenizer(model_folder: str):
-    """The model's own tokenizer from its folder (local files only), or a one-line refusal."""
-    from transformers import AutoTokenizer
+def load_tokenizer(model_folder: str, notes: list[str] | None = None):
+    """The model's own tokenizer from its folder (local files only, never the folder's own
+    code: `qtool.formats.transformers_boundary`), or a one-line refusal. What transformers logs
+    meanwhile goes to `notes`."""
+    from qtool.formats.transformers_boundary import auto_tokenizer
 
     if not model_folder or not os.path.isdir(model_folder):
         raise UsageError(f"{model_folder}: calibration needs a model folder with its tokenizer", option="calibrate")
     if not any(os.path.isfile(os.path.join(model_folder, n)) for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")):
         raise UsageError(f"{model_folder} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)", hint="calibration tokenizes the text with the model's own tokenizer", option="calibrate")
     try:
-        return AutoTokenizer.from_pretrained(model_folder, local_files_only=True)
+        return auto_tokenizer(model_folder, model_folder, [] if notes is None else notes)
+    except (CheckpointError, UsageError):
+        raise
     except Exception as exc:  # transformers raises anything from OSError to ValueError here
         raise UsageError(f"{model_folder}: its tokenizer cannot be loaded ({type(exc).__name__}: {excerpt(str(exc).splitlines()[0]) if str(exc) else ''})", option="calibrate") from None
+
+
+def tokenized(tokenizer, text: str, **options) -> list[int]:
+    """The token ids of `text`; a panic in the Rust tokenizer (a regex that backtracks) is one
+    line naming the tokenizer file."""
+    from qtool.formats.transformers_boundary import tokenizer_panics
+
+    with tokenizer_panics(os.path.join(str(getattr(tokenizer, "name_or_path", "") or "."), "tokenizer.json")):
+        return tokenizer(text, **options)["input_ids"]
 
 
 def draw_samples(text: CalibrationText, tokenizer, options: SampleOptions, where: str) -> "torch.Tensor":

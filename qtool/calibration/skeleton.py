@@ -1,7 +1,9 @@
 """The model's structure from transformers, its weights from qtool's readers.
 
 `Skeleton.build` makes the architecture's causal LM on the `meta` device from config.json (no
-weight allocated) and finds its stack of decoder layers: one `nn.ModuleList` of
+weight allocated; the config checked against the checkpoint before and after,
+`qtool.calibration.config_check`; the folder's own code never trusted,
+`qtool.formats.transformers_boundary`) and finds its stack of decoder layers: one `nn.ModuleList` of
 `num_hidden_layers` modules of one class, their fused mixture-of-experts weights replaced by
 one Linear per expert (`qtool.calibration.experts`). `materialize(module, prefix)` gives one part real
 tensors on the device, read from the checkpoint by name when its turn comes; `release` sends it
@@ -11,7 +13,8 @@ back to `meta`, so one layer is in memory at a time. Buffers transformers comput
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from qtool.errors import CheckpointError, UsageError
@@ -54,22 +57,39 @@ def import_transformers_lean() -> None:
                 del sys.modules[name]
 
 
-def _config(checkpoint: "Checkpoint"):
+def _config(checkpoint: "Checkpoint", notes: list[str]):
+    """transformers' config of the checkpoint, from config.json checked first
+    (`qtool.calibration.config_check`): a folder that names its own code for an architecture
+    transformers lacks is refused (`qtool.formats.transformers_boundary`), never run."""
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from qtool.calibration.config_check import check_config
+    from qtool.formats.transformers_boundary import collected, refuse_folder_code
 
     raw = dict(checkpoint.config)
     model_type = raw.pop("model_type", None)
+    folder = checkpoint.path if os.path.isdir(checkpoint.path) else os.path.dirname(os.path.abspath(checkpoint.path))
+    refuse_folder_code(folder, raw, known_model_type=isinstance(model_type, str) and model_type in CONFIG_MAPPING)
     if not isinstance(model_type, str):
         raise UsageError(f"{checkpoint.path}: config.json names no model_type, so transformers cannot build the model", option="calibrate")
+    if model_type not in CONFIG_MAPPING:
+        raise UsageError(f"{checkpoint.path}: architecture {model_type!r} is not known to this transformers", option="calibrate")
     raw.pop("quantization_config", None)
+    raw.pop("auto_map", None)  # a known architecture: transformers' own classes, never the folder's
+    check_config(checkpoint, raw)
     try:
-        config = AutoConfig.for_model(model_type, **raw)
-    except (ValueError, KeyError):
-        raise UsageError(f"{checkpoint.path}: architecture {model_type!r} is not known to this transformers", option="calibrate") from None
+        with collected(notes, "transformers: "):
+            config = AutoConfig.for_model(model_type, **raw)
     except Exception as exc:  # a config transformers rejects (a bad field, a bad value)
-        raise CheckpointError(f"config.json is refused by transformers' {model_type} config: {type(exc).__name__}: {excerpt(str(exc))}", path=checkpoint.path) from None
+        raise _refused(checkpoint, f"transformers' {model_type} config", exc) from None
     config._attn_implementation = "sdpa"
     return config
+
+
+def _refused(checkpoint: "Checkpoint", by: str, exc: BaseException) -> CheckpointError:
+    """config.json refused `by` transformers' config or model classes, in one line."""
+    return CheckpointError(f"config.json is refused by {by}: {type(exc).__name__}: {excerpt(' '.join(str(exc).split()))}", path=checkpoint.path)
 
 
 @dataclass
@@ -82,22 +102,34 @@ class Skeleton:
     layers_prefix: str  # "model.layers"
     moe: list  # per layer, its mixture-of-experts blocks (qtool.calibration.experts.MoeBlock), unfused
 
+    notes: list = field(default_factory=list)  # transformers' and torch's talk while it was built, for the user's warnings
+
     @classmethod
     def build(cls, checkpoint: "Checkpoint") -> "Skeleton":
+        """The skeleton, config.json checked against the checkpoint before and after it is built
+        (`qtool.calibration.config_check`), remote code never trusted, whatever transformers
+        logs or warns kept in `notes`."""
         import torch
         from transformers import AutoModelForCausalLM
 
-        config = _config(checkpoint)
-        try:
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(config)
-        except ValueError:
-            config._attn_implementation = "eager"  # an architecture without SDPA attention (Gemma 2)
+        from qtool.calibration.config_check import check_shapes
+        from qtool.formats.transformers_boundary import TRUST, collected
+
+        notes: list[str] = []
+        config = _config(checkpoint, notes)
+        model = None
+        for attention in ("sdpa", "eager"):  # eager: an architecture without SDPA attention (Gemma 2)
+            config._attn_implementation = attention
             try:
-                with torch.device("meta"):
-                    model = AutoModelForCausalLM.from_config(config)
+                with collected(notes, "transformers: "), torch.device("meta"):
+                    model = AutoModelForCausalLM.from_config(config, trust_remote_code=TRUST)
+                break
             except ValueError:
-                raise UsageError(f"{checkpoint.path}: transformers has no causal LM for architecture {config.model_type!r}", option="calibrate") from None
+                continue
+            except Exception as exc:  # a value transformers' modules cannot be built from
+                raise _refused(checkpoint, f"transformers' {config.model_type} model", exc) from None
+        if model is None:
+            raise UsageError(f"{checkpoint.path}: transformers has no causal LM for architecture {config.model_type!r}", option="calibrate")
         count = getattr(config, "num_hidden_layers", None)
         found = None
         for name, module in model.named_modules():
@@ -111,9 +143,10 @@ class Skeleton:
 
         names = list(checkpoint.tensors)
         moe = [unfuse(layer, f"{layers_prefix}.{index}", names, checkpoint.path) for index, layer in enumerate(layers)]
+        check_shapes(checkpoint, model, layers_prefix, config.model_type)
         base_prefix = layers_prefix.rpartition(".")[0]
         base = model.get_submodule(base_prefix) if base_prefix else model
-        return cls(model, config, base, base_prefix, layers, layers_prefix, moe)
+        return cls(model, config, base, base_prefix, layers, layers_prefix, moe, notes)
 
     def materialize(self, module, prefix: str, weights: dict[str, "Weight"], checkpoint: "Checkpoint", device: str, *, skip: tuple[str, ...] = ()) -> None:
         """Give `module` (named `prefix` in the checkpoint) real float32 tensors on `device`,

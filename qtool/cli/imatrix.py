@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from qtool.cli.options import CheckpointArg, DeviceOpt, FormatOpt, JsonOpt, OutputFormat, OverwriteOpt, QuietOpt, ThreadsOpt
-from qtool.cli.output import Column, Output, Rows, Section, print_status, progress
+from qtool.cli.output import Column, Output, Rows, Section, print_status, print_warning, progress
 
 HELP = """Compute llama.cpp's importance matrix of a model on a calibration text.
 
@@ -18,7 +18,7 @@ its GGUF format with the GGUF tensor names qtool's conversion gives, so `llama-q
 --imatrix` and `qtool quantize --imatrix` take it. The text is cut as llama-imatrix cuts it:
 consecutive chunks of --chunk-size tokens from the start (each one's first token BOS where the
 model's tokenizer adds one). One decoder layer is in memory at a time (transformers' layer
-classes, pip install 'qtool[calibrate]').
+classes, pip install 'qtool[calibrate]'); the model folder's own code (auto_map) never runs.
 
 \b
 Examples:
@@ -66,6 +66,8 @@ def imatrix_command(
             path, output_path, calibrate, chunks=chunks, chunk_size=chunk_size, device=device, threads=threads,
             overwrite=overwrite, allow_incomplete_gguf=allow_incomplete_gguf, on_layer=layer_done, on_start=started,
         )  # fmt: skip
+    for warning in document.get("warnings", ()):
+        print_warning(warning)
     rows = Rows(
         [Column("name"), Column("columns", justify="right"), Column("tokens", justify="right")],
         [[t["name"], t["columns"], t["counts"][0]] for t in document["tensors"]],

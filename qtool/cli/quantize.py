@@ -74,7 +74,9 @@ Examples:
 
 Calibrated (--calibrate TEXT): GPTQ, one decoder layer in memory at a time, the model's own
 tokenizer and transformers' architecture (pip install 'qtool[calibrate]'); the report adds
-each layer's time and output error on the calibration samples.
+each layer's time and output error on the calibration samples. The model folder's own code
+(auto_map) never runs: a folder that needs it is refused, and so is a config.json its
+weights belie (checked in --dry-run too).
 """
 
 

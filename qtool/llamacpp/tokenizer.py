@@ -19,7 +19,10 @@ unless the caller allows an incomplete GGUF.
 
 The tokenizer files come from strangers: only regular files inside the model's folder (not
 links out of it), each under SIDE_FILE_LIMIT, are copied into a private folder, and gguf-py and
-transformers read that copy. Anything they raise becomes one CheckpointError naming the folder.
+transformers read that copy. Anything they raise becomes one CheckpointError naming the folder;
+transformers is called as `qtool.formats.transformers_boundary` calls it (the folder's own code
+never trusted, never asked about; what it logs a warning; a panic in the Rust tokenizer a
+CheckpointError naming tokenizer.json).
 """
 
 from __future__ import annotations
@@ -292,16 +295,18 @@ def _gpt2(writer, staged: Path, vocab_size: int | None, allow_incomplete: bool, 
     """`_set_vocab_gpt2`: a byte-level BPE vocabulary, its merges, and the name of its
     pre-tokenizer, which llama.cpp knows by the hash of a reference text's token ids."""
     import gguf
-    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(staged), local_files_only=True)
+    from qtool.formats.transformers_boundary import auto_tokenizer, tokenizer_panics
+
+    tokenizer = auto_tokenizer(str(staged), folder, notes)  # the folder's own code never runs, nor is asked about
     vocab = tokenizer.get_vocab()
     size = vocab_size or len(vocab)
     if vocab and max(vocab.values()) >= size:
         raise ValueError(f"the tokenizer has token id {max(vocab.values())}, beyond the model's {size} tokens")
     import hashlib
 
-    digest = hashlib.sha256(str(tokenizer.encode(_PRE_TOKENIZER_TEXT)).encode()).hexdigest()
+    with tokenizer_panics(os.path.join(folder, "tokenizer.json")):
+        digest = hashlib.sha256(str(tokenizer.encode(_PRE_TOKENIZER_TEXT)).encode()).hexdigest()
     pre = BPE_PRE_TOKENIZERS.get(digest)
     if pre is None:
         refuse_or_note(
@@ -325,7 +330,8 @@ def _gpt2(writer, staged: Path, vocab_size: int | None, allow_incomplete: bool, 
         if text in added:
             entry = decoder.get(index)
             if entry is not None and not entry.normalized:  # llama.cpp expects added tokens pre-normalized
-                text = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False))
+                with tokenizer_panics(os.path.join(folder, "tokenizer.json")):
+                    text = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False))
             if (entry is not None and entry.special) or _looks_special(text):
                 kind = gguf.TokenType.CONTROL
             else:

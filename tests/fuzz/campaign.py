@@ -336,8 +336,9 @@ def replay(folders: list[Path], workdir: Path, limits: Limits | None = None, job
 def _expected(folder: Path, result: Result) -> str:
     """A handmade case may say more than "accepted": `expect.outcome` (exit 0 is no success
     when the run should refuse), `expect.stderr` (the exact stderr lines, e.g. one warning
-    and no numpy RuntimeWarning) and `expect.max_line` (no stderr line longer: a giant name
-    cut in messages). A miss is the outcome "unexpected"."""
+    and no numpy RuntimeWarning), `expect.max_line` (no stderr line longer: a giant name
+    cut in messages) and `expect.stdout` "json" (stdout empty or one JSON document: no prompt
+    before it). A miss is the outcome "unexpected"."""
     expect = json.loads((folder / "case.json").read_text()).get("expect")
     if not expect or result.outcome not in ACCEPTED:
         return result.outcome
@@ -347,7 +348,20 @@ def _expected(folder: Path, result: Result) -> str:
         return "unexpected"
     if "max_line" in expect and any(len(line) > expect["max_line"] for line in result.stderr.splitlines()):
         return "unexpected"
+    if expect.get("stdout") == "json" and not _json_or_nothing(result.stdout):
+        return "unexpected"
     return result.outcome
+
+
+def _json_or_nothing(text: str) -> bool:
+    """stdout under --json: empty (a refusal) or one JSON document, nothing before or after it."""
+    if not text.strip():
+        return True
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def case_folders(roots: list[Path]) -> list[Path]:

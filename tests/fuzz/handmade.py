@@ -51,6 +51,10 @@ Issue 42 (#6, #7, #11, #12), hostile text (`write_issue_42`):
   `.*(a+)+$`, which the regex module matches at once (exit 0).
 - gguf/handmade-iq-*-scale-dequantize: IQ blocks whose f16 scale is NaN or inf: written as they
   decode, with one warning naming the weight.
+
+Issue 42 (#1, #2, #5): side_json/handmade-calibrate-*, hostile model folders at calibration's
+door to transformers (`tests/fuzz/hostile_folders.py`): an `auto_map` to the folder's own code,
+terminal escapes and unknown names in config values, a config the weights belie.
 """
 
 from __future__ import annotations
@@ -374,7 +378,9 @@ def write_all(regressions: Path) -> list[Path]:
         folder = regressions / "side_json" / f"handmade-side-swap-{kind}"
         case.write(folder, extra={"area": "side_files", "signature": ["handmade", what, "side_files"], "expect": {"outcome": "exit2-one-line"}})
         written.append(folder)
-    return written + special_file_cases(regressions)
+    from tests.fuzz.hostile_folders import write_cases
+
+    return written + special_file_cases(regressions) + write_cases(regressions)
 
 
 if __name__ == "__main__":

@@ -95,8 +95,8 @@ def classify(result: Result) -> str:
 def preload(extra_modules: tuple[str, ...] = (), calibration: bool = False) -> None:
     """Import what a qtool run imports, once, in the fork server: the CLI and every command,
     every convention, numpy, torch, gguf, safetensors, cbor2, and the optional toolchains;
-    with `calibration`, transformers as `--calibrate` imports it (seconds more: only a replay
-    of cases that calibrate asks for it)."""
+    with `calibration`, transformers as `--calibrate` imports it, its LLaMA included (seconds
+    more: only a replay of cases that calibrate asks for it)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
     import importlib
@@ -138,10 +138,12 @@ def preload(extra_modules: tuple[str, ...] = (), calibration: bool = False) -> N
             importlib.import_module(name)
         except Exception:  # noqa: BLE001, S110 - optional (torchao) or moved by another branch
             pass
-    if calibration:
+    if calibration:  # calibration's cases (side_json/handmade-calibrate-*): not once per case
         from qtool.api import import_transformers_lean
 
         import_transformers_lean()
+        for name in ("transformers.modeling_utils", "transformers.models.llama.modeling_llama", "qtool.calibration.skeleton", "qtool.calibration.samples"):
+            importlib.import_module(name)
 
 
 def _rss_bytes(pid: int | str = "self") -> int:
@@ -188,6 +190,11 @@ def _child(argv: list[str], cwd: Path, out: Path, err: Path, env: dict[str, str]
         faulthandler.enable(file=sys.stderr, all_threads=True)
         faulthandler.register(signal.SIGVTALRM, file=sys.stderr, all_threads=True)
         os.chdir(cwd)
+        if "QTOOL_FUZZ_STDIN" in env:  # what a user would type: "y" to transformers' custom-code prompt
+            (cwd / ".fuzz-stdin").write_text(env["QTOOL_FUZZ_STDIN"])
+            typed = os.open(cwd / ".fuzz-stdin", os.O_RDONLY)
+            os.dup2(typed, 0)
+            os.close(typed)
         os.environ.update(env)
         sys.argv = ["qtool", *argv]
         if "QTOOL_FUZZ_SWAP" in env:
