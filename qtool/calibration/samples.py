@@ -140,11 +140,8 @@ def _txt_pieces(path: str, info: os.stat_result, limit: int) -> Iterator[str]:
     """A .txt file is one document: whole when it is short, else in pieces."""
     buffer = ""
     for text in _chunks(path, info):
-        buffer += text
-        while len(buffer) > limit:
-            at = _cut(buffer, limit)
-            yield buffer[:at]
-            buffer = buffer[at:]
+        *done, buffer = _split(buffer + text, limit)
+        yield from done
     yield buffer
 
 
