@@ -621,6 +621,27 @@ def test_a_trickling_or_stalled_server_ends_at_the_request_deadline(served, tmp_
     assert [entry["range"] is not None for entry in served.requests("tiny-llama/model.safetensors")] == [True], served.log
 
 
+def test_a_request_past_its_deadline_is_not_retried_even_before_its_timer_fires(served, monkeypatch):
+    """The deadline is a time, not only the timer thread's flag: on a loaded machine the socket's
+    own read timeout (the time left) fired before the timer thread ran, the read looked like a
+    dropped connection, and the stalled request was sent again (issue 43: two range requests in
+    a stress run). Here the timer never fires at all."""
+    from qtool.errors import CheckpointError
+    from qtool.formats import http_opener
+    from qtool.formats.remote import RemoteFile
+
+    monkeypatch.setattr(http_opener.Watch, "start", lambda self: None)  # a timer thread that never gets to run
+    served.mode, served.log[:] = "stall", []
+    try:
+        with pytest.raises(CheckpointError) as caught:
+            RemoteFile(f"{served.url}/tiny-llama/model.safetensors", deadlines=http_opener.Deadlines(1.0, 60.0)).read(0, 100)
+    finally:
+        served.mode = "ok"
+    assert "no complete answer within 1 s (QTOOL_HTTP_TIMEOUT" in str(caught.value)
+    served.settle()
+    assert len(served.requests("tiny-llama/model.safetensors")) == 1, served.log
+
+
 def test_the_command_deadline_bounds_all_requests_together(served, tmp_path):
     served.mode, served.log[:] = "trickle", []
     try:
