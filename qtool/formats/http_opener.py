@@ -142,7 +142,7 @@ class Watch:
         self.deadlines = deadlines
         self.deadline = deadline
         self.which = which  # the environment variable that sets this limit
-        self.expired = False
+        self._expired = False
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
         self._timer = threading.Timer(max(0.0, deadline - time.monotonic()), self.expire)
@@ -154,6 +154,13 @@ class Watch:
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
 
+    @property
+    def expired(self) -> bool:
+        """Cut (`expire`), or past the deadline: the clock says so even before the timer thread
+        has run. On a loaded machine the socket's read timeout, the time left, fired first, and
+        a read the deadline ended looked like a dropped connection, and was retried."""
+        return self._expired or self.remaining() <= 0
+
     def attach(self, sock: socket.socket) -> None:
         """The socket a connection of this request reads from (a redirect makes another)."""
         with self._lock:
@@ -164,7 +171,7 @@ class Watch:
 
     def expire(self) -> None:
         with self._lock:
-            self.expired = True
+            self._expired = True
             sockets = list(self._sockets)
         for sock in sockets:
             _cut(sock)
