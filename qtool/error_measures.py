@@ -207,6 +207,30 @@ def _device_sums(xs, es) -> tuple[float, float, float, float, float]:
 NON_FINITE_CHUNK = 4 << 20  # elements per chunk when counting NaN and Inf
 
 
+# (unsigned view, exponent mask, mantissa mask) of the floats a decoder writes: a value is
+# non-finite when its exponent bits are all ones, NaN when its mantissa is not zero
+_FLOAT_BITS = {"F32": ("<u4", 0x7F800000, 0x007FFFFF), "F16": ("<u2", 0x7C00, 0x03FF), "BF16": ("<u2", 0x7F80, 0x007F)}
+
+
+def count_non_finite_bytes(data, dtype: str) -> tuple[int, int] | None:
+    """(NaN count, Inf count) of raw little-endian F32/F16/BF16 values from their bit patterns,
+    in numpy (a native decode imports no torch); None for any other dtype."""
+    if dtype not in _FLOAT_BITS:
+        return None
+    import numpy as np
+
+    view, exponent, mantissa = _FLOAT_BITS[dtype]
+    bits = np.frombuffer(data, dtype=view)
+    nan = inf = 0
+    for start in range(0, bits.size, NON_FINITE_CHUNK):
+        chunk = bits[start : start + NON_FINITE_CHUNK]
+        special = chunk[(chunk & exponent) == exponent]
+        if special.size:
+            nans = int(np.count_nonzero(special & mantissa))
+            nan, inf = nan + nans, inf + special.size - nans
+    return nan, inf
+
+
 def count_non_finite(tensor) -> tuple[int, int]:
     """(NaN count, Inf count), chunk by chunk; 0, 0 for integer and bool data."""
     import torch

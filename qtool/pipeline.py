@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 from qtool import encoders, native, native_decoders
 from qtool.buffers import tensor_bytes, tensor_from_bytes
 from qtool.dtypes import float_dtype_named, storage_dtype
-from qtool.error_measures import ErrorStats, count_non_finite
+from qtool.error_measures import ErrorStats, count_non_finite, count_non_finite_bytes
 from qtool.errors import SchemeError, UsageError
 from qtool.formats.checkpoint import Checkpoint
 from qtool.formats.writer import Output
@@ -197,7 +197,7 @@ class _Runner:
             wanted = "F32"
         else:
             wanted = None  # a tensor
-        if wanted is not None and self.options.device == "cpu" and (job.action == QUANTIZE or job.transform is None):
+        if wanted is not None and self.options.device == "cpu" and (job.action in (QUANTIZE, DEQUANTIZE) or job.transform is None):
             native_decode = native_decoders.decoder(weight, wanted)
             if native_decode is not None:
                 return native_decode(self.source)
@@ -250,9 +250,11 @@ class _Runner:
         (a GGUF IQ or K-quant block whose f16 scale holds one) is written as it decodes, as
         llama.cpp would read it, and reported by name (`non_finite`). Checked whether or not
         the run measures: it costs one pass over the decoded values, a fraction of decoding."""
-        dtype = storage_dtype(_dequantized_dtype(job))
-        values = tensor_from_bytes(data, dtype, (memoryview(data).nbytes // (dtype.bits // 8),))
-        nan, inf = count_non_finite(values)
+        counted = count_non_finite_bytes(data, _dequantized_dtype(job))
+        if counted is None:
+            dtype = storage_dtype(_dequantized_dtype(job))
+            counted = count_non_finite(tensor_from_bytes(data, dtype, (memoryview(data).nbytes // (dtype.bits // 8),)))
+        nan, inf = counted
         if nan or inf:
             self.measured.non_finite[job.weight.name] = "NaN" if nan else "inf"
 

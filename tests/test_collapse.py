@@ -43,7 +43,8 @@ def test_collapse_sums_and_keeps_order():
 def test_escape_neutralises_terminal_control():
     assert escape("model.layers.0.weight") == "model.layers.0.weight"
     assert escape("evil\x1b[2J\nname\t\x00") == "evil\\x1b[2J\\nname\\t\\x00"
-    assert escape("a\\b") == "a\\\\b"
+    assert escape("a\\b") == "a\\b"  # a backslash is doubled only where it reads as an escape
+    assert escape("a\\x01") == "a\\\\x01"
     assert escape("\u202edrow") == "\\u202edrow"  # right-to-left override
 
 

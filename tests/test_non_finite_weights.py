@@ -210,3 +210,17 @@ def test_finite_decoded_weights_report_nothing(tmp_path):
     assert done.returncode == 0 and done.stderr == "", done.stderr
     document = json.loads(done.stdout)
     assert document["summary"]["non_finite_weights"] == [] and document["weights"][0]["non_finite_decoded"] is None
+
+
+@given(st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), max_size=64), st.sampled_from(["F32", "F16", "BF16"]))
+def test_counting_non_finite_bits_agrees_with_torch(values, dtype):
+    """The numpy count of a decoded weight's NaN and inf (a native decode imports no torch) is
+    torch's count of the same bytes."""
+    import torch
+
+    from qtool.buffers import tensor_bytes
+    from qtool.dtypes import storage_dtype
+    from qtool.error_measures import count_non_finite, count_non_finite_bytes
+
+    tensor = torch.tensor(values, dtype=torch.float32).to(storage_dtype(dtype).torch_dtype())
+    assert count_non_finite_bytes(tensor_bytes(tensor), dtype) == count_non_finite(tensor)
