@@ -13,9 +13,20 @@ import signal
 import sys
 
 
+_exiting = False  # an early handler is writing its line: a second signal adds none
+
+
 def _exit_at_once(signum: int, frame: object) -> None:
     """Until `qtool.cli.main` installs the real handlers nothing is written, so exit at once,
-    with the line and code those handlers give (qtool.cli: 130, 143, 128 + the number)."""
+    with the line and code those handlers give (qtool.cli: 130, 143, 128 + the number).
+
+    Python runs a second signal's handler inside this one, between its write and its exit
+    (SIGTERM then SIGINT 1 ms later printed two lines and exited 130): the first one to get
+    here is the one reported, and a nested call returns to let it finish."""
+    global _exiting
+    if _exiting:
+        return
+    _exiting = True
     if signum == signal.SIGINT:
         os.write(2, b"error: interrupted\n")
         os._exit(130)

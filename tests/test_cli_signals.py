@@ -270,3 +270,22 @@ def test_started_with_sigint_ignored_qtool_still_handles_the_other_signals_from_
     result = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, env=_environment(), timeout=120, preexec_fn=background)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["SIG_IGN", "_exit_at_once", "_exit_at_once"]
+
+
+@posix_only
+@pytest.mark.parametrize("then", [signal.SIGINT, signal.SIGHUP], ids=["SIGINT", "SIGHUP"])
+def test_a_second_signal_while_the_early_handler_writes_its_line_adds_no_second_line(tmp_path, then):
+    """The stress run's one failure: SIGTERM during start-up, then SIGINT 1 ms later. Python ran
+    the second early handler inside the first, after its `error: terminated` and before its
+    exit: two lines and exit 130. Here the second signal lands exactly there, every time."""
+    probe = tmp_path / "qtool"  # named as the console script is: qtool acts as the command
+    probe.write_text(
+        "import os, signal, sys\nimport qtool\n"
+        "write = os.write\n"
+        f"def write_then_signal(fd, data):\n    os.write = write\n    n = write(fd, data)\n    os.kill(os.getpid(), {int(then)})\n    return n\n"
+        "os.write = write_then_signal\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "print('the early handler returned', flush=True)\n"
+    )
+    result = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, env=_environment(), timeout=120, preexec_fn=default_signal_dispositions)
+    assert (result.returncode, result.stdout, result.stderr) == (143, "", "error: terminated\n")
