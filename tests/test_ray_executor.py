@@ -10,6 +10,7 @@ tens of seconds on a busy machine."""
 from __future__ import annotations
 
 import json
+import importlib.util
 import os
 import select
 import shutil
@@ -49,18 +50,20 @@ def _start_node(args: list[str], env: dict, timeout: float = 240) -> subprocess.
     command = [str(RAY), "start", *args, "--block", "--num-cpus", "1", "--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
     command += ["--dashboard-agent-listen-port", str(agent), "--dashboard-agent-grpc-port", str(grpc), "--runtime-env-agent-port", str(runtime_env), "--metrics-export-port", str(metrics)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    deadline, seen = time.monotonic() + timeout, []
+    # os.read, not readline: Ray writes its banner in one go, and lines that the file object has
+    # buffered are invisible to select(), which then waited out the whole timeout.
+    deadline, seen = time.monotonic() + timeout, ""
     while time.monotonic() < deadline:
         ready, _, _ = select.select([process.stdout], [], [], 1)
         if ready:
-            line = process.stdout.readline()
-            seen.append(line)
-            if "Ray runtime started" in line:
+            chunk = os.read(process.stdout.fileno(), 65536).decode(errors="replace")
+            seen += chunk
+            if "Ray runtime started" in seen:
                 return process
-        if process.poll() is not None:
-            break
+            if not chunk and process.poll() is not None:
+                break
     _stop(process)
-    pytest.fail("ray start did not come up:\n" + "".join(seen[-20:]))
+    pytest.fail("ray start did not come up:\n" + "\n".join(seen.splitlines()[-20:]))
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -79,7 +82,10 @@ def cluster():
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     temp = tempfile.mkdtemp(prefix="qr", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     gcs, client, dashboard = _free_ports(3)
-    head = _start_node(["--head", "--port", str(gcs), "--ray-client-server-port", str(client), "--include-dashboard", "false", "--dashboard-port", str(dashboard), "--temp-dir", temp], env)
+    head_args = ["--head", "--port", str(gcs), "--include-dashboard", "false", "--dashboard-port", str(dashboard), "--temp-dir", temp]
+    if importlib.util.find_spec("grpc") is not None:  # `ray[client]`: its server's port too, off the default; plain `ray` refuses the flag
+        head_args += ["--ray-client-server-port", str(client)]
+    head = _start_node(head_args, env)
     nodes = [head]
     try:
         nodes.append(_start_node(["--address", f"127.0.0.1:{gcs}"], env))
