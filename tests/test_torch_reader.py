@@ -32,7 +32,7 @@ from qtool.conventions import decoder_for
 from qtool.errors import CheckpointError
 from qtool.formats.pickle_machine import PDict, PickleError, interpret
 from qtool.formats.torch_pickle import TorchCheckpoint
-from qtool.formats.torch_unpickle import NeedsPackage, Refused, Storage, TorchHooks
+from qtool.formats.torch_unpickle import Refused, Storage, TorchHooks
 from qtool.formats.zip_directory import ZipDirectory, ZipError
 
 HERE = Path(__file__).resolve().parent
@@ -295,7 +295,7 @@ def hooks() -> TorchHooks:
     return TorchHooks(storage_for)
 
 
-EXPECTED = (PickleError, Refused, NeedsPackage)
+EXPECTED = (PickleError, Refused)
 
 
 def pickles() -> list[bytes]:

@@ -154,18 +154,20 @@ def test_intx_with_a_nonzero_zero_point_is_asymmetric(tmp_path):
     assert found["intx4.weight"].scheme.label == "int4 asym g32"
 
 
-def test_without_torchao_the_pickle_error_says_so(tmp_path):
-    """A torchao pickle, read where torchao cannot be imported: exit 2 and what to install."""
+def test_without_torchao_the_pickle_reads_and_imports_nothing(tmp_path):
+    """A torchao pickle, read where torchao cannot be imported: qtool's own table of torchao's
+    classes says what each name is, so torchao is not needed, and neither is torch."""
     blocker = tmp_path / "site" / "torchao"
     blocker.mkdir(parents=True)
     (blocker / "__init__.py").write_text("raise ImportError('No module named torchao')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(REPO)])}
     env.pop("QTOOL_DEBUG", None)
-    done = subprocess.run([sys.executable, "-m", "qtool", "inspect", str(FIXTURES / "model.pt")], capture_output=True, text=True, env=env, timeout=120)
-    assert done.returncode == 2, done.stderr
-    first = done.stderr.strip().splitlines()[0]
-    assert first == f"error: {FIXTURES / 'model.pt'}: needs torchao to read Int8Tensor; pip install torchao"
-    assert done.stdout == ""
+    code = "import sys, json, qtool\nprint(json.dumps({w.name: w.scheme.label for w in qtool.inspect(sys.argv[1]).weights if w.scheme}), 'torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code, str(FIXTURES / "model.pt")], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    labels, torch_imported = done.stdout.rsplit(" ", 1)
+    assert json.loads(labels) == {name: label for name, (label, _, _) in EXPECTED.items()}
+    assert torch_imported.strip() == "False"
 
 
 # -- ambiguity ------------------------------------------------------------------------------------
@@ -223,3 +225,132 @@ def test_dequantize_writes_torchaos_values(tmp_path, fixture):
         assert torch.equal(float_bits(out[name]), float_bits(expected[name])), name
     assert {"int8.bias", "fp8.bias", "intx4.bias"} <= set(out)
     assert not any(name.endswith(("qdata", "scale", "zero_point")) for name in out)
+
+
+# -- hostile torchao pickles ----------------------------------------------------------------------
+# The fixture's pickle with one global rewritten, as a fuzzer's bit flip or a hostile author would:
+# qtool refuses each from its own table of torchao's classes, importing neither torch nor torchao
+# (importing them to look a name up cost 12+ s of torch._dynamo on a loaded machine).
+
+_INT8 = b"ctorchao.quantization\nInt8Tensor\n"
+HOSTILE_GLOBALS = {
+    "flipped-class": (b"ctorchao.quantization\nInt8Tensoq\n", "torchao.quantization.Int8Tensoq"),
+    "unknown-module": (b"ctorchao.quantizatioo\nInt8Tensor\n", "torchao.quantizatioo.Int8Tensor"),
+    "torchao-function": (b"ctorchao.quantization\nquantize_\n", "torchao.quantization.quantize_"),
+    "torchao-base": (b"ctorchao\nutils\n", "torchao.utils"),
+    "not-torchao": (b"cposix\nsystem\n", "posix.system"),
+}
+
+
+def hostile_torchao_pickle(path: Path, replacement: bytes) -> Path:
+    """tests/fixtures/torchao/model.pt with its Int8Tensor global replaced (the zip rewritten, CRCs right)."""
+    import zipfile
+
+    with zipfile.ZipFile(FIXTURES / "model.pt") as source, zipfile.ZipFile(path, "w") as out:
+        for info in source.infolist():
+            data = source.read(info)
+            if info.filename.endswith("data.pkl"):
+                assert data.count(_INT8) == 1
+                data = data.replace(_INT8, replacement)
+            out.writestr(info, data)
+    return path
+
+
+# Runs `qtool` as `python -m qtool` does; at exit, prints which of torch and torchao were imported
+# and how long the command took after qtool's own import.
+_REFUSE_AND_REPORT = (
+    "import atexit, sys, time\n"
+    "from qtool.cli import main\n"
+    "start = time.perf_counter()\n"
+    "atexit.register(lambda: print('torch' in sys.modules, 'torchao' in sys.modules, round(time.perf_counter() - start, 3)))\n"
+    "sys.argv = ['qtool', 'inspect', sys.argv[1]]\n"
+    "main()\n"
+)
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_GLOBALS))
+def test_a_hostile_torchao_pickle_is_refused_without_importing_torch(tmp_path, case):
+    replacement, named = HOSTILE_GLOBALS[case]
+    path = hostile_torchao_pickle(tmp_path / "model.pt", replacement)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("QTOOL_DEBUG", None)
+    done = subprocess.run([sys.executable, "-c", _REFUSE_AND_REPORT, str(path)], capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines[0] == f"error: {path}: refused: the pickle calls {named}, which is not tensor data; qtool never runs code from a checkpoint", lines
+    assert all(line.startswith("hint:") for line in lines[1:]), lines
+    torch_imported, torchao_imported, seconds = done.stdout.split()
+    assert (torch_imported, torchao_imported) == ("False", "False"), "refusing the pickle imported torch or torchao"
+    assert float(seconds) < 2.0, f"the refusal took {seconds} s"
+
+
+def test_python_m_qtool_refuses_a_hostile_torchao_pickle_in_one_line(tmp_path):
+    path = hostile_torchao_pickle(tmp_path / "model.pt", HOSTILE_GLOBALS["flipped-class"][0])
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("QTOOL_DEBUG", None)
+    done = subprocess.run([sys.executable, "-m", "qtool", "inspect", str(path)], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    errors = [line for line in done.stderr.splitlines() if not line.startswith("hint:")]
+    assert errors == [f"error: {path}: refused: the pickle calls torchao.quantization.Int8Tensoq, which is not tensor data; qtool never runs code from a checkpoint"]
+
+
+# -- the table of torchao's classes ----------------------------------------------------------------
+
+
+@needs_torchao
+def test_the_torchao_table_matches_the_installed_torchao():
+    """Every row names a class torchao has, of the kind the row says (each enum's members as
+    torchao's); every tensor subclass `torchao.quantization` exports is a row."""
+    import dataclasses
+    import enum
+    import importlib
+    import logging
+    import warnings
+
+    from qtool.formats.torchao_classes import DATA, ENUM, TENSOR, TORCHAO_CLASSES
+
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantization = importlib.import_module("torchao.quantization")
+        for (module, name), row in TORCHAO_CLASSES.items():
+            cls = getattr(importlib.import_module(module), name)
+            assert isinstance(cls, type) and (cls.__module__, cls.__qualname__) == (module, name), (module, name)
+            if row.kind == TENSOR:
+                assert issubclass(cls, torch.Tensor), name
+            elif row.kind == ENUM:
+                assert issubclass(cls, enum.Enum) and dict(row.members) == {m.value: m.name for m in cls}, name
+            else:
+                assert row.kind == DATA and (dataclasses.is_dataclass(cls) or issubclass(cls, tuple)), name
+    exported = {
+        (value.__module__, value.__qualname__)
+        for value in vars(quantization).values()
+        if isinstance(value, type) and issubclass(value, torch.Tensor) and value.__module__.startswith("torchao") and value.__name__ != "TorchAOBaseTensor"
+    }
+    assert exported <= {key for key, row in TORCHAO_CLASSES.items() if row.kind == TENSOR}, exported
+
+
+def test_every_type_the_convention_decodes_is_in_the_table():
+    from qtool.conventions.torchao import SUPPORTED
+    from qtool.formats.torchao_classes import TENSOR, TORCHAO_CLASSES
+
+    tensors = {name for (_, name), row in TORCHAO_CLASSES.items() if row.kind == TENSOR}
+    assert set(SUPPORTED) <= tensors
+
+
+def test_an_enum_value_torchao_does_not_have_is_a_malformed_pickle(tmp_path):
+    """KernelPreference('auto') rewritten to a value no member has: one line, as Enum(value) would fail."""
+    import zipfile
+
+    path = tmp_path / "model.pt"
+    with zipfile.ZipFile(FIXTURES / "model.pt") as source, zipfile.ZipFile(path, "w") as out:
+        for info in source.infolist():
+            data = source.read(info)
+            if info.filename.endswith("data.pkl"):
+                assert b"X\x04\x00\x00\x00auto" in data
+                data = data.replace(b"X\x04\x00\x00\x00auto", b"X\x04\x00\x00\x00autx")
+            out.writestr(info, data)
+    result = runner.invoke(app, ["inspect", str(path)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines()[0] == f"error: {path}: has a malformed pickle: torchao.quantization.quantize_.common.kernel_preference.KernelPreference has no member 'autx'"

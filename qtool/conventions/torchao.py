@@ -9,7 +9,10 @@ Safetensors (pytorch/ao `torchao/prototype/safetensors/safetensors_support.py`, 
 
 Pickles: `qtool.formats.torch_pickle` reads each subclass's pickled state, without torch, into
 `{name}.{data_name}` stored tensors plus a `Subclass` record holding its other attributes
-(`block_size`, `target_dtype`, ...: what `__tensor_flatten__`'s context holds).
+(`block_size`, `target_dtype`, ...: what `__tensor_flatten__`'s context holds). Which torchao
+classes a pickle may name is a table, `qtool.formats.torchao_classes` (every type in SUPPORTED
+among its tensor subclasses): the reader decides from it while unpickling, below this layer,
+and never imports torchao.
 
     type                       qdata                     scale / zero_point               x =
     Int8Tensor                 int8 [*shape]             grid of block_size; zp int8 0s   (q - zp) * scale

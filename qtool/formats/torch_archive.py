@@ -33,7 +33,6 @@ from qtool.formats.pickle_machine import (
 )
 from qtool.formats.torch_unpickle import (
     ITEMSIZE,
-    NeedsPackage,
     Refused,
     Storage,
     TorchHooks,
@@ -121,12 +120,6 @@ def open_archive(path: str) -> TorchArchive:
                 f"refused: the pickle calls {exc.name}, which is not tensor data; qtool never runs code from a checkpoint",
                 path=path,
                 hint=_REFUSED_HINT,
-            ) from None
-        except NeedsPackage as exc:
-            raise CheckpointError(
-                f"needs {exc.package} to read {exc.type_name}; pip install {exc.package}",
-                path=path,
-                hint=f"the file holds {exc.package} tensor subclasses, which only {exc.package}'s classes describe",
             ) from None
         except OverLimit as exc:
             raise CheckpointError(

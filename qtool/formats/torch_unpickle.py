@@ -15,10 +15,13 @@ turned into a plain record (CONVENTIONS §9).
     collections.OrderedDict -> PDict; torch.Size -> tuple; torch.device, _get_layout -> text
     _codecs.encode (protocol 2's bytes), builtins.set / frozenset / bytearray
 
-Anything else is refused by its name (`Refused`), before anything is built. torchao's names
-are allowed only where torchao is installed and the name is one of its tensor subclasses,
-enums or dataclasses (data, not code); torchao is imported for that check, lazily, and only
-when a pickle names it. Nothing a pickle names is ever called: the records are data.
+    torchao's tensor subclasses, enums and dataclasses, as `qtool.formats.torchao_classes`
+    lists them                                   -> SubclassRecord / Opaque (an enum by member name)
+
+Anything else is refused by its name (`Refused`), before anything is built. Every decision is
+made from the name and this module's tables: no module a pickle names is ever imported (so
+refusing a hostile torchao name imports neither torch nor torchao, and a torchao pickle reads
+without torchao installed), and nothing a pickle names is ever called: the records are data.
 
 Every value from the pickle is checked for its type and range where a record is built
 (`PickleError` on a wrong one); sizes against the stored records are checked later, by the
@@ -28,19 +31,16 @@ reader that knows them (`qtool.formats.torch_pickle`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import enum
-import importlib
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from qtool.formats.pickle_machine import PDict, PickleError, PSet
+from qtool.formats.torchao_classes import ENUM, TENSOR, TORCHAO_CLASSES
 
 __all__ = [
     "TorchHooks",
     "Refused",
-    "NeedsPackage",
     "Storage",
     "TensorRecord",
     "QuantizedRecord",
@@ -88,15 +88,6 @@ class Refused(Exception):
     def __init__(self, name: str) -> None:
         self.name = name
         super().__init__(name)
-
-
-class NeedsPackage(Exception):
-    """The pickle names a type only an optional package (torchao) can vouch for, and it is missing."""
-
-    def __init__(self, package: str, type_name: str) -> None:
-        self.package = package
-        self.type_name = type_name
-        super().__init__(f"{package} {type_name}")
 
 
 @contextlib.contextmanager
@@ -212,7 +203,7 @@ class Opaque:
 class _Global:
     kind: str
     name: str  # qualified: "torch._utils._rebuild_tensor_v2"
-    value: Any = None  # the storage dtype, the torchao class
+    value: Any = None  # the storage dtype, the torchao class's row (a TorchaoClass)
 
 
 _REBUILDS = {
@@ -249,7 +240,6 @@ class TorchHooks:
 
     def __init__(self, storage_for: Callable[[str, str, int, Any], Storage]) -> None:
         self.storage_for = storage_for
-        self._torchao_checked: dict[str, Any] = {}
 
     # -- GLOBAL --
     def find_class(self, module: str, name: str) -> Any:
@@ -270,34 +260,10 @@ class TorchHooks:
                     return DType(canonical)
                 if name in _QSCHEMES:
                     return QSchemeName(name)
-        if module.split(".")[0] == "torchao":
-            return self._torchao(module, name)
+        torchao = TORCHAO_CLASSES.get((module, name))  # a table lookup: nothing is imported
+        if torchao is not None:
+            return _Global("torchao_tensor" if torchao.kind == TENSOR else "torchao_data", qualified, torchao)
         raise Refused(qualified)
-
-    def _torchao(self, module: str, name: str) -> Any:
-        qualified = f"{module}.{name}"
-        if qualified in self._torchao_checked:
-            return self._torchao_checked[qualified]
-        try:
-            with quiet():
-                importlib.import_module("torchao")
-        except ImportError:
-            raise NeedsPackage("torchao", name) from None
-        import torch
-
-        try:
-            with quiet():
-                value = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):
-            raise Refused(qualified) from None
-        if isinstance(value, type) and issubclass(value, torch.Tensor):
-            found = _Global("torchao_tensor", qualified, value)
-        elif isinstance(value, type) and (issubclass(value, enum.Enum) or dataclasses.is_dataclass(value) or issubclass(value, tuple)):
-            found = _Global("torchao_data", qualified, value)
-        else:
-            raise Refused(qualified)
-        self._torchao_checked[qualified] = found
-        return found
 
     # -- BINPERSID --
     def persistent_load(self, pid: Any) -> Any:
@@ -355,13 +321,12 @@ class TorchHooks:
                 raise PickleError("bytearray of something that is not bytes")
             return args[0] if args else b""
         if kind == "torchao_data":
-            cls = func.value
             record = Opaque(func.name, args)
-            if issubclass(cls, enum.Enum) and len(args) == 1 and isinstance(args[0], (str, int, float, bool)):
-                try:
-                    record.enum_name = cls(args[0]).name
-                except (ValueError, TypeError):
-                    raise PickleError(f"{func.name} has no member {_short(args[0])}") from None
+            if func.value.kind == ENUM and len(args) == 1 and isinstance(args[0], (str, int, float, bool)):
+                member = func.value.members.get(args[0])  # as Enum(value) finds it: 1 == 1.0 == True
+                if member is None:
+                    raise PickleError(f"{func.name} has no member {_short(args[0])}")
+                record.enum_name = member
             return record
         raise PickleError(f"the pickle calls {func.name} in a way qtool does not read")
 

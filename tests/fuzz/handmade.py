@@ -52,6 +52,12 @@ Issue 42 (#6, #7, #11, #12), hostile text (`write_issue_42`):
 - gguf/handmade-iq-*-scale-dequantize: IQ blocks whose f16 scale is NaN or inf: written as they
   decode, with one warning naming the weight.
 
+Issue 37, torchao names a torch pickle may hold (`write_issue_37`): pt/handmade-torchao-*, the
+torchao fixture's pickle with its Int8Tensor global renamed to a class torchao lacks (a bit flip's
+`Int8Tensoq`), to a torchao function (`quantize_`), and to a quantize_ configuration: refused from
+qtool's table of torchao's classes, never by importing the module the pickle names (which took
+torch and torchao's import, 12+ s, to refuse one).
+
 Issue 42 (#1, #2, #5): side_json/handmade-calibrate-*, hostile model folders at calibration's
 door to transformers (`tests/fuzz/hostile_folders.py`): an `auto_map` to the folder's own code,
 terminal escapes and unknown names in config values, a config the weights belie.
@@ -311,6 +317,33 @@ def write_issue_42(regressions: Path, scratch: Path) -> list[Path]:
     return written
 
 
+TORCHAO_INT8 = b"ctorchao.quantization\nInt8Tensor\n"  # the fixture pickle's global (protocol 2)
+
+
+def write_issue_37(regressions: Path) -> list[Path]:
+    """Issue 37: the torchao fixture's pickle naming torchao globals qtool does not rebuild."""
+    import zipfile
+    from io import BytesIO
+
+    fixture = HERE.parent / "fixtures" / "torchao" / "model.pt"
+    written = []
+    for name, replacement, what in (
+        ("handmade-torchao-unknown-class", b"ctorchao.quantization\nInt8Tensoq\n", "a torchao class torchao lacks (Int8Tensoq)"),
+        ("handmade-torchao-function", b"ctorchao.quantization\nquantize_\n", "a torchao function (quantize_) where a tensor subclass was"),
+        ("handmade-torchao-config", b"ctorchao.quantization.quant_api\nInt8WeightOnlyConfig\n", "a torchao quantize_ configuration where a tensor subclass was"),
+    ):
+        buffer = BytesIO()
+        with zipfile.ZipFile(fixture) as source, zipfile.ZipFile(buffer, "w") as out:
+            for info in source.infolist():
+                data = source.read(info)
+                out.writestr(info, data.replace(TORCHAO_INT8, replacement) if info.filename.endswith("data.pkl") else data)
+        case = Case("pt", "handmade", "model.pt", ["inspect", "{in}", "--json"], [f"handmade: {what}"], {"model.pt": buffer.getvalue()})
+        folder = regressions / "pt" / name
+        case.write(folder, extra={"area": "torchpt", "signature": ["handmade", what, "torchpt"], "expect": {"outcome": "exit2-one-line"}})
+        written.append(folder)
+    return written
+
+
 def write_all(regressions: Path) -> list[Path]:
     written = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -370,6 +403,7 @@ def write_all(regressions: Path) -> list[Path]:
             case.write(folder, extra=extra)
             written.append(folder)
         written += write_issue_42(regressions, scratch)
+        written += write_issue_37(regressions)
     model = side_swap_model()
     for kind, to in (("link-out", "/etc/passwd"), ("fifo", "fifo"), ("dev-zero", "/dev/zero")):
         swap = {"after": "merges.txt", "path": "in/m/vocab.json", "to": to}

@@ -414,66 +414,6 @@ QT_INLINE void importance_weights(const float *x, const float *qw, float sigma2,
     }
 }
 
-/* make_qp_quants(n, nmax, x, L, w): non-negative codes (held as ggml holds them, in uint8) for
- * the sub-block scales or mins x, weighted; returns the super-block scale (IQ2_XXS uses it too) */
-float qt_qp_quants(int n, int nmax, const float *x, uint8_t *L, const float *w) {
-    float max = 0.0f;
-    for (int i = 0; i < n; i++) max = max > x[i] ? max : x[i];
-    if (max < 1e-15f) {
-        memset(L, 0, (size_t)n);
-        return 0.0f;
-    }
-    float iscale = (float)nmax / max;
-    for (int i = 0; i < n; i++) L[i] = (uint8_t)nearest(iscale * x[i]);
-    const float scale = 1.0f / iscale;
-    float best_mse = 0.0f;
-    for (int i = 0; i < n; i++) {
-        const float diff = x[i] - scale * (float)L[i];
-        best_mse += w[i] * diff * diff;
-    }
-    for (int is = -4; is <= 4; is++) {
-        if (is == 0) continue;
-        const float iscale_is = (0.1f * (float)is + (float)nmax) / max, scale_is = 1.0f / iscale_is;
-        float mse = 0.0f;
-        for (int i = 0; i < n; i++) {
-            int l = nearest(iscale_is * x[i]);
-            l = l < nmax ? l : nmax;
-            const float diff = x[i] - scale_is * (float)l;
-            mse += w[i] * diff * diff;
-        }
-        if (mse < best_mse) best_mse = mse, iscale = iscale_is;
-    }
-    float sumlx = 0.0f, suml2 = 0.0f;
-    for (int i = 0; i < n; i++) {
-        int l = nearest(iscale * x[i]);
-        l = l < nmax ? l : nmax;
-        L[i] = (uint8_t)l;
-        sumlx += w[i] * x[i] * (float)l;
-        suml2 += w[i] * (float)l * (float)l;
-    }
-    for (int itry = 0; itry < 5; itry++) {
-        int changed = 0;
-        for (int i = 0; i < n; i++) {
-            const float li = (float)L[i];
-            float slx = sumlx - w[i] * x[i] * li, sl2 = suml2 - w[i] * li * li;
-            if (slx > 0.0f && sl2 > 0.0f) {
-                int new_l = nearest(x[i] * sl2 / slx);
-                new_l = new_l < nmax ? new_l : nmax;
-                if (new_l != (int)L[i]) {
-                    slx += w[i] * x[i] * (float)new_l;
-                    sl2 += w[i] * (float)new_l * (float)new_l;
-                    if (slx * slx * suml2 > sumlx * sumlx * sl2) {
-                        L[i] = (uint8_t)new_l, sumlx = slx, suml2 = sl2;
-                        changed++;
-                    }
-                }
-            }
-        }
-        if (!changed) break;
-    }
-    return suml2 > 0.0f ? sumlx / suml2 : 0.0f;
-}
-
 /* make_qx_quants(n, nmax, x, L, 1, w), one at a time: Q3_K's scale of the 16 sub-block scales */
 static float qx_quants(int n, int nmax, const float *x, const float *w, int8_t *L) {
     float max = 0.0f, amax = 0.0f;

@@ -121,7 +121,7 @@ static inline void qt_store(void *p, Py_ssize_t i, int dt, float f) {
 
 static inline Py_ssize_t qt_itemsize(int dt) { return dt == QT_F32 ? 4 : 2; }
 
-/* Widen n values of dtype dt at src into float32 dst (hot: one per row or block run). */
+/* Widen n values of dtype dt at src into float32 dst (hot: one per row or block run; common.c). */
 void qt_widen(const void *src, int dt, float *dst, Py_ssize_t n);
 /* n float32 values into elements [at, at + n) of out, of dtype dt, rounding to nearest even
  * as torch's .to(dtype) does. Inlined, so a constant dt leaves one vectorized loop. */
@@ -197,7 +197,7 @@ void qt_iq2_xs_decode(const uint8_t *src, float *out, Py_ssize_t blocks);
 int qt_iq2_s_ready(void);
 void qt_iq2_s_row(const float *x, const float *qw, Py_ssize_t blocks, uint8_t *out, float *rec);
 void qt_iq2_s_decode(const uint8_t *src, float *out, Py_ssize_t blocks);
-/* llama.cpp's make_qp_quants (kquant_encode.c) */
+/* llama.cpp's make_qp_quants (kquant_common.c: below kquant_encode.c and iq2_encode.c, which both call it) */
 float qt_qp_quants(int n, int nmax, const float *x, uint8_t *L, const float *w);
 /* Q4_0, Q4_1, Q5_0, Q5_1 with importance weights (qw not NULL): llama.cpp's _impl path */
 void qt_legacy_w_row(const char *type_name, const float *x, const float *qw, Py_ssize_t blocks, uint8_t *out, float *rec);
@@ -216,7 +216,7 @@ static inline Py_ssize_t qt_mul(Py_ssize_t a, Py_ssize_t b) {
     return product;
 }
 
-/* Checks a buffer holds at least `need` bytes; sets ValueError naming `what` if not, or if
+/* (common.c) Checks a buffer holds at least `need` bytes; sets ValueError naming `what` if not, or if
  * `need` is negative (a size that overflowed). */
 int qt_check_size(const Py_buffer *buffer, Py_ssize_t need, const char *what);
 int qt_check_dtype(int dt, const char *what);
