@@ -15,7 +15,7 @@ weight with importance is encoded natively or not at all."""
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from qtool import native
 from qtool.encoders import StoredBlocks
@@ -23,10 +23,12 @@ from qtool.error_measures import ErrorStats
 from qtool.ggml_types import GGUF_PY, LLAMA_CPP, GgmlType, ggml_type_named
 from qtool.plan import GgmlBlocks, Job, Piece
 
+if TYPE_CHECKING:
+    import numpy
+
 __all__ = ["GgmlBlockEncoder", "ENCODE_VALUES", "numpy_encodes"]
 
 ENCODE_VALUES = 4 << 20  # values per piece when encoding (bounded memory on any weight)
-DTYPES = ("F32", "F16", "BF16")  # the value dtypes the native encoder widens
 
 
 def numpy_encodes(gtype: GgmlType) -> bool:
@@ -160,7 +162,7 @@ class GgmlBlockEncoder:
         return data
 
 
-def _importance_rows(job: Job):
+def _importance_rows(job: Job) -> tuple[numpy.ndarray, int | None] | None:
     """(float32 [groups, columns] array, rows per group or None for one group) from the job's
     importance: None without one. A 2-D array is one row of weights per expert of a 3-D weight,
     which holds `shape[-2]` rows per expert."""
