@@ -62,18 +62,20 @@ def _int_decoder(weight: Weight, out_dtype: str):
 
 
 def _gguf_decoder(weight: Weight, out_dtype: str):
+    from qtool.errors import UnknownNameError
     from qtool.ggml_types import ggml_type_named
 
-    encoding = weight.data.encoding or ""
-    if encoding not in native.gguf_types():
+    try:
+        gtype = ggml_type_named(weight.data.encoding or "")
+    except UnknownNameError:
         return None
-    gtype = ggml_type_named(encoding)
+    entry = gtype.native_decoder
     numel = math.prod(weight.shape)
-    if gtype is None or numel % gtype.block_size or weight.data.nbytes != gtype.nbytes(numel):
+    if entry is None or entry not in native.gguf_types() or numel % gtype.block_size or weight.data.nbytes != gtype.nbytes(numel):
         return None
     blocks = numel // gtype.block_size
 
     def decode(checkpoint: Checkpoint) -> memoryview:
-        return native.decode_gguf(encoding, checkpoint.read_bytes(weight.data), blocks, gtype.block_size, out_dtype)
+        return native.decode_gguf(entry, checkpoint.read_bytes(weight.data), blocks, gtype.block_size, out_dtype)
 
     return decode

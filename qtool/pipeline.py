@@ -370,7 +370,7 @@ def _dequantized_dtype(job: Job) -> str:
 
 def _scheme_name(job: Job) -> str:
     if isinstance(job.encoding, GgmlBlocks):
-        return job.encoding.type
+        return job.encoding.type.name
     return job.scheme.label if job.scheme is not None else "its scheme"
 
 

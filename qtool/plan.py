@@ -20,10 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from qtool.ggml_types import GgmlType
 from qtool.scheme import QScheme
 from qtool.weight import Weight
 
 if TYPE_CHECKING:
+    import numpy
+
     from qtool.formats.checkpoint import Checkpoint
 
 __all__ = [
@@ -89,13 +92,13 @@ class IntRows:
 
 @dataclass(frozen=True)
 class GgmlBlocks:
-    """GGML blocks of one type (`qtool.ggml_types`), row after row. `importance`, where an
-    importance matrix covers the weight (llama.cpp's `--imatrix`), is a float32 array of one
+    """GGML blocks of one type (its `qtool.ggml_types` row), row after row. `importance`, where
+    an importance matrix covers the weight (llama.cpp's `--imatrix`), is a float32 array of one
     weight per input column (shape [columns], or [experts, columns] for a 3-D expert tensor),
     handed to the kernels as llama.cpp's `quant_weights`; None quantizes without one."""
 
-    type: str
-    importance: Any = field(default=None, hash=False, compare=False)
+    type: GgmlType
+    importance: numpy.ndarray | None = field(default=None, hash=False, compare=False)
 
 
 @dataclass(frozen=True)

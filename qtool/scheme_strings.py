@@ -44,20 +44,18 @@ PRESETS: dict[str, tuple[QScheme, str]] = {
     "MXFP4A16": (_ct("fp4_e2m1", group(32), scale="E8M0"), "fp4 e2m1 with power-of-two e8m0 scales per 32 (OCP MX)"),
 }
 
-# short-form aliases of named formats whose granularity is fixed
-_FIXED = {
-    "mxfp4": PRESETS["MXFP4A16"][0],
-    "nvfp4": PRESETS["NVFP4A16"][0],
-    **{name.lower(): _llama(name) for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")},
-}
 _DEFAULT_BLOCK = {"int8": CHANNEL, "int4": group(128), "int3": group(128), "int2": group(64), "fp8_e4m3": TENSOR, "fp8_e5m2": TENSOR, "nf4": group(64)}
 _ALIASES = {"fp8": "fp8_e4m3", "int8": "int8", "int4": "int4", "int3": "int3", "int2": "int2", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "nf4": "nf4"}
 
+# llama.cpp's block types `--scheme` takes, by their names in lowercase (each is its
+# `qtool.ggml_types` row's scheme); the others are written only under a mix
+_LLAMA_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+
 # the examples `qtool schemes` lists besides the presets; every one must parse
-SHORT_FORMS = (
-    "int8", "int4:g128", "int4:g64:asym", "int2:g64", "fp8_e4m3:channel", "fp8:block128x128",
-    "nf4:g64", "mxfp4", "nvfp4", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
-)
+SHORT_FORMS = ("int8", "int4:g128", "int4:g64:asym", "int2:g64", "fp8_e4m3:channel", "fp8:block128x128", "nf4:g64", "mxfp4", "nvfp4", *_LLAMA_TYPES)
+
+# short-form aliases of named formats whose granularity is fixed
+_FIXED = {"mxfp4": PRESETS["MXFP4A16"][0], "nvfp4": PRESETS["NVFP4A16"][0], **{name: _llama(name) for name in _LLAMA_TYPES}}
 
 
 def scheme_names() -> list[str]:

@@ -67,3 +67,51 @@ def test_importing_qtool_registers_no_process_hooks():
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, f"{result.returncode} exit hooks registered on import: {result.stderr}"
+
+
+# -- one table of GGML types ------------------------------------------------------------------------
+
+
+def ggml_type_tables(source: str) -> list[str]:
+    """Where a module's text holds a table of GGML types besides `qtool.ggml_types`' rows: a dict
+    keyed by GGML block-type names (two or more, every key one), or a tuple, list or set of
+    them alone, two or more at module level, three or more anywhere. A rule comparing against
+    a name or two (llama.cpp's mixes: `new in ("Q3_K", "Q4_K")`) is not a table, nor is a
+    dict keyed by llama.cpp's file types, which holds names that are not types (Q3_K_M)."""
+    import ast
+
+    from qtool.ggml_types import GGML_TYPES
+
+    names = {row.name for row in GGML_TYPES.values() if row.block_size > 1}
+    tree = ast.parse(source)
+    top = {id(node) for statement in tree.body if isinstance(statement, (ast.Assign, ast.AnnAssign)) for node in ast.walk(statement)}
+    found = []
+    for node in ast.walk(tree):
+        elements = node.keys if isinstance(node, ast.Dict) else node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else None
+        if not elements or not all(isinstance(e, ast.Constant) and e.value in names for e in elements):
+            continue
+        least = 2 if isinstance(node, ast.Dict) or id(node) in top else 3
+        if len(elements) >= least:
+            found.append(f"line {node.lineno}: {', '.join(e.value for e in elements)}")
+    return found
+
+
+def test_there_is_one_table_of_ggml_types():
+    """A GGML type is its row in qtool/ggml_types.py: no other module lists types to know a fact
+    of them (which need an importance matrix, which gguf-py encodes, which a kernel has)."""
+    tables = {}
+    for path in sorted((REPO / "qtool").rglob("*.py")):
+        if path != REPO / "qtool" / "ggml_types.py":
+            found = ggml_type_tables(path.read_text(encoding="utf-8"))
+            if found:
+                tables[str(path.relative_to(REPO))] = found
+    assert not tables, f"a second table of GGML types (make it a field of the rows in qtool/ggml_types.py): {tables}"
+
+
+def test_a_second_table_of_ggml_types_would_be_found():
+    assert ggml_type_tables('NUMPY_TYPES = ("Q8_0", "Q4_0")\n')
+    assert ggml_type_tables('def f(t):\n    return t in frozenset({"IQ2_XXS", "IQ2_XS", "IQ1_S"})\n')
+    assert ggml_type_tables('def f(t):\n    return {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}.get(t)\n')
+    assert not ggml_type_tables('def f(new):\n    return new in ("Q3_K", "Q4_K")\n')  # a rule, not a table
+    assert not ggml_type_tables('RULE = {"Q2_K": "Q3_K", "Q3_K_M": "Q4_K"}\n')  # keyed by file types
+    assert not ggml_type_tables('FLOATS = ("F32", "F16", "BF16")\n')  # plain types are dtypes too

@@ -18,6 +18,7 @@ import pytest
 
 from qtool import api
 from qtool.errors import ImatrixError, SchemeError
+from qtool.ggml_types import ggml_type_named
 from qtool.formats.imatrix import ImatrixEntry, read_imatrix
 from qtool.llamacpp.importance import attach_importance, imatrix_metadata
 from qtool.llamacpp.mixes import MIXES, MixTensor, ModelFacts, choose_types, requires_imatrix
@@ -94,7 +95,7 @@ def test_a_legacy_dat_weighs_the_same_tensors_with_the_same_importance():
 
 
 def _job(name, shape, gguf_type="Q4_K"):
-    return SimpleNamespace(action=QUANTIZE, encoding=GgmlBlocks(gguf_type), outputs=[SimpleNamespace(name=name, dtype=gguf_type)], weight=SimpleNamespace(shape=shape))
+    return SimpleNamespace(action=QUANTIZE, encoding=GgmlBlocks(ggml_type_named(gguf_type)), outputs=[SimpleNamespace(name=name, dtype=gguf_type)], weight=SimpleNamespace(shape=shape))
 
 
 def test_a_3d_expert_tensor_takes_one_slice_per_expert():
@@ -120,8 +121,9 @@ def test_a_width_mismatch_is_refused_but_token_embd_goes_without():
 
 
 def test_types_that_need_an_imatrix_are_refused_without_one():
-    assert requires_imatrix("blk.0.attn_q.weight", "IQ2_XS", None) and requires_imatrix("blk.0.ffn_up.weight", "Q2_K", "Q2_K_S")
-    assert not requires_imatrix("token_embd.weight", "IQ2_XS", None) and not requires_imatrix("blk.0.ffn_up.weight", "Q2_K", "Q2_K")
+    iq2_xs, q2_k = ggml_type_named("IQ2_XS"), ggml_type_named("Q2_K")
+    assert requires_imatrix("blk.0.attn_q.weight", iq2_xs, None) and requires_imatrix("blk.0.ffn_up.weight", q2_k, "Q2_K_S")
+    assert not requires_imatrix("token_embd.weight", iq2_xs, None) and not requires_imatrix("blk.0.ffn_up.weight", q2_k, "Q2_K")
     with pytest.raises(SchemeError, match="IQ2_XXS needs an importance matrix"):
         attach_importance([_job("blk.0.attn_q.weight", (256, 256), "IQ2_XXS")], None, None)
     imatrix = SimpleNamespace(path="m.gguf", entries={"blk.0.attn_k.weight": ImatrixEntry("blk.0.attn_k.weight", np.ones(256, dtype=np.float32), (3,))})

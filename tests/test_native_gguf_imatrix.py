@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from qtool import native
 from tests.llama_reference import compiled_llama_cpp
 from qtool.errors import KernelError
+from qtool.ggml_types import ggml_type_named
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="qtool.native._kernels is not built")
 
@@ -81,7 +82,7 @@ def test_every_fixture_row_is_llama_cpp_s_weighted_bytes(type_name, label, lanes
     assert not wrong
     got = encode(type_name, x, qw)  # all rows in one call, split over threads
     assert bytes(got.data) == b"".join(want)
-    assert got.errors is None and got.complete  # rows with inf/NaN: llama.cpp's bytes, no error measures
+    assert got.errors is None  # rows with inf/NaN: llama.cpp's bytes (above), no error measures
 
 
 def test_the_weights_change_the_bytes():
@@ -212,7 +213,7 @@ def _job(shape, type_name, importance, dtype="F32"):
     from qtool.plan import GgmlBlocks, Job, OutputTensor
 
     weight = SimpleNamespace(name="blk.0.ffn_up.weight", shape=shape, quantized=False, data=SimpleNamespace(dtype=SimpleNamespace(name=dtype)))
-    return Job(weight, "quantize", [OutputTensor("out", type_name, shape, 0)], encoding=GgmlBlocks(type_name, importance=importance))
+    return Job(weight, "quantize", [OutputTensor("out", type_name, shape, 0)], encoding=GgmlBlocks(ggml_type_named(type_name), importance=importance))
 
 
 def _run_encoder(job, values, monkeypatch, piece_values):

@@ -13,6 +13,7 @@ import pytest
 
 from qtool import native
 from qtool.errors import KernelError
+from qtool.ggml_types import LLAMA_CPP, ggml_type_named
 
 if os.environ.get("QTOOL_REQUIRE_NATIVE") == "1":  # CI: a silently skipped build must fail
     assert native.available(), "qtool.native._kernels was not built (setup.py) or QTOOL_NATIVE=0"
@@ -75,8 +76,8 @@ def test_rows_holding_inf_or_nan_say_so_as_encode_does(target):
     raw[20 * (COLS // 32) * 7 : 20 * (COLS // 32) * 7 + 2] = np.float16(np.inf).tobytes()  # row 7, first block's d
     want = decoded_then_encoded(target, "Q4_1", bytes(raw), ROWS, COLS)
     got = native.transcode_gguf(target, "Q4_1", bytes(raw), ROWS, COLS)
-    assert got.errors is None and want.errors is None and got.complete == want.complete
-    if want.complete:
+    assert got.errors is None and want.errors is None
+    if ggml_type_named(target).quantizer == LLAMA_CPP:  # the K-quants write these rows too
         assert bytes(got.data) == bytes(want.data)
 
 

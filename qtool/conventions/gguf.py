@@ -111,9 +111,9 @@ def decode_blocks(raw, encoding: str, shape: tuple[int, ...], device: str = "cpu
     numel = math.prod(shape)
     if raw.numel() != gtype.nbytes(numel):
         raise QtoolError(f"weight {name!r}: {raw.numel()} bytes do not hold {numel} {gtype.name} values")
-    if gtype.name not in gguf_blocks.torch_decodable():
+    if gtype.torch_decoder is None:
         return _decode_numpy(raw, gtype, shape, name).to(device)
-    return gguf_blocks.decode(raw.to(device), gtype.name, gtype.block_size, gtype.type_size, shape)
+    return gguf_blocks.decode(raw.to(device), gtype.torch_decoder, gtype.block_size, gtype.type_size, shape)
 
 
 def _decode_numpy(raw, gtype: GgmlType, shape: tuple[int, ...], name: str):

@@ -90,18 +90,18 @@ def _build_native_int(layout, job: Job, device: str, measure: bool) -> WeightEnc
 
 def _native_gguf(layout, job: Job, device: str | None) -> bool:
     from qtool import native
-    from qtool.encoders.ggml_blocks import NUMPY_TYPES
+    from qtool.encoders.ggml_blocks import numpy_encodes
 
     encoding = job.encoding
-    if not isinstance(encoding, GgmlBlocks) or not native.available() or encoding.type not in native.gguf_encode_types():
+    if not isinstance(encoding, GgmlBlocks) or not native.available() or encoding.type.native_encoder not in native.gguf_encode_types():
         return False
-    return device in (None, "cpu") or encoding.type not in NUMPY_TYPES or encoding.importance is not None  # gguf-py has no weighted path
+    return device in (None, "cpu") or not numpy_encodes(encoding.type) or encoding.importance is not None  # gguf-py has no weighted path
 
 
 def _gguf_py(layout, job: Job, device: str | None) -> bool:
-    from qtool.encoders.ggml_blocks import NUMPY_TYPES
+    from qtool.encoders.ggml_blocks import numpy_encodes
 
-    return isinstance(job.encoding, GgmlBlocks) and job.encoding.type in NUMPY_TYPES
+    return isinstance(job.encoding, GgmlBlocks) and numpy_encodes(job.encoding.type)
 
 
 def _build_ggml_blocks(native: bool) -> Callable[[Any, Job, str, bool], WeightEncoder]:
@@ -156,5 +156,5 @@ def why_not_encodable(job: Job) -> str:
 
     if not native.available():
         return "qtool's C kernels are not available (not built, or QTOOL_NATIVE=0)"
-    name = job.encoding.type if isinstance(job.encoding, GgmlBlocks) else job.outputs[0].dtype
+    name = job.encoding.type.name if isinstance(job.encoding, GgmlBlocks) else job.outputs[0].dtype
     return f"qtool's C kernels have no {name} encoder in this build"

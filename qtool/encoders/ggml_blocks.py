@@ -15,19 +15,25 @@ weight with importance is encoded natively or not at all."""
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from qtool import native
 from qtool.encoders import StoredBlocks
 from qtool.error_measures import ErrorStats
-from qtool.ggml_types import ggml_type_named
+from qtool.ggml_types import GGUF_PY, LLAMA_CPP, GgmlType, ggml_type_named
 from qtool.plan import GgmlBlocks, Job, Piece
 
-__all__ = ["GgmlBlockEncoder", "NUMPY_TYPES", "ENCODE_VALUES"]
+if TYPE_CHECKING:
+    import numpy
 
-NUMPY_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")  # what gguf-py's numpy quantizer encodes
+__all__ = ["GgmlBlockEncoder", "ENCODE_VALUES", "numpy_encodes"]
+
 ENCODE_VALUES = 4 << 20  # values per piece when encoding (bounded memory on any weight)
-DTYPES = ("F32", "F16", "BF16")  # the value dtypes the native encoder widens; other names are GGUF block types
+
+
+def numpy_encodes(gtype: GgmlType) -> bool:
+    """Whether gguf-py's numpy quantizer writes `gtype` (its bytes are the reference)."""
+    return gtype.quantizer == GGUF_PY
 
 
 class GgmlBlockEncoder:
@@ -37,27 +43,38 @@ class GgmlBlockEncoder:
 
             raise InternalError(f"{job.weight.name}: the GGML block encoder needs a GgmlBlocks job")
         self.job = job
-        self.gtype = ggml_type_named(job.encoding.type)
+        self.gtype = job.encoding.type
+        self.source: GgmlType | None = None  # the stored type of a weight taken as its blocks (`transcodes`)
         self.native = native
         self.takes = "raw"
         self.errors: ErrorStats | None = ErrorStats() if measure else None
         self.importance = _importance_rows(job)
         from qtool.errors import UsageError
-        from qtool.native import NEEDS_IMPORTANCE
 
         if self.importance is not None and not native:
             raise UsageError(f"{job.weight.name}: quantizing with an importance matrix needs qtool's native kernels (not built, or QTOOL_NATIVE=0)")
-        if self.importance is None and self.gtype.name in NEEDS_IMPORTANCE:
+        if self.importance is None and self.gtype.quantizer_needs_imatrix:
             raise UsageError(f"{job.weight.name}: {self.gtype.name} needs an importance matrix (llama.cpp quantizes it only with one): give --imatrix")
 
     def transcodes(self, weight) -> bool:
         """Whether this encoder takes `weight` (quantized) as its stored GGUF blocks
         (`encoders.StoredBlocks`) rather than decoded to float32: the native kernels decode each
         row as they encode it, the same bytes without the weight's float32 copy."""
-        if not (self.native and weight.quantized and weight.convention == "gguf" and native.can_transcode(weight.data.encoding or "", self.gtype.name)):
+        if not (self.native and weight.quantized and weight.convention == "gguf" and self.gtype.native_encoder is not None):
             return False
-        source, shape = ggml_type_named(weight.data.encoding), tuple(weight.shape)
-        return len(shape) >= 1 and shape[-1] % source.block_size == 0 and weight.data.nbytes == source.nbytes(math.prod(shape))
+        from qtool.errors import UnknownNameError
+
+        try:
+            source = ggml_type_named(weight.data.encoding or "")
+        except UnknownNameError:
+            return False
+        if source.native_decoder is None or not native.can_transcode(source.native_decoder, self.gtype.native_encoder):
+            return False
+        shape = tuple(weight.shape)
+        if not (len(shape) >= 1 and shape[-1] % source.block_size == 0 and weight.data.nbytes == source.nbytes(math.prod(shape))):
+            return False
+        self.source = source
+        return True
 
     def encode(self, values) -> Iterator[Piece]:
         job = self.job
@@ -65,49 +82,50 @@ class GgmlBlockEncoder:
         cols = shape[-1]
         rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
         dtype = "F32" if job.weight.quantized else job.weight.data.dtype.name  # a requantized weight comes decoded
+        source = None
         if isinstance(values, StoredBlocks):  # ... or as its blocks, decoded row by row (`transcodes`)
-            dtype, values = values.type, values.data
+            source, values = self.source or ggml_type_named(values.type), values.data
         row_bytes = memoryview(values).nbytes // max(rows, 1)
         step = max(1, ENCODE_VALUES // max(cols, 1))
         name, written = job.outputs[0].name, 0
         for start in range(0, rows, step):
             count = min(step, rows - start)
             part = memoryview(values)[start * row_bytes : (start + count) * row_bytes]
-            data = self._encode_rows(part, dtype, start, count, cols, row_bytes)
+            data = self._encode_rows(part, dtype, source, start, count, cols, row_bytes)
             yield name, data, written
             written += len(data)
 
-    def _encode_rows(self, part, dtype: str, start: int, rows: int, cols: int, row_bytes: int):
+    def _encode_rows(self, part, dtype: str, source: GgmlType | None, start: int, rows: int, cols: int, row_bytes: int):
         """Rows [start, start + rows) of the weight, in runs that share their importance weights
         (one run without an importance matrix or for a 2-D weight; one per expert of a 3-D one)."""
         if self.importance is None:
-            return self._encode(part, dtype, rows, cols, None)
+            return self._encode(part, dtype, source, rows, cols, None)
         weights, per_expert = self.importance
         if per_expert is None:
-            return self._encode(part, dtype, rows, cols, weights[0].tobytes())
+            return self._encode(part, dtype, source, rows, cols, weights[0].tobytes())
         out, row = bytearray(), start
         while row < start + rows:
             end = min(start + rows, (row // per_expert + 1) * per_expert)
             piece = part[(row - start) * row_bytes : (end - start) * row_bytes]
-            out += self._encode(piece, dtype, end - row, cols, weights[row // per_expert].tobytes())
+            out += self._encode(piece, dtype, source, end - row, cols, weights[row // per_expert].tobytes())
             row = end
         return memoryview(out)
 
-    def _encode(self, part, dtype: str, rows: int, cols: int, importance: bytes | None):
-        """`rows` rows of `cols` values in `part`, `dtype` values (F32, F16, BF16) or the blocks
-        of a GGUF type (a requantized weight's, as stored)."""
+    def _encode(self, part, dtype: str, source: GgmlType | None, rows: int, cols: int, importance: bytes | None):
+        """`rows` rows of `cols` values in `part`: `dtype` values (F32, F16, BF16), or the blocks
+        of the GGUF type `source` (a requantized weight's, as stored)."""
         if self.native:
-            if dtype in DTYPES:
-                encoded = native.encode_gguf(self.gtype.name, part, dtype, rows, cols, importance)
+            if source is None:
+                encoded = native.encode_gguf(self.gtype.native_encoder, part, dtype, rows, cols, importance)
             else:
-                encoded = native.transcode_gguf(self.gtype.name, dtype, part, rows, cols, importance)
+                encoded = native.transcode_gguf(self.gtype.native_encoder, source.native_decoder, part, rows, cols, importance)
             if encoded.errors is not None:
                 if self.errors is not None:
                     self.errors = self.errors.merge(encoded.errors)
                 return encoded.data
-            if dtype not in DTYPES:  # inf/NaN in these rows: from their float32 values, as before
-                part, dtype = native.decode_gguf(dtype, part, rows * cols // self._block_size(dtype), self._block_size(dtype), "F32"), "F32"
-            if encoded.complete:  # rows with inf/NaN, encoded as llama.cpp does; measured below
+            if source is not None:  # inf/NaN in these rows: from their float32 values, as before
+                part, dtype = native.decode_gguf(source.native_decoder, part, rows * cols // source.block_size, source.block_size, "F32"), "F32"
+            if self._wrote_nonfinite_rows(importance):  # rows with inf/NaN, encoded as llama.cpp does; measured below
                 return self._measured(part, dtype, rows, cols, encoded.data)
         import numpy as np
         from gguf import GGMLQuantizationType, quants
@@ -117,9 +135,12 @@ class GgmlBlockEncoder:
             encoded = quants.quantize(values, GGMLQuantizationType[self.gtype.name])
         return self._measured(part, dtype, rows, cols, memoryview(encoded).cast("B"), values)
 
-    @staticmethod
-    def _block_size(type_name: str) -> int:
-        return ggml_type_named(type_name).block_size
+    def _wrote_nonfinite_rows(self, importance: bytes | None) -> bool:
+        """Whether the native kernel encodes rows holding inf or NaN (as llama.cpp does): for the
+        types whose bytes are llama.cpp's, and with importance weights for any type they change
+        (gguf-py has no weighted path). Otherwise gguf-py encodes such rows: its bytes are the
+        reference."""
+        return self.gtype.quantizer == LLAMA_CPP or (importance is not None and self.gtype.takes_imatrix)
 
     @staticmethod
     def _values(part, dtype: str, rows: int, cols: int):
@@ -141,7 +162,7 @@ class GgmlBlockEncoder:
         return data
 
 
-def _importance_rows(job: Job):
+def _importance_rows(job: Job) -> tuple[numpy.ndarray, int | None] | None:
     """(float32 [groups, columns] array, rows per group or None for one group) from the job's
     importance: None without one. A 2-D array is one row of weights per expert of a 3-D weight,
     which holds `shape[-2]` rows per expert."""

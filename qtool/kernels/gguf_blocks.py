@@ -18,8 +18,9 @@
     MXFP4   [e8m0][16 B e2m1 codes: low j, high j+16]     x = 2^(e−127)·e2m1
     NVFP4   [4 × ue4m3 scale per 16][32 B e2m1 codes]
 
-Validation and the type table live with the container (`qtool.conventions.gguf`); this module
-only does the math on blocks it is handed.
+The type table (sizes, and which types have a decoder here: a row's `torch_decoder`) is
+`qtool.ggml_types`; validating a tensor's bytes is the GGUF convention's (`qtool.conventions.gguf`).
+This module only does the math on blocks it is handed.
 """
 
 from __future__ import annotations
@@ -46,6 +47,19 @@ _IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 1
 # 4Mi 275, whole tensor 558. With 2 threads on a busy machine, small chunks lose most: each op
 # waits for a descheduled worker (64Ki 3967 ms, 1Mi 2459, 4Mi 496). 4Mi holds up in both.
 CHUNK_ELEMENTS = 1 << 22
+
+# entry name (the GGML type's name, as a `qtool.ggml_types` row's `torch_decoder` names it) ->
+# decoder(blocks [n, type_size] uint8, out [n, block_size] float32, scratch); each decoder
+# registers itself below
+_DECODERS: dict[str, Callable] = {}
+
+
+def _decodes(entry: str) -> Callable[[Callable], Callable]:
+    def register(decoder: Callable) -> Callable:
+        _DECODERS[entry] = decoder
+        return decoder
+
+    return register
 
 
 class _Scratch:
@@ -131,6 +145,7 @@ def _le_bits(qs, ws):  # [n, k] -> [n, 8k]: bit j of the little-endian word, j =
     return out.bitwise_and_(1).view(n, -1)
 
 
+@_decodes("Q8_0")
 def _q8_0(b, out, ws):
     import torch
 
@@ -138,21 +153,25 @@ def _q8_0(b, out, ws):
     out.mul_(_f16(b, 0))
 
 
+@_decodes("Q4_0")
 def _q4_0(b, out, ws):
     out.copy_(_nibbles(b, 2, ws))
     out.sub_(8).mul_(_f16(b, 0))
 
 
+@_decodes("Q4_1")
 def _q4_1(b, out, ws):
     out.copy_(_nibbles(b, 4, ws))
     out.mul_(_f16(b, 0)).add_(_f16(b, 2))
 
 
+@_decodes("Q5_0")
 def _q5_0(b, out, ws):
     out.copy_(_nibbles(b, 6, ws).bitwise_or_(_le_bits(b[:, 2:6], ws).bitwise_left_shift_(4)))
     out.sub_(16).mul_(_f16(b, 0))
 
 
+@_decodes("Q5_1")
 def _q5_1(b, out, ws):
     out.copy_(_nibbles(b, 8, ws).bitwise_or_(_le_bits(b[:, 4:8], ws).bitwise_left_shift_(4)))
     out.mul_(_f16(b, 0)).add_(_f16(b, 2))
@@ -167,6 +186,7 @@ def _scale_min_k4(scales):  # [n, 12] -> two [n, 8, 1] float32 6-bit fields (ggm
     return sc.float().unsqueeze(-1), mn.float().unsqueeze(-1)
 
 
+@_decodes("Q2_K")
 def _q2_k(b, out, ws):
     n = b.shape[0]
     scales = b[:, 0:16]
@@ -174,6 +194,7 @@ def _q2_k(b, out, ws):
     out.view(n, 16, 16).mul_((_f16(b, 80) * (scales & 0x0F).float()).unsqueeze(-1)).sub_((_f16(b, 82) * (scales >> 4).float()).unsqueeze(-1))
 
 
+@_decodes("Q3_K")
 def _q3_k(b, out, ws):
     import torch
 
@@ -187,6 +208,7 @@ def _q3_k(b, out, ws):
     out.view(n, 16, 16).mul_((_f16(b, 108) * scales.float()).unsqueeze(-1))
 
 
+@_decodes("Q4_K")
 def _q4_k(b, out, ws):
     n = b.shape[0]
     sc, mn = _scale_min_k4(b[:, 4:16])
@@ -194,6 +216,7 @@ def _q4_k(b, out, ws):
     out.view(n, 8, 32).mul_(_f16(b, 0).unsqueeze(-1) * sc).sub_(_f16(b, 2).unsqueeze(-1) * mn)
 
 
+@_decodes("Q5_K")
 def _q5_k(b, out, ws):
     n = b.shape[0]
     sc, mn = _scale_min_k4(b[:, 4:16])
@@ -201,6 +224,7 @@ def _q5_k(b, out, ws):
     out.view(n, 8, 32).mul_(_f16(b, 0).unsqueeze(-1) * sc).sub_(_f16(b, 2).unsqueeze(-1) * mn)
 
 
+@_decodes("Q6_K")
 def _q6_k(b, out, ws):
     import torch
 
@@ -210,6 +234,7 @@ def _q6_k(b, out, ws):
     out.view(n, 16, 16).mul_((_f16(b, 208) * b[:, 192:208].view(torch.int8).float()).unsqueeze(-1))
 
 
+@_decodes("Q8_K")
 def _q8_k(b, out, ws):
     import torch
 
@@ -217,6 +242,7 @@ def _q8_k(b, out, ws):
     out.mul_(b[:, 0:4].contiguous().view(torch.float32))
 
 
+@_decodes("TQ1_0")
 def _tq1_0(b, out, ws):
     import torch
 
@@ -230,6 +256,7 @@ def _tq1_0(b, out, ws):
     out.sub_(1).mul_(_f16(b, 52))
 
 
+@_decodes("TQ2_0")
 def _tq2_0(b, out, ws):
     out.copy_(_crumbs(b[:, 0:64], ws))
     out.sub_(1).mul_(_f16(b, 64))
@@ -243,11 +270,13 @@ def _lookup(out, codes, values, ws) -> None:  # out.flat[i] = values[codes.flat[
     torch.index_select(table, 0, index.copy_(codes).view(-1), out=out.view(-1))
 
 
+@_decodes("IQ4_NL")
 def _iq4_nl(b, out, ws):
     _lookup(out, _nibbles(b, 2, ws), _IQ4NL, ws)
     out.mul_(_f16(b, 0))
 
 
+@_decodes("IQ4_XS")
 def _iq4_xs(b, out, ws):
     import torch
 
@@ -267,6 +296,7 @@ def _e8m0_half(e):  # ggml_e8m0_to_fp32_half: 2^(e-127) / 2, exact, including e 
     return torch.where(e < 2, (e + 1) * 0x00200000, (e - 1) << 23).view(torch.float32)
 
 
+@_decodes("MXFP4")
 def _mxfp4(b, out, ws):
     _lookup(out, _nibbles(b, 1, ws), _E2M1_X2, ws)
     out.mul_(_e8m0_half(b[:, 0:1]))
@@ -282,23 +312,16 @@ def _ue4m3_half(x):  # ggml's ue4m3 scale, times the 0.5 that matches the double
     return torch.where((x == 0) | (x == 0x7F), torch.zeros_like(raw), raw * 0.5)
 
 
+@_decodes("NVFP4")
 def _nvfp4(b, out, ws):
     n = b.shape[0]
     _lookup(out, _k_nibbles(b, 4, 36, 8, ws), _E2M1_X2, ws)
     out.view(n * 4, 16).mul_(_ue4m3_half(b[:, 0:4]).reshape(n * 4, 1))
 
 
-# GGML type name -> decoder(blocks [n, type_size] uint8, out [n, block_size] float32, scratch)
-_DECODERS: dict[str, Callable] = {
-    "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
-    "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "Q8_K": _q8_k,
-    "TQ1_0": _tq1_0, "TQ2_0": _tq2_0, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs,
-    "MXFP4": _mxfp4, "NVFP4": _nvfp4,
-}
-
-
 def torch_decodable() -> frozenset[str]:
-    """The GGML types qtool decodes in torch; the rest go through `gguf.quants.dequantize`."""
+    """The entries of the GGML types qtool decodes in torch (their names); the rest go through
+    `gguf.quants.dequantize`."""
     return frozenset(_DECODERS)
 
 

@@ -143,9 +143,14 @@ class Gguf:
                 if chosen.mix is None:
                     self.check(weight, scheme)
                 gtype = gguf_type_for(scheme)
-                job = _job_for_type(weight, out_name, gtype.name, gguf_input) if gguf_input else _quantize_job(weight, out_name, gtype.name, scheme)
+                if not gguf_input:
+                    job = _quantize_job(weight, out_name, gtype, scheme)
+                elif gtype.name == _stored_type(weight):  # a GGUF input's tensor keeps its type and bytes
+                    job = _kept_job(weight, out_name, gtype.name, gguf_input)
+                else:
+                    job = _quantize_job(weight, out_name, gtype, gtype.scheme)
             else:
-                job = _job_for_type(weight, out_name, chosen.keep_as.get(weight.name) or _stored_type(weight), gguf_input)
+                job = _kept_job(weight, out_name, chosen.keep_as.get(weight.name) or _stored_type(weight), gguf_input)
             rotary = names.rotary(weight.name)
             if rotary is not None:
                 if not weight.shape or not rotary.fits(weight.shape[0]):
@@ -225,29 +230,30 @@ def _stored_type(weight: Weight) -> str:
     return weight.data.encoding or weight.data.dtype.name
 
 
-def _quantize_job(weight: Weight, out_name: str, gguf_type: str, scheme: QScheme) -> Job:
-    out = OutputTensor(out_name, gguf_type, tuple(weight.shape), gguf_layout_bytes(tuple(weight.shape), gguf_type))
-    return Job(weight, QUANTIZE, [out], scheme=scheme, encoding=GgmlBlocks(gguf_type))
-
-
-def _job_for_type(weight: Weight, out_name: str, gguf_type: str, gguf_input: bool) -> Job:
-    """What makes `weight` a tensor of `gguf_type`: a copy when it is stored so already (a GGUF
-    input's tensors keep their type and bytes, as llama-quantize keeps them), a cast or a decode
-    into a float type, else quantizing. A kept tensor of another container follows
-    `_unquantized` (1-D floats in F32, ...)."""
+def _quantize_job(weight: Weight, out_name: str, gtype: GgmlType, scheme: QScheme) -> Job:
     shape = tuple(weight.shape)
-    if gguf_type == _stored_type(weight):
+    out = OutputTensor(out_name, gtype.name, shape, gguf_layout_bytes(shape, gtype))
+    return Job(weight, QUANTIZE, [out], scheme=scheme, encoding=GgmlBlocks(gtype))
+
+
+def _kept_job(weight: Weight, out_name: str, type_name: str, gguf_input: bool) -> Job:
+    """What keeps `weight` as `type_name`, its stored type or a float type: a copy when it is
+    stored so already (a GGUF input's tensors keep their type and bytes, as llama-quantize
+    keeps them), else a cast or a decode into the float type. A kept tensor of another
+    container follows `_unquantized` (1-D floats in F32, ...)."""
+    shape = tuple(weight.shape)
+    if type_name == _stored_type(weight):
         if not gguf_input:
             gtype, action = _unquantized(weight)
             return Job(weight, action, [OutputTensor(out_name, gtype.name, shape, gguf_layout_bytes(shape, gtype))], out_dtype=gtype.name)
-        return Job(weight, COPY, [OutputTensor(out_name, gguf_type, shape, weight.data.nbytes)], out_dtype=gguf_type)
-    if gguf_type in _FLOAT_KEEP:
-        action = DEQUANTIZE if weight.quantized else CAST
-        return Job(weight, action, [OutputTensor(out_name, gguf_type, shape, gguf_layout_bytes(shape, gguf_type))], out_dtype=gguf_type)
-    scheme = ggml_type_named(gguf_type).scheme
-    if scheme is None:
-        raise SchemeError(f"{weight.name}: GGUF type {gguf_type} is not one qtool writes")
-    return _quantize_job(weight, out_name, gguf_type, scheme)
+        return Job(weight, COPY, [OutputTensor(out_name, type_name, shape, weight.data.nbytes)], out_dtype=type_name)
+    if type_name not in _FLOAT_KEEP:
+        from qtool.errors import InternalError
+
+        raise InternalError(f"{weight.name}: kept as {type_name}, which is neither its stored type nor a float type")
+    action = DEQUANTIZE if weight.quantized else CAST
+    gtype = ggml_type_named(type_name)
+    return Job(weight, action, [OutputTensor(out_name, gtype.name, shape, gguf_layout_bytes(shape, gtype))], out_dtype=gtype.name)
 
 
 def _stamped(entries: list[tuple[str, Any, str]], jobs: list[Job], mix: str | None, recorded: list[tuple[str, Any, str]] = ()) -> list[tuple[str, Any, str]]:

@@ -40,7 +40,7 @@ def attach_importance(jobs: list[Job], imatrix: Imatrix | None, mix: str | None)
     if imatrix is None:
         for job in quantized:
             out = job.outputs[0]
-            if requires_imatrix(out.name, out.dtype, mix):
+            if requires_imatrix(out.name, job.encoding.type, mix):
                 raise SchemeError(f"{out.name}: {out.dtype} needs an importance matrix (llama.cpp refuses it without one)", hint="give --imatrix (llama-imatrix's or qtool imatrix's) or --calibrate TEXT, or pick a type of 3 bits or more", option="imatrix")
         return []
     missing: list[str] = []
@@ -51,7 +51,7 @@ def attach_importance(jobs: list[Job], imatrix: Imatrix | None, mix: str | None)
         columns, experts = shape[-1], shape[0] if len(shape) >= 3 else 1
         entry = imatrix.entries.get(out.name)
         if entry is None or (entry.values != columns * experts and out.name in _TOKEN_EMBD):
-            if requires_imatrix(out.name, out.dtype, mix):
+            if requires_imatrix(out.name, job.encoding.type, mix):
                 raise ImatrixError(f"has no entry for {out.name}, whose type {out.dtype} needs one (llama.cpp refuses it)", path=imatrix.path, hint="make the imatrix from this model")
             missing.append(out.name)
             continue

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from qtool.errors import CheckpointError
-from qtool.ggml_types import ggml_type_named
+from qtool.ggml_types import GgmlType, ggml_type_named
 
 __all__ = [
     "LLAMA_CPP_COMMIT",
@@ -283,19 +283,17 @@ def block_size(gguf_type: str) -> int:
 
 
 _IQ2_MIXES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M")  # llama.cpp's IQ1_S, IQ1_M share their rules (not offered)
-_IQ_256 = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS")
 
 
 def fallback_type(cols: int, target: str) -> tuple[str, bool]:
-    """`tensor_type_fallback`: the type a row of `cols` values can take instead of `target`,
-    and whether a fallback happened."""
-    if cols % block_size(target) == 0:
+    """`tensor_type_fallback`: the type a row of `cols` values can take instead of `target`
+    (its row's `fallback`), and whether a fallback happened."""
+    gtype = ggml_type_named(target)
+    if cols % gtype.block_size == 0:
         return target, False
-    demoted = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "TQ1_0": "Q4_0", "TQ2_0": "Q4_0"}.get(target, target)
-    if target in _IQ_256:
-        demoted = "IQ4_NL"
+    demoted = gtype.fallback or target
     if block_size(demoted) > 32:
-        raise CheckpointError(f"llama.cpp defines no fallback for {target} when rows are not a multiple of {block_size(target)}")
+        raise CheckpointError(f"llama.cpp defines no fallback for {target} when rows are not a multiple of {gtype.block_size}")
     if cols % block_size(demoted):
         demoted = "F16"
     return demoted, True
@@ -464,9 +462,6 @@ def choose_types(mix: Mix, tensors: list[MixTensor], facts: ModelFacts, *, has_i
     return {t.name: chosen[t.name] for t in tensors}
 
 
-_NEEDS_IMATRIX = ("IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_M", "IQ1_S")
-
-
 def fallback_summary(choices: "list[Choice]") -> list[str]:
     """One line per kind of row fallback (Q4_K -> Q5_0) among `choices`, with how many tensors
     and which row lengths: what a run says, where each tensor's own note is in the plan."""
@@ -488,12 +483,13 @@ def fallback_summary(choices: "list[Choice]") -> list[str]:
     return lines
 
 
-def requires_imatrix(name: str, gguf_type: str, mix: str | None) -> bool:
+def requires_imatrix(name: str, gtype: GgmlType, mix: str | None) -> bool:
     """llama.cpp's `tensor_requires_imatrix`: the types whose output is garbage without one
-    (IQ1, IQ2, IQ3_XXS; Q2_K only in a Q2_K_S file), never for token_embd or output."""
+    (their row says so: IQ1, IQ2, IQ3_XXS; Q2_K only in a Q2_K_S file), never for token_embd
+    or output."""
     if name in ("token_embd.weight", "per_layer_token_embd.weight", "output.weight"):
         return False
-    return gguf_type in _NEEDS_IMATRIX or (gguf_type == "Q2_K" and mix == "Q2_K_S")
+    return gtype.llama_quantize_needs_imatrix or (gtype.name == "Q2_K" and mix == "Q2_K_S")
 
 
 def bits_per_weight_on_llama3_8b(mix: Mix) -> float:

@@ -206,40 +206,20 @@ def sum_squares(src, dtype: str, count: int) -> float:
     return total
 
 
-_GGML_NAMES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "MXFP4", "NVFP4", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S")
-_gguf_types: frozenset[str] | None = None
-
-
 def gguf_types() -> frozenset[str]:
-    """The GGML types `decode_gguf` decodes (each asked with an empty range)."""
-    global _gguf_types
-    if _gguf_types is None:
-        found = set()
-        for name in _GGML_NAMES if _kernels is not None else ():
-            try:
-                _kernels.decode_gguf(name, b"", bytearray(), 0, 0, 0)
-                found.add(name)
-            except (ValueError, NotImplementedError):
-                pass
-        _gguf_types = frozenset(found)
-    return _gguf_types
-
-
-# encoded by llama.cpp's reference quantizers (kquant_encode.c), rows with inf or NaN included
-_LLAMA_CPP_ENCODERS = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S"})
-# quantized only with importance weights (llama.cpp asserts it has them)
-NEEDS_IMPORTANCE = frozenset({"IQ2_XXS", "IQ2_XS"})
+    """The GGML types `decode_gguf` decodes: the entries of the kernel's own table (a
+    `qtool.ggml_types` row names its entry, `native_decoder`)."""
+    return frozenset(_gguf_decoders())
 
 
 @dataclass
 class EncodedBlocks:
     data: memoryview  # rows x cols/block_size blocks, as gguf.quants.quantize lays out a [rows, cols] array
-    # None when the rows hold inf or NaN. Then for the gguf-py types (Q8_0, Q4_0, Q4_1, Q5_0,
-    # Q5_1) data is unfinished (`complete` False): encode this weight with gguf-py. For the
-    # K-quants and IQ4_NL, which gguf-py cannot encode, data holds llama.cpp's bytes for those
-    # rows too (`complete` True); only the error measures are missing.
+    # None when the rows hold inf or NaN. Then `data` holds every row's bytes only where the
+    # kernel encodes such rows as llama.cpp does: the K-quants and IQ types, and any type but
+    # Q8_0 with importance weights (`qtool.ggml_types`: quantizer LLAMA_CPP, `takes_imatrix`).
+    # For gguf-py's types without them it is unfinished: encode this weight with gguf-py.
     errors: ErrorStats | None
-    complete: bool = True
 
 
 def encode_gguf(type_name: str, src, dtype: str, rows: int, cols: int, importance=None) -> EncodedBlocks:
@@ -267,13 +247,11 @@ def encode_gguf(type_name: str, src, dtype: str, rows: int, cols: int, importanc
     have = memoryview(src).nbytes
     if have < need:
         raise KernelError(f"encode_gguf src holds {have} bytes, needs {need}")
-    if importance is None and type_name in NEEDS_IMPORTANCE:
-        raise KernelError(f"encode_gguf: {type_name} needs importance weights (llama.cpp quantizes it only with an imatrix)")
     if importance is not None and memoryview(importance).nbytes != 4 * cols:
         raise KernelError(f"encode_gguf: importance holds {memoryview(importance).nbytes} bytes, needs {4 * cols} (one float32 per column)")
     data = _filled(rows * (cols // block_size) * type_size)  # whole when finite; else not used
     kernel = _kernels.encode_gguf if importance is None else (lambda *args: _kernels.encode_gguf(*args, importance))
-    return _encoded_blocks(type_name, importance, data, rows, cols, _run(kernel, _split(rows), type_name, src, DTYPE_CODES[dtype], cols, data))
+    return _encoded_blocks(data, rows, cols, _kernel_run(kernel, _split(rows), type_name, src, DTYPE_CODES[dtype], cols, data))
 
 
 def transcode_gguf(type_name: str, src_type: str, src, rows: int, cols: int, importance=None) -> EncodedBlocks:
@@ -293,13 +271,11 @@ def transcode_gguf(type_name: str, src_type: str, src, rows: int, cols: int, imp
     have = memoryview(src).nbytes
     if have < need:
         raise KernelError(f"transcode_gguf src holds {have} bytes, needs {need}")
-    if importance is None and type_name in NEEDS_IMPORTANCE:
-        raise KernelError(f"transcode_gguf: {type_name} needs importance weights (llama.cpp quantizes it only with an imatrix)")
     if importance is not None and memoryview(importance).nbytes != 4 * cols:
         raise KernelError(f"transcode_gguf: importance holds {memoryview(importance).nbytes} bytes, needs {4 * cols} (one float32 per column)")
     data = _filled(rows * (cols // block_size) * type_size)  # whole when finite; else not used
     kernel = _kernels.transcode_gguf if importance is None else (lambda *args: _kernels.transcode_gguf(*args, importance))
-    return _encoded_blocks(type_name, importance, data, rows, cols, _run(kernel, _split(rows), type_name, src_type, src, cols, data))
+    return _encoded_blocks(data, rows, cols, _kernel_run(kernel, _split(rows), type_name, src_type, src, cols, data))
 
 
 def can_transcode(src_type: str, type_name: str) -> bool:
@@ -307,10 +283,19 @@ def can_transcode(src_type: str, type_name: str) -> bool:
     return available() and type_name in _gguf_encoders() and _gguf_sizes(src_type) is not None
 
 
-def _encoded_blocks(type_name: str, importance, data, rows: int, cols: int, parts: list) -> EncodedBlocks:
+def _kernel_run(kernel, ranges: list[tuple[int, int]], *args) -> list:
+    """`_run` of an encoder, whose own refusals (a type it makes only with importance weights,
+    as llama.cpp's quantizer asserts) are KernelErrors like the checks above."""
+    try:
+        return _run(kernel, ranges, *args)
+    except ValueError as exc:
+        raise KernelError(str(exc)) from None
+
+
+def _encoded_blocks(data, rows: int, cols: int, parts: list) -> EncodedBlocks:
     """The blocks in `data` with the error sums of the kernel's row ranges (`parts`), added in order."""
     if not all(part[4] for part in parts):
-        return EncodedBlocks(data, None, complete=type_name in _LLAMA_CPP_ENCODERS or (importance is not None and type_name != "Q8_0"))
+        return EncodedBlocks(data, None)
     xx, xe, ee = (sum(part[i] for part in parts) for i in range(3))
     # a scale past float16's range decodes to inf, and inf * 0 to NaN: NaN wins whatever the split
     max_abs = math.nan if any(math.isnan(part[3]) for part in parts) else max(part[3] for part in parts)
@@ -324,10 +309,15 @@ _gguf_decoder_sizes: dict[str, tuple[int, int]] | None = None
 
 def _gguf_sizes(type_name: str) -> tuple[int, int] | None:
     """(values, bytes) per block of a type `decode_gguf` decodes, else None."""
+    return _gguf_decoders().get(type_name)
+
+
+def _gguf_decoders() -> dict[str, tuple[int, int]]:
+    """{type name: (values, bytes) per block}, from the decoder kernel's own table."""
     global _gguf_decoder_sizes
     if _gguf_decoder_sizes is None:
         _gguf_decoder_sizes = _kernels.gguf_decoders() if _kernels is not None else {}
-    return _gguf_decoder_sizes.get(type_name)
+    return _gguf_decoder_sizes
 
 
 def _gguf_encoders() -> dict[str, tuple[int, int]]:
