@@ -70,7 +70,7 @@ _EXPERT_FEEDS = {"up_proj": "down_proj", "w3": "w2"}  # an expert's up -> down (
 _LAYERS = ".layers."
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # eq=False: `scales` is a tensor
 class Smoothing:
     """What the smoothing did to one pair. `by`: A's name of the norm whose scales apply
     (rescaled), or of the other Linear of a Linear-to-Linear fold (unrecovered)."""

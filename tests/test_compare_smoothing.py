@@ -198,3 +198,69 @@ def test_the_readme_gate_passes_on_an_awq_output_with_one_line_saying_what_was_m
     assert "smoothed" in result.stdout
     # a gate the measured weights do not meet still fails: the rescaled figures are gated
     assert _cli(model, awq, "--min-sqnr", "30").returncode == 1
+
+
+# -- which Linear-to-Linear folds apply: AWQ's mappings, by name and shape ------------------------
+
+
+def _pair(key: str, shape, quantized: bool = True):
+    from types import SimpleNamespace
+
+    from qtool.dtypes import DTYPES
+
+    weight = SimpleNamespace(shape=tuple(shape), quantized=quantized, data=SimpleNamespace(dtype=DTYPES["BF16"]))
+    return SimpleNamespace(key=key, name=key, a=weight, b=weight)
+
+
+def _folds(shapes: dict[str, tuple[int, int]], quantized: bool = True) -> list[tuple[str, str]]:
+    from qtool.comparison_smoothing import _fold_applies, _linear_folds
+
+    members = {relative: _pair(f"model.layers.0.{relative}.weight", shape, quantized) for relative, shape in shapes.items()}
+    return [(_short(s), _short(t)) for s, t in _linear_folds(members) if _fold_applies(s, t)]
+
+
+def _short(pair) -> str:
+    return _split(pair.key)[1]
+
+
+def test_v_proj_folds_into_o_proj_only_without_grouped_query_attention():
+    assert _folds({"self_attn.v_proj": (256, 256), "self_attn.o_proj": (256, 256)}) == [("self_attn.v_proj", "self_attn.o_proj")]
+    assert _folds({"self_attn.v_proj": (128, 256), "self_attn.o_proj": (256, 256)}) == []  # 2 of 4 heads' values
+
+
+def test_fused_and_expert_folds():
+    assert _folds({"self_attn.qkv_proj": (768, 256), "self_attn.o_proj": (256, 256)}) == [("self_attn.qkv_proj", "self_attn.o_proj")]
+    assert _folds({"self_attn.qkv_proj": (512, 256), "self_attn.o_proj": (256, 256)}) == []  # grouped-query: v is not o's width
+    assert _folds({"mlp.gate_up_proj": (256, 64), "mlp.down_proj": (64, 128)}) == [("mlp.gate_up_proj", "mlp.down_proj")]
+    experts = {"mlp.experts.3.up_proj": (128, 64), "mlp.experts.3.down_proj": (64, 128), "block_sparse_moe.experts.0.w3": (128, 64), "block_sparse_moe.experts.0.w2": (64, 128)}
+    assert sorted(_folds(experts)) == [("block_sparse_moe.experts.0.w3", "block_sparse_moe.experts.0.w2"), ("mlp.experts.3.up_proj", "mlp.experts.3.down_proj")]
+    assert _folds({"mlp.shared_expert.up_proj": (128, 64), "mlp.shared_expert.down_proj": (64, 128)}) == []  # not one of AWQ's mappings
+
+
+def test_a_fold_into_a_plain_linear_is_measured_as_stored():
+    """AWQ smooths only into a quantized Linear; a float one compares as it is."""
+    assert _folds({"mlp.up_proj": (128, 64), "mlp.down_proj": (64, 128)}, quantized=False) == []
+
+
+@pytest.mark.parametrize("family", ["llama", "llama-gqa", "qwen2", "gemma2", "gemma3", "phi3"])
+def test_the_tables_agree_with_the_calibrations_mappings(family):
+    """compare's names for AWQ's mappings (NORM_FEEDS, LINEAR_FEEDS) against
+    qtool.calibration.awq.layer_mappings on each tiny family: the same Linear-to-Linear folds,
+    and every norm mapping one compare knows (Gemma 3's input_layernorm mapping, which AWQ
+    leaves out, shows in the data: its norm is unchanged)."""
+    pytest.importorskip("transformers")
+    from qtool.calibration import awq
+    from qtool.comparison_smoothing import NORM_FEEDS
+    from tests.test_calibration_awq import tiny
+
+    model = tiny(family)
+    layer = model.model.layers[0]
+    mappings = awq.layer_mappings(layer, model.config.model_type, lambda name: True)
+    linears = {name: tuple(m.weight.shape) for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+    expected = sorted((m.smooth, m.balance[0]) for m in mappings if m.smooth in linears)
+    assert sorted(_folds(linears)) == expected
+    norms = {name for name, _ in layer.named_modules()}
+    for mapping in mappings:
+        if mapping.smooth not in linears:
+            assert set(mapping.balance) <= set(NORM_FEEDS[mapping.smooth])
+            assert mapping.smooth != "post_attention_layernorm" or "pre_feedforward_layernorm" not in norms

@@ -23,7 +23,9 @@ compressed-tensors or GGUF version). Weights pair up by logical name; a GGUF sid
 names are read as Hugging Face names, and --map renames more. Both sides are dequantized on
 --device, one pair at a time, and measured: SQNR (dB), relative RMSE, max abs error and
 cosine. The table lists the worst weights first, then the weights only in A or only in B, the
-model-wide SQNR and a histogram of per-weight SQNR. Exit status: 1 when a gate is breached,
+model-wide SQNR and a histogram of per-weight SQNR. An AWQ candidate is measured against
+A's weights times the smoothing scales its norms give; the weights smoothed through a
+quantized Linear (up_proj -> down_proj) get no SQNR, and one warning line says so. Exit status: 1 when a gate is breached,
 shapes differ, or a weight holds NaN/Inf (one line each on stderr); 2 on bad usage, an
 unreadable input, or when no weight pairs at all (1 under a gate): nothing compared never passes.
 
