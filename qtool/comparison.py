@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from qtool.error_measures import ErrorStats, count_non_finite
+from qtool.comparison_smoothing import ROLE_NORM, ROLE_RESCALED, ROLE_UNRECOVERED, Smoothing, SmoothingFound, find_smoothing, rescaled_chunks
 from qtool.errors import UsageError, ViolationError
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
 from qtool.message_text import counted
@@ -74,6 +75,15 @@ class Pair:
     # figure, whose signal its values would inflate (MiniLM's 0..511 added 27.55 dB)
     integer: bool = False
     equal: bool | None = None
+    key: str = ""  # the name both sides matched on (after the GGUF map and --map)
+    # AWQ's smoothing (qtool.comparison_smoothing): measured against A times its scales, or
+    # without an error figure (a smoothed norm; a Linear smoothed through a quantized one)
+    smoothing: Smoothing | None = None
+
+    @property
+    def unmeasured(self) -> bool:
+        """Checked (shapes, NaN/Inf) but with no error figure by design: the smoothing says why."""
+        return self.smoothing is not None and not self.smoothing.measured and self.finding is None
 
     @property
     def nbytes(self) -> int:
@@ -90,7 +100,10 @@ class Pair:
         return self.stats is not None and self.finding is None and self.stats.noise == 0
 
     def sort_key(self) -> tuple[int, float]:
-        """Worst first: findings, then SQNR ascending, exact matches last (equal integers too)."""
+        """Worst first: findings, then SQNR ascending, exact matches (equal integers too), then
+        the pairs with no error figure by design (AWQ's smoothed norms and folds)."""
+        if self.unmeasured:
+            return (2, 0.0)
         if self.integer and self.exact:
             return (1, math.inf)
         if self.finding is not None or self.stats is None or math.isnan(self.sqnr_db):
@@ -109,13 +122,15 @@ class Pair:
             "exact": self.exact,
             **measures,
             "finding": self.finding,
-            "notes": list(self.notes),
+            "notes": [*self.notes, *([self.smoothing.note] if self.smoothing is not None and self.finding is None else [])],
             # added for issue 23 (the HTML report): where the weight sits, and its size on each side
             **weight_position(self.name).to_json(),
             "parameters": self.a.parameters,
             "bytes_a": self.a.nbytes,
             "bytes_b": self.b.nbytes,
             "integer": self.integer,  # added (issue 18): compared for equality, outside the error figures
+            # added (issue 42 #22): AWQ's smoothing, {"role": "norm" | "rescaled" | "unrecovered", "by": A's name}
+            "smoothing": self.smoothing.to_json() if self.smoothing is not None else None,
         }
 
 
@@ -145,6 +160,7 @@ class Comparison:
     device: str = "cpu"
     seconds: float = 0.0
     models: dict[str, dict[str, Any]] = field(default_factory=dict)  # "a", "b": qtool.model_summary.describe_model
+    smoothing: SmoothingFound = field(default_factory=SmoothingFound)  # AWQ's smoothing, found by run_comparison
 
     @property
     def total_bytes(self) -> int:
@@ -172,6 +188,11 @@ class Comparison:
         """Per-weight SQNR in `HISTOGRAM_BIN_DB` bins, from the lowest filled bin to the highest;
         exact matches (and pairs whose A is all zeros while B is not) are counted apart."""
         return sqnr_histogram(p.sqnr_db for p in self.measured)
+
+    def smoothing_line(self) -> str | None:
+        """One line for the run where B is AWQ-smoothed: what was measured how, and what has no
+        weight SQNR. None otherwise."""
+        return self.smoothing.line()
 
     def nothing_compared(self) -> str | None:
         """Why nothing was compared, when no weight of A pairs with one of B (a GGUF dequantized
@@ -231,6 +252,8 @@ class Comparison:
                 "histogram": self.histogram(),
                 # added (issue 18): integer and boolean tensors, compared for equality only
                 "integer": {"compared": len(self.integers), "equal": sum(1 for p in self.integers if p.exact)},
+                # added (issue 42 #22): null, or {"norms": int, "rescaled": int, "unrecovered": int, "line": str}
+                "smoothing": self.smoothing.to_json(),
             },
             "weights": [pair.to_json() for pair in sorted(self.pairs, key=Pair.sort_key)],
             "only_in_a": list(self.only_a),
@@ -281,7 +304,7 @@ def plan_comparison(
         weight_b = keyed_b.get(key)
         if weight_b is None:
             continue
-        pair = Pair(weight_a.name, weight_a, weight_b)
+        pair = Pair(weight_a.name, weight_a, weight_b, key=key)
         if gguf_a or gguf_b:
             gguf_side, gguf_weight = ("a", weight_a) if gguf_a else ("b", weight_b)
             pair.rope_heads = rope_heads(gguf_to_hf(gguf_weight.name), (a if gguf_a else b).metadata)
@@ -407,10 +430,13 @@ def _compare_integers(comparison: Comparison, pair: Pair, device: str) -> None:
 
 def _measure_pair(comparison: Comparison, pair: Pair, device: str) -> None:
     x = y = None
+    smoothing = pair.smoothing
     try:
         if _is_integer(pair.a) or _is_integer(pair.b):
             _compare_integers(comparison, pair, device)
             return
+        if smoothing is not None and smoothing.role == ROLE_NORM:
+            return  # its values are the scales (read, and found finite, by find_smoothing)
         x = _source(comparison.a, pair.a, device, pair.rope_heads if pair.rope_side == "a" else None)
         y = _source(comparison.b, pair.b, device, pair.rope_heads if pair.rope_side == "b" else None)
         if pair.rope_heads:
@@ -418,11 +444,15 @@ def _measure_pair(comparison: Comparison, pair: Pair, device: str) -> None:
         if _numel(x) != _numel(y):
             pair.finding = f"not comparable: A has {_numel(x)} values, B {_numel(y)}"
             return
-        stats, bad_x, bad_y = _measure(_chunks(comparison.a, x, device), _chunks(comparison.b, y, device))
+        chunks_x = _chunks(comparison.a, x, device)
+        if smoothing is not None and smoothing.role == ROLE_RESCALED:  # A in the basis of B's smoothed codes
+            chunks_x = rescaled_chunks(chunks_x, smoothing.scales)
+        stats, bad_x, bad_y = _measure(chunks_x, _chunks(comparison.b, y, device))
         if not all(math.isfinite(v) for v in (stats.signal, stats.noise, stats.dot)):
             where = ", ".join(f"{side} has {count} NaN/Inf values" for side, count in (("A", bad_x), ("B", bad_y)) if count)
             pair.finding = f"non-finite values: {where or 'the error overflows float64'}"
-        pair.stats = stats
+        if smoothing is None or smoothing.role != ROLE_UNRECOVERED or pair.finding is not None:
+            pair.stats = stats  # an unrecovered fold is checked for NaN/Inf, with no error figure
     except _NotComparable as exc:
         pair.finding = f"not comparable: {exc}"
     finally:
@@ -436,6 +466,7 @@ def run_comparison(comparison: Comparison, *, device: str = "cpu", on_progress: 
     """Measure every pair whose shapes agree, one pair at a time, in A's order."""
     started = time.perf_counter()
     comparison.device = device
+    comparison.smoothing = find_smoothing(comparison.pairs, comparison.a, comparison.b, device)
     for pair in comparison.pairs:
         if pair.finding is None:
             _measure_pair(comparison, pair, device)

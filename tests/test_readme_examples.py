@@ -181,6 +181,10 @@ class Placeholders:
             "model.gguf": lambda: self._qtool("quantize model/ -o model.gguf --scheme q4_0 -q", "model"),
             "model-q4_0.gguf": lambda: self._qtool("quantize model/ -o model-q4_0.gguf --scheme q4_0 -q", "model"),
             "model-f16.gguf": lambda: _f16_gguf(store / "model-f16.gguf"),
+            # the calibration section's AWQ line, quiet: the CI section gates its output
+            "model-awq": lambda: self._qtool(
+                "quantize model/ -o model-awq/ --scheme int4:g64 --calibrate calibration.txt --samples 8 --seq-len 128 --algorithm awq -q", "model", "calibration.txt"
+            ),
             "imatrix.gguf": lambda: self._qtool("imatrix model/ --calibrate calibration.txt -o imatrix.gguf --chunks 16 --chunk-size 128 -q", "model", "calibration.txt"),
             # `--calibrate calibration.txt`: English prose, CPython's language reference topics
             "calibration.txt": lambda: (store.mkdir(parents=True, exist_ok=True), (store / "calibration.txt").write_text(_prose())),

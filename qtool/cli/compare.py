@@ -23,7 +23,9 @@ compressed-tensors or GGUF version). Weights pair up by logical name; a GGUF sid
 names are read as Hugging Face names, and --map renames more. Both sides are dequantized on
 --device, one pair at a time, and measured: SQNR (dB), relative RMSE, max abs error and
 cosine. The table lists the worst weights first, then the weights only in A or only in B, the
-model-wide SQNR and a histogram of per-weight SQNR. Exit status: 1 when a gate is breached,
+model-wide SQNR and a histogram of per-weight SQNR. An AWQ candidate is measured against
+A's weights times the smoothing scales its norms give; the weights smoothed through a
+quantized Linear (up_proj -> down_proj) get no SQNR, and one warning line says so. Exit status: 1 when a gate is breached,
 shapes differ, or a weight holds NaN/Inf (one line each on stderr); 2 on bad usage, an
 unreadable input, or when no weight pairs at all (1 under a gate): nothing compared never passes.
 
@@ -59,6 +61,16 @@ def _model_sqnr(summary: dict) -> str:
     if not summary["measured"]:
         return "n/a (nothing measured)"
     return "exact" if summary["sqnr_db"] is None else f"{_number(summary['sqnr_db'], '.2f')} dB"
+
+
+def _sqnr_cell(weight: dict):
+    """A weight's SQNR cell: "exact", "smoothed" (AWQ's smoothing leaves it no error figure:
+    a norm holding the scales, a Linear smoothed through a quantized one), or the figure."""
+    if weight["exact"]:
+        return "exact"
+    if weight.get("smoothing") and weight["sqnr_db"] is None and weight["finding"] is None:
+        return "smoothed"
+    return weight["sqnr_db"]
 
 
 def compare_command(
@@ -99,6 +111,10 @@ def compare_command(
     with progress("comparing", sum(c.total_bytes for c in comparisons), quiet) as advance:
         for comparison in comparisons:
             api.run_compare(comparison, device=device, on_progress=advance)
+    for comparison in comparisons:  # AWQ's smoothing: what was measured how, one line per run
+        line = comparison.smoothing_line()
+        if line:
+            print_warning(f"{comparison.b.path}: {line}" if len(comparisons) > 1 else line)
     documents = [comparison.to_json(chosen.gates) for comparison in comparisons]
     if report is not None:
         api.write_report(report, "compare", documents, overwrite=overwrite)
@@ -140,7 +156,7 @@ def _show_overlay(documents: list[dict], sink: Output) -> None:
             if other is None:
                 row += [None, "—"]
             else:
-                row += [other["scheme_b"], other["finding"] or ("exact" if other["exact"] else other["sqnr_db"])]
+                row += [other["scheme_b"], other["finding"] or _sqnr_cell(other)]
         rows.append(row)
     table = Rows(columns, rows, title=f"{documents[0]['a']} vs {len(documents)} candidates, worst of B1 first")
     facts = []
@@ -158,6 +174,10 @@ def _show_overlay(documents: list[dict], sink: Output) -> None:
         )
     summary = Section("Candidates", [Column("B"), Column("path"), Column("model SQNR", justify="right"), Column("worst weight"), Column("result")], facts)
     sink.emit(overlay_document(documents), table, [summary])
+
+
+def _smoothed(smoothing: dict) -> str:
+    return f"{smoothing['norms']} norms; {smoothing['rescaled']} weights measured against A times their scales, {smoothing['unrecovered']} not measured"
 
 
 def _show(document: dict, sink: Output) -> None:
@@ -178,7 +198,7 @@ def _show(document: dict, sink: Output) -> None:
     ]
     rows = []
     for w in weights:
-        sqnr = "exact" if w["exact"] else w["sqnr_db"]
+        sqnr = _sqnr_cell(w)
         row = [w["name"], *([w["name_b"]] if renamed else []), w["shape"], w["scheme_a"], w["scheme_b"], sqnr, w["rel_rmse"], w["max_abs_err"], w["cosine"], w["finding"]]
         rows.append(row)
     table = Rows(columns, rows, title=f"{document['a']} vs {document['b']}, worst first")
@@ -193,6 +213,7 @@ def _show(document: dict, sink: Output) -> None:
             ["findings", str(summary["findings"])],
             ["only in A / only in B", f"{summary['only_in_a']} / {summary['only_in_b']}"],
             ["model SQNR", _model_sqnr(summary)],
+            *([["smoothed (AWQ)", _smoothed(summary["smoothing"])]] if summary.get("smoothing") else []),
             ["model rel RMSE", _number(summary["rel_rmse"], ".4f") if summary["measured"] else "n/a (nothing measured)"],
             ["worst weight", "—" if worst is None else f"{worst['name']} ({worst['finding'] or ('exact' if worst['exact'] else _number(worst['sqnr_db'], '.2f') + ' dB')})"],
             ["time", f"{document['seconds']:.1f} s on {document['device']}"],
