@@ -143,7 +143,7 @@ def quantize_page(document: dict[str, Any]) -> Page:
         histogram=sqnr_histogram_chart([summary["histogram"]], [document["output"]], threshold=None, label="histogram of per-weight SQNR")
         if "histogram" in summary
         else None,
-        bits=bits_by_scheme_chart([(role, m) for role, m in (("input", models.get("input")), ("output", models.get("output"))) if m], label="bits per weight by scheme"),
+        bits=bits_by_scheme_chart([(role, m, series) for role, m, series in (("input", models.get("input"), None), ("output", models.get("output"), 0)) if m], label="bits per weight by scheme"),
         columns=columns,
         rows=rows,
         table_caption="Every quantized weight, worst first.",
@@ -201,8 +201,10 @@ def compare_page(documents: Sequence[dict[str, Any]]) -> Page:
     threshold = gates["min_sqnr"]
     axis = Axis("SQNR", "dB", "low", threshold, f"gate: min SQNR {threshold:g} dB" if threshold is not None else "")
     columns, rows = _compare_table(documents)
-    models = [("A", first["models"]["a"])] if first.get("models") else []
-    models += [("B" if not overlay else f"B{index + 1}", d["models"]["b"]) for index, d in enumerate(documents) if d.get("models")]
+    # (role, summary, series): a candidate's series is its colour in every chart; A has none
+    drawn = [("A", first["models"]["a"], None)] if first.get("models") else []
+    drawn += [("B" if not overlay else f"B{index + 1}", d["models"]["b"], index) for index, d in enumerate(documents) if d.get("models")]
+    models = [(role, model) for role, model, _ in drawn]
     return Page(
         kind="compare",
         title=f"qtool compare: {first['a']} vs {', '.join(names)}",
@@ -216,7 +218,7 @@ def compare_page(documents: Sequence[dict[str, Any]]) -> Page:
         series_names=names,
         kinds=_kinds(marks),
         histogram=sqnr_histogram_chart([d["summary"]["histogram"] for d in documents], names, threshold=threshold, label="histogram of per-weight SQNR"),
-        bits=bits_by_scheme_chart(models, label="bits per weight by scheme"),
+        bits=bits_by_scheme_chart(drawn, label="bits per weight by scheme"),
         columns=columns,
         rows=rows,
         table_caption="Every matched weight, worst first" + (f" (in {names[0]})." if overlay else "."),
@@ -316,7 +318,7 @@ def check_page(document: dict[str, Any]) -> Page:
         depth_caption="Bits per weight of every weight (the check reads headers, so there is no error to plot); the highest of each kind per layer.",
         series_names=[document["path"]],
         kinds=_kinds(marks),
-        bits=bits_by_scheme_chart([("checkpoint", model)], label="bits per weight by scheme") if model else "",
+        bits=bits_by_scheme_chart([("checkpoint", model, 0)], label="bits per weight by scheme") if model else "",
         columns=columns,
         rows=rows,
         table_caption="Every weight; those with findings first.",
