@@ -283,7 +283,6 @@ def test_minilm_text_stays_inside_its_card(browser, minilm_reports, artifacts, n
     assert not opened.problems
 
 
-@pytest.mark.xfail(strict=True, reason="issue 42 #23: fixed in the next commits")
 @pytest.mark.parametrize("name", ["quantize", "one", "two", "check"])
 def test_minilm_names_headers_and_values_are_whole(browser, minilm_reports, name):
     """No weight name, header or value cut (no ellipsis, nothing wider than its cell): names wrap."""
