@@ -342,7 +342,6 @@ def test_minilm_one_colour_per_candidate(browser, minilm_reports):
     assert not opened.problems
 
 
-@pytest.mark.xfail(strict=True, reason="issue 42 #23: fixed in the next commits")
 @pytest.mark.parametrize("name", ["one", "two"])
 def test_minilm_counts_add_up(browser, minilm_reports, name):
     """The summary's counts are the histogram's and the table's, and each label says what it counts:

@@ -85,9 +85,10 @@
     const value = row[column.key];
     if (value !== null && value !== undefined) return value;
     if (column.type === "db" || column.type === "number" || column.type === "bytes") {
-      // a null SQNR: an exact weight sorts after every measured one, a finding before
+      // a null SQNR: an exact weight (or an equal integer tensor) sorts after every measured
+      // one, a finding (or no signal) before
       const status = column.status ? row[column.status] || "" : "";
-      return status.startsWith("exact") ? Infinity : -Infinity;
+      return status === "exact" || status.startsWith("integer") ? Infinity : -Infinity;
     }
     return "";
   }
