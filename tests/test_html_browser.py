@@ -294,6 +294,8 @@ def test_minilm_names_headers_and_values_are_whole(browser, minilm_reports, name
              .map(el => el.textContent)"""
     )
     assert not cut, cut[:10]
+    if name != "two":  # one model's columns fit the frame at 1280 px: no value hidden to the right
+        assert page.evaluate("(() => { const s = document.getElementById('table-scroll'); return s.scrollWidth <= s.clientWidth; })()")
     # every name whole, on every row (the rows differ in height where a name wraps)
     rows = _every_row(opened)
     names = {r["name"] for r in rows}
@@ -383,4 +385,32 @@ def test_minilm_counts_add_up(browser, minilm_reports, name):
         assert figure(r"(\d+) measured") == in_bins + exact_bar
         # and the parts make the matched count
         assert figure(r"(\d+) matched") == len(rows) == sum(figure(p) for p in (r"(\d+) measured", r"(\d+) findings?", r"(\d+) integer"))
+    assert not opened.problems
+
+
+def test_hostile_names_wrap_inside_the_card(browser, tmp_path):
+    """Names from strangers of any length wrap whole inside their cell and card: 3,000 characters
+    without a dot, 600 dotted parts, a bidi override; the table's measured row heights hold
+    (every row once while scrolling, none left out under the last)."""
+    from qtool.html_report.svg import display
+
+    document = synthetic_comparison(3, b="w4/")
+    hostile = ["x" * 3000, "a." * 600 + "weight", "model.layers.0.\u202eevil.weight"]
+    for weight, name in zip(document["weights"], hostile):
+        weight["name"] = name
+    path = tmp_path / "hostile.html"
+    path.write_text(render_compare([document]))
+    opened = Opened(browser, path)
+    page = opened.page
+    cut = page.evaluate(
+        """() => [...document.querySelectorAll('#weights-table th, #weights-table td, main section > *')]
+             .filter(el => el.scrollWidth > el.clientWidth + 0.5 || el.getBoundingClientRect().right > el.closest('section').getBoundingClientRect().right + 0.5)
+             .map(el => el.tagName + ' ' + el.className + ' ' + el.textContent.slice(0, 40))"""
+    )
+    assert not cut, cut[:5]
+    rows = _every_row(opened)
+    assert len(rows) == len(document["weights"])
+    shown_names = {r["cells"][0] for r in rows}
+    assert {display(name) for name in hostile} <= shown_names
+    assert all(r["cells"][0] == display(r["name"]) for r in rows)
     assert not opened.problems

@@ -315,7 +315,7 @@
     for (const th of table.tHead.rows[0].cells) {
       th.querySelector("button").addEventListener("click", () => sortBy(th.dataset.key));
     }
-    let width = 280; // the name column's least width, then every fixed column's
+    let width = 220; // the name column's least width (names wrap), then every fixed column's
     for (const col of table.querySelectorAll("col:not(.c-name)")) width += parseFloat(getComputedStyle(col).width) || 0;
     table.style.minWidth = width + "px";
     let pending = 0;
