@@ -294,7 +294,7 @@ def test_compare_counts_add_up_with_every_kind_of_pair(tmp_path):
     assert (summary["matched"], summary["measured"], summary["exact"], summary["findings"], summary["integer"]) == (6, 3, 2, 2, {"compared": 2, "equal": 1})
     page = compare_page([document])
     weights = dict(page.facts)["weights"]
-    assert "6 matched (6 in A, 6 in B): 3 measured (1 with an error, 1 exact, 1 with no signal (A all zeros)) + 1 integer tensor equal" in weights
+    assert "6 matched (6 in A, 6 in B): 3 measured (1 with an error, 1 exact, 1 with no signal in A) + 1 integer tensor, equal (compared for equality, not measured)" in weights
     assert "+ 2 findings;" in weights
     statuses = {row["name"]: row["status@0"] for row in page.rows}
     assert statuses["l.0.q.weight"] == "" and statuses["l.0.k.weight"] == "exact" and statuses["l.0.v.weight"] == "no signal"

@@ -71,13 +71,13 @@ def _compare_counts(summary: dict[str, Any]) -> str:
     integer = summary.get("integer") or {"compared": 0, "equal": 0}
     measured = [counted(in_bins, "with an error", "with an error"), f"{histogram['exact']} exact"]
     if histogram["no_signal"]:
-        measured.append(f"{histogram['no_signal']} with no signal (A all zeros)")
+        measured.append(f"{histogram['no_signal']} with no signal in A")
     unplaced = summary["measured"] - in_bins - histogram["exact"] - histogram["no_signal"]
     if unplaced:
         measured.append(counted(unplaced, "without a figure", "without a figure"))
     parts = [f"{summary['measured']} measured ({', '.join(measured)})"]
     if integer["equal"] or integer["compared"]:
-        parts.append(f"{counted(integer['equal'], 'integer tensor')} equal (compared for equality, not measured)")
+        parts.append(f"{counted(integer['equal'], 'integer tensor')}, equal (compared for equality, not measured)")
     else:
         parts.append("0 integer tensors")
     parts.append(counted(summary["findings"], "finding"))
