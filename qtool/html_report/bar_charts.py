@@ -1,7 +1,8 @@
-"""The report's two bar charts, as SVG: per-weight SQNR as the document's histogram (5 dB bins,
-exact weights apart), and bits per weight by scheme for each model. Overlaid series are grouped
-side by side, each with its own fill pattern as well as colour. Each bar has a `<title>` with
-its exact figures; the bars only draw what the document holds.
+"""The report's two bar charts: per-weight SQNR as the document's histogram (SVG: 5 dB bins,
+exact weights apart), and bits per weight by scheme for each model (HTML rows, so names and
+figures wrap inside the card, with SVG bars). A candidate has the same colour class (`s-N`) in
+both and in the depth chart; overlaid histogram bars stand side by side. Each bar has a
+`<title>` with its exact figures; the bars only draw what the document holds.
 """
 
 from __future__ import annotations
