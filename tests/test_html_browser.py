@@ -185,3 +185,232 @@ def test_check_finding_links_to_its_row(browser, tmp_path, artifacts):
     assert not opened.problems
     json.dumps(document)
     page.close()
+
+
+# -- issue 42 #23: the report at 1280 px with a real model (all-MiniLM-L6-v2) ----------------------
+
+
+def _minilm_source() -> Path:
+    import sys
+
+    sys.path.insert(0, str(SAMPLES))
+    try:
+        from real_models import Unavailable, minilm
+    finally:
+        sys.path.remove(str(SAMPLES))
+    try:
+        return minilm()
+    except Unavailable as exc:
+        pytest.skip(str(exc))
+
+
+def _qtool(*argv) -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    done = subprocess.run([sys.executable, "-m", "qtool", *map(str, argv)], capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.fixture(scope="module")
+def minilm_reports(tmp_path_factory) -> dict[str, Path]:
+    """The pages the issue saw, written by the CLI: MiniLM against its W4A16 and int8 versions
+    (one candidate, then both overlaid), the quantize report and a check report."""
+    source = _minilm_source()
+    folder = tmp_path_factory.mktemp("minilm")
+    pages = {name: folder / f"{name}.html" for name in ("quantize", "one", "two", "check")}
+    _qtool("quantize", source, "-o", folder / "w4", "--scheme", "W4A16", "--html", pages["quantize"])
+    _qtool("quantize", source, "-o", folder / "w8", "--scheme", "int8")
+    _qtool("compare", source, folder / "w4", "--html", pages["one"])
+    _qtool("compare", source, folder / "w4", folder / "w8", "--html", pages["two"])
+    _qtool("check", folder / "w4", "--expect-scheme", "W4A16", "--html", pages["check"])
+    return pages
+
+
+def _every_row(opened: Opened) -> list[dict]:
+    """Every row of the table as drawn, collected by scrolling it from top to bottom (the table
+    draws a screenful at a time): each row once, in order, with its cells' text."""
+    page = opened.page
+    seen: dict[int, dict] = {}
+    page.evaluate("document.getElementById('table-scroll').scrollTop = 0")
+    for _ in range(1000):
+        page.wait_for_timeout(30)
+        for row in page.evaluate(
+            """() => [...document.querySelectorAll('#weights-table tbody tr:not(.spacer)')].map(tr => ({
+                row: Number(tr.dataset.row), name: tr.dataset.name, cells: [...tr.cells].map(td => td.textContent)}))"""
+        ):
+            seen.setdefault(row["row"], row)
+        done = page.evaluate(
+            """() => { const s = document.getElementById('table-scroll');
+                       if (s.scrollTop + s.clientHeight >= s.scrollHeight - 1) return true;
+                       s.scrollTop += s.clientHeight / 2; return false; }"""
+        )
+        if done:
+            page.wait_for_timeout(30)
+            for row in page.evaluate("() => [...document.querySelectorAll('#weights-table tbody tr:not(.spacer)')].map(tr => ({row: Number(tr.dataset.row), name: tr.dataset.name, cells: [...tr.cells].map(td => td.textContent)}))"):
+                seen.setdefault(row["row"], row)
+            break
+    count = page.evaluate("document.getElementById('row-count').textContent")
+    assert sorted(seen) == list(range(len(seen))), "the table skipped rows while scrolling"
+    assert count == f"{len(seen):,} weights"
+    return [seen[i] for i in range(len(seen))]
+
+
+@pytest.mark.parametrize("name", ["quantize", "one", "two", "check"])
+def test_minilm_text_stays_inside_its_card(browser, minilm_reports, artifacts, name):
+    """Bits-per-weight labels (and every other text of a card) inside the card at 1280 px."""
+    opened = Opened(browser, minilm_reports[name])
+    outside = opened.page.evaluate(
+        """() => {
+          const out = [];
+          for (const card of document.querySelectorAll('main > section')) {
+            const box = card.getBoundingClientRect();
+            for (const el of card.querySelectorAll('text, h2, p, dt, dd, li, span, div, th, td, svg')) {
+              if (el.closest('.table-scroll')) continue;  // the table scrolls inside its frame (checked apart)
+              const r = el.getBoundingClientRect();
+              if (r.width === 0 && r.height === 0) continue;
+              if (r.left < box.left - 0.5 || r.right > box.right + 0.5)
+                out.push(`${card.id}: ${el.tagName} "${el.textContent.slice(0, 60)}" spans ${Math.round(r.left)}..${Math.round(r.right)}, card ${Math.round(box.left)}..${Math.round(box.right)}`);
+            }
+          }
+          return out;
+        }"""
+    )
+    opened.shot(artifacts, f"minilm-{name}-1280x800.png")
+    assert not outside, "\n".join(outside[:10])
+    assert not opened.problems
+
+
+@pytest.mark.parametrize("name", ["quantize", "one", "two", "check"])
+def test_minilm_names_headers_and_values_are_whole(browser, minilm_reports, name):
+    """No weight name, header or value cut (no ellipsis, nothing wider than its cell): names wrap."""
+    opened = Opened(browser, minilm_reports[name])
+    page = opened.page
+    cut = page.evaluate(
+        """() => [...document.querySelectorAll('#weights-table th, #weights-table th button, #weights-table td, table.models td, table.models th')]
+             .filter(el => getComputedStyle(el).textOverflow === 'ellipsis' || el.scrollWidth > el.clientWidth + 0.5)
+             .map(el => el.textContent)"""
+    )
+    assert not cut, cut[:10]
+    if name != "two":  # one model's columns fit the frame at 1280 px: no value hidden to the right
+        assert page.evaluate("(() => { const s = document.getElementById('table-scroll'); return s.scrollWidth <= s.clientWidth; })()")
+    # every name whole, on every row (the rows differ in height where a name wraps)
+    rows = _every_row(opened)
+    names = {r["name"] for r in rows}
+    assert "encoder.layer.4.attention.self.value.weight" in names
+    assert all(r["cells"][0] == r["name"] for r in rows)
+    # and a wrapped row's height is what the table's spacers account for: scrolled to the end,
+    # the last row's bottom is the table's
+    assert page.evaluate(
+        """() => { const rows = document.querySelectorAll('#weights-table tbody tr');
+                   const last = rows[rows.length - 1];
+                   return last.classList.contains('spacer') ? last.getBoundingClientRect().height : 0; }"""
+    ) < 1
+    assert not opened.problems
+
+
+def test_minilm_one_colour_per_candidate(browser, minilm_reports):
+    """Two candidates: each has one colour in the depth chart, the histogram and the bits chart."""
+    opened = Opened(browser, minilm_reports["two"])
+    colours = opened.page.evaluate(
+        """() => {
+          const seen = {};
+          const add = (who, where, colour) => ((seen[who] ??= {})[where] ??= new Set()).add(colour);
+          for (const s of [0, 1]) {
+            for (const line of document.querySelectorAll(`svg.depth .line.s-${s}`)) add(`B${s + 1}`, 'depth line', getComputedStyle(line).stroke);
+            for (const use of document.querySelectorAll(`svg.depth .mark.s-${s} use`)) {
+              const style = getComputedStyle(use);
+              add(`B${s + 1}`, 'depth mark', s % 2 ? style.stroke : style.fill);
+            }
+            for (const bar of document.querySelectorAll(`svg.histogram .bar.s-${s}`)) add(`B${s + 1}`, 'histogram', getComputedStyle(bar).fill);
+          }
+          for (const bar of document.querySelectorAll('.bits .bar')) {
+            const who = bar.querySelector('title').textContent.split(':')[0];
+            add(who, 'bits', getComputedStyle(bar).fill);
+          }
+          return Object.fromEntries(Object.entries(seen).map(([who, where]) => [who, Object.fromEntries(Object.entries(where).map(([k, v]) => [k, [...v]]))]));
+        }"""
+    )
+    per_candidate = {}
+    for who in ("B1", "B2"):
+        assert set(colours[who]) == {"depth line", "depth mark", "histogram", "bits"}, colours[who]
+        found = {c for where in colours[who].values() for c in where}
+        assert len(found) == 1, f"{who} is drawn in {colours[who]}"
+        per_candidate[who] = found.pop()
+    assert per_candidate["B1"] != per_candidate["B2"]
+    assert per_candidate["B1"] not in colours["A"]["bits"] and per_candidate["B2"] not in colours["A"]["bits"]
+    assert not opened.problems
+
+
+@pytest.mark.parametrize("name", ["one", "two"])
+def test_minilm_counts_add_up(browser, minilm_reports, name):
+    """The summary's counts are the histogram's and the table's, and each label says what it counts:
+    exact copies are not findings."""
+    import re
+
+    opened = Opened(browser, minilm_reports[name])
+    page = opened.page
+    facts = page.evaluate("() => Object.fromEntries([...document.querySelectorAll('dl.facts dt')].map(dt => [dt.textContent, dt.nextElementSibling.textContent]))")
+    histogram = page.evaluate(
+        """() => [...document.querySelectorAll('svg.histogram .bar')].map(bar => bar.querySelector('title').textContent)"""
+    )
+    rows = _every_row(opened)
+    heads = page.evaluate("() => [...document.querySelectorAll('#weights-table thead th')].map(th => [th.dataset.key, th.textContent])")
+    candidates = 2 if name == "two" else 1
+    for index in range(candidates):
+        tag = "w8" if index else "w4"
+        line = next(value for label, value in facts.items() if label.startswith("weights") and (candidates == 1 or tag in label))
+
+        def figure(pattern: str) -> int:
+            found = re.search(pattern, line)
+            assert found, f"{pattern!r} not in {line!r}"
+            return int(found.group(1))
+
+        bars = [t.split(": ")[-2:] for t in histogram if candidates == 1 or tag in t.split(": ")[0]]
+        in_bins = sum(int(n.split()[0]) for label, n in bars if label.endswith("dB"))
+        exact_bar = sum(int(n.split()[0]) for label, n in bars if label == "exact")
+        status = next(i for i, (key, _) in enumerate(heads) if key == f"status@{index}")
+        sqnr = next(i for i, (key, _) in enumerate(heads) if key == f"sqnr_db@{index}")
+        statuses = [r["cells"][status] for r in rows]
+        measured_rows = sum(1 for r in rows if re.fullmatch(r"-?\d+\.\d\d", r["cells"][sqnr]))
+        # exact copies: the summary's, the histogram's exact bar and the rows marked exact agree
+        assert figure(r"(\d+) exact") == exact_bar == statuses.count("exact")
+        # findings: the summary's count is the rows that show a finding, and no other row does
+        assert figure(r"(\d+) findings?") == sum(1 for s in statuses if s.startswith("finding"))
+        assert not any(heads[status][1].startswith("finding") and s and not s.startswith("finding") for s in statuses), heads[status]
+        # measured: those with an error are the histogram's bins and the rows with an SQNR
+        assert figure(r"(\d+) with an error") == in_bins == measured_rows
+        assert figure(r"(\d+) measured") == in_bins + exact_bar
+        # and the parts make the matched count
+        assert figure(r"(\d+) matched") == len(rows) == sum(figure(p) for p in (r"(\d+) measured", r"(\d+) findings?", r"(\d+) integer"))
+    assert not opened.problems
+
+
+def test_hostile_names_wrap_inside_the_card(browser, tmp_path):
+    """Names from strangers of any length wrap whole inside their cell and card: 3,000 characters
+    without a dot, 600 dotted parts, a bidi override; the table's measured row heights hold
+    (every row once while scrolling, none left out under the last)."""
+    from qtool.html_report.svg import display
+
+    document = synthetic_comparison(3, b="w4/")
+    hostile = ["x" * 3000, "a." * 600 + "weight", "model.layers.0.\u202eevil.weight"]
+    for weight, name in zip(document["weights"], hostile):
+        weight["name"] = name
+    path = tmp_path / "hostile.html"
+    path.write_text(render_compare([document]))
+    opened = Opened(browser, path)
+    page = opened.page
+    cut = page.evaluate(
+        """() => [...document.querySelectorAll('#weights-table th, #weights-table td, main section > *')]
+             .filter(el => el.scrollWidth > el.clientWidth + 0.5 || el.getBoundingClientRect().right > el.closest('section').getBoundingClientRect().right + 0.5)
+             .map(el => el.tagName + ' ' + el.className + ' ' + el.textContent.slice(0, 40))"""
+    )
+    assert not cut, cut[:5]
+    rows = _every_row(opened)
+    assert len(rows) == len(document["weights"])
+    shown_names = {r["cells"][0] for r in rows}
+    assert {display(name) for name in hostile} <= shown_names
+    assert all(r["cells"][0] == display(r["name"]) for r in rows)
+    assert not opened.problems

@@ -268,3 +268,38 @@ def test_model_revision_from_a_hub_cache_and_git(tmp_path):
     (work / ".git" / "HEAD").write_text("x" * 10_000)
     assert revision_of(str(work)) is None
     assert revision_of("hf://org/name") is None
+
+
+def test_compare_counts_add_up_with_every_kind_of_pair(tmp_path):
+    """Issue 42 #23: the page's weight counts are parts that add up (matched = measured + equal
+    integer tensors + findings; measured = with an error + exact + no signal), and the table's
+    status column says the same of each row: an exact copy or an equal integer tensor is no
+    finding. Every kind of pair at once: measured, exact, no signal, shape mismatch, integer
+    equal, integer differing."""
+    import torch
+    from safetensors.torch import save_file
+
+    from qtool import api
+    from qtool.html_report.views import compare_page
+
+    base = torch.randn(8, 32)
+    a = {"l.0.q.weight": base, "l.0.k.weight": base.clone(), "l.0.v.weight": torch.zeros(8, 32), "l.0.o.weight": torch.randn(8, 32),
+         "pos": torch.arange(16), "ids": torch.arange(16)}  # fmt: skip
+    b = {"l.0.q.weight": base + 0.01 * torch.randn(8, 32), "l.0.k.weight": base.clone(), "l.0.v.weight": torch.ones(8, 32), "l.0.o.weight": torch.randn(4, 32),
+         "pos": torch.arange(16), "ids": torch.arange(16).flip(0)}  # fmt: skip
+    save_file(a, tmp_path / "a.safetensors")
+    save_file(b, tmp_path / "b.safetensors")
+    document = api.compare(tmp_path / "a.safetensors", tmp_path / "b.safetensors").to_json()
+    summary = document["summary"]
+    assert (summary["matched"], summary["measured"], summary["exact"], summary["findings"], summary["integer"]) == (6, 3, 2, 2, {"compared": 2, "equal": 1})
+    page = compare_page([document])
+    weights = dict(page.facts)["weights"]
+    assert "6 matched (6 in A, 6 in B): 3 measured (1 with an error, 1 exact, 1 with no signal in A) + 1 integer tensor, equal (compared for equality, not measured)" in weights
+    assert "+ 2 findings;" in weights
+    statuses = {row["name"]: row["status@0"] for row in page.rows}
+    assert statuses["l.0.q.weight"] == "" and statuses["l.0.k.weight"] == "exact" and statuses["l.0.v.weight"] == "no signal"
+    assert statuses["pos"] == "integer, equal"
+    assert statuses["ids"].startswith("finding: integer values differ") and statuses["l.0.o.weight"].startswith("finding: ")
+    assert sum(s.startswith("finding") for s in statuses.values()) == summary["findings"]
+    assert list(statuses.values()).count("exact") == summary["histogram"]["exact"]
+    assert [c.label for c in page.columns if c.key == "status@0"] == ["status"]

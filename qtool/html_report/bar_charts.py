@@ -1,7 +1,8 @@
-"""The report's two bar charts, as SVG: per-weight SQNR as the document's histogram (5 dB bins,
-exact weights apart), and bits per weight by scheme for each model. Overlaid series are grouped
-side by side, each with its own fill pattern as well as colour. Each bar has a `<title>` with
-its exact figures; the bars only draw what the document holds.
+"""The report's two bar charts: per-weight SQNR as the document's histogram (SVG: 5 dB bins,
+exact weights apart), and bits per weight by scheme for each model (HTML rows, so names and
+figures wrap inside the card, with SVG bars). A candidate has the same colour class (`s-N`) in
+both and in the depth chart; overlaid histogram bars stand side by side. Each bar has a
+`<title>` with its exact figures; the bars only draw what the document holds.
 """
 
 from __future__ import annotations
@@ -73,33 +74,40 @@ def sqnr_histogram_chart(histograms: Sequence[dict[str, Any]], series_names: Seq
     return "".join(out)
 
 
-def bits_by_scheme_chart(models: Sequence[tuple[str, dict[str, Any]]], *, label: str) -> str:
-    """A horizontal bar per (model, scheme): bits per weight, with weights and bytes."""
-    rows = [(name, scheme, entry) for name, model in models for scheme, entry in model["by_scheme"].items()]
+def bits_by_scheme_chart(models: Sequence[tuple[str, dict[str, Any], int | None]], *, label: str) -> str:
+    """A bar per (model, scheme): bits per weight, with weights and bytes. `models` holds
+    (role, model summary, series): the series is the model's colour in the other charts (None
+    for the reference, drawn grey), so a candidate has one colour on the whole page.
+
+    Rows are HTML (names and figures wrap inside the card, whatever their length); only the
+    bars and the grid are SVG, placed in percent of the bar column so no text is scaled."""
+    rows = [(name, scheme, entry, series) for name, model, series in models for scheme, entry in model["by_scheme"].items()]
     if not rows:
         return '<p class="empty">No weights.</p>'
-    top, row_height, left, right = 8, 26, 150, 190
-    height = top + row_height * len(rows) + 28
-    most = max(16.0, max(entry["bits_per_weight"] for _, _, entry in rows))
-    span = _W - left - right
-    out = [f'<svg class="chart bits" viewBox="0 0 {_W} {height}" role="img" aria-label="{attr(label)}" xmlns="http://www.w3.org/2000/svg">']
-    for tick in nice_ticks(0, most, 5):
-        x = left + tick / most * span
-        out.append(f'<line class="grid" x1="{x:.1f}" x2="{x:.1f}" y1="{top}" y2="{height - 26}"/>')
-        out.append(f'<text class="tick" x="{x:.1f}" y="{height - 12}" text-anchor="middle">{tick:g}</text>')
-    names = [name for name, _ in models]
-    for index, (name, scheme, entry) in enumerate(rows):
-        y = top + index * row_height
-        series = names.index(name)
-        width = entry["bits_per_weight"] / most * span
+    most = max(16.0, max(entry["bits_per_weight"] for _, _, entry, _ in rows))
+    ticks = [t for t in nice_ticks(0, most, 5) if t <= most]
+
+    def at(value: float) -> str:
+        return f"{value / most * 100:.3f}%"
+
+    grid = "".join(f'<line class="grid" x1="{at(t)}" x2="{at(t)}" y1="0" y2="100%"/>' for t in ticks)
+    out = [f'<div class="bits" role="group" aria-label="{attr(label)}">']
+    for name, scheme, entry, series in rows:
         detail = f"{entry['bits_per_weight']} bits · {entry['weights']} weights · {fmt_bytes(entry['bytes'])}"
-        out.append(f'<text class="bar-name" x="{left - 8}" y="{y + 17}" text-anchor="end">{text(f"{name}: {scheme}" if len(models) > 1 else scheme)}</text>')
         tooltip = f"{name}: {scheme}: {entry['bits_per_weight']} bits per weight, {entry['weights']} weights, {entry['parameters']} parameters, {entry['bytes']} bytes"
+        colour = "ref" if series is None else f"s-{series}"
         out.append(
-            f'<rect class="bar s-{series}{" plain" if scheme == "plain" else ""}" x="{left}" y="{y + 4}" width="{max(width, 1):.1f}" height="{row_height - 8}">'
-            f"<title>{text(tooltip)}</title></rect>"
+            f'<span class="bits-name">{text(f"{name}: {scheme}" if len(models) > 1 else scheme)}</span>'
+            f'<svg class="bits-bar" width="100%" height="18" aria-hidden="true">{grid}'
+            f'<rect class="bar {colour}{" plain" if scheme == "plain" else ""}" x="0" y="3" width="{at(max(entry["bits_per_weight"], most / 500))}" height="12">'
+            f"<title>{text(tooltip)}</title></rect></svg>"
+            f'<span class="bits-value">{text(detail)}</span>'
         )
-        out.append(f'<text class="bar-value" x="{left + width + 6:.1f}" y="{y + 17}">{text(detail)}</text>')
-    out.append(f'<text class="axis-title" x="{left + span / 2:.0f}" y="{height - 1}" text-anchor="middle">bits per weight</text>')
-    out.append("</svg>")
+    labels = "".join(
+        f'<text class="tick" x="{at(t)}" y="12" text-anchor="{"start" if t == 0 else "end" if t == ticks[-1] and t / most > 0.9 else "middle"}">{t:g}</text>'
+        for t in ticks
+    )
+    out.append(f'<span></span><svg class="bits-axis" width="100%" height="16" aria-hidden="true">{labels}</svg><span></span>')
+    out.append('<span></span><span class="axis-title bits-title">bits per weight</span><span></span>')
+    out.append("</div>")
     return "".join(out)

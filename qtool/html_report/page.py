@@ -86,6 +86,17 @@ def _legend(page: Page) -> str:
     return defs + f'<ul class="legend">{"".join(items)}</ul>'
 
 
+def _series_legend(page: Page) -> str:
+    """Overlaid candidates' colours under the histogram (the depth chart's legend is above it)."""
+    if len(page.series_names) < 2:
+        return ""
+    items = "".join(
+        f'<li><svg viewBox="0 0 14 14" aria-hidden="true"><rect class="bar s-{series}" x="1" y="1" width="12" height="12"/></svg><span class="mono">{shown(name)}</span></li>'
+        for series, name in enumerate(page.series_names)
+    )
+    return f'<ul class="legend series">{items}</ul>'
+
+
 def _table(page: Page) -> str:
     cols = "".join(f'<col class="c-{c.type} c-{attr(c.key.split("@")[0])}">' for c in page.columns)
     heads = "".join(
@@ -114,7 +125,7 @@ def render_page(page: Page, *, version: str) -> str:
     facts = "".join(f"<dt>{text(label)}</dt><dd>{value}</dd>" for label, value in page.facts)
     distribution = []
     if page.histogram is not None:
-        distribution.append(f'<div><h2>Per-weight SQNR</h2>{page.histogram}<p class="caption">Weights per 5 dB bin.</p></div>')
+        distribution.append(f'<div><h2>Per-weight SQNR</h2>{page.histogram}{_series_legend(page)}<p class="caption">{text(page.histogram_caption or "Weights per 5 dB bin.")}</p></div>')
     if page.bits:
         distribution.append(f'<div><h2>Bits per weight by scheme</h2>{page.bits}<p class="caption">Every stored byte (scales and zero points too) × 8 / parameters.</p></div>')
     depth_title = "Error along the depth" if page.kind != "check" else "Bits per weight along the depth"

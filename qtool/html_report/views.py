@@ -34,6 +34,7 @@ class Page:
     series_names: list[str] = field(default_factory=list)
     kinds: list[str] = field(default_factory=list)
     histogram: str | None = None
+    histogram_caption: str = ""
     bits: str = ""
     columns: list[Column] = field(default_factory=list)
     rows: list[dict[str, Any]] = field(default_factory=list)
@@ -48,9 +49,45 @@ def _sqnr_status(weight: dict[str, Any]) -> str:
 
 
 def _pair_status(weight: dict[str, Any]) -> str:
+    """A compare row's status, in the words the summary and the histogram count with: a finding,
+    an exact copy (measured, no error), an integer tensor (compared for equality, not measured),
+    no signal (A all zeros, B not), or nothing (measured, with an error: its SQNR says it)."""
     if weight["finding"] is not None:
         return f"finding: {weight['finding']}"
-    return "exact" if weight["exact"] else ""
+    if weight.get("integer"):
+        return "integer, equal"
+    if weight["exact"]:
+        return "exact"
+    return "no signal" if weight["sqnr_db"] is None and weight.get("max_abs_err") else ""
+
+
+def _compare_counts(summary: dict[str, Any]) -> str:
+    """The summary's counts as parts that add up: matched = measured (with an error + exact + no
+    signal) + integer tensors (equal) + findings. The document's `exact` counts the equal integer
+    tensors too; the histogram and the table's "exact" count measured weights only, so the page
+    says which is which."""
+    histogram = summary["histogram"]
+    in_bins = sum(b["weights"] for b in histogram["bins"])
+    integer = summary.get("integer") or {"compared": 0, "equal": 0}
+    measured = [counted(in_bins, "with an error", "with an error"), f"{histogram['exact']} exact"]
+    if histogram["no_signal"]:
+        measured.append(f"{histogram['no_signal']} with no signal in A")
+    unplaced = summary["measured"] - in_bins - histogram["exact"] - histogram["no_signal"]
+    if unplaced:
+        measured.append(counted(unplaced, "without a figure", "without a figure"))
+    parts = [f"{summary['measured']} measured ({', '.join(measured)})"]
+    if integer["equal"] or integer["compared"]:
+        parts.append(f"{counted(integer['equal'], 'integer tensor')}, equal (compared for equality, not measured)")
+    else:
+        parts.append("0 integer tensors")
+    parts.append(counted(summary["findings"], "finding"))
+    other = summary["matched"] - summary["measured"] - integer["equal"] - summary["findings"]
+    if other:
+        parts.append(counted(other, "other", "other"))
+    return (
+        f"{summary['matched']} matched ({summary['weights_a']} in A, {summary['weights_b']} in B): {' + '.join(parts)}; "
+        f"{summary['only_in_a']} only in A, {summary['only_in_b']} only in B"
+    )
 
 
 def _shape(shape: Sequence[int]) -> str:
@@ -137,13 +174,14 @@ def quantize_page(document: dict[str, Any]) -> Page:
         models=[("input", models["input"]), ("output", models["output"])] if models else [],
         facts=facts,
         depth=depth_chart(marks, Axis("SQNR", "dB", "low"), [""], label="SQNR of each weight along the depth of the model"),
-        depth_caption=f"{len(marks)} quantized weights; the worst of each kind per layer.",
+        depth_caption=f"{counted(len(marks), 'quantized weight')} with an error; the worst of each kind per layer.",
         series_names=[document["output"]],
         kinds=_kinds(marks),
         histogram=sqnr_histogram_chart([summary["histogram"]], [document["output"]], threshold=None, label="histogram of per-weight SQNR")
         if "histogram" in summary
         else None,
-        bits=bits_by_scheme_chart([(role, m) for role, m in (("input", models.get("input")), ("output", models.get("output"))) if m], label="bits per weight by scheme"),
+        histogram_caption="The quantized weights per 5 dB bin; exact: quantized with no error at all.",
+        bits=bits_by_scheme_chart([(role, m, series) for role, m, series in (("input", models.get("input"), None), ("output", models.get("output"), 0)) if m], label="bits per weight by scheme"),
         columns=columns,
         rows=rows,
         table_caption="Every quantized weight, worst first.",
@@ -178,7 +216,7 @@ def compare_page(documents: Sequence[dict[str, Any]]) -> Page:
         worst_note = (worst or {}).get("finding") or ("exact" if worst and worst["exact"] else "")
         facts += [
             (f"model SQNR{who}", text(fmt_db(s["sqnr_db"]) if s["sqnr_db"] is not None or not s["measured"] else "exact")),
-            (f"weights{who}", text(f"{s['matched']} matched ({s['weights_a']} in A, {s['weights_b']} in B), {s['measured']} measured, {s['exact']} exact, {s['findings']} findings, {s['only_in_a']} only in A, {s['only_in_b']} only in B")),
+            (f"weights{who}", text(_compare_counts(s))),
             (f"worst weight{who}", _worst_fact(worst["name"] if worst else None, worst["sqnr_db"] if worst else None, worst_note)),
         ]
     facts.append(("time", text(", ".join(f"{d['seconds']:.1f} s" for d in documents) + f" on {first['device']}")))
@@ -201,8 +239,10 @@ def compare_page(documents: Sequence[dict[str, Any]]) -> Page:
     threshold = gates["min_sqnr"]
     axis = Axis("SQNR", "dB", "low", threshold, f"gate: min SQNR {threshold:g} dB" if threshold is not None else "")
     columns, rows = _compare_table(documents)
-    models = [("A", first["models"]["a"])] if first.get("models") else []
-    models += [("B" if not overlay else f"B{index + 1}", d["models"]["b"]) for index, d in enumerate(documents) if d.get("models")]
+    # (role, summary, series): a candidate's series is its colour in every chart; A has none
+    drawn = [("A", first["models"]["a"], None)] if first.get("models") else []
+    drawn += [("B" if not overlay else f"B{index + 1}", d["models"]["b"], index) for index, d in enumerate(documents) if d.get("models")]
+    models = [(role, model) for role, model, _ in drawn]
     return Page(
         kind="compare",
         title=f"qtool compare: {first['a']} vs {', '.join(names)}",
@@ -212,15 +252,28 @@ def compare_page(documents: Sequence[dict[str, Any]]) -> Page:
         problems_title="Violations" if any(d["violations"] for d in documents) else "Weights without a counterpart",
         problems=problems,
         depth=depth_chart(marks, axis, names, label="SQNR of each weight along the depth of the model" + (", one series per candidate" if overlay else "")),
-        depth_caption=f"{len(marks)} measured weights (exact copies and findings are not plotted); the worst of each kind per layer.",
+        depth_caption=f"{_plotted(marks, names)} (exact copies, integer tensors and findings are not plotted); the worst of each kind per layer.",
         series_names=names,
         kinds=_kinds(marks),
         histogram=sqnr_histogram_chart([d["summary"]["histogram"] for d in documents], names, threshold=threshold, label="histogram of per-weight SQNR"),
-        bits=bits_by_scheme_chart(models, label="bits per weight by scheme"),
+        histogram_caption="The measured weights"
+        + (" of each candidate" if overlay else "")
+        + " per 5 dB bin; exact: measured with no error at all. Integer tensors (compared for equality) and findings are not measured.",
+        bits=bits_by_scheme_chart(drawn, label="bits per weight by scheme"),
         columns=columns,
         rows=rows,
         table_caption="Every matched weight, worst first" + (f" (in {names[0]})." if overlay else "."),
     )
+
+
+def _plotted(marks: Sequence[Mark], names: Sequence[str]) -> str:
+    """How many weights the depth chart plots: one count, or one per candidate."""
+    counts = [sum(1 for m in marks if m.series == series) for series in range(len(names))]
+    if len(counts) == 1:
+        return counted(counts[0], "measured weight") + " with an error"
+    if len(set(counts)) == 1:
+        return f"{counted(counts[0], 'measured weight')} with an error for each candidate"
+    return "measured weights with an error: " + ", ".join(f"{n} in {display(name)}" for n, name in zip(counts, names))
 
 
 def _compare_table(documents: Sequence[dict[str, Any]]) -> tuple[list[Column], list[dict[str, Any]]]:
@@ -240,7 +293,7 @@ def _compare_table(documents: Sequence[dict[str, Any]]) -> tuple[list[Column], l
             Column("sqnr_db" + suffix, "SQNR" + (who if overlay else ""), "db", "dB", "asc", "SQNR against A; lower is worse", status="status" + suffix),
             Column("max_abs_err" + suffix, "max abs error" + (who if overlay else ""), "number", sort="desc"),
             Column("bytes_b" + suffix, "bytes" + who, "bytes", "B", sort="desc"),
-            Column("status" + suffix, "finding" + (who if overlay else ""), "text"),
+            Column("status" + suffix, "status" + (who if overlay else ""), "text", title="finding, exact (measured, no error), integer (compared for equality) or no signal; empty: measured, with an error"),
         ]
     rows: dict[str, dict[str, Any]] = {}
     for index, d in enumerate(documents):
@@ -316,7 +369,7 @@ def check_page(document: dict[str, Any]) -> Page:
         depth_caption="Bits per weight of every weight (the check reads headers, so there is no error to plot); the highest of each kind per layer.",
         series_names=[document["path"]],
         kinds=_kinds(marks),
-        bits=bits_by_scheme_chart([("checkpoint", model)], label="bits per weight by scheme") if model else "",
+        bits=bits_by_scheme_chart([("checkpoint", model, 0)], label="bits per weight by scheme") if model else "",
         columns=columns,
         rows=rows,
         table_caption="Every weight; those with findings first.",

@@ -1,6 +1,9 @@
 // qtool's HTML report: the per-weight table (decoded from the page, sorted, filtered, drawn a
 // screenful at a time so 60,000 rows stay fast) and the links from charts and findings to rows.
 // Text from the model's files is only ever set with textContent.
+// Cells wrap (a long name is shown whole, on several lines), so rows differ in height: each
+// row's height is measured once drawn and estimated from its name's length until then, and the
+// spacers above and below the drawn rows stand for the sums of the others' heights.
 "use strict";
 (function () {
   const payload = document.getElementById("table-data");
@@ -13,7 +16,11 @@
   let columns = [];
   let rows = [];
   let shown = [];
-  let rowHeight = 0;
+  let heights = new Float64Array(0); // by row index: the measured height, 0 until drawn
+  let offsets = new Float64Array(1); // offsets[i]: where shown[i] starts; offsets[shown.length]: the total
+  let lineHeight = 0; // a one-line row's height, then one more text line's, and a name line's characters
+  let extraLine = 0;
+  let perLine = 0;
   let sortKey = null;
   let sortDir = 1;
   let target = null;
@@ -55,6 +62,7 @@
   function unpack(doc) {
     columns = doc.columns;
     rows = new Array(doc.rows);
+    heights = new Float64Array(doc.rows);
     for (let i = 0; i < doc.rows; i++) rows[i] = { index: i };
     for (const column of columns) {
       const stored = doc.data[column.key];
@@ -77,9 +85,10 @@
     const value = row[column.key];
     if (value !== null && value !== undefined) return value;
     if (column.type === "db" || column.type === "number" || column.type === "bytes") {
-      // a null SQNR: an exact weight sorts after every measured one, a finding before
+      // a null SQNR: an exact weight (or an equal integer tensor) sorts after every measured
+      // one, a finding (or no signal) before
       const status = column.status ? row[column.status] || "" : "";
-      return status.startsWith("exact") ? Infinity : -Infinity;
+      return status === "exact" || status.startsWith("integer") ? Infinity : -Infinity;
     }
     return "";
   }
@@ -105,8 +114,66 @@
     for (const th of table.tHead.rows[0].cells) {
       th.setAttribute("aria-sort", th.dataset.key === sortKey ? (sortDir > 0 ? "ascending" : "descending") : "none");
     }
+    layout();
     drawn = "";
     draw();
+  }
+
+  function estimate(row) {
+    const base = lineHeight || 28;
+    if (!perLine) return base;
+    const lines = Math.ceil(row.lower.length / perLine) || 1;
+    return base + (lines - 1) * extraLine;
+  }
+
+  function layout() {
+    // offsets of the shown rows: linear in their number, done once per sort, filter or measure
+    if (offsets.length !== shown.length + 1) offsets = new Float64Array(shown.length + 1);
+    let at = 0;
+    for (let i = 0; i < shown.length; i++) {
+      offsets[i] = at;
+      const row = shown[i];
+      at += heights[row.index] || estimate(row);
+    }
+    offsets[shown.length] = at;
+  }
+
+  function rowAt(y) {
+    // the last shown row starting at or above y (binary search over the offsets)
+    let low = 0;
+    let high = shown.length;
+    while (low < high) {
+      const middle = (low + high + 1) >> 1;
+      if (offsets[middle] <= y) low = middle;
+      else high = middle - 1;
+    }
+    return Math.min(low, Math.max(shown.length - 1, 0));
+  }
+
+  function measure() {
+    // one-line height, one more line's, and a name line's characters, for rows not drawn yet
+    const probe = body.querySelector("tr:not(.spacer) td.t-name");
+    if (!probe) return;
+    const tr = probe.parentElement;
+    const saved = probe.textContent;
+    probe.textContent = "0";
+    const one = tr.getBoundingClientRect().height;
+    probe.textContent = "0\n0";
+    probe.style.whiteSpace = "pre";
+    const two = tr.getBoundingClientRect().height;
+    probe.style.whiteSpace = "";
+    const range = document.createRange();
+    probe.textContent = "0".repeat(200);
+    probe.style.whiteSpace = "nowrap";
+    range.selectNodeContents(probe);
+    const width = range.getBoundingClientRect().width / 200;
+    probe.style.whiteSpace = "";
+    probe.textContent = saved;
+    const style = getComputedStyle(probe);
+    const room = probe.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
+    lineHeight = one || 28;
+    extraLine = Math.max(two - one, 0);
+    perLine = width > 0 ? Math.max(1, Math.floor(room / width)) : 0;
   }
 
   function cell(column, row) {
@@ -130,10 +197,20 @@
       td.textContent = Number.isInteger(value) && column.key === "layer" ? String(value) : number(value);
       td.title = String(value) + (column.unit ? " " + column.unit : "");
     } else {
-      td.textContent = column.type === "name" ? display(value) : String(value);
+      if (column.type === "name") nameInto(td, display(value));
+      else td.textContent = String(value);
       td.title = td.textContent;
     }
     return td;
+  }
+
+  function nameInto(td, name) {
+    // a name wraps after its dots first (<wbr>), anywhere else only where a part is too long
+    const parts = name.split(/(?<=[./])/);
+    for (let i = 0; i < parts.length; i++) {
+      if (i) td.appendChild(document.createElement("wbr"));
+      td.appendChild(document.createTextNode(parts[i]));
+    }
   }
 
   function spacer(height) {
@@ -147,17 +224,18 @@
     return tr;
   }
 
-  function draw() {
-    const height = rowHeight || 28;
-    const first = Math.max(0, Math.floor(scroller.scrollTop / height) - OVERSCAN);
+  function draw(again = 0) {
+    const top = scroller.scrollTop;
     // the scroller may still be short from a narrower filter: draw for its largest height
     const view = Math.max(scroller.clientHeight, window.innerHeight);
-    const last = Math.min(shown.length, Math.ceil((scroller.scrollTop + view) / height) + OVERSCAN);
+    const first = Math.max(0, rowAt(top) - OVERSCAN);
+    const last = shown.length ? Math.min(shown.length, rowAt(top + view) + 1 + OVERSCAN) : 0;
     const key = first + ":" + last + ":" + (target ? target.index : "");
     if (key === drawn) return;
     drawn = key;
     const fragment = document.createDocumentFragment();
-    fragment.appendChild(spacer(first * height));
+    fragment.appendChild(spacer(offsets[first]));
+    const drawnRows = [];
     for (let i = first; i < last; i++) {
       const row = shown[i];
       const tr = document.createElement("tr");
@@ -169,13 +247,29 @@
       }
       for (const column of columns) tr.appendChild(cell(column, row));
       fragment.appendChild(tr);
+      drawnRows.push([tr, row]);
     }
-    fragment.appendChild(spacer((shown.length - last) * height));
+    const below = spacer(offsets[shown.length] - offsets[last]);
+    fragment.appendChild(below);
     body.replaceChildren(fragment);
-    if (!rowHeight && last > first) {
-      rowHeight = body.rows[1].getBoundingClientRect().height || 28;
-      drawn = "";
-      draw();
+    if (!lineHeight && drawnRows.length) measure();
+    let changed = false;
+    for (const [tr, row] of drawnRows) {
+      const height = tr.getBoundingClientRect().height;
+      if (height && Math.abs(height - heights[row.index]) > 0.01) {
+        heights[row.index] = height;
+        changed = true;
+      }
+    }
+    if (changed) {
+      // the rows above the first drawn are unchanged, so nothing drawn moves; the rows below
+      // and the screenful may have: set the lower spacer, and draw again where rows were missing
+      layout();
+      below.style.height = offsets[shown.length] - offsets[last] + "px";
+      if (again < 3) {
+        drawn = "";
+        draw(again + 1);
+      }
     }
   }
 
@@ -189,7 +283,7 @@
     if (at < 0) return;
     target = shown[at];
     document.getElementById("weights").scrollIntoView({ block: "start" });
-    scroller.scrollTop = Math.max(0, at * (rowHeight || 28) - scroller.clientHeight / 3);
+    scroller.scrollTop = Math.max(0, offsets[at] - scroller.clientHeight / 3);
     drawn = "";
     draw();
     const tr = body.querySelector("tr.target");
@@ -221,7 +315,7 @@
     for (const th of table.tHead.rows[0].cells) {
       th.querySelector("button").addEventListener("click", () => sortBy(th.dataset.key));
     }
-    let width = 280; // the name column's least width, then every fixed column's
+    let width = 220; // the name column's least width (names wrap), then every fixed column's
     for (const col of table.querySelectorAll("col:not(.c-name)")) width += parseFloat(getComputedStyle(col).width) || 0;
     table.style.minWidth = width + "px";
     let pending = 0;
@@ -230,7 +324,14 @@
       pending = setTimeout(apply, rows.length > 20000 ? 150 : 30);
     });
     scroller.addEventListener("scroll", () => requestAnimationFrame(draw), { passive: true });
-    window.addEventListener("resize", () => { drawn = ""; draw(); });
+    window.addEventListener("resize", () => {
+      // columns change width, so rows wrap anew: measure again
+      heights.fill(0);
+      lineHeight = extraLine = perLine = 0;
+      layout();
+      drawn = "";
+      draw();
+    });
     window.addEventListener("hashchange", fromHash);
     document.addEventListener("click", (event) => {
       const mark = event.target.closest(".mark[data-name]");
