@@ -87,12 +87,33 @@ def staging_left(folder: Path) -> list[str]:
     return [name for name in os.listdir(folder) if STAGING_MARK in name]
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid` (a `--workers` driver's pool, its forkserver's children too)."""
+    found, queue = [], [pid]
+    while queue:
+        parent = queue.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                children = [int(c) for c in Path(f"/proc/{parent}/task/{task}/children").read_text().split()]
+            except OSError:
+                continue
+            found += children
+            queue += children
+    return found
+
+
 def processes_writing(
-    staging_parent: Path, exclude: set[int] = frozenset()
+    staging_parent: Path, exclude: set[int] = frozenset(), among: list[int] | None = None
 ) -> list[int]:
-    """PIDs (other than `exclude`) with a file in a staging folder of `staging_parent` open."""
+    """PIDs (other than `exclude`; of `among` where given, else of all) with a file in a staging
+    folder of `staging_parent` open. `among` keeps the scan to a few processes: a scan of all of
+    /proc on a loaded machine outlasted a shard's whole write, and the test saw no writer."""
     found = []
-    for entry in os.listdir("/proc"):
+    for entry in map(str, among) if among is not None else os.listdir("/proc"):
         if not entry.isdigit() or int(entry) in exclude:
             continue
         try:
@@ -106,14 +127,19 @@ def processes_writing(
     return found
 
 
-def kill_a_writer(staging_parent: Path, process: subprocess.Popen, timeout: float = 300) -> int | None:
+def kill_a_writer(staging_parent: Path, process: subprocess.Popen, timeout: float = 300, local: bool = False) -> int | None:
     """SIGKILL a worker (not `process`, the driver) while it holds a staged file open, frozen in
     that state (`signal_while`), so its job is certainly lost, not just finished. Its PID, or
-    None when the run ended first."""
+    None when the run ended first. `local`: the workers are the driver's descendants (`--workers`),
+    so only those are scanned."""
     deadline = time.monotonic() + timeout
+
+    def writing() -> list[int]:
+        return processes_writing(staging_parent, {process.pid}, descendants(process.pid) if local else None)
+
     while time.monotonic() < deadline and process.poll() is None:
-        for pid in processes_writing(staging_parent, {process.pid}):
-            if signal_while(pid, signal.SIGKILL, lambda: pid in processes_writing(staging_parent, {process.pid})):  # noqa: B023
+        for pid in writing():
+            if signal_while(pid, signal.SIGKILL, lambda: pid in writing()):  # noqa: B023
                 return pid
         time.sleep(0.002)
     return None

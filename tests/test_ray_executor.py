@@ -29,7 +29,7 @@ from tests.scale_helpers import assert_same_output, kill_a_writer, processes_wri
 from tests.scale_models import llama_shaped, reshard
 
 ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("ray")]  # one cluster, started once, on one xdist worker
 
 RAY = Path(sys.executable).with_name("ray")
 

@@ -18,6 +18,7 @@ from tests.signal_helpers import signal_when, wait_for_qtool_handlers
 from tests.scale_helpers import (
     assert_same_output,
     console_script,
+    descendants,
     kill_a_writer,
     processes_writing,
     qtool,
@@ -132,7 +133,7 @@ def test_a_worker_killed_mid_job_is_retried_and_the_output_is_the_same(
         "--json",
         "-q",
     )
-    victim = kill_a_writer(tmp_path / "spread", process)
+    victim = kill_a_writer(tmp_path / "spread", process, local=True)
     assert victim is not None, "no worker was seen writing"
     stdout, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stderr
@@ -170,7 +171,7 @@ def test_sigterm_to_the_driver_commits_nothing_and_leaves_no_worker(
     writers: list[int] = []
 
     def a_worker_writes() -> bool:  # checked again with the driver frozen: then the run cannot commit
-        writers[:] = processes_writing(tmp_path / "spread", {process.pid})
+        writers[:] = processes_writing(tmp_path / "spread", {process.pid}, descendants(process.pid))
         return bool(writers)
 
     assert signal_when(process, signal.SIGTERM, a_worker_writes), "no worker was seen writing"
