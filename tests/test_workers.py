@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.signal_helpers import signal_when, wait_for_qtool_handlers
+from tests.signal_helpers import signal_when, signal_while, wait_for_qtool_handlers
 from tests.scale_helpers import (
     assert_same_output,
     console_script,
@@ -435,3 +435,29 @@ def test_a_million_workers_start_as_many_as_there_are_shard_jobs_and_say_so(four
     assert execution["workers"] <= expected and execution["workers_requested"] == 10**6
     assert len(execution["shards"]) <= len(api.prepare_quantize(four_shards, tmp_path / "x", "W4A16").jobs)
     assert execution["threads_per_worker"] >= 1
+
+
+def test_a_run_whose_output_folder_is_renamed_leaves_no_staged_file_where_it_went(slow_four_shards, tmp_path):
+    """Issue 42 item 10: the output's parent renamed while the workers write. The run cannot
+    commit (exit 2), and its staging, tracked by a descriptor of the folder it is in, is removed
+    in the folder's new place, not looked for under the old name (242 MB were left there)."""
+    (tmp_path / "spread").mkdir()
+    process = start_qtool("quantize", slow_four_shards, "-o", tmp_path / "spread" / "out", "--scheme", "W4A16", "--workers", "2", "-q")
+    wait_for_qtool_handlers(process)
+    moved = tmp_path / "moved"
+
+    def a_worker_writes() -> bool:
+        return bool(processes_writing(tmp_path / "spread", {process.pid}, descendants(process.pid)))
+
+    def rename_while_frozen() -> bool:
+        return a_worker_writes() and (os.rename(tmp_path / "spread", moved) or True)
+
+    renamed = False
+    while process.poll() is None and not renamed:
+        renamed = a_worker_writes() and signal_while(process, signal.SIGCONT, rename_while_frozen)
+    _, stderr = process.communicate(timeout=120)
+    assert renamed, f"no worker was seen writing: {stderr}"
+    assert process.returncode == 2 and len(stderr.splitlines()) == 1, stderr
+    assert "Traceback" not in stderr
+    assert staging_left(moved) == [], stderr
+    assert not (tmp_path / "spread").exists()

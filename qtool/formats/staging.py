@@ -40,6 +40,7 @@ import errno
 import os
 import shutil
 import stat
+import sys
 import threading
 from fnmatch import fnmatchcase
 from typing import Callable
@@ -196,8 +197,9 @@ def staging_path(target: str, mark: str = TMP_MARK) -> str:
 
 # -- this process's live staging paths -----------------------------------------------------------
 
-# path -> (pid that registered it, where to put it back: an aside holds a previous output)
-_live: dict[str, tuple[int, str | None]] = {}
+# path -> (pid that registered it, where to put it back: an aside holds a previous output,
+# a descriptor of the folder it was made in: removed there even after that folder moved)
+_live: dict[str, tuple[int, str | None, int | None]] = {}
 # Reentrant: a SIGTERM handler calling abort_all runs in the main thread, maybe while it holds this.
 _lock = threading.RLock()
 
@@ -205,39 +207,71 @@ _lock = threading.RLock()
 _hooks_installed = False
 
 
+def _folder_descriptor(path: str) -> int | None:
+    """A descriptor of the folder `path` is in (None where it cannot be opened: then the path's
+    name is all there is to remove it by)."""
+    try:
+        return os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
 def register(path: str, restore_to: str | None = None) -> None:
     """Mark `path` as ours to remove on abort (or, with `restore_to`, to rename back there).
     The first registration installs the process hooks (exit cleanup, and forgetting the paths in
     a forked child): a program that imports qtool but never writes gets none."""
     global _hooks_installed
+    folder = _folder_descriptor(path) if restore_to is None else None
     with _lock:
         if not _hooks_installed:
             atexit.register(abort_all)
             if hasattr(os, "register_at_fork"):
                 os.register_at_fork(after_in_child=_forget_after_fork)
             _hooks_installed = True
-        _live[path] = (os.getpid(), restore_to)
+        previous = _live.get(path)
+        _live[path] = (os.getpid(), restore_to, folder)
+    if previous is not None:
+        _close(previous[2])
+
+
+def _close(folder: int | None) -> None:
+    if folder is not None:
+        try:
+            os.close(folder)
+        except OSError:
+            pass
 
 
 def _unregister(path: str) -> None:
     with _lock:
-        _live.pop(path, None)
+        entry = _live.pop(path, None)
+    if entry is not None:
+        _close(entry[2])
 
 
-def _delete(path: str) -> None:
+def _delete(path: str, folder: int | None = None) -> None:
+    """Delete `path`, by its name within `folder` where a descriptor of it is held: the output's
+    parent renamed during a run then still loses its staged files, wherever it went."""
+    name, where = (os.path.basename(path), folder) if folder is not None else (path, None)
     try:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
+        if stat.S_ISDIR(os.lstat(name, dir_fd=where).st_mode):
+            if where is None or sys.version_info >= (3, 11):
+                shutil.rmtree(name, dir_fd=where)
+            else:  # Python 3.10's rmtree takes no dir_fd: Linux's name for the descriptor's folder
+                shutil.rmtree(f"/proc/self/fd/{where}/{name}")
         else:
-            os.unlink(path)
+            os.unlink(name, dir_fd=where)
     except FileNotFoundError:
         pass
 
 
 def remove(path: str) -> None:
     """Delete a registered path (a folder with its contents), then forget it. Best effort."""
+    with _lock:
+        entry = _live.get(path)
+    folder = entry[2] if entry is not None and entry[0] == os.getpid() else None
     try:
-        _delete(path)
+        _delete(path, folder)
     except OSError:
         shutil.rmtree(path, ignore_errors=True)
     _unregister(path)
@@ -247,7 +281,7 @@ def abort_all() -> None:
     """Remove every staging path this process still holds, and put back any previous output
     that was moved aside. For atexit and for a SIGTERM handler; safe to call twice."""
     with _lock:
-        entries = [(path, restore_to) for path, (pid, restore_to) in _live.items() if pid == os.getpid()]
+        entries = [(path, restore_to) for path, (pid, restore_to, _) in _live.items() if pid == os.getpid()]
     for path, restore_to in entries:
         if restore_to is None:
             remove(path)
@@ -261,11 +295,12 @@ def abort_all() -> None:
 
 def _forget_after_fork() -> None:
     """A forked child owns none of its parent's staging paths, and another thread may have held
-    the lock at the fork."""
+    the lock at the fork. Their folder descriptors are the child's copies: closed."""
     global _lock
     _lock = threading.RLock()
+    for _, _, folder in _live.values():
+        _close(folder)
     _live.clear()
-
 
 
 def cleanup_stale(parent: str) -> list[str]:
