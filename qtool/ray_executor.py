@@ -98,6 +98,35 @@ def _reachable(address: str | None, timeout: float = 10.0) -> None:
         raise UsageError(f"cannot connect to the Ray cluster at {address}: {exc.strerror or exc}", hint="start it with `ray start --head`, or set --ray-address / RAY_ADDRESS", option="ray_address") from None
 
 
+class _RayStartupNotes:
+    """Ray's loggers during `ray.init`: its start-up notes (the token mode of a local Ray started
+    for this run) are not qtool's lines; anything that fails still raises. `ray.init` clears the
+    handlers of the "ray" logger itself, so the one below it, where its start-up code logs, holds
+    the quiet handler."""
+
+    NAMES = ("ray", "ray._private")
+
+    def __enter__(self) -> None:
+        import logging
+
+        self.loggers = [logging.getLogger(name) for name in self.NAMES]
+        self.saved = [(logger.propagate, list(logger.handlers)) for logger in self.loggers]
+        for logger in self.loggers:
+            logger.propagate = False
+            logger.handlers = [logging.NullHandler()]
+
+    def __exit__(self, *exc: object) -> None:
+        for logger, (propagate, handlers) in zip(self.loggers, self.saved):
+            logger.propagate, logger.handlers = propagate, handlers
+
+
+def _shutdown_quietly(ray) -> None:
+    try:
+        ray.shutdown()
+    except BaseException:  # noqa: BLE001 - the first failure (or signal) is the one reported
+        pass
+
+
 def _import_ray():
     try:
         import ray
@@ -125,16 +154,27 @@ class RayCluster:
         if self._connected:
             return
         ray = self.ray
-        # ray.init replaces the SIGTERM handler with its own sys.exit: the caller's (the CLI's
-        # cleanup, exit 143) stays in place
+        # ray.init puts its own SIGTERM handlers in place while it runs (`sys.exit(15)` before a
+        # local Ray starts, kill its processes and `sys.exit(1)` after): a SIGTERM in that time
+        # ended qtool with code 15 and no line, or 1, which CI reads as a gate's violation. The
+        # caller's handler (the CLI's cleanup, exit 143) is put back, and a SystemExit out of
+        # ray.init, which only those handlers raise, is handed to it as the SIGTERM it was.
         _reachable(self.address or os.environ.get("RAY_ADDRESS"))
         main = threading.current_thread() is threading.main_thread()
         previous = signal.getsignal(signal.SIGTERM) if main else None
         try:
-            ray.init(address=self.address, log_to_driver=False, configure_logging=False)
+            with _RayStartupNotes():
+                ray.init(address=self.address, log_to_driver=False, configure_logging=False)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             where = self.address or os.environ.get("RAY_ADDRESS") or "a local Ray"
             raise UsageError(f"cannot connect to the Ray cluster at {where}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", hint="start it with `ray start --head`, or set --ray-address / RAY_ADDRESS", option="ray_address") from None
+        except BaseException as stopped:  # a signal, or Ray's SIGTERM handler: stop the Ray it started
+            _shutdown_quietly(ray)
+            if main and previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+            if isinstance(stopped, SystemExit) and callable(previous):
+                previous(signal.SIGTERM, None)  # the CLI's handler raises its Terminated
+            raise
         finally:
             if main and previous is not None:
                 signal.signal(signal.SIGTERM, previous)

@@ -171,3 +171,33 @@ def test_a_task_no_node_can_hold_is_refused_not_left_waiting(cluster, four_shard
     assert result.returncode == 2, result.stderr
     assert result.stderr.splitlines()[0] == "error: each shard job asks for 4 CPUs, and no node of the Ray cluster has more than 1"
     assert not (tmp_path / "out").exists() and staging_left(tmp_path) == []
+
+
+@pytest.mark.parametrize("moment", ["gcs", "raylet"])
+def test_sigterm_while_the_driver_starts_its_own_ray_is_one_line_and_stops_that_ray(four_shards, tmp_path, moment):
+    """Issue 42 item 10: SIGTERM 3 s into `--executor ray` with no cluster named landed in Ray's
+    own handler, in place during `ray.init`: exit 15 with no line, and Ray's processes left
+    behind. Now it is any other SIGTERM (143, one line), and the Ray qtool started is stopped."""
+    from tests.scale_helpers import descendants
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_USAGE_STATS_ENABLED="0", TMPDIR=tempfile.mkdtemp(prefix="qr", dir="/tmp"))  # short socket paths
+    process = start_qtool("quantize", four_shards, "-o", tmp_path / "out", "--executor", "ray", "-q", env=env)
+    wait_for_qtool_handlers(process)
+    started: set[int] = set()
+
+    def ray_starting() -> bool:
+        below = descendants(process.pid)
+        started.update(below)
+        names = " ".join(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace") for pid in below if Path(f"/proc/{pid}/cmdline").exists())
+        return moment in names
+
+    assert signal_when(process, signal.SIGTERM, ray_starting), "the run ended before Ray started"
+    _, stderr = process.communicate(timeout=120)
+    assert (process.returncode, stderr.splitlines()) == (143, ["error: terminated"]), stderr
+    deadline = time.monotonic() + 30
+    alive = lambda: [pid for pid in started if Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"]  # noqa: E731
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive() == [], "Ray processes qtool started outlived it"
+    assert not (tmp_path / "out").exists()
