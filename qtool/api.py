@@ -16,6 +16,7 @@ from qtool.errors import UsageError
 from qtool.formats import Checkpoint
 from qtool.formats import open_checkpoint as _open_checkpoint
 from qtool.inspection import Inspection, inspect_checkpoint
+from qtool.planning.paths import check_paths, refuse_remote_data, side_file_warnings
 
 if TYPE_CHECKING:
     from qtool.audit import Audit, CheckRules
@@ -56,15 +57,6 @@ __all__ = [
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Read a checkpoint's headers and side files. No tensor data is read."""
     return _open_checkpoint(path)
-
-
-def refuse_remote_data(path: str | os.PathLike[str]) -> None:
-    """A command that reads tensor data refuses a remote location before it opens it: the same
-    refusal (and download command) as after, with no request, so offline too."""
-    if isinstance(path, str) and path.startswith(("hf://", "http://", "https://")):
-        from qtool.formats.remote_loader import refuse_remote_data as refuse
-
-        refuse(path)
 
 
 def inspect(path: str | os.PathLike[str], filter: str | None = None) -> Inspection:
@@ -254,7 +246,7 @@ def _plan_quantize(
         imatrix_pending=has_imatrix and imatrix is None,
     )
     plan = chosen_layout.plan(checkpoint, weights, chosen, options)
-    return replace(plan, output=output, single_file=single_file, report=report, warnings=tuple(warnings + (plan.notes if plan.said is None else plan.said) + _side_file_warnings(checkpoint, single_file)))
+    return replace(plan, output=output, single_file=single_file, report=report, warnings=tuple(warnings + (plan.notes if plan.said is None else plan.said) + side_file_warnings(checkpoint, single_file)))
 
 
 def prepare_dequantize(
@@ -289,64 +281,7 @@ def prepare_dequantize(
     except BaseException:
         checkpoint.close()
         raise
-    return replace(plan, output=output, single_file=single_file, warnings=tuple(warnings + _side_file_warnings(checkpoint, single_file)))
-
-
-def check_paths(checkpoint: Checkpoint, output: str, report: str | None, *, container: str) -> bool:
-    """Refuse, before anything is written, every path qtool would write that is, or lies
-    inside, one it reads, and a report that is the output or inside it. Returns whether the
-    output is a single file."""
-    from qtool.formats.loader import input_paths
-
-    inputs = input_paths(checkpoint)
-
-    def clash(path: str, what: str) -> None:
-        real = os.path.realpath(path)
-        if real in inputs:
-            raise UsageError(f"{what} {path} is the input {real}", hint="write to a new path; qtool never modifies its input")
-        for source in inputs:
-            if real.startswith(source.rstrip(os.sep) + os.sep):
-                raise UsageError(f"{what} {path} lies inside the input {source}", hint="write beside the input, not into it")
-
-    for path, what in ((output, "output"), (report, "report")):
-        if path is not None and not path.strip():
-            raise UsageError(f"the {what} path is empty", option=what)
-    clash(output, "output")
-    real_out = os.path.realpath(output)
-    for source in inputs:  # an --overwrite of a folder holding the input would replace the input
-        if source.startswith(real_out.rstrip(os.sep) + os.sep):
-            raise UsageError(f"output {output} holds the input {source}", hint="write to a new path; qtool never modifies its input")
-    single_file = output.endswith((".safetensors", ".gguf"))
-    if container == "gguf" and not output.endswith(".gguf"):
-        raise UsageError(f"a GGUF output is one file: {output} should end in .gguf", hint="e.g. model-q4_0.gguf")
-    if container != "gguf" and output.endswith(".gguf"):
-        raise UsageError(f"{output} ends in .gguf, but this writes {container}", hint="name a folder or a .safetensors file, or quantize to a GGUF scheme (q8_0, q4_0, ...)")
-    if not single_file:  # only a folder output gets config.json copied into it
-        _refuse_linked_config(checkpoint)
-    if report is not None:
-        clash(report, "report")
-        real_out, real_report = os.path.realpath(output), os.path.realpath(report)
-        if real_report == real_out or real_report.startswith(real_out + os.sep):
-            raise UsageError(f"report {report} would be inside the output {output}", hint="write the report beside the output")
-    return single_file
-
-
-def _refuse_linked_config(checkpoint: Checkpoint) -> None:
-    """config.json is rewritten into the output: one that links out of the model's folder (an
-    HF cache's blobs aside) would publish whatever it points at."""
-    from qtool.side_files import linked_out
-
-    for file in {os.path.join(os.path.dirname(f), "config.json") for f in checkpoint.files}:
-        if linked_out(file):
-            raise UsageError(f"{file} links out of the model folder, to {os.path.realpath(file)}", hint="copy the real config.json into the model folder; qtool will not publish a linked one")
-
-
-def _side_file_warnings(checkpoint: Checkpoint, single_file: bool) -> list[str]:
-    from qtool.side_files import skipped_links
-
-    if single_file:
-        return list(checkpoint.notes)
-    return [*checkpoint.notes] + [f"{name} is not copied: it links out of the model folder, is not a regular file, or is too large" for name in skipped_links(checkpoint)]
+    return replace(plan, output=output, single_file=single_file, warnings=tuple(warnings + side_file_warnings(checkpoint, single_file)))
 
 
 def worker_pool(plan: "Plan", workers: int) -> "WorkerPool":
@@ -503,60 +438,12 @@ def imatrix(
     as llama-imatrix -c chunk_size --chunks N cuts them. `on_start(chunks, chunk_size, layers)`
     once the text is cut, before the first layer runs; `on_layer(layer, layers)` after each.
     Returns the `--json` document."""
-    from qtool.calibration.imatrix import as_imatrix, chunk_tokens, collect_imatrix, statistics_entries
-    from qtool.calibration.samples import load_tokenizer, read_text
-    from qtool.calibration.skeleton import Skeleton
-    from qtool.formats.imatrix import imatrix_gguf_bytes
-    from qtool.formats.writer import stage_file
-    from qtool.llamacpp.names import tensor_names
-    from qtool.pipeline import resolve_device
+    from qtool.planning.imatrix_command import compute_imatrix
 
-    output, text = os.fspath(output), os.fspath(calibrate)
-    if not output.endswith(".gguf"):
-        raise UsageError(f"{output}: an importance matrix is written as GGUF and its name should end in .gguf", hint="e.g. imatrix.gguf", option="output")
-    if threads is not None and threads < 1:
-        raise UsageError(f"threads {threads} must be at least 1", option="threads")
-    refuse_remote_data(path)
-    checkpoint = _open_checkpoint(path)
-    try:
-        checkpoint.require_local()
-        if checkpoint.format != "safetensors":
-            raise UsageError(f"{path} is a {checkpoint.format} checkpoint; the importance matrix is computed from a Hugging Face model folder (safetensors, config.json, tokenizer)", option="path")
-        check_paths(checkpoint, output, None, container="gguf")
-        if os.path.realpath(output) == os.path.realpath(text) or os.path.realpath(text).startswith(os.path.realpath(output) + os.sep):
-            raise UsageError(f"output {output} is the calibration text", hint="write to a new path")
-        if os.path.lexists(output) and not overwrite:
-            raise UsageError(f"output {output} already exists", hint="allow overwriting to replace it, or choose another path", option="overwrite")
-        names = tensor_names(checkpoint, allow_incomplete_gguf)
-        weights = inspect_checkpoint(checkpoint).weights
-        quantized = [w.name for w in weights if w.quantized]
-        if quantized:
-            raise UsageError(f"{path} is already quantized ({quantized[0]}); the importance matrix needs float weights", option="path")
-        folder = checkpoint.path if os.path.isdir(checkpoint.path) else os.path.dirname(os.path.abspath(checkpoint.path))
-        calibration = read_text(text)  # its files checked (regular, in size) before transformers is imported
-        skeleton = Skeleton.build(checkpoint)
-        said = list(skeleton.notes)  # what transformers and torch say: the document's warnings
-        tokens = chunk_tokens(calibration, load_tokenizer(folder, said), chunk_size, chunks, text)
-        if on_start is not None:
-            on_start(int(tokens.shape[0]), int(tokens.shape[1]), len(skeleton.layers))
-        import torch
-
-        from qtool.formats.transformers_boundary import collected
-
-        previous = torch.get_num_threads()
-        if threads:
-            torch.set_num_threads(threads)
-        try:
-            with collected(said, "calibration: "):
-                stats = collect_imatrix(checkpoint, weights, names.tensor_name, tokens, resolve_device(device), on_layer)
-        finally:
-            torch.set_num_threads(previous)
-    finally:
-        checkpoint.close()
-    staged = stage_file(output, imatrix_gguf_bytes(statistics_entries(stats), [text], stats.chunks, stats.chunk_size), overwrite=overwrite)
-    staged.commit()
-    document = as_imatrix(stats, output, text).to_json()
-    return {**document, "text": text, "seconds": round(stats.seconds, 3), "layers": [layer.to_json() for layer in stats.layers]} | ({"warnings": said} if said else {})
+    return compute_imatrix(
+        path, os.fspath(output), os.fspath(calibrate), chunks=chunks, chunk_size=chunk_size, device=device, threads=threads,
+        overwrite=overwrite, allow_incomplete_gguf=allow_incomplete_gguf, on_layer=on_layer, on_start=on_start,
+    )  # fmt: skip
 
 
 # -- compare and check -------------------------------------------------------------------------
@@ -703,46 +590,9 @@ def schemes() -> dict[str, Any]:
     """The `qtool schemes` document: every scheme name `--scheme` takes, with its bits per
     weight (for a 4096x4096 bf16 weight; exact for a GGUF block type), the layout that writes
     it, and llama.cpp's file types with their bits on Llama-3-8B's shapes."""
-    from qtool.ggml_types import type_for
-    from qtool.layouts import choose_layout
-    from qtool.llamacpp.mixes import MIXES, bits_per_weight_on_llama3_8b
-    from qtool.scheme import nominal_bits_per_weight
-    from qtool.scheme_strings import PRESETS, parse_scheme, scheme_names
+    from qtool.planning.schemes import catalogue
 
-    entries = []
-    for name in scheme_names():
-        scheme = parse_scheme(name)
-        if scheme.rule is not None:
-            gtype = type_for(scheme)
-            bits = gtype.type_size * 8 / gtype.block_size
-            description = f"one GGUF block type, {scheme.rule}, on the weights qtool selects"
-        else:
-            bits = nominal_bits_per_weight(scheme)
-            description = PRESETS[name][1] if name in PRESETS else ""
-        entries.append(
-            {
-                "name": name,
-                "kind": "scheme",
-                "label": scheme.label,
-                "bits_per_weight": round(bits, 4),
-                "layout": choose_layout({scheme}, None).name,
-                "preset": name in PRESETS,
-                "description": description,
-            }
-        )
-    for mix in MIXES.values():
-        entries.append(
-            {
-                "name": mix.name,
-                "kind": "gguf mix",
-                "label": f"{mix.name} (llama.cpp file type)",
-                "bits_per_weight": round(bits_per_weight_on_llama3_8b(mix), 4),  # per model: Llama-3-8B's shapes
-                "layout": "gguf",
-                "preset": False,
-                "description": mix.description,
-            }
-        )
-    return {"schema_version": 1, "schemes": entries}
+    return catalogue()
 
 
 def import_transformers_lean() -> None:

@@ -219,22 +219,15 @@ def apply_request(plan: Any, request: ImatrixRequest, device: str, threads: int 
     """Compute the importance matrix, weigh the plan's GGUF jobs with it and record it in the
     plan's metadata (`quantize.imatrix.*`, the text as the file and the dataset); the
     calibration document for the report."""
-    import torch
-
     from qtool.formats.transformers_boundary import collected
     from qtool.llamacpp.importance import IMATRIX_KEYS, attach_importance, imatrix_metadata
     from qtool.llamacpp.names import tensor_names
+    from qtool.pipeline import kernel_threads
 
-    previous = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
     said: list[str] = []
-    try:
-        names = tensor_names(plan.source, True)
-        with collected(said, "calibration: "):
-            stats = collect_imatrix(plan.source, [job.weight for job in plan.jobs], names.tensor_name, request.tokens, device, on_layer)
-    finally:
-        torch.set_num_threads(previous)
+    names = tensor_names(plan.source, True)
+    with kernel_threads(threads), collected(said, "calibration: "):
+        stats = collect_imatrix(plan.source, [job.weight for job in plan.jobs], names.tensor_name, request.tokens, device, on_layer)
     imatrix = as_imatrix(stats, request.text, request.text)
     notes = attach_importance(plan.jobs, imatrix, None)
     arch, entries = plan.metadata

@@ -124,21 +124,12 @@ def apply(plan: "Plan", request: CalibrationRequest, device: str, threads: int |
     """Calibrate (with `threads` torch and native threads, restored after) and set each calibrated job's
     encoding; the calibration document for the report. RTN ("rtn") leaves the plan as it is:
     the text only checked."""
-    import torch
+    from qtool.pipeline import kernel_threads
 
     if request.algorithm == "rtn":
         return {**request.to_json(), "layers": []}
-    from qtool import native
-
-    previous, native_previous = torch.get_num_threads(), native.threads()
-    if threads:
-        torch.set_num_threads(threads)
-        native.set_threads(threads)  # GPTQ's column sweep
-    try:
+    with kernel_threads(threads):  # GPTQ's column sweep runs natively, the rest in torch
         return _calibrated(plan, request, device, on_layer)
-    finally:
-        torch.set_num_threads(previous)
-        native.set_threads(native_previous)
 
 
 def _calibrated(plan: "Plan", request: CalibrationRequest, device: str, on_layer) -> dict[str, Any]:
