@@ -9,14 +9,13 @@
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from qtool.errors import UsageError
 from qtool.formats import Checkpoint
 from qtool.formats import open_checkpoint as _open_checkpoint
 from qtool.inspection import Inspection, inspect_checkpoint
-from qtool.planning.paths import check_paths, refuse_remote_data, side_file_warnings
+from qtool.planning.paths import refuse_remote_data
 
 if TYPE_CHECKING:
     from qtool.audit import Audit, CheckRules
@@ -145,108 +144,16 @@ def prepare_quantize(
     executor; with a GGUF output it computes llama.cpp's importance matrix instead.
     `imatrix` (a llama.cpp importance matrix, GGUF or legacy .dat; GGUF output only) weighs the
     GGUF quantizers as `llama-quantize --imatrix` does, and is recorded in the output."""
-    from qtool.selection import Selection
+    from qtool.planning.quantize import plan_quantize
+    from qtool.planning.request import QuantizeRequest
 
-    if calibrate is None and algorithm is not None:
-        raise UsageError("an algorithm needs calibration text", hint="give the text to calibrate on", option="algorithm")
-    if calibrate is None and actorder is not None:
-        raise UsageError("an activation order needs calibration text (it orders GPTQ's columns)", hint="give the text to calibrate on", option="actorder")
-    if calibrate is None and true_sequential:
-        raise UsageError("true sequential GPTQ needs calibration text", hint="give the text to calibrate on", option="true_sequential")
-    selection = Selection.from_options(scheme, list(include), list(ignore), list(tensor_schemes), pure=pure, observer=observer)
-    refuse_remote_data(path)
-    checkpoint = _open_checkpoint(path)
-    try:
-        checkpoint.require_local()
-        importance = read_imatrix(imatrix) if imatrix is not None else None
-        to_gguf = layout == "gguf" or (layout in (None, "auto") and (os.fspath(output).endswith(".gguf") or selection.mix is not None))
-        if calibrate is not None and imatrix is not None:
-            raise UsageError("give either an importance matrix or calibration text, not both", hint="--calibrate computes the importance matrix --imatrix would read", option="imatrix")
-        calibrated_gguf = calibrate is not None and to_gguf
-        if calibrated_gguf and algorithm not in (None, "imatrix"):
-            raise UsageError(f"algorithm {algorithm!r}: a calibrated GGUF is weighed by llama.cpp's importance matrix", hint="drop the algorithm, or write compressed-tensors for gptq", option="algorithm")
-        plan = _plan_quantize(
-            checkpoint, path, os.fspath(output), selection, layout, dtype, max_shard_size, allow_requantize, report, allow_incomplete_gguf,
-            importance, os.fspath(imatrix) if imatrix is not None else "", has_imatrix=importance is not None or calibrated_gguf,
-        )  # fmt: skip
-        if html is not None:  # checked as the JSON report is, and never the same file
-            check_paths(checkpoint, plan.output, os.fspath(html), container=plan.layout.container)
-            from qtool.report_output import refuse_report_paths as _refuse
-
-            _refuse([], [plan.report, os.fspath(html)])
-            plan = replace(plan, html=os.fspath(html))
-        if calibrated_gguf:  # llama.cpp's importance matrix, computed before the executor runs
-            from qtool.calibration.imatrix import prepare_request
-
-            plan = replace(plan, calibration=prepare_request(plan, os.fspath(calibrate), samples, seq_len))
-        elif calibrate is not None:
-            from qtool.calibration.request import prepare
-
-            plan = replace(plan, calibration=prepare(plan, os.fspath(calibrate), algorithm or "gptq", samples, seq_len, seed, actorder=actorder, true_sequential=true_sequential))
-        if calibrate is not None and plan.calibration.notes:  # what transformers said reading the model: warnings, escaped where shown
-            plan = replace(plan, warnings=plan.warnings + plan.calibration.notes)
-        return plan
-    except BaseException:
-        checkpoint.close()  # `run` closes it after a plan; nothing does after a refusal
-        raise
-
-
-def _plan_quantize(
-    checkpoint: Checkpoint, path, output: str, selection, layout, dtype, max_shard_size, allow_requantize, report, allow_incomplete_gguf=False,
-    imatrix=None, imatrix_name: str = "", *, has_imatrix: bool = False,
-) -> "Plan":  # fmt: skip
-    from qtool.errors import SchemeError
-    from qtool.layouts import choose_layout
-    from qtool.pipeline import parse_dtype, parse_size
-    from qtool.plan import PlanOptions
-
-    report = os.fspath(report) if report is not None else None
-    weights = inspect_checkpoint(checkpoint).weights
-    warnings = []
-    quantized = [w for w in weights if w.quantized]
-    if quantized:
-        example = quantized[0]
-        if not allow_requantize:
-            raise UsageError(
-                f"{path} is already quantized ({len(quantized)} weights, e.g. {example.name}: {example.scheme.label})",
-                hint="allow requantizing to dequantize it first and quantize again (errors compound)",
-                option="allow_requantize",
-            )
-        warnings.append(f"requantizing {len(quantized)} already-quantized weights: they are dequantized first, and errors compound")
-    chosen = selection.choose(checkpoint, weights, allow_incomplete_gguf=allow_incomplete_gguf, has_imatrix=has_imatrix)
-    if not chosen.schemes and chosen.mix is None:
-        raise UsageError(
-            f"no weight of {path} matches the selection",
-            hint="by default 2-D float *.weight tensors of linear layers are quantized; include others by pattern",
-            option="include",
-        )
-    requested = "gguf" if layout in (None, "auto") and (output.endswith(".gguf") or chosen.mix is not None) else layout
-    if chosen.mix is not None and requested != "gguf":
-        raise SchemeError(f"{chosen.mix} is a llama.cpp file type, which only the gguf layout writes", hint="write a .gguf file, or name one scheme for another layout")
-    chosen_layout = choose_layout(chosen.distinct, requested)
-    if imatrix is not None and chosen_layout.container != "gguf":
-        raise UsageError(
-            f"an importance matrix weighs llama.cpp's GGUF quantizers; this writes {chosen_layout.name}",
-            hint="write a .gguf file with a GGUF type or mix (q4_k, Q4_K_M ...), or drop the imatrix",
-            option="imatrix",
-        )
-    single_file = check_paths(checkpoint, output, report, container=chosen_layout.container)
-    if imatrix is not None and os.path.realpath(output) == os.path.realpath(imatrix.path):
-        raise UsageError(f"output {output} is the importance matrix {imatrix.path}", hint="write to a new path; qtool never modifies its input")
-    if max_shard_size and chosen_layout.container == "gguf":
-        raise UsageError("a GGUF output is one file and is not split into shards", option="max_shard_size")
-    options = PlanOptions(
-        single_file=single_file,
-        out_dtype=parse_dtype(dtype),
-        max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
-        file_name=os.path.basename(output) if single_file else "model.safetensors",
-        allow_incomplete_gguf=allow_incomplete_gguf,
-        imatrix=imatrix,
-        imatrix_name=imatrix_name,
-        imatrix_pending=has_imatrix and imatrix is None,
-    )
-    plan = chosen_layout.plan(checkpoint, weights, chosen, options)
-    return replace(plan, output=output, single_file=single_file, report=report, warnings=tuple(warnings + (plan.notes if plan.said is None else plan.said) + side_file_warnings(checkpoint, single_file)))
+    request = QuantizeRequest.from_options(
+        path, output, scheme, include=include, ignore=ignore, tensor_schemes=tensor_schemes, layout=layout, dtype=dtype,
+        max_shard_size=max_shard_size, allow_requantize=allow_requantize, report=report, allow_incomplete_gguf=allow_incomplete_gguf,
+        pure=pure, html=html, observer=observer, calibrate=calibrate, algorithm=algorithm, samples=samples, seq_len=seq_len,
+        seed=seed, actorder=actorder, true_sequential=true_sequential, imatrix=imatrix,
+    )  # fmt: skip
+    return plan_quantize(request)
 
 
 def prepare_dequantize(
@@ -258,30 +165,9 @@ def prepare_dequantize(
 ) -> "Plan":
     """Plan decoding every quantized weight to float, keyed by its logical name (a llama or qwen2
     GGUF's tensors by their Hugging Face names, q/k rows in Hugging Face's order). Writes nothing."""
-    from qtool.layouts import LAYOUTS
-    from qtool.pipeline import parse_dtype, parse_size
-    from qtool.plan import Chosen, PlanOptions
+    from qtool.planning.quantize import plan_dequantize
 
-    refuse_remote_data(path)
-    checkpoint = _open_checkpoint(path)
-    output = os.fspath(output)
-    try:
-        checkpoint.require_local()
-        single_file = check_paths(checkpoint, output, None, container="safetensors")
-        weights = inspect_checkpoint(checkpoint).weights
-        warnings = [] if any(w.quantized for w in weights) else [f"{path} has no quantized weights; the output is a copy"]
-        options = PlanOptions(
-            single_file=single_file,
-            out_dtype=parse_dtype(dtype),
-            max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
-            file_name=os.path.basename(output) if single_file else "model.safetensors",
-            hugging_face_names=True,
-        )
-        plan = LAYOUTS["safetensors"].plan(checkpoint, weights, Chosen(), options)
-    except BaseException:
-        checkpoint.close()
-        raise
-    return replace(plan, output=output, single_file=single_file, warnings=tuple(warnings + side_file_warnings(checkpoint, single_file)))
+    return plan_dequantize(path, os.fspath(output), dtype, max_shard_size)
 
 
 def worker_pool(plan: "Plan", workers: int) -> "WorkerPool":
@@ -370,7 +256,7 @@ def run(
     def stage_report(measured) -> None:  # written in full before the output is committed
         if plan.report is None and plan.html is None:
             return
-        document = RunReport(plan, measured, options.device, execution, revision).to_json()
+        document = RunReport(written, measured, options.device, execution, revision, calibration=calibrated.document if calibrated else None).to_json()
         if plan.report is not None:
             staged.append(stage(plan.report, "quantize", [document], overwrite=overwrite))  # JSON, or HTML by its suffix
         if plan.html is not None:
@@ -378,19 +264,17 @@ def run(
 
     output = None
     try:
-        if plan.calibration is not None and not isinstance(plan.calibration, dict):
-            from qtool.calibration.imatrix import ImatrixRequest, apply_request
-            from qtool.calibration.request import apply
+        from qtool.planning import calibration
 
-            apply_it = apply_request if isinstance(plan.calibration, ImatrixRequest) else apply
-            plan.calibration = apply_it(plan, plan.calibration, options.device, threads, on_layer)
+        calibrated = calibration.run(plan, options.device, threads, on_layer)
+        written = plan if calibrated is None else calibrated.over(plan)  # the plan itself is not changed
         output = Output(plan.output, single_file=plan.single_file, overwrite=overwrite)
         if runner is None:
-            measured = execute(plan, output, options, before_commit=stage_report)
+            measured = execute(written, output, options, before_commit=stage_report)
         else:
             from qtool.distribute import execute_sharded
 
-            measured, _ = execute_sharded(plan, output, options, runner, before_commit=stage_report_spread)
+            measured, _ = execute_sharded(written, output, options, runner, before_commit=stage_report_spread)
     except BaseException:  # a Ctrl-C between the two lines above too: nothing is left
         if output is not None:
             output.abort()
@@ -401,7 +285,7 @@ def run(
         plan.source.close()
     for report in staged:
         report.commit()
-    return RunReport(plan, measured, options.device, execution, revision)
+    return RunReport(written, measured, options.device, execution, revision, calibration=calibrated.document if calibrated else None)
 
 
 def quantize(path, output, scheme: str = "W4A16", *, device: str = "cpu", overwrite: bool = False, threads: int | None = None, **options) -> "RunReport":
