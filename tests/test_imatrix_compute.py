@@ -84,6 +84,7 @@ def test_quantize_calibrate_to_gguf_computes_and_uses_the_imatrix(computed, text
     target = tmp_path / "q4_k_m.gguf"
     plan = api.prepare_quantize(TINY, target, "Q4_K_M", calibrate=text, samples=MAKE.CHUNKS, seq_len=MAKE.CTX)
     assert plan.calibration.to_json() == {"text": str(text), "algorithm": "imatrix", "chunks": 4, "chunk_size": 64}
+    assert plan.calibration.mix == "Q4_K_M"  # the mix's rules weigh the computed matrix, as they weigh a file
     report = api.run(plan)
     importance = read_imatrix(out)
     for job in report.plan.jobs:  # the plan written: the plan made, with the matrix's rows beside it
