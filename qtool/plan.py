@@ -24,7 +24,7 @@ writes. None of these knows a file format beyond what the plan says.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, Union
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Union, runtime_checkable
 
 from qtool.scheme import QScheme
 from qtool.weight import Weight
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 __all__ = [
     "QUANTIZE", "DEQUANTIZE", "COPY", "CAST",
     "Chosen", "Piece", "OutputTensor", "Transform", "IntRows", "GgmlBlocks", "Precomputed", "Encoding", "Job", "PlanOptions", "Plan",
-    "GgufEntry", "Metadata", "Calibrated",
+    "GgufEntry", "Metadata", "Calibrated", "TensorLayout",
 ]  # fmt: skip
 
 QUANTIZE, DEQUANTIZE, COPY, CAST = "quantize", "dequantize", "copy", "cast"
@@ -87,6 +87,18 @@ class Transform(Protocol):
     def apply(self, values: Any, rows: int) -> Any:
         """`values` (raw row-major bytes, or a tensor whose first dim is the rows) changed."""
         ...
+
+
+@runtime_checkable
+class TensorLayout(Protocol):
+    """What the torch and precomputed encoders need of a layout (`qtool.layouts.base.Layout`)
+    beyond the plan: its tensors for a weight, encoded in torch (the reference every other encoder
+    of the layout matches), and a weight's values back from them (to measure codes encoded before
+    the run). The safetensors layouts have it; GGUF's block types are encoded by their own backends."""
+
+    def encode_tensors(self, name: str, tensor: Any, scheme: QScheme) -> dict[str, Any]: ...
+
+    def reconstruct(self, name: str, encoded: dict[str, Any], scheme: QScheme, shape: tuple[int, ...], dtype: str) -> Any: ...
 
 
 @dataclass(frozen=True)
