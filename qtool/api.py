@@ -9,13 +9,13 @@
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from qtool.errors import UsageError
 from qtool.formats import Checkpoint
 from qtool.formats import open_checkpoint as _open_checkpoint
 from qtool.inspection import Inspection, inspect_checkpoint
+from qtool.planning.paths import refuse_remote_data
 
 if TYPE_CHECKING:
     from qtool.audit import Audit, CheckRules
@@ -56,15 +56,6 @@ __all__ = [
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Read a checkpoint's headers and side files. No tensor data is read."""
     return _open_checkpoint(path)
-
-
-def refuse_remote_data(path: str | os.PathLike[str]) -> None:
-    """A command that reads tensor data refuses a remote location before it opens it: the same
-    refusal (and download command) as after, with no request, so offline too."""
-    if isinstance(path, str) and path.startswith(("hf://", "http://", "https://")):
-        from qtool.formats.remote_loader import refuse_remote_data as refuse
-
-        refuse(path)
 
 
 def inspect(path: str | os.PathLike[str], filter: str | None = None) -> Inspection:
@@ -153,108 +144,16 @@ def prepare_quantize(
     executor; with a GGUF output it computes llama.cpp's importance matrix instead.
     `imatrix` (a llama.cpp importance matrix, GGUF or legacy .dat; GGUF output only) weighs the
     GGUF quantizers as `llama-quantize --imatrix` does, and is recorded in the output."""
-    from qtool.selection import Selection
+    from qtool.planning.quantize import plan_quantize
+    from qtool.planning.request import QuantizeRequest
 
-    if calibrate is None and algorithm is not None:
-        raise UsageError("an algorithm needs calibration text", hint="give the text to calibrate on", option="algorithm")
-    if calibrate is None and actorder is not None:
-        raise UsageError("an activation order needs calibration text (it orders GPTQ's columns)", hint="give the text to calibrate on", option="actorder")
-    if calibrate is None and true_sequential:
-        raise UsageError("true sequential GPTQ needs calibration text", hint="give the text to calibrate on", option="true_sequential")
-    selection = Selection.from_options(scheme, list(include), list(ignore), list(tensor_schemes), pure=pure, observer=observer)
-    refuse_remote_data(path)
-    checkpoint = _open_checkpoint(path)
-    try:
-        checkpoint.require_local()
-        importance = read_imatrix(imatrix) if imatrix is not None else None
-        to_gguf = layout == "gguf" or (layout in (None, "auto") and (os.fspath(output).endswith(".gguf") or selection.mix is not None))
-        if calibrate is not None and imatrix is not None:
-            raise UsageError("give either an importance matrix or calibration text, not both", hint="--calibrate computes the importance matrix --imatrix would read", option="imatrix")
-        calibrated_gguf = calibrate is not None and to_gguf
-        if calibrated_gguf and algorithm not in (None, "imatrix"):
-            raise UsageError(f"algorithm {algorithm!r}: a calibrated GGUF is weighed by llama.cpp's importance matrix", hint="drop the algorithm, or write compressed-tensors for gptq", option="algorithm")
-        plan = _plan_quantize(
-            checkpoint, path, os.fspath(output), selection, layout, dtype, max_shard_size, allow_requantize, report, allow_incomplete_gguf,
-            importance, os.fspath(imatrix) if imatrix is not None else "", has_imatrix=importance is not None or calibrated_gguf,
-        )  # fmt: skip
-        if html is not None:  # checked as the JSON report is, and never the same file
-            check_paths(checkpoint, plan.output, os.fspath(html), container=plan.layout.container)
-            from qtool.report_output import refuse_report_paths as _refuse
-
-            _refuse([], [plan.report, os.fspath(html)])
-            plan = replace(plan, html=os.fspath(html))
-        if calibrated_gguf:  # llama.cpp's importance matrix, computed before the executor runs
-            from qtool.calibration.imatrix import prepare_request
-
-            plan = replace(plan, calibration=prepare_request(plan, os.fspath(calibrate), samples, seq_len))
-        elif calibrate is not None:
-            from qtool.calibration.request import prepare
-
-            plan = replace(plan, calibration=prepare(plan, os.fspath(calibrate), algorithm or "gptq", samples, seq_len, seed, actorder=actorder, true_sequential=true_sequential))
-        if calibrate is not None and plan.calibration.notes:  # what transformers said reading the model: warnings, escaped where shown
-            plan = replace(plan, warnings=plan.warnings + plan.calibration.notes)
-        return plan
-    except BaseException:
-        checkpoint.close()  # `run` closes it after a plan; nothing does after a refusal
-        raise
-
-
-def _plan_quantize(
-    checkpoint: Checkpoint, path, output: str, selection, layout, dtype, max_shard_size, allow_requantize, report, allow_incomplete_gguf=False,
-    imatrix=None, imatrix_name: str = "", *, has_imatrix: bool = False,
-) -> "Plan":  # fmt: skip
-    from qtool.errors import SchemeError
-    from qtool.layouts import choose_layout
-    from qtool.pipeline import parse_dtype, parse_size
-    from qtool.plan import PlanOptions
-
-    report = os.fspath(report) if report is not None else None
-    weights = inspect_checkpoint(checkpoint).weights
-    warnings = []
-    quantized = [w for w in weights if w.quantized]
-    if quantized:
-        example = quantized[0]
-        if not allow_requantize:
-            raise UsageError(
-                f"{path} is already quantized ({len(quantized)} weights, e.g. {example.name}: {example.scheme.label})",
-                hint="allow requantizing to dequantize it first and quantize again (errors compound)",
-                option="allow_requantize",
-            )
-        warnings.append(f"requantizing {len(quantized)} already-quantized weights: they are dequantized first, and errors compound")
-    chosen = selection.choose(checkpoint, weights, allow_incomplete_gguf=allow_incomplete_gguf, has_imatrix=has_imatrix)
-    if not chosen.schemes and chosen.mix is None:
-        raise UsageError(
-            f"no weight of {path} matches the selection",
-            hint="by default 2-D float *.weight tensors of linear layers are quantized; include others by pattern",
-            option="include",
-        )
-    requested = "gguf" if layout in (None, "auto") and (output.endswith(".gguf") or chosen.mix is not None) else layout
-    if chosen.mix is not None and requested != "gguf":
-        raise SchemeError(f"{chosen.mix} is a llama.cpp file type, which only the gguf layout writes", hint="write a .gguf file, or name one scheme for another layout")
-    chosen_layout = choose_layout(chosen.distinct, requested)
-    if imatrix is not None and chosen_layout.container != "gguf":
-        raise UsageError(
-            f"an importance matrix weighs llama.cpp's GGUF quantizers; this writes {chosen_layout.name}",
-            hint="write a .gguf file with a GGUF type or mix (q4_k, Q4_K_M ...), or drop the imatrix",
-            option="imatrix",
-        )
-    single_file = check_paths(checkpoint, output, report, container=chosen_layout.container)
-    if imatrix is not None and os.path.realpath(output) == os.path.realpath(imatrix.path):
-        raise UsageError(f"output {output} is the importance matrix {imatrix.path}", hint="write to a new path; qtool never modifies its input")
-    if max_shard_size and chosen_layout.container == "gguf":
-        raise UsageError("a GGUF output is one file and is not split into shards", option="max_shard_size")
-    options = PlanOptions(
-        single_file=single_file,
-        out_dtype=parse_dtype(dtype),
-        max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
-        file_name=os.path.basename(output) if single_file else "model.safetensors",
-        allow_incomplete_gguf=allow_incomplete_gguf,
-        imatrix=imatrix,
-        imatrix_name=imatrix_name,
-        imatrix_pending=has_imatrix and imatrix is None,
-    )
-    plan = chosen_layout.plan(checkpoint, weights, chosen, options)
-    return replace(plan, output=output, single_file=single_file, report=report, warnings=tuple(warnings + (plan.notes if plan.said is None else plan.said) + _side_file_warnings(checkpoint, single_file)))
+    request = QuantizeRequest.from_options(
+        path, output, scheme, include=include, ignore=ignore, tensor_schemes=tensor_schemes, layout=layout, dtype=dtype,
+        max_shard_size=max_shard_size, allow_requantize=allow_requantize, report=report, allow_incomplete_gguf=allow_incomplete_gguf,
+        pure=pure, html=html, observer=observer, calibrate=calibrate, algorithm=algorithm, samples=samples, seq_len=seq_len,
+        seed=seed, actorder=actorder, true_sequential=true_sequential, imatrix=imatrix,
+    )  # fmt: skip
+    return plan_quantize(request)
 
 
 def prepare_dequantize(
@@ -266,87 +165,9 @@ def prepare_dequantize(
 ) -> "Plan":
     """Plan decoding every quantized weight to float, keyed by its logical name (a llama or qwen2
     GGUF's tensors by their Hugging Face names, q/k rows in Hugging Face's order). Writes nothing."""
-    from qtool.layouts import LAYOUTS
-    from qtool.pipeline import parse_dtype, parse_size
-    from qtool.plan import Chosen, PlanOptions
+    from qtool.planning.quantize import plan_dequantize
 
-    refuse_remote_data(path)
-    checkpoint = _open_checkpoint(path)
-    output = os.fspath(output)
-    try:
-        checkpoint.require_local()
-        single_file = check_paths(checkpoint, output, None, container="safetensors")
-        weights = inspect_checkpoint(checkpoint).weights
-        warnings = [] if any(w.quantized for w in weights) else [f"{path} has no quantized weights; the output is a copy"]
-        options = PlanOptions(
-            single_file=single_file,
-            out_dtype=parse_dtype(dtype),
-            max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
-            file_name=os.path.basename(output) if single_file else "model.safetensors",
-            hugging_face_names=True,
-        )
-        plan = LAYOUTS["safetensors"].plan(checkpoint, weights, Chosen(), options)
-    except BaseException:
-        checkpoint.close()
-        raise
-    return replace(plan, output=output, single_file=single_file, warnings=tuple(warnings + _side_file_warnings(checkpoint, single_file)))
-
-
-def check_paths(checkpoint: Checkpoint, output: str, report: str | None, *, container: str) -> bool:
-    """Refuse, before anything is written, every path qtool would write that is, or lies
-    inside, one it reads, and a report that is the output or inside it. Returns whether the
-    output is a single file."""
-    from qtool.formats.loader import input_paths
-
-    inputs = input_paths(checkpoint)
-
-    def clash(path: str, what: str) -> None:
-        real = os.path.realpath(path)
-        if real in inputs:
-            raise UsageError(f"{what} {path} is the input {real}", hint="write to a new path; qtool never modifies its input")
-        for source in inputs:
-            if real.startswith(source.rstrip(os.sep) + os.sep):
-                raise UsageError(f"{what} {path} lies inside the input {source}", hint="write beside the input, not into it")
-
-    for path, what in ((output, "output"), (report, "report")):
-        if path is not None and not path.strip():
-            raise UsageError(f"the {what} path is empty", option=what)
-    clash(output, "output")
-    real_out = os.path.realpath(output)
-    for source in inputs:  # an --overwrite of a folder holding the input would replace the input
-        if source.startswith(real_out.rstrip(os.sep) + os.sep):
-            raise UsageError(f"output {output} holds the input {source}", hint="write to a new path; qtool never modifies its input")
-    single_file = output.endswith((".safetensors", ".gguf"))
-    if container == "gguf" and not output.endswith(".gguf"):
-        raise UsageError(f"a GGUF output is one file: {output} should end in .gguf", hint="e.g. model-q4_0.gguf")
-    if container != "gguf" and output.endswith(".gguf"):
-        raise UsageError(f"{output} ends in .gguf, but this writes {container}", hint="name a folder or a .safetensors file, or quantize to a GGUF scheme (q8_0, q4_0, ...)")
-    if not single_file:  # only a folder output gets config.json copied into it
-        _refuse_linked_config(checkpoint)
-    if report is not None:
-        clash(report, "report")
-        real_out, real_report = os.path.realpath(output), os.path.realpath(report)
-        if real_report == real_out or real_report.startswith(real_out + os.sep):
-            raise UsageError(f"report {report} would be inside the output {output}", hint="write the report beside the output")
-    return single_file
-
-
-def _refuse_linked_config(checkpoint: Checkpoint) -> None:
-    """config.json is rewritten into the output: one that links out of the model's folder (an
-    HF cache's blobs aside) would publish whatever it points at."""
-    from qtool.side_files import linked_out
-
-    for file in {os.path.join(os.path.dirname(f), "config.json") for f in checkpoint.files}:
-        if linked_out(file):
-            raise UsageError(f"{file} links out of the model folder, to {os.path.realpath(file)}", hint="copy the real config.json into the model folder; qtool will not publish a linked one")
-
-
-def _side_file_warnings(checkpoint: Checkpoint, single_file: bool) -> list[str]:
-    from qtool.side_files import skipped_links
-
-    if single_file:
-        return list(checkpoint.notes)
-    return [*checkpoint.notes] + [f"{name} is not copied: it links out of the model folder, is not a regular file, or is too large" for name in skipped_links(checkpoint)]
+    return plan_dequantize(path, os.fspath(output), dtype, max_shard_size)
 
 
 def worker_pool(plan: "Plan", workers: int) -> "WorkerPool":
@@ -435,7 +256,7 @@ def run(
     def stage_report(measured) -> None:  # written in full before the output is committed
         if plan.report is None and plan.html is None:
             return
-        document = RunReport(plan, measured, options.device, execution, revision).to_json()
+        document = RunReport(written, measured, options.device, execution, revision, calibration=calibrated.document if calibrated else None).to_json()
         if plan.report is not None:
             staged.append(stage(plan.report, "quantize", [document], overwrite=overwrite))  # JSON, or HTML by its suffix
         if plan.html is not None:
@@ -443,19 +264,17 @@ def run(
 
     output = None
     try:
-        if plan.calibration is not None and not isinstance(plan.calibration, dict):
-            from qtool.calibration.imatrix import ImatrixRequest, apply_request
-            from qtool.calibration.request import apply
+        from qtool.planning import calibration
 
-            apply_it = apply_request if isinstance(plan.calibration, ImatrixRequest) else apply
-            plan.calibration = apply_it(plan, plan.calibration, options.device, threads, on_layer)
+        calibrated = calibration.run(plan, options.device, threads, on_layer)
+        written = plan if calibrated is None else calibrated.over(plan)  # the plan itself is not changed
         output = Output(plan.output, single_file=plan.single_file, overwrite=overwrite)
         if runner is None:
-            measured = execute(plan, output, options, before_commit=stage_report)
+            measured = execute(written, output, options, before_commit=stage_report)
         else:
             from qtool.distribute import execute_sharded
 
-            measured, _ = execute_sharded(plan, output, options, runner, before_commit=stage_report_spread)
+            measured, _ = execute_sharded(written, output, options, runner, before_commit=stage_report_spread)
     except BaseException:  # a Ctrl-C between the two lines above too: nothing is left
         if output is not None:
             output.abort()
@@ -466,7 +285,7 @@ def run(
         plan.source.close()
     for report in staged:
         report.commit()
-    return RunReport(plan, measured, options.device, execution, revision)
+    return RunReport(written, measured, options.device, execution, revision, calibration=calibrated.document if calibrated else None)
 
 
 def quantize(path, output, scheme: str = "W4A16", *, device: str = "cpu", overwrite: bool = False, threads: int | None = None, **options) -> "RunReport":
@@ -503,60 +322,12 @@ def imatrix(
     as llama-imatrix -c chunk_size --chunks N cuts them. `on_start(chunks, chunk_size, layers)`
     once the text is cut, before the first layer runs; `on_layer(layer, layers)` after each.
     Returns the `--json` document."""
-    from qtool.calibration.imatrix import as_imatrix, chunk_tokens, collect_imatrix, statistics_entries
-    from qtool.calibration.samples import load_tokenizer, read_text
-    from qtool.calibration.skeleton import Skeleton
-    from qtool.formats.imatrix import imatrix_gguf_bytes
-    from qtool.formats.writer import stage_file
-    from qtool.llamacpp.names import tensor_names
-    from qtool.pipeline import resolve_device
+    from qtool.planning.imatrix_command import compute_imatrix
 
-    output, text = os.fspath(output), os.fspath(calibrate)
-    if not output.endswith(".gguf"):
-        raise UsageError(f"{output}: an importance matrix is written as GGUF and its name should end in .gguf", hint="e.g. imatrix.gguf", option="output")
-    if threads is not None and threads < 1:
-        raise UsageError(f"threads {threads} must be at least 1", option="threads")
-    refuse_remote_data(path)
-    checkpoint = _open_checkpoint(path)
-    try:
-        checkpoint.require_local()
-        if checkpoint.format != "safetensors":
-            raise UsageError(f"{path} is a {checkpoint.format} checkpoint; the importance matrix is computed from a Hugging Face model folder (safetensors, config.json, tokenizer)", option="path")
-        check_paths(checkpoint, output, None, container="gguf")
-        if os.path.realpath(output) == os.path.realpath(text) or os.path.realpath(text).startswith(os.path.realpath(output) + os.sep):
-            raise UsageError(f"output {output} is the calibration text", hint="write to a new path")
-        if os.path.lexists(output) and not overwrite:
-            raise UsageError(f"output {output} already exists", hint="allow overwriting to replace it, or choose another path", option="overwrite")
-        names = tensor_names(checkpoint, allow_incomplete_gguf)
-        weights = inspect_checkpoint(checkpoint).weights
-        quantized = [w.name for w in weights if w.quantized]
-        if quantized:
-            raise UsageError(f"{path} is already quantized ({quantized[0]}); the importance matrix needs float weights", option="path")
-        folder = checkpoint.path if os.path.isdir(checkpoint.path) else os.path.dirname(os.path.abspath(checkpoint.path))
-        calibration = read_text(text)  # its files checked (regular, in size) before transformers is imported
-        skeleton = Skeleton.build(checkpoint)
-        said = list(skeleton.notes)  # what transformers and torch say: the document's warnings
-        tokens = chunk_tokens(calibration, load_tokenizer(folder, said), chunk_size, chunks, text)
-        if on_start is not None:
-            on_start(int(tokens.shape[0]), int(tokens.shape[1]), len(skeleton.layers))
-        import torch
-
-        from qtool.formats.transformers_boundary import collected
-
-        previous = torch.get_num_threads()
-        if threads:
-            torch.set_num_threads(threads)
-        try:
-            with collected(said, "calibration: "):
-                stats = collect_imatrix(checkpoint, weights, names.tensor_name, tokens, resolve_device(device), on_layer)
-        finally:
-            torch.set_num_threads(previous)
-    finally:
-        checkpoint.close()
-    staged = stage_file(output, imatrix_gguf_bytes(statistics_entries(stats), [text], stats.chunks, stats.chunk_size), overwrite=overwrite)
-    staged.commit()
-    document = as_imatrix(stats, output, text).to_json()
-    return {**document, "text": text, "seconds": round(stats.seconds, 3), "layers": [layer.to_json() for layer in stats.layers]} | ({"warnings": said} if said else {})
+    return compute_imatrix(
+        path, os.fspath(output), os.fspath(calibrate), chunks=chunks, chunk_size=chunk_size, device=device, threads=threads,
+        overwrite=overwrite, allow_incomplete_gguf=allow_incomplete_gguf, on_layer=on_layer, on_start=on_start,
+    )  # fmt: skip
 
 
 # -- compare and check -------------------------------------------------------------------------
@@ -703,46 +474,9 @@ def schemes() -> dict[str, Any]:
     """The `qtool schemes` document: every scheme name `--scheme` takes, with its bits per
     weight (for a 4096x4096 bf16 weight; exact for a GGUF block type), the layout that writes
     it, and llama.cpp's file types with their bits on Llama-3-8B's shapes."""
-    from qtool.ggml_types import type_for
-    from qtool.layouts import choose_layout
-    from qtool.llamacpp.mixes import MIXES, bits_per_weight_on_llama3_8b
-    from qtool.scheme import nominal_bits_per_weight
-    from qtool.scheme_strings import PRESETS, parse_scheme, scheme_names
+    from qtool.planning.schemes import catalogue
 
-    entries = []
-    for name in scheme_names():
-        scheme = parse_scheme(name)
-        if scheme.rule is not None:
-            gtype = type_for(scheme)
-            bits = gtype.type_size * 8 / gtype.block_size
-            description = f"one GGUF block type, {scheme.rule}, on the weights qtool selects"
-        else:
-            bits = nominal_bits_per_weight(scheme)
-            description = PRESETS[name][1] if name in PRESETS else ""
-        entries.append(
-            {
-                "name": name,
-                "kind": "scheme",
-                "label": scheme.label,
-                "bits_per_weight": round(bits, 4),
-                "layout": choose_layout({scheme}, None).name,
-                "preset": name in PRESETS,
-                "description": description,
-            }
-        )
-    for mix in MIXES.values():
-        entries.append(
-            {
-                "name": mix.name,
-                "kind": "gguf mix",
-                "label": f"{mix.name} (llama.cpp file type)",
-                "bits_per_weight": round(bits_per_weight_on_llama3_8b(mix), 4),  # per model: Llama-3-8B's shapes
-                "layout": "gguf",
-                "preset": False,
-                "description": mix.description,
-            }
-        )
-    return {"schema_version": 1, "schemes": entries}
+    return catalogue()
 
 
 def import_transformers_lean() -> None:

@@ -111,9 +111,10 @@ def resolve_device(text: str) -> str:
 
 
 @contextlib.contextmanager
-def _threads(count: int | None) -> Iterator[None]:
+def kernel_threads(count: int | None) -> Iterator[None]:
     """Run with `count` kernel threads, then restore what was set before (native's pool size,
-    and torch's when torch is imported)."""
+    and torch's when torch is imported): the one place a run sets threads, for the executor,
+    a shard job, calibration and `qtool imatrix` alike. None or 0 leaves them as they are."""
     import sys
 
     from qtool import native
@@ -294,7 +295,6 @@ class _Runner:
 
 # what a shard job (`qtool.shard_job`) runs a slice of a plan with, as `execute` runs all of it
 Runner = _Runner
-kernel_threads = _threads
 
 
 def kept_error(original, written, source: str, target: str) -> ErrorStats:
@@ -339,7 +339,7 @@ def execute(plan: Plan, output: Output, options: ExecOptions = ExecOptions(), *,
     runner = _Runner(plan, options)
     started = time.perf_counter()
     layout = plan.layout
-    with _threads(options.threads):
+    with kernel_threads(options.threads):
         try:
             # inside the try: a file that cannot be created (no space, no permission) must
             # remove the temporary output too

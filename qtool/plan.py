@@ -9,7 +9,13 @@ executor share:
                    values take on the way out and the encoding its tensors are in
     OutputTensor   one tensor written: name, container dtype ("I32", "Q4_K"), shape, bytes
     Piece          bytes of one output tensor at an offset within it, as an encoder yields them
+    Calibrated     what a calibration stage made for a plan (per weight: precomputed codes or
+                   importance rows, a changed float tensor; the metadata it records), which the
+                   executor applies beside the plan
 
+A plan is a value: `Plan` and `Job` are frozen, and nothing changes them once planning
+(`qtool.planning`, the layouts) has made them; a stage that runs after planning returns what it
+made instead (`Calibrated`), and `Calibrated.over` gives the plan the executor writes, a new value.
 A layout fills the plan; an encoder (`qtool.encoders`, chosen by capability) turns a job's
 values into pieces; the executor (`qtool.pipeline`) reads, applies what the job says, and
 writes. None of these knows a file format beyond what the plan says.
@@ -18,20 +24,25 @@ writes. None of these knows a file format beyond what the plan says.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Union, runtime_checkable
 
 from qtool.ggml_types import GgmlType
 from qtool.scheme import QScheme
 from qtool.weight import Weight
 
 if TYPE_CHECKING:
-    import numpy
+    import numpy as np
 
+    from qtool.calibration.imatrix import ImatrixRequest
+    from qtool.calibration.request import CalibrationRequest
     from qtool.formats.checkpoint import Checkpoint
+    from qtool.formats.imatrix import Imatrix
+    from qtool.layouts.base import Layout
 
 __all__ = [
     "QUANTIZE", "DEQUANTIZE", "COPY", "CAST",
     "Chosen", "Piece", "OutputTensor", "Transform", "IntRows", "GgmlBlocks", "Precomputed", "Encoding", "Job", "PlanOptions", "Plan",
+    "GgufEntry", "Metadata", "Calibrated", "TensorLayout",
 ]  # fmt: skip
 
 QUANTIZE, DEQUANTIZE, COPY, CAST = "quantize", "dequantize", "copy", "cast"
@@ -79,6 +90,18 @@ class Transform(Protocol):
         ...
 
 
+@runtime_checkable
+class TensorLayout(Protocol):
+    """What the torch and precomputed encoders need of a layout (`qtool.layouts.base.Layout`)
+    beyond the plan: its tensors for a weight, encoded in torch (the reference every other encoder
+    of the layout matches), and a weight's values back from them (to measure codes encoded before
+    the run). The safetensors layouts have it; GGUF's block types are encoded by their own backends."""
+
+    def encode_tensors(self, name: str, tensor: Any, scheme: QScheme) -> dict[str, Any]: ...
+
+    def reconstruct(self, name: str, encoded: dict[str, Any], scheme: QScheme, shape: tuple[int, ...], dtype: str) -> Any: ...
+
+
 @dataclass(frozen=True)
 class IntRows:
     """compressed-tensors pack-quantized ints with one scale (and zero point) per group of a
@@ -98,7 +121,7 @@ class GgmlBlocks:
     handed to the kernels as llama.cpp's `quant_weights`; None quantizes without one."""
 
     type: GgmlType
-    importance: numpy.ndarray | None = field(default=None, hash=False, compare=False)
+    importance: np.ndarray | None = field(default=None, hash=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -114,9 +137,9 @@ class Precomputed:
 Encoding = IntRows | GgmlBlocks | Precomputed
 
 
-@dataclass
+@dataclass(frozen=True)
 class Job:
-    """One input weight and what becomes of it."""
+    """One input weight and what becomes of it; frozen once planned."""
 
     weight: Weight
     action: str  # QUANTIZE | DEQUANTIZE | COPY | CAST
@@ -145,21 +168,27 @@ class PlanOptions:
     max_shard_size: int | None = None
     file_name: str = "model.safetensors"
     allow_incomplete_gguf: bool = False  # GGUF: write a model llama.cpp cannot run (no architecture or tokenizer)
-    imatrix: Any = None  # GGUF: a qtool.formats.imatrix.Imatrix whose importance the quantizers weigh
+    imatrix: "Imatrix | None" = None  # GGUF: an importance matrix the quantizers weigh
     imatrix_name: str = ""  # the imatrix path as the user gave it (quantize.imatrix.file)
     imatrix_pending: bool = False  # GGUF: an importance matrix is computed after planning (--calibrate)
     hugging_face_names: bool = False  # safetensors from a llama/qwen2 GGUF: Hugging Face names and q/k row order
 
 
-@dataclass
+GgufEntry = tuple[str, Any, str]  # a GGUF key-value: key, value (as gguf_writer takes it), its GGUF type name
+# the container's own metadata: safetensors' `__metadata__`, or GGUF's architecture and key-values
+Metadata = Union[dict[str, str], tuple[Union[str, None], list[GgufEntry]]]
+
+
+@dataclass(frozen=True)
 class Plan:
-    """Everything a run writes, fixed before any data is read."""
+    """Everything a run writes, fixed before any data is read, and never changed after: a
+    calibration stage's results are applied beside it (`Calibrated.over`)."""
 
     source: "Checkpoint"
-    layout: Any  # the qtool.layouts Layout that planned it, and writes the headers
+    layout: "Layout"  # the layout that planned it, and writes the headers
     jobs: list[Job]
     files: list[str]  # output file names, in shard order
-    metadata: Any  # the container's own metadata (safetensors `__metadata__`, GGUF key-values)
+    metadata: Metadata
     config: dict[str, Any] | None  # config.json to write beside the weights, or None
     notes: list[str] = field(default_factory=list)  # the details, in the --dry-run document
     said: list[str] | None = None  # what a run warns of them (fewer lines: one per fallback kind); None: the notes
@@ -169,7 +198,7 @@ class Plan:
     report: str | None = None  # where the report document is written, if anywhere (HTML by a .html suffix)
     html: str | None = None  # where the HTML report is written, if anywhere
     warnings: tuple[str, ...] = ()  # for the user: requantizing, side files left behind, the notes
-    calibration: Any = None  # a qtool.calibration request, run before the executor; then its document
+    calibration: "CalibrationRequest | ImatrixRequest | None" = None  # a calibration stage to run before the executor
 
     def to_json(self) -> dict[str, Any]:
         """The `--dry-run` document: what each weight becomes, and the sizes before and after."""
@@ -208,5 +237,44 @@ class Plan:
             ],
             "notes": list(self.notes),
             **({"output": self.output} if self.output is not None else {}),
-            **({"calibration": self.calibration if isinstance(self.calibration, dict) else self.calibration.to_json()} if self.calibration is not None else {}),
+            **({"calibration": self.calibration.to_json()} if self.calibration is not None else {}),
         }
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    """What a calibration stage made for a plan, by input weight name: `encodings` replace a
+    quantized job's (GPTQ's and AWQ's `Precomputed` codes, a GGUF job's `GgmlBlocks` with
+    importance rows), `transforms` change a copied or cast float tensor (AWQ's smoothed norm);
+    `metadata`, where given, is the container metadata with what the stage records (the
+    `quantize.imatrix.*` keys). `document` is the report's `calibration` part."""
+
+    document: Mapping[str, Any]
+    encodings: Mapping[str, Encoding] = field(default_factory=dict)
+    transforms: Mapping[str, Transform] = field(default_factory=dict)
+    metadata: Metadata | None = None
+
+    def over(self, plan: Plan) -> Plan:
+        """The plan the executor writes: `plan`'s jobs with these results, a new value (`plan`
+        is not changed). A result for a weight the plan does not write, or a transform of a job
+        that is not a plain copy or cast, is an internal error."""
+        from dataclasses import replace
+
+        from qtool.errors import InternalError
+
+        jobs = []
+        for job in plan.jobs:
+            name = job.weight.name
+            if name in self.encodings:
+                if job.action != QUANTIZE:
+                    raise InternalError(f"{name}: calibration encoded it, but the plan {job.action}s it")
+                job = replace(job, encoding=self.encodings[name])
+            if name in self.transforms:
+                if job.action not in (COPY, CAST) or job.transform is not None:
+                    raise InternalError(f"{name}: calibration changed it, but the plan {job.action}s it")
+                job = replace(job, transform=self.transforms[name])
+            jobs.append(job)
+        unknown = (set(self.encodings) | set(self.transforms)) - {job.weight.name for job in plan.jobs}
+        if unknown:
+            raise InternalError(f"calibration changed {sorted(unknown)[0]}, which the plan does not write")
+        return replace(plan, jobs=jobs, metadata=plan.metadata if self.metadata is None else self.metadata)

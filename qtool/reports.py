@@ -10,7 +10,7 @@ Two model-wide error figures, named for what they cover:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from qtool.error_measures import ErrorStats
 from qtool.model_summary import describe_model
@@ -35,6 +35,7 @@ class RunReport:
     device: str
     execution: dict[str, Any] | None = None  # a run spread over workers: the executor and each shard job (`qtool.distribute`)
     input_revision: bool | dict[str, Any] | None = True  # the input's revision as `api.run` read it before the commit (True: look it up)
+    calibration: Mapping[str, Any] | None = None  # what the plan's calibration stage did (`qtool.plan.Calibrated.document`); None: none ran
 
     @property
     def errors(self) -> dict[str, ErrorStats]:
@@ -107,7 +108,7 @@ class RunReport:
             "weights": weights,
             "models": self._models(plan),  # added for issue 23
             **({"execution": self.execution} if self.execution is not None else {}),  # added for issue 22
-            **({"calibration": plan["calibration"]} if "calibration" in plan else {}),  # added for issue 20
+            **({"calibration": dict(self.calibration)} if self.calibration is not None else {}),  # added for issue 20
         }
 
     def _models(self, plan: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, SAMPLES
 
 pytest.importorskip("importlinter", reason="import-linter is a test dependency (pip install -e '.[test]')")
 
@@ -115,3 +115,74 @@ def test_a_second_table_of_ggml_types_would_be_found():
     assert not ggml_type_tables('def f(new):\n    return new in ("Q3_K", "Q4_K")\n')  # a rule, not a table
     assert not ggml_type_tables('RULE = {"Q2_K": "Q3_K", "Q3_K_M": "Q4_K"}\n')  # keyed by file types
     assert not ggml_type_tables('FLOATS = ("F32", "F16", "BF16")\n')  # plain types are dtypes too
+
+
+def test_a_plan_is_a_value(tmp_path):
+    """`Plan` and `Job` are frozen: assigning a field of a planned quantization raises, so a
+    stage after planning (calibration) cannot rewrite it, and returns what it made instead."""
+    import dataclasses
+
+    from qtool import api
+
+    for output, scheme in ((tmp_path / "out", "W4A16"), (tmp_path / "out.gguf", "q4_0")):
+        plan = api.prepare_quantize(SAMPLES / "tiny-llama", output, scheme)
+        try:
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                plan.metadata = None
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                plan.calibration = {}
+            job = next(job for job in plan.jobs if job.encoding is not None)
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                job.encoding = None
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                job.transform = None
+        finally:
+            plan.source.close()
+
+
+def _plan_field_assignments(root) -> list[str]:
+    """Every `<plan>.<field> = ...` and `<job>.<field> = ...` (also augmented, and setattr /
+    object.__setattr__ with such a field named) in the package's modules, where the field is one
+    of `Plan`'s or `Job`'s and the name ends in plan or job."""
+    import ast
+    import dataclasses
+
+    from qtool.plan import Job, Plan
+
+    fields = {f.name for f in dataclasses.fields(Plan)} | {f.name for f in dataclasses.fields(Job)}
+
+    def planned(node) -> bool:
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+        return name.lower().endswith(("plan", "job")) and name != "shard_job"
+
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            targets = list(node.targets) if isinstance(node, ast.Assign) else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            while targets:
+                target = targets.pop()
+                if isinstance(target, (ast.Tuple, ast.List)):
+                    targets += target.elts
+                    continue
+                while isinstance(target, ast.Subscript):  # plan.config["key"] = ... changes the plan too
+                    target = target.value
+                if isinstance(target, ast.Attribute) and target.attr in fields and planned(target.value):
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno}")
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("setattr", "__setattr__") and len(node.args) >= 2:
+                if planned(node.args[0]) and isinstance(node.args[1], ast.Constant) and node.args[1].value in fields:
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno}")
+    return found
+
+
+def test_nothing_assigns_to_a_plan_or_job_after_planning():
+    """No module changes a plan's or a job's fields: the planning package and the layouts build
+    new values (`dataclasses.replace`), calibration returns a `Calibrated` the executor applies
+    beside the plan. A deliberate `plan.metadata = ...` is found."""
+    assert _plan_field_assignments(REPO / "qtool") == []
+
+
+def test_the_plan_assignment_check_finds_one(package_copy):
+    with open(package_copy / "qtool" / "pipeline.py", "a") as handle:
+        handle.write("\n\ndef _rewrite(plan, job):\n    plan.metadata = None\n    job.encoding += 1\n    setattr(plan, 'config', {})\n    plan.config['x'] = 1\n")
+    assert len(_plan_field_assignments(package_copy / "qtool")) == 4

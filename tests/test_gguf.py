@@ -425,7 +425,7 @@ def plan_gguf(checkpoint, weights, chosen, output, allow_incomplete=False):
 
 def write_gguf(checkpoint, weights, chosen, output, *, overwrite, device, allow_incomplete=False):
     """The GGUF layout's plan for exactly these choices, run by the one executor."""
-    from qtool.api import check_paths
+    from qtool.planning.paths import check_paths
     from qtool.formats.writer import Output
     from qtool.pipeline import ExecOptions, execute
 

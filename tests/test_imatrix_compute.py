@@ -84,16 +84,18 @@ def test_quantize_calibrate_to_gguf_computes_and_uses_the_imatrix(computed, text
     target = tmp_path / "q4_k_m.gguf"
     plan = api.prepare_quantize(TINY, target, "Q4_K_M", calibrate=text, samples=MAKE.CHUNKS, seq_len=MAKE.CTX)
     assert plan.calibration.to_json() == {"text": str(text), "algorithm": "imatrix", "chunks": 4, "chunk_size": 64}
-    api.run(plan)
+    assert plan.calibration.mix == "Q4_K_M"  # the mix's rules weigh the computed matrix, as they weigh a file
+    report = api.run(plan)
     importance = read_imatrix(out)
-    for job in plan.jobs:
+    for job in report.plan.jobs:  # the plan written: the plan made, with the matrix's rows beside it
         name = job.outputs[0].name
         if job.action == QUANTIZE and name in importance.entries:
             np.testing.assert_array_equal(job.encoding.importance, importance.entries[name].importance(), err_msg=name)
+    assert all(job.encoding is None or job.encoding.importance is None for job in plan.jobs)  # the plan made is not changed
     fields = gguf.GGUFReader(str(target)).fields
     assert bytes(fields["quantize.imatrix.dataset"].parts[-1]) == str(text).encode()
     assert fields["quantize.imatrix.entries_count"].contents() == 14 and fields["quantize.imatrix.chunks_count"].contents() == 4
-    assert plan.calibration["entries"] == 14
+    assert report.calibration["entries"] == 14 and report.to_json()["calibration"]["entries"] == 14
 
 
 def qtool(*args) -> subprocess.CompletedProcess:

@@ -7,6 +7,7 @@ output against `llama-quantize --imatrix` on the same GGUF and imatrix."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -94,16 +95,25 @@ def test_a_legacy_dat_weighs_the_same_tensors_with_the_same_importance():
             plan.source.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Job:  # what attach_importance reads of a plan's Job; it returns new ones, as for a Job
+    action: str
+    encoding: GgmlBlocks
+    outputs: list
+    weight: SimpleNamespace
+
+
 def _job(name, shape, gguf_type="Q4_K"):
-    return SimpleNamespace(action=QUANTIZE, encoding=GgmlBlocks(ggml_type_named(gguf_type)), outputs=[SimpleNamespace(name=name, dtype=gguf_type)], weight=SimpleNamespace(shape=shape))
+    return _Job(QUANTIZE, GgmlBlocks(ggml_type_named(gguf_type)), [SimpleNamespace(name=name, dtype=gguf_type)], SimpleNamespace(shape=shape))
 
 
 def test_a_3d_expert_tensor_takes_one_slice_per_expert():
     sums = np.arange(4 * 64, dtype=np.float32)
     imatrix = SimpleNamespace(path="m.gguf", entries={"blk.0.ffn_up_exps.weight": ImatrixEntry("blk.0.ffn_up_exps.weight", sums, (2, 0, 4, 8))})
     job = _job("blk.0.ffn_up_exps.weight", (4, 128, 64))
-    attach_importance([job], imatrix, "Q4_K_M")
-    importance = job.encoding.importance
+    (weighted,), _ = attach_importance([job], imatrix, "Q4_K_M")
+    assert job.encoding.importance is None  # the job given is not changed
+    importance = weighted.encoding.importance
     assert importance.shape == (4, 64) and importance.dtype == np.float32
     assert np.array_equal(importance[0], sums[:64] / np.float32(2))
     assert np.array_equal(importance[1], np.ones(64, dtype=np.float32))  # no token reached expert 1
@@ -116,7 +126,7 @@ def test_a_width_mismatch_is_refused_but_token_embd_goes_without():
     with pytest.raises(ImatrixError, match="entry blk.0.attn_q.weight holds 128 values, the weight has 256 columns: an importance matrix for another model"):
         attach_importance([_job("blk.0.attn_q.weight", (256, 256))], imatrix, None)
     embd, q = _job("token_embd.weight", (1000, 256)), _job("blk.0.attn_q.weight", (256, 128))
-    attach_importance([embd, q], imatrix, None)
+    (embd, q), _ = attach_importance([embd, q], imatrix, None)
     assert embd.encoding.importance is None and q.encoding.importance is not None
 
 

@@ -28,9 +28,10 @@ if TYPE_CHECKING:
 
     from qtool.calibration.samples import CalibrationText
     from qtool.formats.checkpoint import Checkpoint
+    from qtool.plan import Calibrated, Plan
     from qtool.weight import Weight
 
-__all__ = ["ImatrixLayer", "ImatrixStatistics", "chunk_tokens", "collect_imatrix"]
+__all__ = ["ImatrixLayer", "ImatrixStatistics", "chunk_tokens", "collect_imatrix", "ImatrixRequest", "apply_request"]
 
 
 @dataclass
@@ -181,62 +182,39 @@ def as_imatrix(stats: ImatrixStatistics, path: str, dataset: str) -> Any:
     return Imatrix(path, "gguf", entries, (dataset.encode("utf-8", "surrogateescape"),), stats.chunks, stats.chunk_size)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ImatrixRequest:
     """`quantize --calibrate` to GGUF: an importance matrix computed on the text before the
-    executor runs, then used as `--imatrix` would use its file."""
+    executor runs, then used as `--imatrix` would use its file (the plan's mix deciding, as
+    llama-quantize does, which types need it). Made by `qtool.planning.calibration`."""
 
     text: str
     tokens: "torch.Tensor"  # [chunks, chunk_size]
     notes: tuple[str, ...] = ()  # what transformers said while the model and tokenizer were read, for the warnings
+    mix: str | None = None  # the llama.cpp file type the plan follows, if any
 
     def to_json(self) -> dict[str, Any]:
         return {"text": self.text, "algorithm": "imatrix", "chunks": int(self.tokens.shape[0]), "chunk_size": int(self.tokens.shape[1])}
 
 
-def prepare_request(plan: Any, text: str, chunks: int, chunk_size: int) -> ImatrixRequest:
-    """Check what a calibrated GGUF run needs (a Hugging Face model folder with its tokenizer,
-    an architecture transformers builds, enough text) and draw the tokens."""
-    import os
-
-    from qtool.calibration.samples import load_tokenizer, read_text
-    from qtool.calibration.skeleton import Skeleton
-
-    source = plan.source
-    if source.format != "safetensors":
-        raise UsageError(f"{source.path} is a {source.format} checkpoint; calibration reads a Hugging Face model folder (safetensors, config.json, tokenizer)", option="calibrate")
-    quantized = [job.weight.name for job in plan.jobs if job.weight.quantized]
-    if quantized:
-        raise UsageError(f"{source.path} is already quantized ({quantized[0]}); calibration needs float weights", option="calibrate")
-    folder = source.path if os.path.isdir(source.path) else os.path.dirname(os.path.abspath(source.path))
-    calibration = read_text(text)  # its files checked (regular, in size) before transformers is imported
-    notes = list(Skeleton.build(source).notes)
-    tokens = chunk_tokens(calibration, load_tokenizer(folder, notes), chunk_size, chunks, text)
-    return ImatrixRequest(os.fspath(text), tokens, tuple(notes))
-
-
-def apply_request(plan: Any, request: ImatrixRequest, device: str, threads: int | None = None, on_layer: Callable[[Any, int], None] | None = None) -> dict[str, Any]:
-    """Compute the importance matrix, weigh the plan's GGUF jobs with it and record it in the
-    plan's metadata (`quantize.imatrix.*`, the text as the file and the dataset); the
-    calibration document for the report."""
-    import torch
-
+def apply_request(plan: "Plan", request: ImatrixRequest, device: str, on_layer: Callable[[Any, int], None] | None = None) -> "Calibrated":
+    """Compute the importance matrix; what it makes for the plan: each GGUF job's importance
+    rows, and the plan's metadata with it recorded (`quantize.imatrix.*`, the text as the file
+    and the dataset); with the calibration document for the report. The caller sets the
+    threads (`qtool.pipeline.kernel_threads`)."""
     from qtool.formats.transformers_boundary import collected
     from qtool.llamacpp.importance import IMATRIX_KEYS, attach_importance, imatrix_metadata
     from qtool.llamacpp.names import tensor_names
+    from qtool.plan import Calibrated
 
-    previous = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
     said: list[str] = []
-    try:
-        names = tensor_names(plan.source, True)
-        with collected(said, "calibration: "):
-            stats = collect_imatrix(plan.source, [job.weight for job in plan.jobs], names.tensor_name, request.tokens, device, on_layer)
-    finally:
-        torch.set_num_threads(previous)
+    names = tensor_names(plan.source, True)
+    with collected(said, "calibration: "):
+        stats = collect_imatrix(plan.source, [job.weight for job in plan.jobs], names.tensor_name, request.tokens, device, on_layer)
     imatrix = as_imatrix(stats, request.text, request.text)
-    notes = attach_importance(plan.jobs, imatrix, None)
+    weighted, notes = attach_importance(plan.jobs, imatrix, request.mix)
+    encodings = {new.weight.name: new.encoding for old, new in zip(plan.jobs, weighted) if new is not old and new.encoding is not None}
     arch, entries = plan.metadata
-    plan.metadata = (arch, [e for e in entries if e[0] not in IMATRIX_KEYS] + imatrix_metadata(imatrix, request.text))
-    return {**request.to_json(), "seconds": round(stats.seconds, 3), "entries": len(imatrix.entries), "notes": notes, "layers": [layer.to_json() for layer in stats.layers]} | ({"warnings": said} if said else {})
+    metadata = (arch, [e for e in entries if e[0] not in IMATRIX_KEYS] + imatrix_metadata(imatrix, request.text))
+    document = {**request.to_json(), "seconds": round(stats.seconds, 3), "entries": len(imatrix.entries), "notes": notes, "layers": [layer.to_json() for layer in stats.layers]}
+    return Calibrated(document | ({"warnings": said} if said else {}), encodings, metadata=metadata)

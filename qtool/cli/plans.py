@@ -164,8 +164,7 @@ def run_plan(plan, *, device: str, threads: int | None, overwrite: bool, quiet: 
             max_retries=max_retries,
             worker_setup=worker_setup if (workers > 1 or executor != "local") else None,
         )
-    calibration = plan.calibration if isinstance(plan.calibration, dict) else {}
-    for warning in calibration.get("warnings", ()):  # transformers' and torch's talk while calibrating
+    for warning in (outcome.calibration or {}).get("warnings", ()):  # transformers' and torch's talk while calibrating
         print_warning(warning)
     decoded = {job.weight.name for job in plan.jobs if job.action == "dequantize"}
     for name, value in sorted(outcome.measured.non_finite.items()):

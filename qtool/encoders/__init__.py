@@ -21,10 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
-from qtool.plan import QUANTIZE, GgmlBlocks, IntRows, Job, Piece, Precomputed
+from qtool.plan import QUANTIZE, GgmlBlocks, IntRows, Job, Piece, Precomputed, TensorLayout
 
 if TYPE_CHECKING:
     from qtool.error_measures import ErrorStats
+    from qtool.layouts.base import Layout
 
 __all__ = ["WeightEncoder", "choose", "can_encode", "why_not_encodable", "RAW", "TENSOR", "StoredBlocks"]
 
@@ -61,7 +62,7 @@ class _Backend:
 
 
 def _precomputed(layout, job: Job, device: str | None) -> bool:
-    return isinstance(job.encoding, Precomputed) and hasattr(layout, "reconstruct")
+    return isinstance(job.encoding, Precomputed) and isinstance(layout, TensorLayout)
 
 
 def _build_precomputed(layout, job: Job, device: str, measure: bool) -> WeightEncoder:
@@ -114,7 +115,7 @@ def _build_ggml_blocks(native: bool) -> Callable[[Any, Job, str, bool], WeightEn
 
 
 def _torch(layout, job: Job, device: str | None) -> bool:
-    return hasattr(layout, "encode_tensors")
+    return isinstance(layout, TensorLayout)
 
 
 def _build_torch(layout, job: Job, device: str, measure: bool) -> WeightEncoder:
@@ -132,7 +133,7 @@ _BACKENDS = (
 )
 
 
-def choose(layout, job: Job, device: str, measure: bool, *, after: str | None = None) -> WeightEncoder:
+def choose(layout: "Layout", job: Job, device: str, measure: bool, *, after: str | None = None) -> WeightEncoder:
     """The encoder of the first capable backend (after the one named `after`, for a hand-on)."""
     backends = _BACKENDS
     if after is not None:
@@ -145,7 +146,7 @@ def choose(layout, job: Job, device: str, measure: bool, *, after: str | None = 
     raise InternalError(f"no encoder for {job.weight.name} ({job.outputs[0].dtype}) in the {layout.name} layout: the plan should have refused it")
 
 
-def can_encode(layout, job: Job) -> bool:
+def can_encode(layout: "Layout", job: Job) -> bool:
     """Whether some backend encodes this job on some device (a plan checks before writing)."""
     return job.action != QUANTIZE or any(backend.can(layout, job, None) for backend in _BACKENDS)
 

@@ -8,7 +8,7 @@ from typing import Iterator
 
 from qtool.buffers import tensor_bytes
 from qtool.error_measures import ErrorStats
-from qtool.plan import Job, Piece, Precomputed
+from qtool.plan import Job, Piece, Precomputed, TensorLayout
 
 __all__ = ["PrecomputedEncoder"]
 
@@ -16,7 +16,7 @@ __all__ = ["PrecomputedEncoder"]
 class PrecomputedEncoder:
     takes = "tensor"
 
-    def __init__(self, layout, job: Job, measure: bool) -> None:
+    def __init__(self, layout: TensorLayout, job: Job, measure: bool) -> None:
         self.layout, self.job = layout, job
         self.errors: ErrorStats | None = ErrorStats() if measure else None
 

@@ -33,6 +33,7 @@ and the output records the file in `quantize.imatrix.*`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from qtool import encoders
@@ -155,10 +156,12 @@ class Gguf:
             if rotary is not None:
                 if not weight.shape or not rotary.fits(weight.shape[0]):
                     raise SchemeError(f"{weight.name}: {weight.shape[0] if weight.shape else 0} rows do not split into {rotary.heads} attention heads", hint="check num_attention_heads in config.json")
-                job.transform = rotary
+                job = replace(job, transform=rotary)
             jobs.append(job)
-        # with --calibrate the importance comes after planning (calibration.imatrix.apply_request)
-        imatrix_notes = [] if options.imatrix_pending else attach_importance(jobs, options.imatrix, chosen.mix)
+        # with --calibrate the importance is computed after planning, and applied beside the plan (qtool.calibration.imatrix)
+        imatrix_notes = []
+        if not options.imatrix_pending:
+            jobs, imatrix_notes = attach_importance(jobs, options.imatrix, chosen.mix)
         for job in jobs:
             if not encoders.can_encode(self, job):
                 raise SchemeError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from typing import Any
 
 from qtool.dtypes import WEIGHT_FLOATS, float_dtype_named, nbytes_for, storage_dtype
@@ -30,8 +31,6 @@ def _hugging_face_names(jobs: list[Job], source: Checkpoint) -> None:
     put back in Hugging Face's order (qtool.llamacpp.names); any other input keeps its names.
     Two tensors that would take one name (a stranger's file may hold both `output_norm.weight`
     and `model.norm.weight`) are refused."""
-    from dataclasses import replace
-
     from qtool.errors import CheckpointError
     from qtool.llamacpp.names import hugging_face_names
 
@@ -39,15 +38,14 @@ def _hugging_face_names(jobs: list[Job], source: Checkpoint) -> None:
     if named is None:
         return
     taken: dict[str, str] = {}
-    for job in jobs:
+    for index, job in enumerate(jobs):
         name, rows = named(job.weight.name)
         if name in taken:
             raise CheckpointError(f"tensors {taken[name]!r} and {job.weight.name!r} would both be written as {name!r}", path=source.path)
         taken[name] = job.weight.name
         if rows is not None and not rows.fits(job.weight.shape[0]):
             raise CheckpointError(f"{job.weight.name!r} has {job.weight.shape[0]} rows, not a whole number of its {rows.heads} rotary heads' pairs", path=source.path)
-        job.outputs = [replace(job.outputs[0], name=name)]
-        job.transform = rows
+        jobs[index] = replace(job, outputs=[replace(job.outputs[0], name=name)], transform=rows)
 
 
 def planned(name: str, dtype: str, shape: tuple[int, ...]) -> OutputTensor:
@@ -174,18 +172,16 @@ class SafetensorsLayout:
             return [options.file_name]
         if options.max_shard_size:
             shard, size = 0, 0
-            for job in jobs:
+            for index, job in enumerate(jobs):
                 if size and size + job.bytes_out > options.max_shard_size:
                     shard, size = shard + 1, 0
-                job.shard, size = shard, size + job.bytes_out
+                jobs[index], size = replace(job, shard=shard), size + job.bytes_out
             count = shard + 1
         else:
             files = {path: i for i, path in enumerate(source.files)}
-            for job in jobs:
-                job.shard = files.get(job.weight.data.file, 0)
-            renumber = {old: new for new, old in enumerate(sorted({job.shard for job in jobs}))}
-            for job in jobs:
-                job.shard = renumber[job.shard]
+            stored = [files.get(job.weight.data.file, 0) for job in jobs]
+            renumber = {old: new for new, old in enumerate(sorted(set(stored)))}
+            jobs[:] = [replace(job, shard=renumber[shard]) for job, shard in zip(jobs, stored)]
             count = len(renumber) or 1
         return [shard_name(i, count) for i in range(count)]
 

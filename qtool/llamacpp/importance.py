@@ -17,6 +17,7 @@ The importance itself (sums / counts per expert) is `qtool.formats.imatrix.Imatr
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from qtool.errors import ImatrixError, SchemeError
@@ -33,18 +34,20 @@ _KV_STRING_BYTES = 127  # llama_model_kv_override.val_str is char[128]
 _TOKEN_EMBD = ("token_embd.weight", "per_layer_token_embd.weight")
 
 
-def attach_importance(jobs: list[Job], imatrix: Imatrix | None, mix: str | None) -> list[str]:
-    """Set each quantized job's GgmlBlocks.importance from `imatrix` (float32 [columns], or
-    [experts, columns]); refuse what llama-quantize refuses. Returns notes for the plan."""
+def attach_importance(jobs: list[Job], imatrix: Imatrix | None, mix: str | None) -> tuple[list[Job], list[str]]:
+    """The jobs again, each quantized one's GgmlBlocks.importance from `imatrix` (float32
+    [columns], or [experts, columns]); refuse what llama-quantize refuses. Returns the new jobs
+    (the given ones are not changed) and notes for the plan."""
     quantized = [job for job in jobs if job.action == QUANTIZE and isinstance(job.encoding, GgmlBlocks)]
     if imatrix is None:
         for job in quantized:
             out = job.outputs[0]
             if requires_imatrix(out.name, job.encoding.type, mix):
                 raise SchemeError(f"{out.name}: {out.dtype} needs an importance matrix (llama.cpp refuses it without one)", hint="give --imatrix (llama-imatrix's or qtool imatrix's) or --calibrate TEXT, or pick a type of 3 bits or more", option="imatrix")
-        return []
+        return list(jobs), []
     missing: list[str] = []
     used = 0
+    weighted: dict[int, Job] = {}
     for job in quantized:
         out = job.outputs[0]
         shape = tuple(job.weight.shape)
@@ -64,7 +67,7 @@ def attach_importance(jobs: list[Job], imatrix: Imatrix | None, mix: str | None)
                 hint="make the imatrix from this model (llama-imatrix, or qtool imatrix)",
             )
         importance = entry.importance()
-        job.encoding = GgmlBlocks(job.encoding.type, importance.reshape(experts, columns) if len(shape) >= 3 else importance)
+        weighted[id(job)] = replace(job, encoding=GgmlBlocks(job.encoding.type, importance.reshape(experts, columns) if len(shape) >= 3 else importance))
         used += 1
     if quantized and not used:
         raise ImatrixError(
@@ -75,7 +78,7 @@ def attach_importance(jobs: list[Job], imatrix: Imatrix | None, mix: str | None)
     notes = [f"importance matrix {imatrix.path}: {used} of {len(quantized)} quantized tensors weighted by it"]
     if missing:
         notes.append(f"{len(missing)} quantized tensors have no entry in it and are quantized without one, as llama-quantize does (e.g. {missing[0]})")
-    return notes
+    return [weighted.get(id(job), job) for job in jobs], notes
 
 
 def imatrix_metadata(imatrix: Imatrix, file_name: str) -> list[tuple[str, Any, str]]:
