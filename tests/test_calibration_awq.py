@@ -190,7 +190,9 @@ def test_the_search_on_a_lone_linear_from_xtx_is_the_search_from_its_outputs(bia
     inputs (to float rounding), so the same scales win."""
     import functools
 
-    from qtool.calibration.runner import _mirror, _rtn_values, _upper_gram
+    from qtool.calibration.codes import rtn_values as _rtn_values
+    from qtool.calibration.gram import mirror as _mirror
+    from qtool.calibration.gram import upper_gram as _upper_gram
 
     generator = torch.Generator().manual_seed(4)
     linear = torch.nn.Linear(128, 48, bias=bias)
@@ -244,7 +246,7 @@ def test_awq_feeds_each_layer_the_float_models_activations(tmp_path, monkeypatch
     next layer is fed the float layer's outputs, and each layer's scales are searched on the
     float model's activations: layer 1's inputs are the float model's (transformers' own), far
     from those of the model as written (a coarse scheme: a clear difference)."""
-    from qtool.calibration import runner
+    from qtool.calibration import awq_step
     from tests.test_calibration_runner import TINY, calibrate_plan, relative
 
     def layer_1_inputs(folder, tokens):
@@ -260,16 +262,16 @@ def test_awq_feeds_each_layer_the_float_models_activations(tmp_path, monkeypatch
         return x.T @ x
 
     seen = {}
-    real = runner._awq_layer
+    real = awq_step._awq_layer
 
-    def catching(skeleton, layer, prefix, *args, **kwargs):
+    def catching(model_type, layer, prefix, *args, **kwargs):
         hidden = args[3]
         if prefix.endswith(".1"):
             x = hidden.reshape(-1, hidden.shape[-1]).double()
             seen["gram"] = x.T @ x
-        return real(skeleton, layer, prefix, *args, **kwargs)
+        return real(model_type, layer, prefix, *args, **kwargs)
 
-    monkeypatch.setattr(runner, "_awq_layer", catching)
+    monkeypatch.setattr(awq_step, "_awq_layer", catching)
     plan = calibrate_plan(TINY, tmp_path / "out", text_file(tmp_path), scheme="int2:g32", algorithm="awq")
     tokens = plan.calibration.tokens
     api.run(plan)
@@ -302,7 +304,7 @@ def direct_clip(weight, inputs, quantize, group):
 def test_clipping_picks_each_groups_ratio_of_least_output_error(symmetric):
     import functools
 
-    from qtool.calibration.runner import _rtn_values
+    from qtool.calibration.codes import rtn_values as _rtn_values
 
     generator = torch.Generator().manual_seed(5)
     weight = torch.randn(16, 96, dtype=torch.float64, generator=generator)
@@ -373,7 +375,7 @@ def test_the_raced_grid_sums_its_finalists_in_full_and_runs_far_fewer_forwards()
     finish. Here the race's winner is the whole grid's, at well under half the forwards."""
     import functools
 
-    from qtool.calibration.runner import _rtn_values
+    from qtool.calibration.codes import rtn_values as _rtn_values
 
     generator = torch.Generator().manual_seed(6)
     linear = torch.nn.Linear(128, 48, bias=False)
