@@ -215,6 +215,31 @@ def test_the_search_on_a_lone_linear_from_xtx_is_the_search_from_its_outputs(bia
     assert forward.error < 0.95 * forward.identity_error  # the grid found something: not a test of s = 1 alone
 
 
+@pytest.mark.parametrize("path", ["forwards", "xtx"])
+def test_a_grid_with_no_finite_error_is_a_kernel_error_not_a_read_before_assignment(path):
+    """Issue 37 (ruff's one real finding): the search's pick of the best grid point read
+    `errors_best` behind a short-circuit, bound only once a point had won. Inputs that make
+    every point's error NaN (inf after the NaN guard, so no point is ever better) reach the
+    end of the pick with the first point taken at inf: a one-line KernelError, from the
+    racing forwards' errors and from X^T X's alike."""
+    import functools
+
+    from qtool.calibration.codes import rtn_values
+    from qtool.errors import KernelError
+
+    linear = torch.nn.Linear(64, 16, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(16, 64, generator=torch.Generator().manual_seed(5)))
+    x = torch.full((1, 8, 64), float("nan"))
+    quantize = functools.partial(rtn_values, bits=4, group_size=32, symmetric=True, scale_dtype=torch.float32)
+    x_mean = torch.ones(64)
+    with pytest.raises(KernelError, match="no finite output error"):
+        if path == "forwards":
+            awq.search(linear, [((x,), {})], [linear], [quantize], x_mean, [32])
+        else:
+            awq.search(linear, [], [linear], [quantize], x_mean, [32], gram=(torch.full((64, 64), float("nan")), 8))
+
+
 def test_the_float_outputs_caught_in_the_layers_run_are_the_ones_the_search_would_compute(tmp_path, monkeypatch):
     """The runner hands each search its parent's float outputs from the layer's own run; a search
     that runs the parent itself first gets the same numbers, so every code is the same."""

@@ -362,3 +362,37 @@ def test_the_upper_blocks_mirrored_are_x_transpose_x(width):
     _mirror(total)
     both = torch.cat([first, second])
     torch.testing.assert_close(total, both.T @ both, rtol=1e-12, atol=1e-10)
+
+
+@pytest.mark.parametrize("entry", ["calibrate", "collect_imatrix"])
+def test_a_skeleton_built_by_the_caller_is_not_built_again_and_gives_the_same_result(tmp_path, monkeypatch, entry):
+    """Issue 37: the calibration request builds the skeleton to check the architecture; the
+    runner's entries take it (`skeleton=`) instead of building a second one, and calibrate
+    with it exactly as with their own."""
+    from qtool.calibration.imatrix import collect_imatrix
+    from qtool.calibration.runner import RunnerOptions, calibrate
+    from qtool.calibration.skeleton import Skeleton
+
+    plan = calibrate_plan(TINY, tmp_path / "out", text_file(tmp_path))
+    weights, tokens = [j.weight for j in plan.jobs], plan.calibration.tokens
+    schemes = {j.weight.name: j.scheme for j in plan.jobs if j.scheme is not None}
+
+    def run(**given):
+        if entry == "calibrate":
+            result = calibrate(plan.source, weights, schemes, plan.layout, tokens, RunnerOptions(), **given)
+            return {name: {key: tensors[key].clone() for key in tensors} for name, tensors in result.encoded.items()}
+        stats = collect_imatrix(plan.source, weights, lambda name: name, tokens, **given)
+        return {name: {"sums": torch.from_numpy(stats.sums[name]), "count": torch.tensor(stats.counts[name])} for name in stats.sums}
+
+    try:
+        built = Skeleton.build(plan.source)
+        own = run()
+        builds = []
+        real = Skeleton.build.__func__
+        monkeypatch.setattr(Skeleton, "build", classmethod(lambda cls, checkpoint: builds.append(checkpoint) or real(cls, checkpoint)))
+        given = run(skeleton=built)
+    finally:
+        plan.source.close()
+    assert builds == []
+    assert own.keys() == given.keys() and own
+    assert all(torch.equal(own[name][key], given[name][key]) for name in own for key in own[name])

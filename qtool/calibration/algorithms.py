@@ -29,9 +29,7 @@ if TYPE_CHECKING:
     from qtool.scheme import QScheme
     from qtool.weight import Weight
 
-__all__ = ["ALGORITHMS", "RunnerOptions", "check_algorithm", "layer_step"]
-
-ALGORITHMS = ("gptq", "awq", "rtn")
+__all__ = ["ALGORITHMS", "STEPS", "RunnerOptions", "check_algorithm", "layer_step"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +42,31 @@ class RunnerOptions:
     true_sequential: bool = False  # GPTQ: each Linear on its quantized predecessors' outputs, one run a layer
 
 
+def _gptq(options: RunnerOptions, skeleton, schemes, by_name, result, on_statistics) -> "LayerStep":
+    from qtool.calibration.gptq_step import GptqStep
+
+    return GptqStep(schemes, by_name, result, dampening=options.dampening, block=options.block, actorder=options.actorder, true_sequential=options.true_sequential, on_statistics=on_statistics)
+
+
+def _awq(options: RunnerOptions, skeleton, schemes, by_name, result, on_statistics) -> "LayerStep":
+    from qtool.calibration.awq_step import AwqStep
+
+    return AwqStep(skeleton.config.model_type, schemes, by_name, result)
+
+
+def _rtn(options: RunnerOptions, skeleton, schemes, by_name, result, on_statistics) -> "LayerStep":
+    from qtool.calibration.awq_step import RtnStep
+
+    return RtnStep(schemes, by_name, result)
+
+
+# each algorithm's step, made from (options, skeleton, schemes, weights by name, result, on_statistics)
+STEPS: dict[str, Callable[..., "LayerStep"]] = {"gptq": _gptq, "awq": _awq, "rtn": _rtn}
+ALGORITHMS = tuple(STEPS)
+
+
 def check_algorithm(algorithm: str) -> None:
+    """`algorithm` one of `ALGORITHMS`, else a one-line refusal (exit 2)."""
     if algorithm not in ALGORITHMS:
         raise UsageError(f"algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}", option="algorithm")
 
@@ -65,12 +87,4 @@ def layer_step(
     check_algorithm(options.algorithm)
     for name, scheme in schemes.items():
         check_scheme(name, scheme)
-    if options.algorithm == "gptq":
-        from qtool.calibration.gptq_step import GptqStep
-
-        return GptqStep(schemes, by_name, result, dampening=options.dampening, block=options.block, actorder=options.actorder, true_sequential=options.true_sequential, on_statistics=on_statistics)
-    from qtool.calibration.awq_step import AwqStep, RtnStep
-
-    if options.algorithm == "awq":
-        return AwqStep(skeleton.config.model_type, schemes, by_name, result)
-    return RtnStep(schemes, by_name, result)
+    return STEPS[options.algorithm](options, skeleton, schemes, by_name, result, on_statistics)
