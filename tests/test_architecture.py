@@ -117,6 +117,9 @@ def test_a_second_table_of_ggml_types_would_be_found():
     assert not ggml_type_tables('FLOATS = ("F32", "F16", "BF16")\n')  # plain types are dtypes too
 
 
+# -- the calibration runner knows no algorithm ------------------------------------------------------
+
+
 ALGORITHM_WORDS = ("gptq", "awq", "rtn", "imatrix", "true_sequential", "actorder", "smooth")
 
 
