@@ -186,3 +186,73 @@ def test_the_plan_assignment_check_finds_one(package_copy):
     with open(package_copy / "qtool" / "pipeline.py", "a") as handle:
         handle.write("\n\ndef _rewrite(plan, job):\n    plan.metadata = None\n    job.encoding += 1\n    setattr(plan, 'config', {})\n    plan.config['x'] = 1\n")
     assert len(_plan_field_assignments(package_copy / "qtool")) == 4
+
+
+# -- the calibration runner knows no algorithm ------------------------------------------------------
+
+
+ALGORITHM_WORDS = ("gptq", "awq", "rtn", "imatrix", "true_sequential", "actorder", "smooth")
+
+
+def algorithm_names_in(source: str) -> list[str]:
+    """Where `source` names a calibration algorithm in its code (not in its docstrings): an
+    imported module or name, an identifier, an attribute, a string, a comment."""
+    import ast
+    import io
+    import tokenize
+
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.body[0].value) for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
+        and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+    }  # fmt: skip
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            words = [alias.name for alias in node.names] + [alias.asname or "" for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            words = [node.module or ""] + [alias.name for alias in node.names] + [alias.asname or "" for alias in node.names]
+        elif isinstance(node, ast.Name):
+            words = [node.id]
+        elif isinstance(node, ast.Attribute):
+            words = [node.attr]
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
+            words = [node.name] + [a.arg for a in (*node.args.args, *node.args.kwonlyargs)] if not isinstance(node, ast.ClassDef) else [node.name]
+        elif isinstance(node, ast.arg):
+            words = [node.arg]
+        elif isinstance(node, ast.keyword):
+            words = [node.arg or ""]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            words = [node.value]
+        else:
+            continue
+        found += [f"line {node.lineno}: {word!r}" for word in words if any(w in word.lower() for w in ALGORITHM_WORDS)]
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT and any(w in token.string.lower() for w in ALGORITHM_WORDS):
+            found.append(f"line {token.start[0]}: comment {token.string!r}")
+    return found
+
+
+def test_the_calibration_runner_names_no_algorithm():
+    """Issue 37: the runner loops over the layers and hands each to a `LayerStep`; which
+    algorithm runs is `calibration.algorithms`' business. An algorithm's name, module or knob
+    back in runner.py (an `if algorithm == "awq"`, an import of gptq) fails this."""
+    source = (REPO / "qtool" / "calibration" / "runner.py").read_text(encoding="utf-8")
+    assert algorithm_names_in(source) == []
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        'if options.algorithm == "awq":\n    pass\n',
+        "from qtool.calibration import gptq\n",
+        "from qtool.calibration.true_sequential import run\n",
+        "x = options.actorder  # the column order\n",
+        "def f(imatrix=None):\n    return imatrix\n",
+    ],
+    ids=["branch", "import", "import-from", "knob", "argument"],
+)
+def test_the_runner_check_finds_an_algorithm_that_comes_back(line):
+    source = (REPO / "qtool" / "calibration" / "runner.py").read_text(encoding="utf-8")
+    assert algorithm_names_in(source + "\n" + line) != []

@@ -190,7 +190,9 @@ def test_the_search_on_a_lone_linear_from_xtx_is_the_search_from_its_outputs(bia
     inputs (to float rounding), so the same scales win."""
     import functools
 
-    from qtool.calibration.runner import _mirror, _rtn_values, _upper_gram
+    from qtool.calibration.codes import rtn_values as _rtn_values
+    from qtool.calibration.gram import mirror as _mirror
+    from qtool.calibration.gram import upper_gram as _upper_gram
 
     generator = torch.Generator().manual_seed(4)
     linear = torch.nn.Linear(128, 48, bias=bias)
@@ -211,6 +213,31 @@ def test_the_search_on_a_lone_linear_from_xtx_is_the_search_from_its_outputs(bia
     assert shortcut.error == pytest.approx(forward.error, rel=1e-4)
     assert shortcut.identity_error == pytest.approx(forward.identity_error, rel=1e-4)
     assert forward.error < 0.95 * forward.identity_error  # the grid found something: not a test of s = 1 alone
+
+
+@pytest.mark.parametrize("path", ["forwards", "xtx"])
+def test_a_grid_with_no_finite_error_is_a_kernel_error_not_a_read_before_assignment(path):
+    """Issue 37 (ruff's one real finding): the search's pick of the best grid point read
+    `errors_best` behind a short-circuit, bound only once a point had won. Inputs that make
+    every point's error NaN (inf after the NaN guard, so no point is ever better) reach the
+    end of the pick with the first point taken at inf: a one-line KernelError, from the
+    racing forwards' errors and from X^T X's alike."""
+    import functools
+
+    from qtool.calibration.codes import rtn_values
+    from qtool.errors import KernelError
+
+    linear = torch.nn.Linear(64, 16, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(16, 64, generator=torch.Generator().manual_seed(5)))
+    x = torch.full((1, 8, 64), float("nan"))
+    quantize = functools.partial(rtn_values, bits=4, group_size=32, symmetric=True, scale_dtype=torch.float32)
+    x_mean = torch.ones(64)
+    with pytest.raises(KernelError, match="no finite output error"):
+        if path == "forwards":
+            awq.search(linear, [((x,), {})], [linear], [quantize], x_mean, [32])
+        else:
+            awq.search(linear, [], [linear], [quantize], x_mean, [32], gram=(torch.full((64, 64), float("nan")), 8))
 
 
 def test_the_float_outputs_caught_in_the_layers_run_are_the_ones_the_search_would_compute(tmp_path, monkeypatch):
@@ -244,7 +271,7 @@ def test_awq_feeds_each_layer_the_float_models_activations(tmp_path, monkeypatch
     next layer is fed the float layer's outputs, and each layer's scales are searched on the
     float model's activations: layer 1's inputs are the float model's (transformers' own), far
     from those of the model as written (a coarse scheme: a clear difference)."""
-    from qtool.calibration import runner
+    from qtool.calibration import awq_step
     from tests.test_calibration_runner import TINY, calibrate_plan, relative
 
     def layer_1_inputs(folder, tokens):
@@ -260,16 +287,16 @@ def test_awq_feeds_each_layer_the_float_models_activations(tmp_path, monkeypatch
         return x.T @ x
 
     seen = {}
-    real = runner._awq_layer
+    real = awq_step._awq_layer
 
-    def catching(skeleton, layer, prefix, *args, **kwargs):
+    def catching(model_type, layer, prefix, *args, **kwargs):
         hidden = args[3]
         if prefix.endswith(".1"):
             x = hidden.reshape(-1, hidden.shape[-1]).double()
             seen["gram"] = x.T @ x
-        return real(skeleton, layer, prefix, *args, **kwargs)
+        return real(model_type, layer, prefix, *args, **kwargs)
 
-    monkeypatch.setattr(runner, "_awq_layer", catching)
+    monkeypatch.setattr(awq_step, "_awq_layer", catching)
     plan = calibrate_plan(TINY, tmp_path / "out", text_file(tmp_path), scheme="int2:g32", algorithm="awq")
     tokens = plan.calibration.tokens
     api.run(plan)
@@ -302,7 +329,7 @@ def direct_clip(weight, inputs, quantize, group):
 def test_clipping_picks_each_groups_ratio_of_least_output_error(symmetric):
     import functools
 
-    from qtool.calibration.runner import _rtn_values
+    from qtool.calibration.codes import rtn_values as _rtn_values
 
     generator = torch.Generator().manual_seed(5)
     weight = torch.randn(16, 96, dtype=torch.float64, generator=generator)
@@ -373,7 +400,7 @@ def test_the_raced_grid_sums_its_finalists_in_full_and_runs_far_fewer_forwards()
     finish. Here the race's winner is the whole grid's, at well under half the forwards."""
     import functools
 
-    from qtool.calibration.runner import _rtn_values
+    from qtool.calibration.codes import rtn_values as _rtn_values
 
     generator = torch.Generator().manual_seed(6)
     linear = torch.nn.Linear(128, 48, bias=False)

@@ -115,12 +115,12 @@ def in_one_run_only(monkeypatch) -> None:
     """Every layer GPTQ'd in one true-sequential run: a layer the runner would do in two passes
     (no one order of its Linears) fails the test. And every tensor a waiting pass holds parked,
     whatever its size, so the tiny models' few-kB tensors go through the parking too."""
-    from qtool.calibration import runner, true_sequential
+    from qtool.calibration import gptq_step, true_sequential
 
     def refused(index, layer, *args):
         raise AssertionError(f"layer {index} ({type(layer).__name__}) was calibrated in two passes")
 
-    monkeypatch.setattr(runner, "_gptq_layer_in_two_passes", refused)
+    monkeypatch.setattr(gptq_step, "_gptq_layer_in_two_passes", refused)
     monkeypatch.setattr(true_sequential, "PARK_AT_LEAST", 0)
 
 
@@ -226,15 +226,15 @@ def test_a_layer_without_one_order_of_its_linears_is_calibrated_in_two_runs(tmp_
     one run (a Linear would be quantized before all its inputs came): true sequential finds
     that on its float run of the first sample and does that layer as llm-compressor does, every
     Hessian from the float layer."""
-    from qtool.calibration import runner, true_sequential
+    from qtool.calibration import gptq_step, layers, true_sequential
 
     plan = calibrate_plan(TINY, tmp_path / "out", text_file(tmp_path))
     tokens = plan.calibration.tokens
     plan.source.close()
     passes = []
-    real = runner._gptq_layer_in_two_passes
-    monkeypatch.setattr(runner, "_gptq_layer_in_two_passes", lambda *args: passes.append(args[0]) or real(*args))
-    monkeypatch.setattr(true_sequential, "order", lambda layer, hidden, kwargs, linears, out: runner._run(layer, hidden, kwargs, out))
+    real = gptq_step._gptq_layer_in_two_passes
+    monkeypatch.setattr(gptq_step, "_gptq_layer_in_two_passes", lambda *args: passes.append(args[0]) or real(*args))
+    monkeypatch.setattr(true_sequential, "order", lambda layer, hidden, kwargs, linears, out: layers.run(layer, hidden, kwargs, out))
     seen = hessians_of_layer(calibrate_plan(TINY, tmp_path / "again", text_file(tmp_path)), tokens, 0, true_sequential=True)
     assert passes == [0, 1]
     name = LAYER_0[3]
@@ -351,7 +351,8 @@ def test_the_embedding_step_reads_only_the_rows_of_the_samples_tokens_and_gives_
 def test_the_upper_blocks_mirrored_are_x_transpose_x(width):
     """Each width on both sides of a block step and of the narrow inputs' step: summed over two
     inputs, the upper blocks of X^T X made symmetric are X^T X."""
-    from qtool.calibration.runner import _mirror, _upper_gram
+    from qtool.calibration.gram import mirror as _mirror
+    from qtool.calibration.gram import upper_gram as _upper_gram
 
     generator = torch.Generator().manual_seed(width)
     first, second = (torch.randn(37, width, dtype=torch.float64, generator=generator) for _ in range(2))
@@ -361,3 +362,37 @@ def test_the_upper_blocks_mirrored_are_x_transpose_x(width):
     _mirror(total)
     both = torch.cat([first, second])
     torch.testing.assert_close(total, both.T @ both, rtol=1e-12, atol=1e-10)
+
+
+@pytest.mark.parametrize("entry", ["calibrate", "collect_imatrix"])
+def test_a_skeleton_built_by_the_caller_is_not_built_again_and_gives_the_same_result(tmp_path, monkeypatch, entry):
+    """Issue 37: the calibration request builds the skeleton to check the architecture; the
+    runner's entries take it (`skeleton=`) instead of building a second one, and calibrate
+    with it exactly as with their own."""
+    from qtool.calibration.imatrix import collect_imatrix
+    from qtool.calibration.runner import RunnerOptions, calibrate
+    from qtool.calibration.skeleton import Skeleton
+
+    plan = calibrate_plan(TINY, tmp_path / "out", text_file(tmp_path))
+    weights, tokens = [j.weight for j in plan.jobs], plan.calibration.tokens
+    schemes = {j.weight.name: j.scheme for j in plan.jobs if j.scheme is not None}
+
+    def run(**given):
+        if entry == "calibrate":
+            result = calibrate(plan.source, weights, schemes, plan.layout, tokens, RunnerOptions(), **given)
+            return {name: {key: tensors[key].clone() for key in tensors} for name, tensors in result.encoded.items()}
+        stats = collect_imatrix(plan.source, weights, lambda name: name, tokens, **given)
+        return {name: {"sums": torch.from_numpy(stats.sums[name]), "count": torch.tensor(stats.counts[name])} for name in stats.sums}
+
+    try:
+        built = Skeleton.build(plan.source)
+        own = run()
+        builds = []
+        real = Skeleton.build.__func__
+        monkeypatch.setattr(Skeleton, "build", classmethod(lambda cls, checkpoint: builds.append(checkpoint) or real(cls, checkpoint)))
+        given = run(skeleton=built)
+    finally:
+        plan.source.close()
+    assert builds == []
+    assert own.keys() == given.keys() and own
+    assert all(torch.equal(own[name][key], given[name][key]) for name in own for key in own[name])

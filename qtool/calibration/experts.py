@@ -145,7 +145,7 @@ def _is_router(module, count: int, hidden: int) -> bool:
 
 def _register_before(parent, first: str, then: str) -> None:
     """The child `first` registered just before `then`: the block calls its router before its
-    experts, and the runner's true-sequential GPTQ takes the Linears in their modules' order
+    experts, and GPTQ's true-sequential step takes the Linears in their modules' order
     (Qwen3-MoE registers its experts first)."""
     items = [(name, child) for name, child in parent._modules.items() if name != first]
     at = next(index for index, (name, _) in enumerate(items) if name == then)

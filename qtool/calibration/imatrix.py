@@ -26,12 +26,14 @@ from qtool.errors import UsageError
 if TYPE_CHECKING:
     import torch
 
+    from qtool.calibration.layers import CaughtLayer, LayerMade
     from qtool.calibration.samples import CalibrationText
+    from qtool.calibration.skeleton import Skeleton
     from qtool.formats.checkpoint import Checkpoint
     from qtool.plan import Calibrated, Plan
     from qtool.weight import Weight
 
-__all__ = ["ImatrixLayer", "ImatrixStatistics", "chunk_tokens", "collect_imatrix", "ImatrixRequest", "apply_request"]
+__all__ = ["ImatrixLayer", "ImatrixStatistics", "ImatrixStep", "chunk_tokens", "collect_imatrix", "ImatrixRequest", "apply_request"]
 
 
 @dataclass
@@ -91,40 +93,29 @@ def chunk_tokens(text: "CalibrationText", tokenizer, chunk_size: int, chunks: in
     return tokens
 
 
-def collect_imatrix(
-    checkpoint: "Checkpoint",
-    weights: list["Weight"],
-    gguf_name: Callable[[str], str | None],
-    tokens: "torch.Tensor",
-    device: str = "cpu",
-    on_layer: Callable[[ImatrixLayer, int], None] | None = None,
-) -> ImatrixStatistics:
-    """Run the model layer by layer over `tokens` and sum each decoder Linear's squared inputs
-    per column. `gguf_name` maps a weight's name to its GGUF tensor name (None: not written)."""
-    import torch
+class ImatrixStep:
+    """The importance matrix's `LayerStep` (`qtool.calibration.layers`): each decoder Linear
+    that `gguf_name` names, its squared inputs summed per column over the float layer's run
+    into `result` by GGUF name; the float layer's outputs feed the next layer. Nothing is
+    quantized."""
 
-    from qtool.calibration.runner import _embed, _run
-    from qtool.calibration.skeleton import Skeleton
+    def __init__(self, gguf_name: Callable[[str], str | None], result: ImatrixStatistics) -> None:
+        self.gguf_name, self.result = gguf_name, result
+        self.spare: "torch.Tensor | None" = None  # the buffer the float outputs go to
 
-    started = time.perf_counter()
-    by_name = {w.name: w for w in weights}
-    skeleton = Skeleton.build(checkpoint)
-    result = ImatrixStatistics(int(tokens.shape[0]), int(tokens.shape[1]))
-    hidden, kwargs = _embed(skeleton, tokens, by_name, checkpoint, device)
-    outputs = torch.empty_like(hidden)
-    count = len(skeleton.layers)
-    for index in range(count):
-        layer_started = time.perf_counter()
-        prefix = f"{skeleton.layers_prefix}.{index}"
-        layer = skeleton.layers[index]
-        skeleton.materialize(layer, prefix, by_name, checkpoint, device)
+    def layer(self, caught: "CaughtLayer") -> "LayerMade":
+        import torch
+
+        from qtool.calibration.layers import LayerMade, run
+
+        hidden = caught.hidden
         linears = {}
-        for name, module in layer.named_modules():
+        for weight_name, module in caught.linears.items():
             if isinstance(module, torch.nn.Linear):
-                out_name = gguf_name(f"{prefix}.{name}.weight")
+                out_name = self.gguf_name(weight_name)
                 if out_name is not None:
                     linears[out_name] = module
-        sums = {name: torch.zeros(m.in_features, dtype=torch.float64, device=device) for name, m in linears.items()}
+        sums = {name: torch.zeros(m.in_features, dtype=torch.float64, device=hidden.device) for name, m in linears.items()}
         seen = dict.fromkeys(linears, 0)
         hooks = []
         last: list[Any] = [None, None, 0]  # q, k and v (gate and up) see one input tensor: squared once
@@ -140,8 +131,9 @@ def collect_imatrix(
                 seen[name] += last[2]
 
             hooks.append(module.register_forward_pre_hook(accumulate))
+        outputs = self.spare if self.spare is not None else torch.empty_like(hidden)
         try:
-            _run(layer, hidden, kwargs, outputs)
+            run(caught.module, hidden, caught.kwargs, outputs)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -150,13 +142,48 @@ def collect_imatrix(
             values = sums[name].float().cpu().numpy()
             if not (values == values).all() or (abs(values) == float("inf")).any():
                 raise UsageError(f"{name}: its inputs hold NaN or inf on this text (llama-imatrix stops too)", option="calibrate")
-            result.sums[name], result.counts[name] = values, seen[name]
-        hidden, outputs = outputs, hidden  # the float layer's outputs feed the next
-        skeleton.release(layer)
-        layer_result = ImatrixLayer(index, time.perf_counter() - layer_started, sorted(linears))
+            self.result.sums[name], self.result.counts[name] = values, seen[name]
+        self.spare = hidden  # the float layer's outputs feed the next
+        return LayerMade(outputs, sorted(linears))
+
+    def close(self) -> None:
+        self.spare = None
+
+
+def collect_imatrix(
+    checkpoint: "Checkpoint",
+    weights: list["Weight"],
+    gguf_name: Callable[[str], str | None],
+    tokens: "torch.Tensor",
+    device: str = "cpu",
+    on_layer: Callable[[ImatrixLayer, int], None] | None = None,
+    *,
+    skeleton: "Skeleton | None" = None,
+) -> ImatrixStatistics:
+    """Run the model layer by layer over `tokens` (the runner, `ImatrixStep`) and sum each
+    decoder Linear's squared inputs per column. `gguf_name` maps a weight's name to its GGUF
+    tensor name (None: not written). `skeleton`: the checkpoint's, where the caller has built
+    it already (built here otherwise)."""
+    from qtool.calibration.runner import run_layers
+    from qtool.calibration.skeleton import Skeleton
+
+    started = time.perf_counter()
+    by_name = {w.name: w for w in weights}
+    if skeleton is None:
+        skeleton = Skeleton.build(checkpoint)
+    result = ImatrixStatistics(int(tokens.shape[0]), int(tokens.shape[1]))
+    step = ImatrixStep(gguf_name, result)
+
+    def done(index: int, seconds: float, made: "LayerMade", count: int) -> None:
+        layer_result = ImatrixLayer(index, seconds, made.weights)
         result.layers.append(layer_result)
         if on_layer is not None:
             on_layer(layer_result, count)
+
+    try:
+        run_layers(skeleton, checkpoint, by_name, tokens, device, step, done)
+    finally:
+        step.close()
     result.seconds = time.perf_counter() - started
     return result
 

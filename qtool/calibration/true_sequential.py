@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from qtool.calibration.layers import forward
 from qtool.errors import InternalError, UsageError
 
 if TYPE_CHECKING:
@@ -45,12 +46,6 @@ __all__ = ["Order", "OutOfOrder", "forward", "order", "run"]
 
 class OutOfOrder(InternalError):
     """A Linear called after it was quantized, which `order` did not foresee."""
-
-
-def forward(layer, sample: "torch.Tensor", kwargs: dict[str, Any]) -> "torch.Tensor":
-    """The layer's output for one sample [1, seq, hidden], [seq, hidden]."""
-    result = layer(sample, **kwargs)
-    return (result[0] if isinstance(result, tuple) else result)[0]
 
 
 @dataclass(frozen=True)
