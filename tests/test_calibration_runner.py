@@ -396,3 +396,22 @@ def test_a_skeleton_built_by_the_caller_is_not_built_again_and_gives_the_same_re
     assert builds == []
     assert own.keys() == given.keys() and own
     assert all(torch.equal(own[name][key], given[name][key]) for name in own for key in own[name])
+
+
+@pytest.mark.parametrize("output", ["out", "out.gguf", "imatrix"])
+def test_a_calibrated_run_builds_the_skeleton_once(tmp_path, monkeypatch, output):
+    """Issue 37: planning builds the model's skeleton to check the architecture and hands that one
+    to the run: `quantize --calibrate` (GPTQ, or an importance matrix for a GGUF) and `qtool
+    imatrix` build one skeleton each, not one to check and another to run."""
+    from qtool.calibration.skeleton import Skeleton
+
+    builds = []
+    real = Skeleton.build.__func__
+    monkeypatch.setattr(Skeleton, "build", classmethod(lambda cls, checkpoint, *a, **k: builds.append(1) or real(cls, checkpoint, *a, **k)))
+    text = text_file(tmp_path)
+    if output == "imatrix":
+        api.imatrix(TINY, tmp_path / "out.imatrix.gguf", text, chunks=2, chunk_size=32)
+    else:
+        plan = api.prepare_quantize(TINY, tmp_path / output, "int4:g32" if output == "out" else "Q4_K_M", calibrate=text, samples=2, seq_len=32)
+        api.run(plan)
+    assert builds == [1]

@@ -219,6 +219,7 @@ class ImatrixRequest:
     tokens: "torch.Tensor"  # [chunks, chunk_size]
     notes: tuple[str, ...] = ()  # what transformers said while the model and tokenizer were read, for the warnings
     mix: str | None = None  # the llama.cpp file type the plan follows, if any
+    skeleton: "Skeleton | None" = field(default=None, compare=False, repr=False)  # planning's, built once
 
     def to_json(self) -> dict[str, Any]:
         return {"text": self.text, "algorithm": "imatrix", "chunks": int(self.tokens.shape[0]), "chunk_size": int(self.tokens.shape[1])}
@@ -237,7 +238,7 @@ def apply_request(plan: "Plan", request: ImatrixRequest, device: str, on_layer: 
     said: list[str] = []
     names = tensor_names(plan.source, True)
     with collected(said, "calibration: "):
-        stats = collect_imatrix(plan.source, [job.weight for job in plan.jobs], names.tensor_name, request.tokens, device, on_layer)
+        stats = collect_imatrix(plan.source, [job.weight for job in plan.jobs], names.tensor_name, request.tokens, device, on_layer, skeleton=request.skeleton)
     imatrix = as_imatrix(stats, request.text, request.text)
     weighted, notes = attach_importance(plan.jobs, imatrix, request.mix)
     encodings = {new.weight.name: new.encoding for old, new in zip(plan.jobs, weighted) if new is not old and new.encoding is not None}

@@ -6,13 +6,14 @@ executor applies beside the plan (`qtool.plan.Calibrated`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 
 if TYPE_CHECKING:
     import torch
 
+    from qtool.calibration.skeleton import Skeleton
     from qtool.plan import Calibrated, Plan
 
 __all__ = ["CalibrationRequest", "Replaced", "apply"]
@@ -42,6 +43,7 @@ class CalibrationRequest:
     actorder: str | None = None  # GPTQ's column order: "weight" / "static", or None
     true_sequential: bool = False  # GPTQ: each layer's Linears on their quantized predecessors' outputs, in one run
     notes: tuple[str, ...] = ()  # what transformers said while the model and tokenizer were read, for the warnings
+    skeleton: "Skeleton | None" = field(default=None, compare=False, repr=False)  # planning's, built once
 
     def to_json(self) -> dict[str, Any]:
         document = {"text": self.text, "algorithm": self.algorithm, "samples": int(self.tokens.shape[0]), "seq_len": int(self.tokens.shape[1]), "seed": self.seed}
@@ -68,7 +70,7 @@ def apply(plan: "Plan", request: CalibrationRequest, device: str, on_layer: Call
     with collected(said, "calibration: "):  # transformers' and torch's talk: the report's warnings, escaped where shown
         result = calibrate(
             plan.source, [job.weight for job in plan.jobs], schemes, plan.layout, request.tokens,
-            RunnerOptions(algorithm=request.algorithm, device=device, actorder=request.actorder, true_sequential=request.true_sequential), seed=request.seed, on_layer=on_layer,
+            RunnerOptions(algorithm=request.algorithm, device=device, actorder=request.actorder, true_sequential=request.true_sequential), seed=request.seed, on_layer=on_layer, skeleton=request.skeleton,
         )  # fmt: skip
     encodings = {}
     for job in jobs:

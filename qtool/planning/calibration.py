@@ -58,7 +58,7 @@ def _imatrix_request(plan: Plan, calibration: ImatrixText) -> "ImatrixRequest":
     require_float_model(plan.source, [job.weight for job in plan.jobs])
     readied = ready(plan.source, calibration.text)
     tokens = chunk_tokens(readied.text, readied.tokenizer, calibration.chunk_size, calibration.chunks, calibration.text)
-    return ImatrixRequest(calibration.text, tokens, readied.notes, calibration.mix)
+    return ImatrixRequest(calibration.text, tokens, readied.notes, calibration.mix, readied.skeleton)
 
 
 def _calibration_request(plan: Plan, calibration: Gptq | Awq | Rtn) -> "CalibrationRequest":
@@ -79,7 +79,7 @@ def _calibration_request(plan: Plan, calibration: Gptq | Awq | Rtn) -> "Calibrat
     tokens = draw_samples(readied.text, readied.tokenizer, samples, calibration.text)
     actorder = calibration.actorder if isinstance(calibration, Gptq) else None
     true_sequential = calibration.true_sequential if isinstance(calibration, Gptq) else False
-    return CalibrationRequest(calibration.text, calibration.algorithm, tokens, calibration.seed, actorder, true_sequential, readied.notes)
+    return CalibrationRequest(calibration.text, calibration.algorithm, tokens, calibration.seed, actorder, true_sequential, readied.notes, readied.skeleton)
 
 
 def _with_actorder(config: dict[str, Any] | None, actorder: str) -> dict[str, Any] | None:

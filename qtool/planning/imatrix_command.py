@@ -62,7 +62,7 @@ def compute_imatrix(
         if on_start is not None:
             on_start(int(tokens.shape[0]), int(tokens.shape[1]), readied.layers)
         with kernel_threads(threads), collected(said, "calibration: "):
-            stats = collect_imatrix(checkpoint, weights, names.tensor_name, tokens, resolve_device(device), on_layer)
+            stats = collect_imatrix(checkpoint, weights, names.tensor_name, tokens, resolve_device(device), on_layer, skeleton=readied.skeleton)
     finally:
         checkpoint.close()
     staged = stage_file(output, imatrix_gguf_bytes(statistics_entries(stats), [text], stats.chunks, stats.chunk_size), overwrite=overwrite)

@@ -15,6 +15,7 @@ from qtool.formats import Checkpoint
 
 if TYPE_CHECKING:
     from qtool.calibration.samples import CalibrationText
+    from qtool.calibration.skeleton import Skeleton
     from qtool.weight import Weight
 
 __all__ = ["Readied", "require_float_model", "ready"]
@@ -28,7 +29,12 @@ class Readied:
     text: "CalibrationText"
     tokenizer: object
     notes: tuple[str, ...]
-    layers: int  # the model's decoder layers
+    skeleton: "Skeleton"  # built once, here, and handed to the run (`calibrate(skeleton=)`)
+
+    @property
+    def layers(self) -> int:
+        """The model's decoder layers."""
+        return len(self.skeleton.layers)
 
 
 def require_float_model(source: Checkpoint, weights: Sequence["Weight"], *, shown: str | None = None, imatrix_command: bool = False) -> None:
@@ -55,4 +61,4 @@ def ready(source: Checkpoint, text: str) -> Readied:
     skeleton = Skeleton.build(source)
     notes = list(skeleton.notes)
     tokenizer = load_tokenizer(folder, notes)
-    return Readied(calibration, tokenizer, tuple(notes), len(skeleton.layers))
+    return Readied(calibration, tokenizer, tuple(notes), skeleton)

@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence, Union
 
+from qtool.calibration.algorithms import ALGORITHMS, check_algorithm
 from qtool.errors import UsageError
 
 if TYPE_CHECKING:
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Gptq", "Awq", "Rtn", "ImatrixText", "ImatrixFile", "Calibration", "QuantizeRequest", "ALGORITHMS", "resolve_actorder"]
 
-ALGORITHMS = ("gptq", "awq", "rtn")  # what --algorithm takes for a compressed-tensors output
 DEFAULT_ACTORDER = "static"  # llm-compressor 0.14's GPTQModifier writes this unless told otherwise
 NO_ACTORDER = "none"  # the columns in their stored order
 
@@ -157,8 +157,7 @@ class QuantizeRequest:
 
 
 def _text_calibration(text: str, algorithm: str, samples: int, seq_len: int, seed: int, actorder: str | None, true_sequential: bool) -> TextCalibration:
-    if algorithm not in ALGORITHMS:
-        raise UsageError(f"algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}", option="algorithm")
+    check_algorithm(algorithm)  # the steps' table, `qtool.calibration.algorithms`: one list of names
     order = resolve_actorder(actorder, algorithm)
     if true_sequential and algorithm != "gptq":
         raise UsageError(f"true sequential orders GPTQ's Linears; {algorithm} quantizes each layer from its float run", hint="use --algorithm gptq, or leave --true-sequential out", option="true_sequential")
