@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,12 @@ def measure(
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         t0 = time.perf_counter()
         proc = subprocess.Popen(
-            cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+            cmd,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
             start_new_session=True,  # its own process group, so a timeout kills it all
         )
         fired = threading.Event()

@@ -49,7 +49,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import measure  # noqa: E402
+from _measure import measure
 
 REPO = Path(__file__).resolve().parent.parent
 LLMC_PYTHON = os.environ.get("LLMC_PYTHON", "/work/venv-llmc/bin/python")
@@ -61,7 +61,13 @@ def _scheme_args(scheme: str) -> dict:
     :channel (":mse": both tools' mse observer)."""
     parts = scheme.split(":")
     bits = int(parts[0][3:])
-    args = {"num_bits": bits, "type": "int", "symmetric": "asym" not in parts, "strategy": "channel", "group_size": None}
+    args = {
+        "num_bits": bits,
+        "type": "int",
+        "symmetric": "asym" not in parts,
+        "strategy": "channel",
+        "group_size": None,
+    }
     if "mse" in parts:
         args["observer"] = "mse"
     for part in parts[1:]:
@@ -96,7 +102,14 @@ def llmc_child(model: str, tokens_path: str, scheme: str, out: str, algorithm: s
         recipe = [AWQModifier(), QuantizationModifier(config_groups=groups, ignore=["lm_head"])]
     else:
         recipe = GPTQModifier(config_groups=groups, ignore=["lm_head"], block_size=128, dampening_frac=0.01)
-    oneshot(model=loaded, tokenizer=tokenizer, dataset=dataset, recipe=recipe, num_calibration_samples=len(windows), max_seq_length=len(windows[0]))
+    oneshot(
+        model=loaded,
+        tokenizer=tokenizer,
+        dataset=dataset,
+        recipe=recipe,
+        num_calibration_samples=len(windows),
+        max_seq_length=len(windows[0]),
+    )
     loaded.save_pretrained(out, save_compressed=True)
     tokenizer.save_pretrained(out)
 
@@ -133,13 +146,17 @@ def depth(args, model: str, text: Path, work: Path, env: dict) -> None:
 
     me = str(Path(__file__).resolve())
     mode = " --true-sequential" if "gptq-ts" in args.methods.split(",") else ""
-    print(f"GPTQ{mode} int4:g64, calibration {args.samples} x {args.seq_len} tokens, random models of SmolLM2-135M's width, one thread")
+    print(
+        f"GPTQ{mode} int4:g64, calibration {args.samples} x {args.seq_len} tokens, random models of SmolLM2-135M's width, one thread"
+    )
     print("| layers | wall s | CPU s | peak RSS GB | median s per layer |")
     print("|---|---|---|---|---|")
     for layers in (int(n) for n in args.depth.split(",")):
         folder = work / f"random-{layers}"
         if not (folder / "config.json").exists():
-            subprocess.run([sys.executable, me, "--random-model-child", model, str(layers), str(folder)], check=True, env=env)
+            subprocess.run(
+                [sys.executable, me, "--random-model-child", model, str(layers), str(folder)], check=True, env=env
+            )
         out = work / f"depth-{layers}"
         cmd = [
             sys.executable, "-m", "qtool", "quantize", str(folder), "-o", str(out), "--scheme", "int4:g64", "--calibrate", str(text),
@@ -152,7 +169,9 @@ def depth(args, model: str, text: Path, work: Path, env: dict) -> None:
             continue
         document = json.loads(result.stdout_path.read_text())
         per_layer = statistics.median(layer["seconds"] for layer in document["calibration"]["layers"])
-        print(f"| {layers} | {result.wall_s:.1f} | {result.cpu_s:.1f} | {result.peak_rss_bytes / 1e9:.2f} | {per_layer:.2f} |")
+        print(
+            f"| {layers} | {result.wall_s:.1f} | {result.cpu_s:.1f} | {result.peak_rss_bytes / 1e9:.2f} | {per_layer:.2f} |"
+        )
 
 
 def perplexity_child(models: list[str], windows: int, out: str) -> None:
@@ -165,7 +184,11 @@ def perplexity_child(models: list[str], windows: int, out: str) -> None:
     _, evaluation = text_split()
     results = {}
     for path in models:
-        extra = {"quantization_config": CompressedTensorsConfig(run_compressed=False)} if "quantization_config" in (Path(path) / "config.json").read_text() else {}
+        extra = (
+            {"quantization_config": CompressedTensorsConfig(run_compressed=False)}
+            if "quantization_config" in (Path(path) / "config.json").read_text()
+            else {}
+        )
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra)
         tokenizer = AutoTokenizer.from_pretrained(path)
         results[path] = perplexity(model, tokenizer, evaluation, 512, windows)[0]
@@ -179,8 +202,16 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--schemes", default="int4:g64,int4:g64:asym")
-    parser.add_argument("--methods", default="rtn,gptq,awq", help="of rtn, gptq, gptq-ts, awq: gptq-ts is qtool's --true-sequential GPTQ (each against llm-compressor's GPTQ, run once)")
-    parser.add_argument("--actorder", default="default", help="qtool GPTQ's --actorder (static, weight, none); 'default' passes none and runs qtool's default (static, as llm-compressor 0.14's GPTQModifier)")
+    parser.add_argument(
+        "--methods",
+        default="rtn,gptq,awq",
+        help="of rtn, gptq, gptq-ts, awq: gptq-ts is qtool's --true-sequential GPTQ (each against llm-compressor's GPTQ, run once)",
+    )
+    parser.add_argument(
+        "--actorder",
+        default="default",
+        help="qtool GPTQ's --actorder (static, weight, none); 'default' passes none and runs qtool's default (static, as llm-compressor 0.14's GPTQModifier)",
+    )
     parser.add_argument("--eval-windows", type=int, default=8)
     parser.add_argument("--workdir", default=str(Path.home() / ".cache" / "qtool-bench" / "calibrate"))
     parser.add_argument("--llmc-python", default=LLMC_PYTHON)
@@ -220,13 +251,48 @@ def main() -> None:
         return depth(args, model, text, work, env)
     me = str(Path(__file__).resolve())
     tokens = work / "windows.json"
-    subprocess.run([sys.executable, me, "--windows-child", model, str(text), str(args.samples), str(args.seq_len), str(args.seed), str(tokens)], check=True, env=env)
+    subprocess.run(
+        [
+            sys.executable,
+            me,
+            "--windows-child",
+            model,
+            str(text),
+            str(args.samples),
+            str(args.seq_len),
+            str(args.seed),
+            str(tokens),
+        ],
+        check=True,
+        env=env,
+    )
     rows = []
     for scheme in args.schemes.split(","):
         tag = scheme.replace(":", "-")
         methods = args.methods.split(",")
-        qtool = [sys.executable, "-m", "qtool", "quantize", model, "--scheme", scheme, "--threads", "1", "-q", "--overwrite"]
-        calibrated = ["--calibrate", str(text), "--samples", str(args.samples), "--seq-len", str(args.seq_len), "--seed", str(args.seed)]
+        qtool = [
+            sys.executable,
+            "-m",
+            "qtool",
+            "quantize",
+            model,
+            "--scheme",
+            scheme,
+            "--threads",
+            "1",
+            "-q",
+            "--overwrite",
+        ]
+        calibrated = [
+            "--calibrate",
+            str(text),
+            "--samples",
+            str(args.samples),
+            "--seq-len",
+            str(args.seq_len),
+            "--seed",
+            str(args.seed),
+        ]
         runs = {}
         if "rtn" in methods:
             runs["qtool rtn"] = [*qtool, "-o", str(work / f"qtool-rtn-{tag}")]
@@ -235,35 +301,86 @@ def main() -> None:
                 continue
             order = ["--actorder", args.actorder] if algorithm == "gptq" and args.actorder != "default" else []
             if algorithm in methods:
-                runs[f"qtool {algorithm}"] = [*qtool, "-o", str(work / f"qtool-{algorithm}-{tag}"), *calibrated, "--algorithm", algorithm, *order]
+                runs[f"qtool {algorithm}"] = [
+                    *qtool,
+                    "-o",
+                    str(work / f"qtool-{algorithm}-{tag}"),
+                    *calibrated,
+                    "--algorithm",
+                    algorithm,
+                    *order,
+                ]
             if algorithm == "gptq" and "gptq-ts" in methods:
-                runs["qtool gptq true-sequential"] = [*qtool, "-o", str(work / f"qtool-gptq-ts-{tag}"), *calibrated, "--algorithm", "gptq", *order, "--true-sequential"]
+                runs["qtool gptq true-sequential"] = [
+                    *qtool,
+                    "-o",
+                    str(work / f"qtool-gptq-ts-{tag}"),
+                    *calibrated,
+                    "--algorithm",
+                    "gptq",
+                    *order,
+                    "--true-sequential",
+                ]
             if not args.skip_llmc:
                 import shutil
 
                 shutil.rmtree(work / f"llmc-{algorithm}-{tag}", ignore_errors=True)
-                runs[f"llm-compressor {algorithm}"] = [args.llmc_python, me, "--llmc-child", model, str(tokens), scheme, str(work / f"llmc-{algorithm}-{tag}"), algorithm]
+                runs[f"llm-compressor {algorithm}"] = [
+                    args.llmc_python,
+                    me,
+                    "--llmc-child",
+                    model,
+                    str(tokens),
+                    scheme,
+                    str(work / f"llmc-{algorithm}-{tag}"),
+                    algorithm,
+                ]
         for name, cmd in runs.items():
             out = cmd[cmd.index("-o") + 1] if "-o" in cmd else cmd[-2]
-            result = measure(cmd, log_stem=work / f"{name.replace(' ', '-')}-{tag}", cwd=REPO, env=env, timeout_s=args.timeout)
-            rows.append({"scheme": scheme, "method": name, "output": out, "ok": result.ok, "wall_s": result.wall_s, "cpu_s": result.cpu_s, "peak_rss_gb": result.peak_rss_bytes / 1e9})
+            result = measure(
+                cmd, log_stem=work / f"{name.replace(' ', '-')}-{tag}", cwd=REPO, env=env, timeout_s=args.timeout
+            )
+            rows.append(
+                {
+                    "scheme": scheme,
+                    "method": name,
+                    "output": out,
+                    "ok": result.ok,
+                    "wall_s": result.wall_s,
+                    "cpu_s": result.cpu_s,
+                    "peak_rss_gb": result.peak_rss_bytes / 1e9,
+                }
+            )
             if not result.ok:
                 print(f"{name} {scheme} failed:\n{result.stderr_tail()}", file=sys.stderr)
     outputs = [model] + [row["output"] for row in rows if row["ok"]]
     ppl_path = work / "perplexity.json"
-    subprocess.run([sys.executable, me, "--perplexity-child", *outputs, str(args.eval_windows), str(ppl_path)], check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    subprocess.run(
+        [sys.executable, me, "--perplexity-child", *outputs, str(args.eval_windows), str(ppl_path)],
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     perplexities = json.loads(ppl_path.read_text())
-    print(f"SmolLM2-135M-Instruct, calibration {args.samples} x {args.seq_len} tokens (seed {args.seed}), perplexity on {args.eval_windows} windows of 512, one thread each")
+    print(
+        f"SmolLM2-135M-Instruct, calibration {args.samples} x {args.seq_len} tokens (seed {args.seed}), perplexity on {args.eval_windows} windows of 512, one thread each"
+    )
     print(f"float: perplexity {perplexities[model]:.2f}")
     print("| scheme | method | perplexity | wall s | CPU s | peak RSS GB |")
     print("|---|---|---|---|---|---|")
     for row in rows:
         ppl = perplexities.get(row["output"])
-        print(f"| {row['scheme']} | {row['method']} | {ppl:.2f} | {row['wall_s']:.1f} | {row['cpu_s']:.1f} | {row['peak_rss_gb']:.2f} |" if ppl else f"| {row['scheme']} | {row['method']} | failed | | | |")
+        print(
+            f"| {row['scheme']} | {row['method']} | {ppl:.2f} | {row['wall_s']:.1f} | {row['cpu_s']:.1f} | {row['peak_rss_gb']:.2f} |"
+            if ppl
+            else f"| {row['scheme']} | {row['method']} | failed | | | |"
+        )
     for scheme in args.schemes.split(","):
         for algorithm, method in (("gptq", "qtool gptq"), ("gptq", "qtool gptq true-sequential"), ("awq", "qtool awq")):
             ours = next((r for r in rows if r["scheme"] == scheme and r["method"] == method and r["ok"]), None)
-            theirs = next((r for r in rows if r["scheme"] == scheme and r["method"] == f"llm-compressor {algorithm}" and r["ok"]), None)
+            theirs = next(
+                (r for r in rows if r["scheme"] == scheme and r["method"] == f"llm-compressor {algorithm}" and r["ok"]),
+                None,
+            )
             if ours and theirs:
                 print(
                     f"{scheme} {method}: qtool/llm-compressor wall {ours['wall_s'] / theirs['wall_s']:.2f}x, CPU {ours['cpu_s'] / theirs['cpu_s']:.2f}x, "

@@ -43,8 +43,12 @@ RSS_LIMIT = 1.0 * GB
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Time `qtool compare MODEL W4A16` against `qtool dequantize W4A16` on a synthesized LLaMA-shaped bf16 checkpoint.")
-    p.add_argument("--size-gb", type=float, default=2.0, help="model size in GB (10^9 bytes); default 2 (4 layers, 2.14 GB)")
+    p = argparse.ArgumentParser(
+        description="Time `qtool compare MODEL W4A16` against `qtool dequantize W4A16` on a synthesized LLaMA-shaped bf16 checkpoint."
+    )
+    p.add_argument(
+        "--size-gb", type=float, default=2.0, help="model size in GB (10^9 bytes); default 2 (4 layers, 2.14 GB)"
+    )
     p.add_argument("--layers", type=int, help="decoder layers (overrides --size-gb); 1 is a quick ~0.9 GB trial")
     p.add_argument("--repeats", type=int, default=1, help="timed rounds of D and C (default 1); the median is reported")
     p.add_argument("--seed", type=int, default=0)
@@ -64,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     return in_work_dir(args.workdir, "bench-compare-", args.keep, lambda root: run(args, root))
 
 
-def timed(cmd: list[str], inputs: list[Path], output: Path, log_stem: Path, timeout: float, stdout_to: Path | None = None) -> Measurement:
+def timed(
+    cmd: list[str], inputs: list[Path], output: Path, log_stem: Path, timeout: float, stdout_to: Path | None = None
+) -> Measurement:
     remove(output)
     os.sync()
     for path in inputs:
@@ -84,13 +90,20 @@ def run(args: argparse.Namespace, root: Path) -> int:
     need = model.nbytes * 2.5
     if shutil.disk_usage(root).free < need:
         raise SystemExit(f"error: {root} needs about {need / GB:.0f} GB free")
-    print(f"\nmodel: LLaMA-2-7B shapes, {model.layers} layers, {len(model.tensors())} tensors, {model.nbytes / GB:.2f} GB bf16")
+    print(
+        f"\nmodel: LLaMA-2-7B shapes, {model.layers} layers, {len(model.tensors())} tensors, {model.nbytes / GB:.2f} GB bf16"
+    )
     print(f"synthesizing in {model_dir} ...", flush=True)
     print(f"  written in {synthesize(model, model_dir, args.seed, logs):.1f} s")
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "qtool")], check=False)
     py = sys.executable
     print("quantizing to W4A16 once (untimed) ...", flush=True)
-    m = measure([py, "-m", "qtool", "quantize", str(model_dir), "-o", str(w4), "--scheme", "W4A16", "-q"], log_stem=logs / "quantize", cwd=REPO, timeout_s=args.timeout)
+    m = measure(
+        [py, "-m", "qtool", "quantize", str(model_dir), "-o", str(w4), "--scheme", "W4A16", "-q"],
+        log_stem=logs / "quantize",
+        cwd=REPO,
+        timeout_s=args.timeout,
+    )
     if not m.ok:
         raise SystemExit(f"error: qtool quantize failed:\n{indent(m.stderr_tail())}")
     w4_bytes = sum(p.stat().st_size for p in w4.rglob("*.safetensors"))
@@ -100,8 +113,20 @@ def run(args: argparse.Namespace, root: Path) -> int:
     report = out / "C.json"
     for r in range(1, args.repeats + 1):
         for key, cmd, inputs, output, stdout_to in (
-            ("D", [py, "-m", "qtool", "dequantize", str(w4), "-o", str(out / "D.safetensors"), "--dtype", "bf16", "-q"], [w4], out / "D.safetensors", None),
-            ("C", [py, "-m", "qtool", "compare", str(model_dir), str(w4), "--json", "-q"], [model_dir, w4], report, report),
+            (
+                "D",
+                [py, "-m", "qtool", "dequantize", str(w4), "-o", str(out / "D.safetensors"), "--dtype", "bf16", "-q"],
+                [w4],
+                out / "D.safetensors",
+                None,
+            ),
+            (
+                "C",
+                [py, "-m", "qtool", "compare", str(model_dir), str(w4), "--json", "-q"],
+                [model_dir, w4],
+                report,
+                report,
+            ),
         ):
             m = timed(cmd, inputs, output, logs / f"{key}-{r}", args.timeout, stdout_to)
             if not m.ok:
@@ -109,7 +134,10 @@ def run(args: argparse.Namespace, root: Path) -> int:
                 print(f"  {key} round {r}: FAILED ({why}):\n{indent(m.stderr_tail())}")
                 return 1
             runs[key].append(m)
-            print(f"  {key} round {r}: {m.wall_s:7.2f} s  {m.peak_rss_bytes / GB:.2f} GB  (cpu {m.cpu_s:.1f} s, load avg {os.getloadavg()[0]:.1f})", flush=True)
+            print(
+                f"  {key} round {r}: {m.wall_s:7.2f} s  {m.peak_rss_bytes / GB:.2f} GB  (cpu {m.cpu_s:.1f} s, load avg {os.getloadavg()[0]:.1f})",
+                flush=True,
+            )
         remove(out / "D.safetensors")
 
     document = json.loads(report.read_text())
@@ -121,8 +149,10 @@ def run(args: argparse.Namespace, root: Path) -> int:
         and summary["measured"] - summary["exact"] == expected_quantized
         and summary["worst"]["sqnr_db"] > 15
     )
-    print(f"  check {'ok' if check_ok else 'FAILED'}: {summary['matched']} matched, {summary['measured'] - summary['exact']} quantized pairs, "
-          f"model SQNR {summary['sqnr_db']:.2f} dB, worst {summary['worst']['name']} {summary['worst']['sqnr_db']:.2f} dB")
+    print(
+        f"  check {'ok' if check_ok else 'FAILED'}: {summary['matched']} matched, {summary['measured'] - summary['exact']} quantized pairs, "
+        f"model SQNR {summary['sqnr_db']:.2f} dB, worst {summary['worst']['name']} {summary['worst']['sqnr_db']:.2f} dB"
+    )
 
     wall = {k: statistics.median(x.wall_s for x in v) for k, v in runs.items()}
     cpu = {k: statistics.median(x.cpu_s for x in v) for k, v in runs.items()}
@@ -130,13 +160,19 @@ def run(args: argparse.Namespace, root: Path) -> int:
     print(f"\n{'run':<4} {'what':<48} {'median s':>9} {'cpu s':>7} {'peak RSS GB':>12}")
     for key, what in (("D", "qtool dequantize W4A16 --dtype bf16"), ("C", "qtool compare MODEL W4A16")):
         print(f"{key:<4} {what:<48} {wall[key]:>9.2f} {cpu[key]:>7.1f} {rss[key] / GB:>12.2f}")
-    print(f"\nmodel {model.nbytes / GB:.2f} GB bf16 ({model.layers} layers), W4A16 {w4_bytes / GB:.2f} GB; median of {args.repeats}; "
-          f"load average now {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print(
+        f"\nmodel {model.nbytes / GB:.2f} GB bf16 ({model.layers} layers), W4A16 {w4_bytes / GB:.2f} GB; median of {args.repeats}; "
+        f"load average now {', '.join(f'{x:.1f}' for x in os.getloadavg())}"
+    )
     ratio = wall["C"] / wall["D"]
     results = [ratio < TARGET_RATIO, rss["C"] < RSS_LIMIT, check_ok]
     print("\ntargets")
-    print(f"  {'PASS' if results[0] else 'FAIL'}  C/D = {wall['C']:.2f} s / {wall['D']:.2f} s = {ratio:.2f}x  (target < {TARGET_RATIO}x)")
-    print(f"  {'PASS' if results[1] else 'FAIL'}  peak RSS C = {rss['C'] / GB:.2f} GB  (target < {RSS_LIMIT / GB:.1f} GB)")
+    print(
+        f"  {'PASS' if results[0] else 'FAIL'}  C/D = {wall['C']:.2f} s / {wall['D']:.2f} s = {ratio:.2f}x  (target < {TARGET_RATIO}x)"
+    )
+    print(
+        f"  {'PASS' if results[1] else 'FAIL'}  peak RSS C = {rss['C'] / GB:.2f} GB  (target < {RSS_LIMIT / GB:.1f} GB)"
+    )
     assert not {"torch", "numpy", "safetensors"} & set(sys.modules), "the parent must stay stdlib-only"
     return 1 if args.strict and not all(results) else 0
 

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import measure  # noqa: E402
+from _measure import measure
 
 TYPES = ("Q8_0", "Q4_0", "Q4_K")
 COLS = 4096
@@ -58,7 +58,7 @@ def write_gguf(path: Path, kind: str, params: int, seed: int) -> int:
             blocks[:, :4] = scales.view(np.uint8)  # d and dmin first: small finite f16
             data = blocks.reshape(rows_per_tensor, -1)
         else:
-            weights = (rng.standard_normal((rows_per_tensor, COLS), dtype=np.float32) * 0.02)
+            weights = rng.standard_normal((rows_per_tensor, COLS), dtype=np.float32) * 0.02
             data = gguf.quants.quantize(weights, qtype)
         writer.add_tensor(f"blk.{index}.ffn_up.weight", data, raw_dtype=qtype)
     writer.write_header_to_file()
@@ -121,17 +121,34 @@ def main() -> int:
             # whole processes first, and the in-process kernel timing in a child of its own: a
             # child forked from a parent holding GBs reports that parent's RSS as its own peak
             qtool_run = measure(
-                [sys.executable, "-m", "qtool", "dequantize", str(path), "-o", f"{work}/q.safetensors", "--dtype", "bf16", "-q", "--overwrite"],
+                [
+                    sys.executable,
+                    "-m",
+                    "qtool",
+                    "dequantize",
+                    str(path),
+                    "-o",
+                    f"{work}/q.safetensors",
+                    "--dtype",
+                    "bf16",
+                    "-q",
+                    "--overwrite",
+                ],
                 log_stem=Path(work) / f"{kind}-qtool",
             )
-            base_run = measure([sys.executable, "-c", BASELINE, str(path), f"{work}/b.safetensors"], log_stem=Path(work) / f"{kind}-base")
+            base_run = measure(
+                [sys.executable, "-c", BASELINE, str(path), f"{work}/b.safetensors"],
+                log_stem=Path(work) / f"{kind}-base",
+            )
             for run in (qtool_run, base_run):
                 if not run.ok:
                     print(run.stderr_tail())
                     return 1
             kernel = subprocess.run(
                 [sys.executable, __file__, "--kernel-only", str(path), "--repeats", str(args.repeats)],
-                capture_output=True, text=True, check=True,
+                capture_output=True,
+                text=True,
+                check=True,
             )
             ours, torch_s, theirs = map(float, kernel.stdout.split())
             print(

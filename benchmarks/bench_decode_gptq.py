@@ -59,8 +59,12 @@ def synthesize(target_params: int, seed: int = 0) -> dict[str, torch.Tensor]:
                 break
             module = f"model.layers.{layer}.{name}"
             groups = in_features // GROUP
-            tensors[f"{module}.qweight"] = torch.randint(-(2**31), 2**31, (in_features * BITS // 32, out_features), dtype=torch.int32, generator=generator)
-            tensors[f"{module}.qzeros"] = torch.randint(-(2**31), 2**31, (groups, out_features * BITS // 32), dtype=torch.int32, generator=generator)
+            tensors[f"{module}.qweight"] = torch.randint(
+                -(2**31), 2**31, (in_features * BITS // 32, out_features), dtype=torch.int32, generator=generator
+            )
+            tensors[f"{module}.qzeros"] = torch.randint(
+                -(2**31), 2**31, (groups, out_features * BITS // 32), dtype=torch.int32, generator=generator
+            )
             tensors[f"{module}.scales"] = (torch.rand(groups, out_features, generator=generator) * 0.01 + 1e-3).half()
             tensors[f"{module}.g_idx"] = (torch.arange(in_features) // GROUP).to(torch.int32)
             params += out_features * in_features
@@ -68,7 +72,9 @@ def synthesize(target_params: int, seed: int = 0) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def obvious(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, transpose: bool = True) -> torch.Tensor:
+def obvious(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, transpose: bool = True
+) -> torch.Tensor:
     """AutoGPTQ's torch fallback, written with a Python loop over the 8 nibble positions."""
     per_word, mask = 32 // BITS, (1 << BITS) - 1
     nibbles = [((qweight >> (BITS * j)).to(torch.int8) & mask) for j in range(per_word)]
@@ -128,7 +134,9 @@ def main() -> None:
     cpu_medians = {label: statistics.median(values) for label, values in cpu.items()}
     for label, seconds in medians.items():
         runs = ", ".join(f"{t:.2f}" for t in wall[label])
-        print(f"{label:24s} median {seconds:6.2f} s wall ({params / seconds / 1e6:5.0f} M params/s), {cpu_medians[label]:6.2f} s CPU; runs: {runs}")
+        print(
+            f"{label:24s} median {seconds:6.2f} s wall ({params / seconds / 1e6:5.0f} M params/s), {cpu_medians[label]:6.2f} s CPU; runs: {runs}"
+        )
     ratio = medians["baseline"] / medians["qtool"]
     loose = medians["baseline, no transpose"] / medians["qtool"]
     cpu_ratio = cpu_medians["baseline"] / cpu_medians["qtool"]

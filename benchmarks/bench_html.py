@@ -34,7 +34,15 @@ sys.path.insert(0, str(REPO))
 
 from tests.synthetic_reports import synthetic_comparison  # noqa: E402
 
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 SIZE_LIMIT = 5_000_000
 TIME_LIMIT_S = 2.0
 
@@ -69,29 +77,47 @@ def main(argv: list[str] | None = None) -> int:
             payload = page_text[page_text.index('<script type="application/octet-stream"') :]
             filler = "x" * max(0, size - len(payload.encode()) - 200)
             baseline = work / f"baseline-{layers}-{experts}.html"
-            baseline.write_text(f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>baseline</title></head><body><h1>baseline</h1><!--{filler}-->{payload.split('</script>')[0]}</script></body></html>")
+            baseline.write_text(
+                f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>baseline</title></head><body><h1>baseline</h1><!--{filler}-->{payload.split('</script>')[0]}</script></body></html>"
+            )
             report_times, baseline_times = [], []
             for _ in range(args.repeats):  # interleaved, each in a fresh page
                 page = browser.new_page(viewport={"width": 1280, "height": 800})
                 page.goto(baseline.as_uri(), wait_until="load")
-                baseline_times.append(page.evaluate("() => performance.getEntriesByType('navigation')[0].loadEventEnd") / 1000)
+                baseline_times.append(
+                    page.evaluate("() => performance.getEntriesByType('navigation')[0].loadEventEnd") / 1000
+                )
                 page.close()
                 page = browser.new_page(viewport={"width": 1280, "height": 800})
                 page.goto(report.as_uri())
                 page.wait_for_function("() => document.documentElement.dataset.ready === '1'", timeout=60_000)
-                report_times.append(page.evaluate("() => performance.getEntriesByName('qtool-table-drawn')[0].startTime") / 1000)
+                report_times.append(
+                    page.evaluate("() => performance.getEntriesByName('qtool-table-drawn')[0].startTime") / 1000
+                )
                 page.close()
-            rows.append((label, size, statistics.median(renders), statistics.median(report_times), statistics.median(baseline_times)))
+            rows.append(
+                (
+                    label,
+                    size,
+                    statistics.median(renders),
+                    statistics.median(report_times),
+                    statistics.median(baseline_times),
+                )
+            )
         browser.close()
     shutil.rmtree(work, ignore_errors=True)
     print(f"Chromium {args.chromium}, median of {args.repeats}")
     print("| model | file size | Python render | first render in Chromium | same-size baseline | report / baseline |")
     print("|---|---|---|---|---|---|")
     for label, size, render, first, base in rows:
-        print(f"| {label} | {size / 1e6:.2f} MB | {render:.2f} s | {first:.3f} s | {base:.3f} s | {first / base:.1f}× |")
+        print(
+            f"| {label} | {size / 1e6:.2f} MB | {render:.2f} s | {first:.3f} s | {base:.3f} s | {first / base:.1f}× |"
+        )
     print()
     for label, size, _, first, _ in rows:
-        print(f"{label}: size {'PASS' if size < SIZE_LIMIT else 'FAIL'} (< 5 MB), first render {'PASS' if first < TIME_LIMIT_S else 'FAIL'} (< 2 s)")
+        print(
+            f"{label}: size {'PASS' if size < SIZE_LIMIT else 'FAIL'} (< 5 MB), first render {'PASS' if first < TIME_LIMIT_S else 'FAIL'} (< 2 s)"
+        )
     return 0
 
 

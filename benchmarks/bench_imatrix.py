@@ -60,14 +60,25 @@ def build_model(folder: Path, hidden: int, layers: int) -> None:
 
     config = json.loads((TINY / "config.json").read_text())
     ffn, heads = hidden * 11 // 4 // 256 * 256, hidden // 64
-    config.update(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=64)
+    config.update(
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=64,
+    )
     vocab, kv = config["vocab_size"], 64 * max(1, heads // 2)
     generator = torch.Generator().manual_seed(0)
 
     def normal(*shape):
         return (torch.randn(*shape, generator=generator) * 0.02).to(torch.bfloat16)
 
-    tensors = {"model.embed_tokens.weight": normal(vocab, hidden), "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16), "lm_head.weight": normal(vocab, hidden)}
+    tensors = {
+        "model.embed_tokens.weight": normal(vocab, hidden),
+        "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+        "lm_head.weight": normal(vocab, hidden),
+    }
     for i in range(layers):
         p = f"model.layers.{i}."
         tensors |= {
@@ -131,22 +142,76 @@ def agreement(ours: Path, theirs: Path) -> tuple[float, float]:
 
 def qtool_imatrix_argv(model: Path, text: Path, out: Path, args) -> list[str]:
     n, c, t = str(args.chunks), str(args.chunk_size), str(args.threads)
-    return [sys.executable, "-m", "qtool", "imatrix", str(model), "--calibrate", str(text), "-o", str(out), "--chunks", n, "--chunk-size", c, "--threads", t, "--overwrite", "-q"]
+    return [
+        sys.executable,
+        "-m",
+        "qtool",
+        "imatrix",
+        str(model),
+        "--calibrate",
+        str(text),
+        "-o",
+        str(out),
+        "--chunks",
+        n,
+        "--chunk-size",
+        c,
+        "--threads",
+        t,
+        "--overwrite",
+        "-q",
+    ]
 
 
 def llama_imatrix_argv(model: Path, text: Path, out: Path, args) -> list[str]:
     n, c, t = str(args.chunks), str(args.chunk_size), str(args.threads)
-    return [LLAMA_IMATRIX, "-m", str(model), "-f", str(text), "-o", str(out), "-c", c, "-b", c, "--chunks", n, "-t", t, "--no-ppl"]
+    return [
+        LLAMA_IMATRIX,
+        "-m",
+        str(model),
+        "-f",
+        str(text),
+        "-o",
+        str(out),
+        "-c",
+        c,
+        "-b",
+        c,
+        "--chunks",
+        n,
+        "-t",
+        t,
+        "--no-ppl",
+    ]
 
 
 def perplexity(model: Path, text: Path, args, work: Path) -> float:
     """llama-perplexity's final estimate on --ppl-chunks windows of --chunk-size tokens."""
     import re
 
-    done = run([LLAMA_PERPLEXITY, "-m", str(model), "-f", str(text), "-c", str(args.chunk_size), "-b", str(args.chunk_size), "--chunks", str(args.ppl_chunks), "-t", str(args.threads)], work)
+    done = run(
+        [
+            LLAMA_PERPLEXITY,
+            "-m",
+            str(model),
+            "-f",
+            str(text),
+            "-c",
+            str(args.chunk_size),
+            "-b",
+            str(args.chunk_size),
+            "--chunks",
+            str(args.ppl_chunks),
+            "-t",
+            str(args.threads),
+        ],
+        work,
+    )
     found = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
     if found is None:
-        raise SystemExit(f"llama-perplexity printed no final estimate for {model}: {(done.stdout + done.stderr)[-800:]}")
+        raise SystemExit(
+            f"llama-perplexity printed no final estimate for {model}: {(done.stdout + done.stderr)[-800:]}"
+        )
     return float(found.group(1))
 
 
@@ -155,7 +220,11 @@ def same_bytes(ours: Path, theirs: Path) -> tuple[int, int]:
     import gguf
 
     a, b = gguf.GGUFReader(str(ours)), {t.name: t for t in gguf.GGUFReader(str(theirs)).tensors}
-    equal = sum(1 for t in a.tensors if t.name in b and t.tensor_type == b[t.name].tensor_type and bytes(t.data) == bytes(b[t.name].data))
+    equal = sum(
+        1
+        for t in a.tensors
+        if t.name in b and t.tensor_type == b[t.name].tensor_type and bytes(t.data) == bytes(b[t.name].data)
+    )
     return equal, len(b)
 
 
@@ -178,10 +247,28 @@ def smollm2_proof(args) -> int:
     if not f32.exists():
         run([LLAMA_QUANTIZE, "--allow-requantize", str(smollm2_gguf()), str(f32), "F32", str(args.threads)], work)
     if not converted.exists():
-        run([sys.executable, "-m", "qtool", "quantize", str(folder), "-o", str(converted), "--scheme", "Q8_0", "--ignore", "re:.*", "-q"], REPO)
+        run(
+            [
+                sys.executable,
+                "-m",
+                "qtool",
+                "quantize",
+                str(folder),
+                "-o",
+                str(converted),
+                "--scheme",
+                "Q8_0",
+                "--ignore",
+                "re:.*",
+                "-q",
+            ],
+            REPO,
+        )
     equal, total = same_bytes(converted, f32)
     if equal != total:
-        raise SystemExit(f"{f32} and qtool's conversion of {folder} differ in {total - equal} of {total} tensors: not the same weights")
+        raise SystemExit(
+            f"{f32} and qtool's conversion of {folder} differ in {total - equal} of {total} tensors: not the same weights"
+        )
     imatrices = {"qtool": work / "imatrix-qtool.gguf", "llama": work / "imatrix-llama.gguf"}
     times: dict[str, list[float]] = {"qtool": [], "llama": []}
     for _ in range(args.repeats):
@@ -190,14 +277,20 @@ def smollm2_proof(args) -> int:
     first, worst = agreement(imatrices["qtool"], imatrices["llama"])
     ratios = [q / ll for q, ll in zip(times["qtool"], times["llama"])]
     print(f"the F32 GGUF llama.cpp reads holds the folder's weights: {equal} of {total} tensors equal")
-    print(f"SmolLM2-135M-Instruct ({folder}); {args.chunks} chunks of {args.chunk_size} tokens; {args.threads} threads; {args.repeats} repeats; load {os.getloadavg()[0]:.1f}")
+    print(
+        f"SmolLM2-135M-Instruct ({folder}); {args.chunks} chunks of {args.chunk_size} tokens; {args.threads} threads; {args.repeats} repeats; load {os.getloadavg()[0]:.1f}"
+    )
     print(f"qtool imatrix  median {statistics.median(times['qtool']):.2f} s  {[round(x, 2) for x in times['qtool']]}")
     print(f"llama-imatrix  median {statistics.median(times['llama']):.2f} s  {[round(x, 2) for x in times['llama']]}")
     print(f"qtool / llama  median ratio {statistics.median(ratios):.2f} (target <= 2)")
     cpu = [q / ll for q, ll in zip(CPU_SECONDS["qtool"], CPU_SECONDS["llama"])]
-    print(f"CPU seconds    qtool {[round(x, 1) for x in CPU_SECONDS['qtool']]}, llama {[round(x, 1) for x in CPU_SECONDS['llama']]}: median ratio {statistics.median(cpu):.2f}")
+    print(
+        f"CPU seconds    qtool {[round(x, 1) for x in CPU_SECONDS['qtool']]}, llama {[round(x, 1) for x in CPU_SECONDS['llama']]}: median ratio {statistics.median(cpu):.2f}"
+    )
     print(f"sums apart: first layer's q/k/v inputs {first:.2e} relative, every entry {worst:.2e}")
-    print(f"perplexity on {args.ppl_chunks} windows of {args.chunk_size} tokens of the held-out half (llama-perplexity):")
+    print(
+        f"perplexity on {args.ppl_chunks} windows of {args.chunk_size} tokens of the held-out half (llama-perplexity):"
+    )
     ppl = {}
     if args.baselines:
         ppl["F32"] = perplexity(f32, held_out, args, work)
@@ -212,7 +305,26 @@ def smollm2_proof(args) -> int:
             run([LLAMA_QUANTIZE, "--imatrix", str(imatrix), str(f32), str(out), mix, str(args.threads)], work)
             ppl[f"{mix} {who}"] = perplexity(out, held_out, args, work)
         ours = work / f"smollm2-{mix}-qtool-quantize.gguf"
-        run([sys.executable, "-m", "qtool", "quantize", str(f32), "-o", str(ours), "--scheme", mix, "--imatrix", str(imatrices["qtool"]), "--threads", str(args.threads), "--overwrite", "-q"], REPO)
+        run(
+            [
+                sys.executable,
+                "-m",
+                "qtool",
+                "quantize",
+                str(f32),
+                "-o",
+                str(ours),
+                "--scheme",
+                mix,
+                "--imatrix",
+                str(imatrices["qtool"]),
+                "--threads",
+                str(args.threads),
+                "--overwrite",
+                "-q",
+            ],
+            REPO,
+        )
         equal, total = same_bytes(ours, work / f"smollm2-{mix}-qtool-imatrix.gguf")
         apart = ppl[f"{mix} qtool"] / ppl[f"{mix} llama"] - 1
         print(
@@ -233,8 +345,17 @@ def main() -> int:
     parser.add_argument("--smollm2", action="store_true", help="the issue's proof on SmolLM2-135M (see above)")
     parser.add_argument("--mixes", default="Q4_K_M,Q3_K_M", help="--smollm2: the mixes to quantize and score")
     parser.add_argument("--ppl-chunks", type=int, default=16, help="--smollm2: windows llama-perplexity scores")
-    parser.add_argument("--no-baselines", dest="baselines", action="store_false", help="--smollm2: skip F32 and the mixes without an imatrix")
-    parser.add_argument("--workdir", default=str(Path.home() / ".cache" / "qtool-bench" / "imatrix-smollm2"), help="--smollm2: where the files go (kept)")
+    parser.add_argument(
+        "--no-baselines",
+        dest="baselines",
+        action="store_false",
+        help="--smollm2: skip F32 and the mixes without an imatrix",
+    )
+    parser.add_argument(
+        "--workdir",
+        default=str(Path.home() / ".cache" / "qtool-bench" / "imatrix-smollm2"),
+        help="--smollm2: where the files go (kept)",
+    )
     args = parser.parse_args()
     if args.smollm2:
         return smollm2_proof(args)
@@ -244,7 +365,25 @@ def main() -> int:
         work = Path(work)
         model, gguf_model, text = work / "model", work / "model.gguf", work / "topics.txt"
         build_model(model, args.hidden, args.layers)
-        subprocess.run([sys.executable, "-m", "qtool", "quantize", str(model), "-o", str(gguf_model), "--scheme", "Q8_0", "--ignore", "re:.*", "-q"], cwd=REPO, check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "qtool",
+                "quantize",
+                str(model),
+                "-o",
+                str(gguf_model),
+                "--scheme",
+                "Q8_0",
+                "--ignore",
+                "re:.*",
+                "-q",
+            ],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+        )
         import pydoc_data.topics
 
         text.write_bytes(Path(pydoc_data.topics.__file__).read_bytes()[:60000])
@@ -254,7 +393,9 @@ def main() -> int:
             times["llama"].append(timed(llama_imatrix_argv(gguf_model, text, work / "llama.gguf", args), work, "llama"))
         first, worst = agreement(work / "qtool.gguf", work / "llama.gguf")
     ratios = [q / ll for q, ll in zip(times["qtool"], times["llama"])]
-    print(f"model: hidden {args.hidden}, {args.layers} layers; {args.chunks} chunks of {args.chunk_size} tokens; {args.threads} threads; {args.repeats} repeats")
+    print(
+        f"model: hidden {args.hidden}, {args.layers} layers; {args.chunks} chunks of {args.chunk_size} tokens; {args.threads} threads; {args.repeats} repeats"
+    )
     print(f"qtool imatrix  median {statistics.median(times['qtool']):.2f} s  {[round(x, 2) for x in times['qtool']]}")
     print(f"llama-imatrix  median {statistics.median(times['llama']):.2f} s  {[round(x, 2) for x in times['llama']]}")
     print(f"qtool / llama  median ratio {statistics.median(ratios):.2f} (target <= 2)")

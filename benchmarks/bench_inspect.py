@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import in_work_dir, print_environment  # noqa: E402
+from _measure import in_work_dir, print_environment
 
 REPO = Path(__file__).resolve().parent.parent
 BF16_BYTES = 2
@@ -299,7 +299,11 @@ def write_sparse_pt(path: Path, tensors: list[tuple[str, list[int]]]) -> int:
             pad = -(offset + 30 + len(raw) + 4) % 64  # torch aligns record data to 64 bytes
             extra = struct.pack("<HH", 0x4B46, pad) + b"Z" * pad  # torch's "FB" padding field
             crc = zlib.crc32(data) if data is not None else crc32_of_zeros(size)
-            f.write(struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 45, 0, 0, 0, 0, crc, size, size, len(raw), len(extra)) + raw + extra)
+            f.write(
+                struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 45, 0, 0, 0, 0, crc, size, size, len(raw), len(extra))
+                + raw
+                + extra
+            )
             if data is not None:
                 f.write(data)
             else:
@@ -318,10 +322,35 @@ def write_sparse_pt(path: Path, tensors: list[tuple[str, list[int]]]) -> int:
             raw = name.encode()
             extra = struct.pack("<HHQ", 0x0001, 8, offset) if offset >= 0xFFFFFFFF else b""
             stated = 0xFFFFFFFF if extra else offset
-            f.write(struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 45, 45, 0, 0, 0, 0, crc, size, size, len(raw), len(extra), 0, 0, 0, 0, stated) + raw + extra)
+            f.write(
+                struct.pack(
+                    "<4sHHHHHHIIIHHHHHII",
+                    b"PK\x01\x02",
+                    45,
+                    45,
+                    0,
+                    0,
+                    0,
+                    0,
+                    crc,
+                    size,
+                    size,
+                    len(raw),
+                    len(extra),
+                    0,
+                    0,
+                    0,
+                    0,
+                    stated,
+                )
+                + raw
+                + extra
+            )
         cd_size = f.tell() - cd_start
         eocd64 = f.tell()
-        f.write(struct.pack("<4sQHHIIQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, len(entries), len(entries), cd_size, cd_start))
+        f.write(
+            struct.pack("<4sQHHIIQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, len(entries), len(entries), cd_size, cd_start)
+        )
         f.write(struct.pack("<4sIQI", b"PK\x06\x07", 0, eocd64, 1))
         f.write(struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0))
     return total
@@ -335,7 +364,9 @@ def synthesize_pt(model: LlamaShape, root: Path) -> Path:
     path = directory / "pytorch_model.bin"
     total = write_sparse_pt(path, model.tensors())
     on_disk = path.stat().st_blocks * 512
-    print(f"  {model.title:<12} as one zip-format pytorch_model.bin: {total / 1e9:.1f} GB bf16 apparent, {on_disk / 2**10:.0f} KiB on disk  ({path})")
+    print(
+        f"  {model.title:<12} as one zip-format pytorch_model.bin: {total / 1e9:.1f} GB bf16 apparent, {on_disk / 2**10:.0f} KiB on disk  ({path})"
+    )
     return path
 
 
@@ -434,7 +465,7 @@ def imported_modules(model_dir: Path) -> tuple[set[str], str | None]:
     bad = None
     if proc.returncode != 0:
         bad = f"exit status {proc.returncode}; stderr:\n" + indent(
-            tail("\n".join(l for l in err.splitlines() if not l.startswith("import time:")), 25)
+            tail("\n".join(line for line in err.splitlines() if not line.startswith("import time:")), 25)
         )
     return names, bad
 
@@ -511,12 +542,16 @@ def run_large_headers(sizes: list[int], repeats: int, root: Path) -> list[bool]:
             cpu = statistics.median(r[1] for r in got)
             rss = max(r[2] for r in got)
             walls = " ".join(f"{r[0]:.2f}" for r in got)
-            print(f"{count:>10,} {size_mb:>6.1f}MB {variant:<17} {wall:>8.2f} {cpu:>8.2f} {rss / 2**20:>7.0f}MB  {walls}")
+            print(
+                f"{count:>10,} {size_mb:>6.1f}MB {variant:<17} {wall:>8.2f} {cpu:>8.2f} {rss / 2**20:>7.0f}MB  {walls}"
+            )
         if count == 100_000:
             wall = statistics.median(r[0] for r in runs[count, "qtool"])
             ok = wall < HEADER_TARGET_S
             verdicts.append(ok)
-            print(f"  {'PASS' if ok else 'FAIL'}  100k tensors listed in {wall:.2f} s < {HEADER_TARGET_S} s (wall; cpu {statistics.median(r[1] for r in runs[count, 'qtool']):.2f} s)")
+            print(
+                f"  {'PASS' if ok else 'FAIL'}  100k tensors listed in {wall:.2f} s < {HEADER_TARGET_S} s (wall; cpu {statistics.median(r[1] for r in runs[count, 'qtool']):.2f} s)"
+            )
     return verdicts
 
 
@@ -533,8 +568,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the synthesized checkpoints")
     p.add_argument("--models", default="7b,70b", help="comma list of: " + ",".join(MODELS))
     p.add_argument("--strict", action="store_true", help="exit 1 if a target fails or qtool fails")
-    p.add_argument("--no-pt", dest="pt", action="store_false", help="skip the .pt case (the 7B model as one pytorch_model.bin)")
-    p.add_argument("--headers", default="100000,1600000", help="comma list of zero-size-tensor header sizes to list ('' skips them)")
+    p.add_argument(
+        "--no-pt", dest="pt", action="store_false", help="skip the .pt case (the 7B model as one pytorch_model.bin)"
+    )
+    p.add_argument(
+        "--headers",
+        default="100000,1600000",
+        help="comma list of zero-size-tensor header sizes to list ('' skips them)",
+    )
     p.add_argument("--header-repeats", type=int, default=3, help="timed runs per header size (default 3)")
     args = p.parse_args(argv)
     args.models = [m.strip().lower() for m in args.models.split(",") if m.strip()]
@@ -613,9 +654,13 @@ def run(args: argparse.Namespace, root: Path) -> int:
     # the .pt variants ran on another path than dirs[...]: their CPU times are not keyed here
     timed = {job: CPU_TIMES.get(tuple(command(job[1], dirs[job[0]]))) for job in med}
     cpu = {job: statistics.median(t) for job, t in timed.items() if t}
-    print("CPU seconds (user + sys), median: " + "; ".join(
-        f"{MODELS[k].title} " + ", ".join(f"{v} {cpu[k, v]:.3f}" for v in VARIANTS if (k, v) in cpu) for k in args.models
-    ))
+    print(
+        "CPU seconds (user + sys), median: "
+        + "; ".join(
+            f"{MODELS[k].title} " + ", ".join(f"{v} {cpu[k, v]:.3f}" for v in VARIANTS if (k, v) in cpu)
+            for k in args.models
+        )
+    )
 
     # Targets.
     print("\ntargets")
@@ -637,7 +682,9 @@ def run(args: argparse.Namespace, root: Path) -> int:
         else:
             verdict(False if q in failed else None, f"{MODELS[key].title}: qtool vs {BASELINE}: not measured")
         if q in cpu and b in cpu:
-            print(f"  info  {MODELS[key].title}: CPU qtool {cpu[q]:.3f}s / {BASELINE} {cpu[b]:.3f}s = {cpu[q] / cpu[b]:.2f}x")
+            print(
+                f"  info  {MODELS[key].title}: CPU qtool {cpu[q]:.3f}s / {BASELINE} {cpu[b]:.3f}s = {cpu[q] / cpu[b]:.2f}x"
+            )
     if ("7b", "qtool") in med and ("70b", "qtool") in med:
         r = med["70b", "qtool"] / med["7b", "qtool"]
         verdict(r <= TARGET_70B_OVER_7B, f"qtool 70B/7B = {r:.2f}x <= {TARGET_70B_OVER_7B}x")
@@ -657,19 +704,28 @@ def run(args: argparse.Namespace, root: Path) -> int:
         q, st, tl = (pt_model, "qtool(pt)"), (pt_model, "qtool"), (pt_model, "torch.load(mmap)")
         if q in med and st in med:
             r = med[q] / med[st]
-            verdict(r <= TARGET_PT_OVER_SAFETENSORS, f"{title} .pt: qtool(pt) {med[q]:.3f}s <= {TARGET_PT_OVER_SAFETENSORS}x qtool on safetensors {med[st]:.3f}s: {r:.2f}x")
+            verdict(
+                r <= TARGET_PT_OVER_SAFETENSORS,
+                f"{title} .pt: qtool(pt) {med[q]:.3f}s <= {TARGET_PT_OVER_SAFETENSORS}x qtool on safetensors {med[st]:.3f}s: {r:.2f}x",
+            )
         else:
             verdict(False if q in failed else None, f"{title} .pt vs safetensors: not measured")
         if q in med and tl in med:
             r = med[tl] / med[q]
-            verdict(r >= TARGET_TORCH_OVER_PT, f"{title} .pt: torch.load(mmap) {med[tl]:.3f}s >= {TARGET_TORCH_OVER_PT}x qtool(pt): {r:.1f}x")
+            verdict(
+                r >= TARGET_TORCH_OVER_PT,
+                f"{title} .pt: torch.load(mmap) {med[tl]:.3f}s >= {TARGET_TORCH_OVER_PT}x qtool(pt): {r:.1f}x",
+            )
         else:
             verdict(False if q in failed else None, f"{title} .pt vs torch.load: not measured")
         names, msg = imported_modules(pt_path)
         if msg:
             verdict(False, f"no torch import on `qtool inspect pytorch_model.bin --json`: qtool failed, {msg}")
         else:
-            verdict("torch" not in names, f"`qtool inspect pytorch_model.bin --json` imports torch: {'yes' if 'torch' in names else 'no'}")
+            verdict(
+                "torch" not in names,
+                f"`qtool inspect pytorch_model.bin --json` imports torch: {'yes' if 'torch' in names else 'no'}",
+            )
     results += run_large_headers(args.headers, args.header_repeats, root)
 
     assert not {"torch", "numpy", "safetensors"} & set(sys.modules), "the parent must stay stdlib-only"

@@ -39,7 +39,9 @@ def main():
     parser.add_argument("--cols", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--types", default="Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_NL,Q8_0,Q4_0")
-    parser.add_argument("--imatrix", action="store_true", help="with importance weights (llama-quantize --imatrix's path)")
+    parser.add_argument(
+        "--imatrix", action="store_true", help="with importance weights (llama-quantize --imatrix's path)"
+    )
     args = parser.parse_args()
     native.set_threads(args.threads)
     rng = np.random.default_rng(0)
@@ -48,8 +50,12 @@ def main():
     mb = x.nbytes / 1e6
     with tempfile.TemporaryDirectory() as tmp:
         lib, _ = make_reference.build_library(Path(args.llama_cpp), Path(tmp))
-        print(f"{args.rows} x {args.cols} float32 ({mb:.1f} MB), {args.threads} threads, {'with' if args.imatrix else 'without'} importance weights")
-        print("best of --repeat runs, alternating; wall MB/s and CPU seconds (all threads: the fair measure on a loaded machine)")
+        print(
+            f"{args.rows} x {args.cols} float32 ({mb:.1f} MB), {args.threads} threads, {'with' if args.imatrix else 'without'} importance weights"
+        )
+        print(
+            "best of --repeat runs, alternating; wall MB/s and CPU seconds (all threads: the fair measure on a loaded machine)"
+        )
         for name in args.types.split(","):
             wall = {"ref": [], "qtool": []}
             cpu = {"ref": [], "qtool": []}
@@ -59,13 +65,17 @@ def main():
                     if who == "ref":
                         ref = reference_rows(lib, name, x, args.threads, qw)
                     else:
-                        got = native.encode_gguf(name, x, "F32", args.rows, args.cols, None if qw is None else qw.tobytes())
+                        got = native.encode_gguf(
+                            name, x, "F32", args.rows, args.cols, None if qw is None else qw.tobytes()
+                        )
                     wall[who].append(time.perf_counter() - t0)
                     cpu[who].append(time.process_time() - c0)
             same = bytes(got.data) == ref
             w_ref, w_qt, c_ref, c_qt = min(wall["ref"]), min(wall["qtool"]), min(cpu["ref"]), min(cpu["qtool"])
-            print(f"{name:7s} llama.cpp {mb / w_ref:8.1f} MB/s {c_ref:6.2f} cpu-s   qtool {mb / w_qt:8.1f} MB/s {c_qt:6.2f} cpu-s   "
-                  f"ratio wall {w_ref / w_qt:5.2f}x cpu {c_ref / c_qt:5.2f}x   bytes equal: {same}")
+            print(
+                f"{name:7s} llama.cpp {mb / w_ref:8.1f} MB/s {c_ref:6.2f} cpu-s   qtool {mb / w_qt:8.1f} MB/s {c_qt:6.2f} cpu-s   "
+                f"ratio wall {w_ref / w_qt:5.2f}x cpu {c_ref / c_qt:5.2f}x   bytes equal: {same}"
+            )
 
 
 def reference_rows(lib, name, x, threads, qw=None):

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import print_environment  # noqa: E402
+from _measure import print_environment
 
 _BASELINE_SLICE = 1 << 20
 
@@ -106,17 +106,27 @@ def bench_native(path: Path, size: int, repeats: int) -> None:
     for dtype_name, dtype, code in (("BF16", torch.bfloat16, 2), ("F32", torch.float32, 0)):
         weight = torch.randn(size, size, generator=g).to(dtype)
         src = weight.view(torch.uint8).numpy().tobytes()
-        for label, bits, group, symmetric in (("int8 channel", 8, size, True), ("W4A16 g128", 4, 128, True), ("W4A16_ASYM", 4, 128, False), ("int4 g32", 4, 32, True)):
+        for label, bits, group, symmetric in (
+            ("int8 channel", 8, size, True),
+            ("W4A16 g128", 4, 128, True),
+            ("W4A16_ASYM", 4, 128, False),
+            ("int4 g32", 4, 32, True),
+        ):
             times: dict[str, list[float]] = {"baseline": [], "today": []}
             for _ in range(repeats):
                 for name, module in (("baseline", baseline), ("today", _kernels)):
-                    packed, scale = bytearray(size * size * bits // 8), bytearray(size * (size // group) * weight.element_size())
+                    packed, scale = (
+                        bytearray(size * size * bits // 8),
+                        bytearray(size * (size // group) * weight.element_size()),
+                    )
                     zero_point = None if symmetric else bytearray(size * (size // group))
                     started = time.perf_counter()
                     module.encode_int(src, code, size, group, packed, scale, zero_point, bits, 0, size)
                     times[name].append(time.perf_counter() - started)
             old, new = statistics.median(times["baseline"]), statistics.median(times["today"])
-            print(f"  {dtype_name} {label:13s} baseline {old * 1e3:6.1f} ms  today {new * 1e3:6.1f} ms  today / baseline {new / old:.2f}x")
+            print(
+                f"  {dtype_name} {label:13s} baseline {old * 1e3:6.1f} ms  today {new * 1e3:6.1f} ms  today / baseline {new / old:.2f}x"
+            )
 
 
 if __name__ == "__main__":

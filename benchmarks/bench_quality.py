@@ -60,7 +60,6 @@ def _sqnr(x, decoded) -> float:
 def _qtool_sqnr(weight, bits, group, symmetric, observer) -> float:
     """SQNR of the weight as `qtool quantize` writes it (compressed-tensors layout, dequantized)."""
     from qtool import native
-    from qtool.layouts import compressed_tensors as ct
     from qtool.scheme_strings import parse_scheme
 
     rows, cols = weight.shape
@@ -106,7 +105,9 @@ def _llmcompressor_mse_sqnr(weight, bits, group, symmetric) -> float:
             scale = (hi * p - lo * p) / levels
             zero_point = torch.clamp(torch.round(value_type.qmin - lo * p / scale), value_type.qmin, value_type.qmax)
         scale = torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale)
-        q = torch.clamp(torch.round(blocks / scale[..., None] + zero_point[..., None]), value_type.qmin, value_type.qmax)
+        q = torch.clamp(
+            torch.round(blocks / scale[..., None] + zero_point[..., None]), value_type.qmin, value_type.qmax
+        )
         decoded = (q - zero_point[..., None]) * scale[..., None]
         err = ((blocks - decoded).abs().double() ** 2.4).sum(-1)
         better = err < best
@@ -127,7 +128,9 @@ def _hqq_sqnr(weight, bits, group) -> float | None:
 
     group = group or weight.shape[1]
     with torch.no_grad():
-        codes, meta = Quantizer.quantize(weight.clone(), nbits=bits, group_size=group, axis=1, optimize=True, round_zero=False, device="cpu")
+        codes, meta = Quantizer.quantize(
+            weight.clone(), nbits=bits, group_size=group, axis=1, optimize=True, round_zero=False, device="cpu"
+        )
         decoded = Quantizer.dequantize(codes, meta)
     return _sqnr(weight, decoded.reshape(weight.shape).float())
 
@@ -213,8 +216,12 @@ def bench_perplexity(windows: int, schemes: list[str]) -> list[str]:
     folder = smollm2()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     _, evaluation = text_split()
-    lines = [f"SmolLM2-135M-Instruct perplexity, {windows} windows of 512 tokens of CPython's pydoc topics (evaluation half)"]
-    base, used = perplexity(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), tokenizer, evaluation, windows=windows)
+    lines = [
+        f"SmolLM2-135M-Instruct perplexity, {windows} windows of 512 tokens of CPython's pydoc topics (evaluation half)"
+    ]
+    base, used = perplexity(
+        AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), tokenizer, evaluation, windows=windows
+    )
     lines.append(f"  float32  {base:.4f}  ({used} windows)")
     print(lines[-1], flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -232,9 +239,16 @@ def bench_perplexity(windows: int, schemes: list[str]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=["sqnr", "embeddings", "perplexity"])
-    parser.add_argument("--windows", type=int, default=40, help="512-token windows for the perplexity (default 40; fewer if the text is shorter)")
     parser.add_argument(
-        "--schemes", default="int4:g64", help="comma list of int schemes for the perplexity (default int4:g64, i.e. sym; e.g. int4:g64,int4:g64:asym)"
+        "--windows",
+        type=int,
+        default=40,
+        help="512-token windows for the perplexity (default 40; fewer if the text is shorter)",
+    )
+    parser.add_argument(
+        "--schemes",
+        default="int4:g64",
+        help="comma list of int schemes for the perplexity (default int4:g64, i.e. sym; e.g. int4:g64,int4:g64:asym)",
     )
     args = parser.parse_args()
     if args.only in (None, "sqnr"):

@@ -546,7 +546,19 @@ def command(run: Run, src: Path, dst: Path) -> list[str]:
         "D": [py, "-c", D_CODE, str(src), str(dst)],
         "E": [py, "-m", "qtool", "dequantize", str(src), "-o", str(dst), "--dtype", "bf16", "-q"],
         "F": [py, "-c", F_CODE, str(src), str(dst)],
-        "G": [py, "-m", "qtool", "quantize", str(src), "-o", str(dst), "--scheme", "q4_0", "--allow-incomplete-gguf", "-q"],
+        "G": [
+            py,
+            "-m",
+            "qtool",
+            "quantize",
+            str(src),
+            "-o",
+            str(dst),
+            "--scheme",
+            "q4_0",
+            "--allow-incomplete-gguf",
+            "-q",
+        ],
         "H": [py, "-c", H_CODE, str(src), str(dst)],
     }[run.key]
 
@@ -611,8 +623,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--runs", default=",".join(RUNS), help="comma list of runs (default A,B,C,M,D,E,F,G,H)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each (default 3); the median is reported")
-    p.add_argument("--size-gb", type=float, default=2.0,
-                   help="model size before --scale, in GB (10^9 bytes); default 2 (4 layers, 2.14 GB)")
+    p.add_argument(
+        "--size-gb",
+        type=float,
+        default=2.0,
+        help="model size before --scale, in GB (10^9 bytes); default 2 (4 layers, 2.14 GB)",
+    )
     p.add_argument("--scale", type=int, default=1, help="multiply the layer count; 2 gives the doubled model (~4 GB)")
     p.add_argument("--layers", type=int, help="decoder layers before --scale (overrides --size-gb)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthesized weights (default 0)")
@@ -708,12 +724,14 @@ def run(args: argparse.Namespace, root: Path) -> int:
         probes.append(("import compressed_tensors.compressors", "import compressed_tensors.compressors"))
     if "E" in selected:  # E's output is the model's size again, written durably (fsync) as qtool does
         sink = outs / "floor.bin"
-        probes.append((
-            f"write+fsync {model.nbytes / GB:.2f} GB",
-            f"import os\nfd = os.open({str(sink)!r}, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)\nchunk = bytes(32 << 20)\n"
-            f"left = {model.nbytes}\nwhile left > 0:\n    left -= os.write(fd, chunk[:min(left, len(chunk))])\n"
-            f"os.fsync(fd)\nos.close(fd)\nos.remove({str(sink)!r})",
-        ))
+        probes.append(
+            (
+                f"write+fsync {model.nbytes / GB:.2f} GB",
+                f"import os\nfd = os.open({str(sink)!r}, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)\nchunk = bytes(32 << 20)\n"
+                f"left = {model.nbytes}\nwhile left > 0:\n    left -= os.write(fd, chunk[:min(left, len(chunk))])\n"
+                f"os.fsync(fd)\nos.close(fd)\nos.remove({str(sink)!r})",
+            )
+        )
     for name, code in probes:
         ms = []
         for _ in range(args.repeats):
@@ -737,13 +755,27 @@ def run(args: argparse.Namespace, root: Path) -> int:
                 print(f"  {key} round {r}: FAILED: {first}{': ' + last if last else ''}", flush=True)
                 continue
             rec.runs.append(res)
-            print(f"  {key} round {r}: {res.wall_s:7.2f} s  {res.peak_rss_bytes / GB:.2f} GB  "
-                  f"(cpu {res.cpu_s:.1f} s, load avg {os.getloadavg()[0]:.1f})", flush=True)
+            print(
+                f"  {key} round {r}: {res.wall_s:7.2f} s  {res.peak_rss_bytes / GB:.2f} GB  "
+                f"(cpu {res.cpu_s:.1f} s, load avg {os.getloadavg()[0]:.1f})",
+                flush=True,
+            )
             if rec.check is None and not args.no_check:
                 m = measure(
-                    [sys.executable, "-c", CHECK_CODE, str(model_dir), str(outs / run_.output), key,
-                     run_.expect, str(model.n_quantized), PROBE],
-                    log_stem=logs / f"{key}-check", cwd=REPO, timeout_s=args.timeout,
+                    [
+                        sys.executable,
+                        "-c",
+                        CHECK_CODE,
+                        str(model_dir),
+                        str(outs / run_.output),
+                        key,
+                        run_.expect,
+                        str(model.n_quantized),
+                        PROBE,
+                    ],
+                    log_stem=logs / f"{key}-check",
+                    cwd=REPO,
+                    timeout_s=args.timeout,
                 )
                 rec.check_ok = m.ok
                 text = m.stdout_path.read_text(errors="replace").strip()
@@ -754,8 +786,24 @@ def run(args: argparse.Namespace, root: Path) -> int:
             if key == "G" and rec.torch_free is None:
                 probe = outs / "G-torch-probe.gguf"
                 remove(probe)
-                m = measure([sys.executable, "-c", TORCH_FREE_CODE, "quantize", str(model_dir), "-o", str(probe), "--scheme", "q4_0", "--allow-incomplete-gguf", "-q"],
-                            log_stem=logs / "G-torch-probe", cwd=REPO, timeout_s=args.timeout)
+                m = measure(
+                    [
+                        sys.executable,
+                        "-c",
+                        TORCH_FREE_CODE,
+                        "quantize",
+                        str(model_dir),
+                        "-o",
+                        str(probe),
+                        "--scheme",
+                        "q4_0",
+                        "--allow-incomplete-gguf",
+                        "-q",
+                    ],
+                    log_stem=logs / "G-torch-probe",
+                    cwd=REPO,
+                    timeout_s=args.timeout,
+                )
                 rec.torch_free = m.ok and m.stdout_path.read_text().strip().endswith("True")
                 remove(probe)
                 print(f"    torch imported by G: {'no' if rec.torch_free else 'YES'}", flush=True)
@@ -766,8 +814,7 @@ def run(args: argparse.Namespace, root: Path) -> int:
         if records[key].failure:
             print(f"{key} FAILED ({RUNS[key].what}): {records[key].failure}\n")
 
-    head = (f"{'run':<4} {'what':<46} {'median s':>9} {'peak RSS GB':>12} {'cpu s':>7}  "
-            "all runs (wall s / peak RSS GB)")
+    head = f"{'run':<4} {'what':<46} {'median s':>9} {'peak RSS GB':>12} {'cpu s':>7}  all runs (wall s / peak RSS GB)"
     print(head)
     print("-" * len(head))
     med: dict[str, float] = {}
@@ -779,8 +826,10 @@ def run(args: argparse.Namespace, root: Path) -> int:
             continue
         med[key], rss[key] = rec.median, rec.peak_rss
         runs = "  ".join(f"{m.wall_s:.2f}/{m.peak_rss_bytes / GB:.2f}" for m in rec.runs)
-        print(f"{key:<4} {RUNS[key].what:<46} {rec.median:>9.2f} {rec.peak_rss / GB:>12.2f} "
-              f"{rec.median_cpu:>7.1f}  {runs}")
+        print(
+            f"{key:<4} {RUNS[key].what:<46} {rec.median:>9.2f} {rec.peak_rss / GB:>12.2f} "
+            f"{rec.median_cpu:>7.1f}  {runs}"
+        )
     print(
         f"\nmodel {model.nbytes / GB:.2f} GB ({model.layers} layers); median of {args.repeats}; "
         "peak RSS is the largest of the runs (ru_maxrss, touched mmap-ed pages included); GB = 10^9 bytes;\n"
@@ -802,12 +851,14 @@ def run(args: argparse.Namespace, root: Path) -> int:
             continue
         if base_key in med and qtool_key in med:
             ratio = med[base_key] / med[qtool_key]
-            verdict(ratio >= target, f"{base_key}/{qtool_key} = {med[base_key]:.2f} s / {med[qtool_key]:.2f} s "
-                    f"= {ratio:.2f}x  (target >= {target}x)")
+            verdict(
+                ratio >= target,
+                f"{base_key}/{qtool_key} = {med[base_key]:.2f} s / {med[qtool_key]:.2f} s "
+                f"= {ratio:.2f}x  (target >= {target}x)",
+            )
         else:
             missing = " and ".join(k for k in (base_key, qtool_key) if k not in med)
-            verdict(False if qtool_key not in med else None,
-                    f"{base_key}/{qtool_key} >= {target}x: {missing} FAILED")
+            verdict(False if qtool_key not in med else None, f"{base_key}/{qtool_key} >= {target}x: {missing} FAILED")
     for slow_key, base_key, limit in TARGET_SLOWDOWNS:
         if slow_key not in selected or base_key not in selected:
             continue
@@ -815,16 +866,22 @@ def run(args: argparse.Namespace, root: Path) -> int:
             pairs = zip(records[slow_key].walls, records[base_key].walls)
             ratios = [slow / base for slow, base in pairs]
             ratio = statistics.median(ratios)
-            verdict(ratio <= limit, f"{slow_key}/{base_key} = {ratio:.2f}x, the median of the rounds' ratios "
-                    f"({', '.join(f'{r:.2f}' for r in ratios)})  (target <= {limit}x)")
+            verdict(
+                ratio <= limit,
+                f"{slow_key}/{base_key} = {ratio:.2f}x, the median of the rounds' ratios "
+                f"({', '.join(f'{r:.2f}' for r in ratios)})  (target <= {limit}x)",
+            )
         else:
             verdict(False, f"{slow_key}/{base_key} <= {limit}x: {slow_key if slow_key not in med else base_key} FAILED")
     for key in RSS_RUNS:
         if key not in selected:
             continue
         if key in rss:
-            verdict(rss[key] < rss_limit, f"peak RSS {key} = {rss[key] / GB:.2f} GB  (target < {rss_limit / GB:.1f} GB "
-                    f"on this {model.nbytes / GB:.1f} GB model)")
+            verdict(
+                rss[key] < rss_limit,
+                f"peak RSS {key} = {rss[key] / GB:.2f} GB  (target < {rss_limit / GB:.1f} GB "
+                f"on this {model.nbytes / GB:.1f} GB model)",
+            )
         else:
             verdict(False, f"peak RSS {key} < {rss_limit / GB:.1f} GB: {key} FAILED")
     if "G" in selected and records["G"].torch_free is not None:

@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.test_remote import Server
+from tests.test_remote import Server  # noqa: E402 - after the repository is on the path
 
 LATENCY = 0.020
 HIDDEN, INTER, LAYERS, VOCAB, KV = 8192, 28672, 80, 32000, 1024
@@ -81,7 +81,9 @@ def write_checkpoint(folder: Path) -> None:
             handle.write(struct.pack("<Q", len(raw)) + raw)
             handle.truncate(8 + len(raw) + offset)  # a sparse hole: no data written
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": LAYERS}))
+    (folder / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": LAYERS})
+    )
 
 
 HUB = "from huggingface_hub import HfApi; m = HfApi().get_safetensors_metadata('org/llama-70b'); assert len(m.weight_map) > 700"
@@ -108,21 +110,31 @@ def main() -> None:
         server.repos["org/llama-70b"] = {"folder": scratch / "llama-70b", "private": False}
         server.latency = args.latency
         base = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "QTOOL_"))}
-        base.update(PYTHONPATH=str(REPO), HF_ENDPOINT=server.url, HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
+        base.update(
+            PYTHONPATH=str(REPO), HF_ENDPOINT=server.url, HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_PROGRESS_BARS="1"
+        )
         times: dict[str, list[float]] = {"qtool": [], "hub": []}
         requests: dict[str, int] = {}
         for round_ in range(args.rounds):
             for name in times:
                 cold = scratch / f"cache-{name}-{round_}"
                 env = {**base, "QTOOL_CACHE": str(cold), "HF_HOME": str(cold / "hf")}
-                argv = [sys.executable, "-m", "qtool", "inspect", "hf://org/llama-70b", "--json"] if name == "qtool" else [sys.executable, "-c", HUB]
+                argv = (
+                    [sys.executable, "-m", "qtool", "inspect", "hf://org/llama-70b", "--json"]
+                    if name == "qtool"
+                    else [sys.executable, "-c", HUB]
+                )
                 server.log[:] = []
                 times[name].append(run(argv, env))
                 requests[name] = len(server.log)
         server.close()
         for name, values in times.items():
-            print(f"{name:6s} median {statistics.median(values) * 1000:8.1f} ms over {len(values)} runs, {requests[name]} requests")
-        print(f"ratio qtool / hub: {statistics.median(times['qtool']) / statistics.median(times['hub']):.2f}  (latency {args.latency * 1000:.0f} ms per request)")
+            print(
+                f"{name:6s} median {statistics.median(values) * 1000:8.1f} ms over {len(values)} runs, {requests[name]} requests"
+            )
+        print(
+            f"ratio qtool / hub: {statistics.median(times['qtool']) / statistics.median(times['hub']):.2f}  (latency {args.latency * 1000:.0f} ms per request)"
+        )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import measure, print_environment  # noqa: E402
+from _measure import measure, print_environment
 
 REPO = Path(__file__).resolve().parent.parent
 RAY = Path(sys.executable).with_name("ray")
@@ -73,8 +73,27 @@ def _free_ports(count: int) -> list[int]:
 
 def start_node(args: list[str], env: dict) -> subprocess.Popen:
     agent, grpc, runtime_env, metrics = _free_ports(4)
-    command = [str(RAY), "start", *args, "--block", "--num-cpus", "1", "--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
-    command += ["--dashboard-agent-listen-port", str(agent), "--dashboard-agent-grpc-port", str(grpc), "--runtime-env-agent-port", str(runtime_env), "--metrics-export-port", str(metrics)]
+    command = [
+        str(RAY),
+        "start",
+        *args,
+        "--block",
+        "--num-cpus",
+        "1",
+        "--node-ip-address",
+        "127.0.0.1",
+        "--disable-usage-stats",
+    ]
+    command += [
+        "--dashboard-agent-listen-port",
+        str(agent),
+        "--dashboard-agent-grpc-port",
+        str(grpc),
+        "--runtime-env-agent-port",
+        str(runtime_env),
+        "--metrics-export-port",
+        str(metrics),
+    ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     deadline, seen = time.monotonic() + 300, []
     while time.monotonic() < deadline and process.poll() is None:
@@ -116,8 +135,12 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--model", default="/tmp/qtool-bench-scale/model", help="the input (built there if missing; kept for reruns)")
-    parser.add_argument("--read-gbps", type=float, help="one node's read bandwidth for the model (default: measured here with dd)")
+    parser.add_argument(
+        "--model", default="/tmp/qtool-bench-scale/model", help="the input (built there if missing; kept for reruns)"
+    )
+    parser.add_argument(
+        "--read-gbps", type=float, help="one node's read bandwidth for the model (default: measured here with dd)"
+    )
     parser.add_argument("--no-ray", action="store_true")
     args = parser.parse_args()
     print_environment(("qtool", "ray"))
@@ -133,13 +156,32 @@ def main() -> int:
         if not args.no_ray:
             temp = tempfile.mkdtemp(prefix="qr", dir="/tmp")
             gcs, client, dashboard = _free_ports(3)
-            nodes.append(start_node(["--head", "--port", str(gcs), "--ray-client-server-port", str(client), "--include-dashboard", "false", "--dashboard-port", str(dashboard), "--temp-dir", temp], env))
+            nodes.append(
+                start_node(
+                    [
+                        "--head",
+                        "--port",
+                        str(gcs),
+                        "--ray-client-server-port",
+                        str(client),
+                        "--include-dashboard",
+                        "false",
+                        "--dashboard-port",
+                        str(dashboard),
+                        "--temp-dir",
+                        temp,
+                    ],
+                    env,
+                )
+            )
             nodes.append(start_node(["--address", f"127.0.0.1:{gcs}"], env))
             env["RAY_ADDRESS"] = f"127.0.0.1:{gcs}"
             configs["RAY"] = ["--executor", "ray"]
         times: dict[str, list[float]] = {name: [] for name in configs}
         rss: dict[str, list[int]] = {name: [] for name in configs}
-        cpu: dict[str, list[float]] = {name: [] for name in configs}  # user + system, the driver and the children it reaped
+        cpu: dict[str, list[float]] = {
+            name: [] for name in configs
+        }  # user + system, the driver and the children it reaped
         worker_rss: dict[str, list[int]] = {name: [] for name in configs}
         shard_rates: list[float] = []
         for round_ in range(args.repeats):
@@ -147,7 +189,20 @@ def main() -> int:
                 out = out_root / name
                 subprocess.run(["rm", "-rf", str(out)], check=True)
                 warm(model)
-                cmd = [sys.executable, "-m", "qtool", "quantize", str(model), "-o", str(out), "--scheme", "W4A16", "-q", "--json", *extra]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "qtool",
+                    "quantize",
+                    str(model),
+                    "-o",
+                    str(out),
+                    "--scheme",
+                    "W4A16",
+                    "-q",
+                    "--json",
+                    *extra,
+                ]
                 result = measure(cmd, log_stem=out_root / f"{name}-{round_}", cwd=REPO, env=env, timeout_s=3600)
                 if not result.ok:
                     print(f"{name} failed: {result.stderr_tail()}")
@@ -160,13 +215,19 @@ def main() -> int:
                     worker_rss[name].append(shard["peak_rss_bytes"])
                     if name == "W2" and shard["seconds"] > 0:
                         shard_rates.append(shard["bytes_in"] / shard["seconds"])  # one CPU each
-                print(f"round {round_ + 1} {name}: {result.wall_s:.1f} s wall, {result.cpu_s:.1f} s CPU, peak RSS {result.peak_rss_bytes / 2**20:.0f} MiB")
+                print(
+                    f"round {round_ + 1} {name}: {result.wall_s:.1f} s wall, {result.cpu_s:.1f} s CPU, peak RSS {result.peak_rss_bytes / 2**20:.0f} MiB"
+                )
         print()
-        print("| run | median wall | median CPU (driver + local workers) | peak RSS of the process (wait4: with the workers it reaped) | worker peak RSS (max, from --json) |")
+        print(
+            "| run | median wall | median CPU (driver + local workers) | peak RSS of the process (wait4: with the workers it reaped) | worker peak RSS (max, from --json) |"
+        )
         print("|---|---|---|---|---|")
         for name in configs:
             worst = f"{max(worker_rss[name]) / 2**20:.0f} MiB" if worker_rss[name] else "—"
-            print(f"| {name} | {statistics.median(times[name]):.1f} s | {statistics.median(cpu[name]):.1f} s | {max(rss[name]) / 2**20:.0f} MiB | {worst} |")
+            print(
+                f"| {name} | {statistics.median(times[name]):.1f} s | {statistics.median(cpu[name]):.1f} s | {max(rss[name]) / 2**20:.0f} MiB | {worst} |"
+            )
         print("per-round W2/W1: " + ", ".join(f"{b / a:.3f}" for a, b in zip(times["W1"], times["W2"])))
         w2_over_w1 = statistics.median(b / a for a, b in zip(times["W1"], times["W2"]))
         print(f"\nW2 / W1: median ratio {w2_over_w1:.3f} (target <= 1.10): {'PASS' if w2_over_w1 <= 1.10 else 'FAIL'}")
@@ -174,11 +235,15 @@ def main() -> int:
         if "RAY" in configs:
             print("per-round RAY/W2: " + ", ".join(f"{c / b:.3f}" for b, c in zip(times["W2"], times["RAY"])))
             ray_over_w2 = statistics.median(c / b for b, c in zip(times["W2"], times["RAY"]))
-            print(f"RAY / W2: median ratio {ray_over_w2:.3f} (target <= 1.15): {'PASS' if ray_over_w2 <= 1.15 else 'FAIL'}")
+            print(
+                f"RAY / W2: median ratio {ray_over_w2:.3f} (target <= 1.15): {'PASS' if ray_over_w2 <= 1.15 else 'FAIL'}"
+            )
             overhead = max(0.0, statistics.median(times["RAY"]) - statistics.median(times["W2"]))
         rate = statistics.median(shard_rates) if shard_rates else size / statistics.median(times["W1"]) / 2
         read = args.read_gbps * 1e9 if args.read_gbps else read_rate(sorted(model.glob("*.safetensors"))[0]) * 1e9
-        print(f"\nmodel: one CPU quantizes {rate / 1e9:.3f} GB/s of input; one node reads {read / 1e9:.2f} GB/s; cluster overhead {overhead:.1f} s")
+        print(
+            f"\nmodel: one CPU quantizes {rate / 1e9:.3f} GB/s of input; one node reads {read / 1e9:.2f} GB/s; cluster overhead {overhead:.1f} s"
+        )
         print_model(rate, read, overhead)
     finally:
         for node in reversed(nodes):
@@ -187,7 +252,9 @@ def main() -> int:
     return 0
 
 
-def print_model(rate: float, read: float, overhead: float, cores: int = 32, storage_gbps: tuple[float, ...] = (2.0, 10.0, 40.0)) -> None:
+def print_model(
+    rate: float, read: float, overhead: float, cores: int = 32, storage_gbps: tuple[float, ...] = (2.0, 10.0, 40.0)
+) -> None:
     """Hours for a model of M bytes on N nodes of `cores` CPUs, each reading at `read`, all on
     shared storage of S GB/s: max(M / (N * min(cores * rate, read)), M / S) + overhead."""
     node = min(cores * rate, read)

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import in_work_dir, measure  # noqa: E402
+from _measure import in_work_dir, measure
 
 # two weights of 4096 values of each type, one block a row: block bytes drawn at random, scales kept finite
 TYPES = ("Q8_0", "Q4_K", "MXFP4", "NVFP4")
@@ -66,10 +66,20 @@ def main() -> int:
                 figures = {}
                 for label, cmd, env in (
                     ("inspect", [*qtool, "inspect", str(path), "--json"], None),
-                    ("native", [*qtool, "dequantize", str(path), "-o", str(root / f"{type_name}-n{round_}.safetensors")], None),
-                    ("torch", [*qtool, "dequantize", str(path), "-o", str(root / f"{type_name}-t{round_}.safetensors")], {**os.environ, "QTOOL_NATIVE": "0"}),
+                    (
+                        "native",
+                        [*qtool, "dequantize", str(path), "-o", str(root / f"{type_name}-n{round_}.safetensors")],
+                        None,
+                    ),
+                    (
+                        "torch",
+                        [*qtool, "dequantize", str(path), "-o", str(root / f"{type_name}-t{round_}.safetensors")],
+                        {**os.environ, "QTOOL_NATIVE": "0"},
+                    ),
                 ):
-                    result = measure(cmd, log_stem=root / f"{type_name}-{label}-{round_}", cwd=repo, env=env, timeout_s=120)
+                    result = measure(
+                        cmd, log_stem=root / f"{type_name}-{label}-{round_}", cwd=repo, env=env, timeout_s=120
+                    )
                     if not result.ok:
                         print(f"{type_name} {label} failed:\n{result.stderr_tail()}")
                         return 1

@@ -23,11 +23,25 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from sample_models.real_models import minilm  # noqa: E402
 
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def qtool(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "qtool", *args], cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "qtool", *args],
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+    )
     if result.returncode not in (0, 1):
         raise SystemExit(f"qtool {' '.join(args)}: exit {result.returncode}\n{result.stderr}")
     return result
@@ -43,7 +57,18 @@ def main() -> int:
         link.symlink_to(model)
         qtool("quantize", link.name, "-o", "minilm-w4a16", "--scheme", "W4A16", "-q", cwd=work)
         qtool("quantize", link.name, "-o", "minilm-w4a16-asym", "--scheme", "W4A16_ASYM", "-q", cwd=work)
-        qtool("compare", link.name, "minilm-w4a16", "minilm-w4a16-asym", "--min-sqnr", "15", "--html", "report.html", "-q", cwd=work)
+        qtool(
+            "compare",
+            link.name,
+            "minilm-w4a16",
+            "minilm-w4a16-asym",
+            "--min-sqnr",
+            "15",
+            "--html",
+            "report.html",
+            "-q",
+            cwd=work,
+        )
         docs = REPO / "docs"
         docs.mkdir(exist_ok=True)
         with sync_playwright() as driver:

@@ -81,10 +81,14 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--busy", type=int, default=2, help="processes spinning on the CPU beside pytest")
     parser.add_argument("--workers", default="auto", help="pytest -n")
-    parser.add_argument("--foreground", action="store_true", help="leave SIGINT and SIGQUIT at their defaults in pytest")
+    parser.add_argument(
+        "--foreground", action="store_true", help="leave SIGINT and SIGQUIT at their defaults in pytest"
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for one run")
     parser.add_argument("--json", type=Path, help="write every run's outcome here")
-    parser.add_argument("--logs", type=Path, default=Path("stress-logs"), help="a failed run's output goes here, as run-N.txt")
+    parser.add_argument(
+        "--logs", type=Path, default=Path("stress-logs"), help="a failed run's output goes here, as run-N.txt"
+    )
     parser.add_argument("tests", nargs="*", default=TESTS)
     args = parser.parse_args()
 
@@ -110,7 +114,9 @@ def main() -> int:
         for burner in burners:
             burner.terminate()
     bad = sum(outcome["exit"] != 0 for outcome in runs)
-    print(f"{bad} failed runs / {len(runs)} runs ({os.cpu_count()} cores, {args.busy} busy processes, pytest -n {args.workers})")
+    print(
+        f"{bad} failed runs / {len(runs)} runs ({os.cpu_count()} cores, {args.busy} busy processes, pytest -n {args.workers})"
+    )
     return 1 if bad else 0
 
 

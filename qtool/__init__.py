@@ -43,7 +43,9 @@ def _started_as_the_command() -> bool:
     argv = getattr(sys, "orig_argv", sys.argv)
     if "--multiprocessing-fork" in argv:  # multiprocessing's spawn and forkserver children
         return False
-    return os.path.basename(sys.argv[0] if sys.argv else "") == "qtool" or any(a == "-m" and b == "qtool" for a, b in zip(argv, argv[1:]))
+    return os.path.basename(sys.argv[0] if sys.argv else "") == "qtool" or any(
+        a == "-m" and b == "qtool" for a, b in zip(argv, argv[1:])
+    )
 
 
 # The earliest line of qtool's own code: from here a Ctrl-C during start-up is one line and exit

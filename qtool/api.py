@@ -1,15 +1,16 @@
 """The Python API; the CLI is a thin layer over these functions.
 
-    >>> import qtool
-    >>> report = qtool.inspect("sample_models/tiny-llama")
-    >>> report.summary()["parameters"]
-    722176
+>>> import qtool
+>>> report = qtool.inspect("sample_models/tiny-llama")
+>>> report.summary()["parameters"]
+722176
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
 
 from qtool.errors import UsageError
 from qtool.formats import Checkpoint
@@ -65,7 +66,7 @@ def inspect(path: str | os.PathLike[str], filter: str | None = None) -> Inspecti
     return inspect_checkpoint(_open_checkpoint(path), filter=filter)
 
 
-def read_imatrix(path: str | os.PathLike[str]) -> "Imatrix":
+def read_imatrix(path: str | os.PathLike[str]) -> Imatrix:
     """A llama.cpp importance-matrix file (GGUF or legacy .dat), every entry checked: what
     `quantize(..., imatrix=path)` reads, and `qtool inspect` shows."""
     from qtool.formats.imatrix import read_imatrix as _read
@@ -74,7 +75,7 @@ def read_imatrix(path: str | os.PathLike[str]) -> "Imatrix":
     return _read(path)
 
 
-def imatrix_of(path: str | os.PathLike[str], inspection: Inspection | None = None) -> "Imatrix | None":
+def imatrix_of(path: str | os.PathLike[str], inspection: Inspection | None = None) -> Imatrix | None:
     """The importance matrix `path` holds, or None when it is a model: a legacy `.dat` file, or
     a GGUF whose header (`inspection`'s, when given: nothing is read twice) says it is one."""
     from qtool.formats.imatrix import is_imatrix_gguf
@@ -127,7 +128,7 @@ def prepare_quantize(
     actorder: str | None = None,
     true_sequential: bool = False,
     imatrix: str | os.PathLike[str] | None = None,
-) -> "Plan":
+) -> Plan:
     """Plan a quantization: which weights, which scheme and layout, every output tensor.
     Writes nothing; refuses an impossible job (and every unsafe output path) here.
     A GGUF from a Hugging Face checkpoint must be a model llama.cpp runs (llama, mistral, qwen2,
@@ -162,7 +163,7 @@ def prepare_dequantize(
     *,
     dtype: str | None = None,
     max_shard_size: str | None = None,
-) -> "Plan":
+) -> Plan:
     """Plan decoding every quantized weight to float, keyed by its logical name (a llama or qwen2
     GGUF's tensors by their Hugging Face names, q/k rows in Hugging Face's order). Writes nothing."""
     from qtool.planning.quantize import plan_dequantize
@@ -170,7 +171,7 @@ def prepare_dequantize(
     return plan_dequantize(path, os.fspath(output), dtype, max_shard_size)
 
 
-def worker_pool(plan: "Plan", workers: int) -> "WorkerPool":
+def worker_pool(plan: Plan, workers: int) -> WorkerPool:
     """How many local worker processes `run(plan, workers=workers)` starts: at most the shard
     jobs it cuts the plan into, and what the available memory holds at the largest job's
     working set estimate (`WorkerPool.capped` says whether that is fewer than asked)."""
@@ -182,7 +183,7 @@ def worker_pool(plan: "Plan", workers: int) -> "WorkerPool":
 
 
 def run(
-    plan: "Plan",
+    plan: Plan,
     *,
     device: str = "cpu",
     threads: int | None = None,
@@ -195,7 +196,7 @@ def run(
     max_retries: int | None = None,
     worker_setup: Callable[[], None] | None = None,
     on_layer: Callable[[Any, int], None] | None = None,
-) -> "RunReport":
+) -> RunReport:
     """Stream a plan to its output, atomically, and write its report (if the plan names one)
     before the output is committed: on `device` (cpu, cuda, cuda:N, auto), with `threads` CPU
     threads for the kernels, each quantized weight's error reported unless `measure` is off
@@ -221,18 +222,32 @@ def run(
         raise UsageError(f"threads {threads} must be at least 1", option="threads")
     spread = executor != "local" or workers != 1
     if spread and plan.calibration is not None:
-        raise UsageError("a calibrated quantization runs layer by layer in one process", hint="drop --workers and --executor with --calibrate", option="workers")
+        raise UsageError(
+            "a calibrated quantization runs layer by layer in one process",
+            hint="drop --workers and --executor with --calibrate",
+            option="workers",
+        )
     runner = None
     if spread:
         from qtool.distribute import threads_per_worker, worker_pool
         from qtool.executors import DEFAULT_RETRIES, make_executor
 
         if device != "cpu" and (device != "auto" or resolve_device(device) != "cpu"):
-            raise UsageError(f"device {device}: a run spread over workers runs on the CPU", hint="drop --workers and --executor, or use --device cpu", option="device")
+            raise UsageError(
+                f"device {device}: a run spread over workers runs on the CPU",
+                hint="drop --workers and --executor, or use --device cpu",
+                option="device",
+            )
         requested = workers
         if executor == "local" and workers > 1:  # no more processes than jobs, or than memory holds
             workers = worker_pool(plan, workers).workers
-        runner = make_executor(executor, workers=workers, address=ray_address, retries=DEFAULT_RETRIES if max_retries is None else max_retries, setup=worker_setup)
+        runner = make_executor(
+            executor,
+            workers=workers,
+            address=ray_address,
+            retries=DEFAULT_RETRIES if max_retries is None else max_retries,
+            setup=worker_setup,
+        )
         if executor == "local":
             threads = threads_per_worker(threads, workers)
         else:
@@ -242,13 +257,20 @@ def run(
     revision = revision_of(plan.source.path)  # read now: the report's lookup never runs after the commit (issue 42)
 
     if plan.output is None:
-        raise UsageError("the plan names no output", hint="plan with qtool.api.prepare_quantize or prepare_dequantize", option="plan")
+        raise UsageError(
+            "the plan names no output", hint="plan with qtool.api.prepare_quantize or prepare_dequantize", option="plan"
+        )
 
     execution: dict[str, Any] | None = None
 
     def stage_report_spread(measured, shards) -> None:
         nonlocal execution
-        execution = {"executor": runner.name, "workers": runner.workers, "threads_per_worker": options.threads, "shards": [s.to_json() for s in shards]}
+        execution = {
+            "executor": runner.name,
+            "workers": runner.workers,
+            "threads_per_worker": options.threads,
+            "shards": [s.to_json() for s in shards],
+        }
         if runner.name == "local":
             execution["workers_requested"] = requested  # added for issue 42: the pool may be smaller
         stage_report(measured)
@@ -256,9 +278,18 @@ def run(
     def stage_report(measured) -> None:  # written in full before the output is committed
         if plan.report is None and plan.html is None:
             return
-        document = RunReport(written, measured, options.device, execution, revision, calibration=calibrated.document if calibrated else None).to_json()
+        document = RunReport(
+            written,
+            measured,
+            options.device,
+            execution,
+            revision,
+            calibration=calibrated.document if calibrated else None,
+        ).to_json()
         if plan.report is not None:
-            staged.append(stage(plan.report, "quantize", [document], overwrite=overwrite))  # JSON, or HTML by its suffix
+            staged.append(
+                stage(plan.report, "quantize", [document], overwrite=overwrite)
+            )  # JSON, or HTML by its suffix
         if plan.html is not None:
             staged.append(stage(plan.html, "quantize", [document], html=True, overwrite=overwrite))
 
@@ -285,17 +316,36 @@ def run(
         plan.source.close()
     for report in staged:
         report.commit()
-    return RunReport(written, measured, options.device, execution, revision, calibration=calibrated.document if calibrated else None)
+    return RunReport(
+        written, measured, options.device, execution, revision, calibration=calibrated.document if calibrated else None
+    )
 
 
-def quantize(path, output, scheme: str = "W4A16", *, device: str = "cpu", overwrite: bool = False, threads: int | None = None, **options) -> "RunReport":
+def quantize(
+    path,
+    output,
+    scheme: str = "W4A16",
+    *,
+    device: str = "cpu",
+    overwrite: bool = False,
+    threads: int | None = None,
+    **options,
+) -> RunReport:
     """Quantize a checkpoint into `output` (a folder, a .safetensors or a .gguf file)."""
     return run(prepare_quantize(path, output, scheme, **options), device=device, threads=threads, overwrite=overwrite)
 
 
-def dequantize(path, output, *, dtype: str | None = None, device: str = "cpu", overwrite: bool = False, threads: int | None = None) -> "RunReport":
+def dequantize(
+    path, output, *, dtype: str | None = None, device: str = "cpu", overwrite: bool = False, threads: int | None = None
+) -> RunReport:
     """Decode every quantized weight of a checkpoint to float, into `output`."""
-    return run(prepare_dequantize(path, output, dtype=dtype), device=device, threads=threads, measure=False, overwrite=overwrite)
+    return run(
+        prepare_dequantize(path, output, dtype=dtype),
+        device=device,
+        threads=threads,
+        measure=False,
+        overwrite=overwrite,
+    )
 
 
 # -- the importance matrix ---------------------------------------------------------------------
@@ -339,7 +389,7 @@ def prepare_compare(
     *,
     maps: Sequence[str] = (),
     gguf_names: bool = True,
-) -> "Comparison":
+) -> Comparison:
     """Pair A's weights with B's by logical name and check their shapes, from the headers.
 
     `maps` are rename rules, `OLD=NEW` (`re:` regex anchored at the start, else a literal
@@ -357,7 +407,12 @@ def prepare_compare(
     checkpoint_b = _open_checkpoint(b)
     checkpoint_b.require_local()
     return plan_comparison(
-        checkpoint_a, inspect_checkpoint(checkpoint_a).weights, checkpoint_b, inspect_checkpoint(checkpoint_b).weights, rules, gguf_names=gguf_names
+        checkpoint_a,
+        inspect_checkpoint(checkpoint_a).weights,
+        checkpoint_b,
+        inspect_checkpoint(checkpoint_b).weights,
+        rules,
+        gguf_names=gguf_names,
     )
 
 
@@ -369,7 +424,7 @@ def compare(
     device: str = "cpu",
     gguf_names: bool = True,
     on_progress: Callable[[int], None] | None = None,
-) -> "Comparison":
+) -> Comparison:
     """Measure B against A weight by weight (SQNR, relative RMSE, max abs error, cosine),
     both sides dequantized on `device`, one pair at a time. Imports torch.
 
@@ -378,7 +433,9 @@ def compare(
     return run_compare(prepare_compare(a, b, maps=maps, gguf_names=gguf_names), device=device, on_progress=on_progress)
 
 
-def run_compare(comparison: "Comparison", *, device: str = "cpu", on_progress: Callable[[int], None] | None = None) -> "Comparison":
+def run_compare(
+    comparison: Comparison, *, device: str = "cpu", on_progress: Callable[[int], None] | None = None
+) -> Comparison:
     """Measure a prepared comparison (`on_progress` gets bytes, out of `.total_bytes`), then
     close both checkpoints. Imports torch."""
     from qtool.comparison import run_comparison
@@ -393,13 +450,13 @@ def run_compare(comparison: "Comparison", *, device: str = "cpu", on_progress: C
 
 def check(
     path: str | os.PathLike[str],
-    rules: "CheckRules | None" = None,
+    rules: CheckRules | None = None,
     *,
     device: str = "cpu",
     on_progress: Callable[[int], None] | None = None,
     report_paths: Sequence[str | None] = (),
     overwrite_reports: bool | None = None,
-) -> "Audit":
+) -> Audit:
     """Audit a checkpoint against `rules`; `.findings` lists what breaks them. Reads the header
     only, unless `rules.no_nan` asks for the data. `report_paths`: where the caller will write
     reports; refused (before the audit) where one is, or lies inside, the checkpoint."""
@@ -419,7 +476,9 @@ def check(
 
             checkpoint.require_local()
             resolved = resolve_device(device)
-        result = audit(checkpoint, inspect_checkpoint(checkpoint).weights, rules, device=resolved, on_progress=on_progress)
+        result = audit(
+            checkpoint, inspect_checkpoint(checkpoint).weights, rules, device=resolved, on_progress=on_progress
+        )
         result.notes.extend(checkpoint.notes)
         return result
     finally:
@@ -429,7 +488,9 @@ def check(
 # -- report files --------------------------------------------------------------------------------
 
 
-def refuse_report_paths(checkpoints: Sequence[Checkpoint], paths: Sequence[str | None], *, overwrite: bool | None = None) -> None:
+def refuse_report_paths(
+    checkpoints: Sequence[Checkpoint], paths: Sequence[str | None], *, overwrite: bool | None = None
+) -> None:
     """Refuse report paths that are, or lie inside, a path these checkpoints read, or that name
     one file twice, or (`overwrite` False) that exist; before anything is measured."""
     from qtool.formats.loader import input_paths
@@ -450,7 +511,14 @@ def overlay_document(documents: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return _overlay(documents)
 
 
-def write_report(path: str | os.PathLike[str], kind: str, documents: Sequence[dict[str, Any]], *, html: bool | None = None, overwrite: bool = False) -> None:
+def write_report(
+    path: str | os.PathLike[str],
+    kind: str,
+    documents: Sequence[dict[str, Any]],
+    *,
+    html: bool | None = None,
+    overwrite: bool = False,
+) -> None:
     """Write a report file atomically: `kind` is quantize, compare or check, `documents` their
     `to_json()` documents (compare: one per candidate against the same A, overlaid in HTML).
     JSON, or HTML where `html` says so or (None) the path ends in .html."""
@@ -459,7 +527,7 @@ def write_report(path: str | os.PathLike[str], kind: str, documents: Sequence[di
     stage_report(os.fspath(path), kind, documents, html=html, overwrite=overwrite).commit()
 
 
-def load_policy(path: str | os.PathLike[str] | None) -> "Policy":
+def load_policy(path: str | os.PathLike[str] | None) -> Policy:
     """The rules of `check` and the gates of `compare` from a `qtool-policy.toml` (None: the
     empty policy), each checked; command-line options add to it (`with_check_options`, ...)."""
     from qtool.policy import load_policy as _load

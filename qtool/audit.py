@@ -29,7 +29,8 @@ norms and `lm_head`, as `qtool quantize` selects them.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from qtool.error_measures import count_non_finite
 from qtool.errors import CheckpointError, QtoolError, UsageError, ViolationError
@@ -57,7 +58,12 @@ RULES = (
     "no-nan",
 )
 # compressed-tensors leaves that only a quantized module has
-_QUANT_LEAVES = {"weight_scale": "scale", "weight_zero_point": "zero_point", "weight_global_scale": "global_scale", "weight_shape": "shape"}
+_QUANT_LEAVES = {
+    "weight_scale": "scale",
+    "weight_zero_point": "zero_point",
+    "weight_global_scale": "global_scale",
+    "weight_shape": "shape",
+}
 
 
 @dataclass(frozen=True)
@@ -127,7 +133,11 @@ class Audit:
             "policy": self.policy,
         }
         if weight_rows:
-            document["model"] = describe_model(self.path, self.container, ((w.scheme.label if w.scheme else None, w.parameters, w.nbytes) for w in self.listed))
+            document["model"] = describe_model(
+                self.path,
+                self.container,
+                ((w.scheme.label if w.scheme else None, w.parameters, w.nbytes) for w in self.listed),
+            )
             document["weight_rows"] = [_row(weight) for weight in self.listed]
         return document
 
@@ -192,7 +202,11 @@ def audit(
     require = [(p, compile_pattern(p)) for p in rules.require_quantized]
     expected = parse_scheme_option(rules.expect_scheme, "expect-scheme") if rules.expect_scheme else None
     _refuse_unmatched(checkpoint, weights, require)
-    notes = [f"allow-plain pattern '{excerpt(p)}' matches no weight" for p, match in zip(rules.allow_plain, allow) if not any(match(w.name) for w in weights)]
+    notes = [
+        f"allow-plain pattern '{excerpt(p)}' matches no weight"
+        for p, match in zip(rules.allow_plain, allow)
+        if not any(match(w.name) for w in weights)
+    ]
     if require:
         applied.append("require-quantized")
     if expected is not None:
@@ -201,7 +215,13 @@ def audit(
         allowed_plain = matches_any(weight.name, allow)
         required_by = next((p for p, match in require if match(weight.name)), None)
         if required_by is not None and not weight.quantized and not allowed_plain:
-            findings.append(Finding("require-quantized", weight.name, f"stored plain ({weight.dtype}), but --require-quantized '{required_by}' matches it"))
+            findings.append(
+                Finding(
+                    "require-quantized",
+                    weight.name,
+                    f"stored plain ({weight.dtype}), but --require-quantized '{required_by}' matches it",
+                )
+            )
             continue
         if expected is None:
             continue
@@ -212,7 +232,9 @@ def audit(
             continue
         selected = required_by is not None if require else _looks_linear(weight, logical(weight.name))
         if selected and not allowed_plain:
-            findings.append(Finding("expect-scheme", weight.name, f"stored plain ({weight.dtype}), expected {expected.label}"))
+            findings.append(
+                Finding("expect-scheme", weight.name, f"stored plain ({weight.dtype}), expected {expected.label}")
+            )
 
     if rules.max_bits_per_weight is not None:
         applied.append("max-bits-per-weight")
@@ -227,7 +249,11 @@ def audit(
         applied.append("fail-on-unknown")
         for weight in weights:
             if weight.scheme is not None and weight.scheme.qtype.kind == "unknown":
-                findings.append(Finding("fail-on-unknown", weight.name, f"qtool cannot classify its type {weight.scheme.qtype.name}"))
+                findings.append(
+                    Finding(
+                        "fail-on-unknown", weight.name, f"qtool cannot classify its type {weight.scheme.qtype.name}"
+                    )
+                )
             for note in weight.notes:
                 findings.append(Finding("fail-on-unknown", weight.name, note))
 
@@ -240,7 +266,16 @@ def audit(
     if rules.no_nan:
         applied.append("no-nan")
         findings.extend(_no_nan(checkpoint, weights, device, on_progress))
-    return Audit(checkpoint.path, len(weights), applied, findings, notes, policy=rules.to_json(), container=checkpoint.format, listed=weights)
+    return Audit(
+        checkpoint.path,
+        len(weights),
+        applied,
+        findings,
+        notes,
+        policy=rules.to_json(),
+        container=checkpoint.format,
+        listed=weights,
+    )
 
 
 PLAIN_NAMED = 3  # the largest plain weights a max-bits-per-weight finding names
@@ -260,7 +295,9 @@ def _plain_cost(weights: list[Weight], total: int) -> str:
     return f"; plain weights hold {100 * sum(w.nbytes for w in plain) / total:.0f}% of the bytes, the largest {named}"
 
 
-def _refuse_unmatched(checkpoint: Checkpoint, weights: list[Weight], require: list[tuple[str, Callable[[str], bool]]]) -> None:
+def _refuse_unmatched(
+    checkpoint: Checkpoint, weights: list[Weight], require: list[tuple[str, Callable[[str], bool]]]
+) -> None:
     """A gate whose pattern matches no weight checks nothing: a typo in a CI policy would pass
     every model, so it is a usage error naming the pattern, before anything is read."""
     for pattern, match in require:
@@ -292,7 +329,13 @@ def _coverage(checkpoint: Checkpoint, weights: list[Weight], allow, logical) -> 
         entry = config.ignored_by(module)
         if entry is not None:
             if owner is not None and owner.quantized:
-                findings.append(Finding("ignored-but-quantized", owner.name, f"{owner.require_scheme().label}, but the config's ignore entry '{entry}' lists {module}"))
+                findings.append(
+                    Finding(
+                        "ignored-but-quantized",
+                        owner.name,
+                        f"{owner.require_scheme().label}, but the config's ignore entry '{entry}' lists {module}",
+                    )
+                )
             continue
         found = config.group_for(module)
         if found is None:
@@ -300,7 +343,13 @@ def _coverage(checkpoint: Checkpoint, weights: list[Weight], allow, logical) -> 
         target = found[0]
         if data_leaf is None:
             if quant_leaves:
-                findings.append(Finding("missing-member", name, f"has {', '.join(quant_leaves)} but no weight_packed or weight (targeted by '{target}')"))
+                findings.append(
+                    Finding(
+                        "missing-member",
+                        name,
+                        f"has {', '.join(quant_leaves)} but no weight_packed or weight (targeted by '{target}')",
+                    )
+                )
             continue
         if owner is None:
             continue
@@ -310,21 +359,43 @@ def _coverage(checkpoint: Checkpoint, weights: list[Weight], allow, logical) -> 
         if owner.quantized:
             missing = _missing_members(config.args_for(module), owner)
             if missing:
-                findings.append(Finding("missing-member", owner.name, f"{owner.scheme.label if owner.scheme else ''} without {', '.join(missing)}, which the config's group targeting it ('{target}') needs"))
-        elif quant_leaves or data_leaf == "weight_packed" or owner.data.dtype.name in ("I8", "I32", "U8") or owner.data.dtype.name.startswith("F8_"):
+                findings.append(
+                    Finding(
+                        "missing-member",
+                        owner.name,
+                        f"{owner.scheme.label if owner.scheme else ''} without {', '.join(missing)}, which the config's group targeting it ('{target}') needs",
+                    )
+                )
+        elif (
+            quant_leaves
+            or data_leaf == "weight_packed"
+            or owner.data.dtype.name in ("I8", "I32", "U8")
+            or owner.data.dtype.name.startswith("F8_")
+        ):
             if "weight_scale" not in leaves:
                 detail = f"{data_leaf} is stored ({owner.data.dtype.name}) but weight_scale is missing"
             else:
                 detail = "; ".join(owner.notes) or f"{data_leaf} and its members do not form a quantized weight"
             findings.append(Finding("missing-member", name, f"{detail} (targeted by '{target}')"))
         elif not matches_any(owner.name, allow) and len(owner.shape) == 2 and owner.dtype in FLOAT_DTYPES:
-            findings.append(Finding("targeted-but-plain", owner.name, f"stored plain ({owner.dtype}), but the config's group targets it ('{target}')"))
+            findings.append(
+                Finding(
+                    "targeted-but-plain",
+                    owner.name,
+                    f"stored plain ({owner.dtype}), but the config's group targets it ('{target}')",
+                )
+            )
     return findings
 
 
 def _missing_members(args, weight: Weight) -> list[str]:
     missing = []
-    if args is not None and args.symmetric is False and (args.type or "int") == "int" and "zero_point" not in weight.members:
+    if (
+        args is not None
+        and args.symmetric is False
+        and (args.type or "int") == "int"
+        and "zero_point" not in weight.members
+    ):
         missing.append("weight_zero_point")
     if weight.data.name.endswith("weight_packed") and weight.data.dtype.name == "I32" and "shape" not in weight.members:
         missing.append("weight_shape")

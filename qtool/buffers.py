@@ -33,7 +33,7 @@ def allocate(nbytes: int) -> memoryview:
     return memoryview(bytearray(nbytes))
 
 
-def tensor_from_bytes(raw, dtype: "StorageDType", shape: tuple[int, ...]):
+def tensor_from_bytes(raw, dtype: StorageDType, shape: tuple[int, ...]):
     """The torch view of a tensor's raw bytes (raw uint8 for dtypes torch lacks). Imports torch."""
     import torch
 

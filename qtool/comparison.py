@@ -37,10 +37,19 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
+from collections.abc import Callable, Iterator, Sequence
 
 from qtool.error_measures import ErrorStats, count_non_finite
-from qtool.comparison_smoothing import ROLE_NORM, ROLE_RESCALED, ROLE_UNRECOVERED, Smoothing, SmoothingFound, find_smoothing, rescaled_chunks
+from qtool.comparison_smoothing import (
+    ROLE_NORM,
+    ROLE_RESCALED,
+    ROLE_UNRECOVERED,
+    Smoothing,
+    SmoothingFound,
+    find_smoothing,
+    rescaled_chunks,
+)
 from qtool.errors import UsageError, ViolationError
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
 from qtool.message_text import counted
@@ -50,7 +59,16 @@ from qtool.sqnr_histogram import HISTOGRAM_BIN_DB, sqnr_histogram
 from qtool.weight import Weight
 from qtool.weight_position import weight_position
 
-__all__ = ["SCHEMA_VERSION", "CHUNK_ELEMENTS", "HISTOGRAM_BIN_DB", "Pair", "Comparison", "Gates", "plan_comparison", "run_comparison"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "CHUNK_ELEMENTS",
+    "HISTOGRAM_BIN_DB",
+    "Pair",
+    "Comparison",
+    "Gates",
+    "plan_comparison",
+    "run_comparison",
+]
 
 SCHEMA_VERSION = 1
 CHUNK_ELEMENTS = 1 << 18  # elements per read chunk (pread); ErrorStats.update slices it further
@@ -111,7 +129,11 @@ class Pair:
         return (1, self.sqnr_db)
 
     def to_json(self) -> dict[str, Any]:
-        measures = self.stats.to_json() if self.stats is not None and self.finding is None else dict.fromkeys(("sqnr_db", "rel_rmse", "max_abs_err", "cosine"))
+        measures = (
+            self.stats.to_json()
+            if self.stats is not None and self.finding is None
+            else dict.fromkeys(("sqnr_db", "rel_rmse", "max_abs_err", "cosine"))
+        )
         return {
             "name": self.name,
             "name_b": self.b.name,
@@ -122,7 +144,10 @@ class Pair:
             "exact": self.exact,
             **measures,
             "finding": self.finding,
-            "notes": [*self.notes, *([self.smoothing.note] if self.smoothing is not None and self.finding is None else [])],
+            "notes": [
+                *self.notes,
+                *([self.smoothing.note] if self.smoothing is not None and self.finding is None else []),
+            ],
             # added for issue 23 (the HTML report): where the weight sits, and its size on each side
             **weight_position(self.name).to_json(),
             "parameters": self.a.parameters,
@@ -214,7 +239,9 @@ class Comparison:
             if gates.min_sqnr is not None and not reported(stats.sqnr_db) >= gates.min_sqnr:
                 lines.append(f"{pair.name}: SQNR {_show(stats.sqnr_db)} dB is below --min-sqnr {gates.min_sqnr:g}")
             if gates.max_rel_rmse is not None and not reported(stats.rel_rmse) <= gates.max_rel_rmse:
-                lines.append(f"{pair.name}: relative RMSE {_show(stats.rel_rmse)} is above --max-rel-rmse {gates.max_rel_rmse:g}")
+                lines.append(
+                    f"{pair.name}: relative RMSE {_show(stats.rel_rmse)} is above --max-rel-rmse {gates.max_rel_rmse:g}"
+                )
         missing = len(self.only_a) + len(self.only_b)
         if gates.max_missing is not None and missing > gates.max_missing:
             lines.append(
@@ -247,8 +274,19 @@ class Comparison:
                 "only_in_a": len(self.only_a),
                 "only_in_b": len(self.only_b),
                 # figures that were not measured are null, never 0 (nor "no error")
-                **(self.model_error().to_json() if self.measured else dict.fromkeys(("sqnr_db", "rel_rmse", "max_abs_err", "cosine"))),
-                "worst": None if worst is None else {"name": worst.name, "sqnr_db": worst.to_json()["sqnr_db"], "exact": worst.exact, "finding": worst.finding},
+                **(
+                    self.model_error().to_json()
+                    if self.measured
+                    else dict.fromkeys(("sqnr_db", "rel_rmse", "max_abs_err", "cosine"))
+                ),
+                "worst": None
+                if worst is None
+                else {
+                    "name": worst.name,
+                    "sqnr_db": worst.to_json()["sqnr_db"],
+                    "exact": worst.exact,
+                    "finding": worst.finding,
+                },
                 "histogram": self.histogram(),
                 # added (issue 18): integer and boolean tensors, compared for equality only
                 "integer": {"compared": len(self.integers), "equal": sum(1 for p in self.integers if p.exact)},
@@ -272,7 +310,9 @@ def _show(value: float) -> str:
 # -- matching ----------------------------------------------------------------------------------
 
 
-def _keyed(checkpoint: Checkpoint, weights: list[Weight], rules: Sequence[Rename], from_gguf: bool) -> dict[str, Weight]:
+def _keyed(
+    checkpoint: Checkpoint, weights: list[Weight], rules: Sequence[Rename], from_gguf: bool
+) -> dict[str, Weight]:
     keyed: dict[str, Weight] = {}
     for weight in weights:
         key = rename(gguf_to_hf(weight.name) if from_gguf else weight.name, rules)
@@ -312,17 +352,25 @@ def plan_comparison(
         if weight_a.shape != weight_b.shape:
             pair.finding = f"shape mismatch: A {list(weight_a.shape)}, B {list(weight_b.shape)}"
         elif pair.rope_heads and (not weight_a.shape or weight_a.shape[0] % (2 * pair.rope_heads)):
-            pair.notes.append(f"{weight_a.shape[0]} rows do not split into {pair.rope_heads} rotary heads; compared as stored")
+            pair.notes.append(
+                f"{weight_a.shape[0]} rows do not split into {pair.rope_heads} rotary heads; compared as stored"
+            )
             pair.rope_heads = None
         pairs.append(pair)
     only_a = [w.name for key, w in keyed_a.items() if key not in keyed_b]
     only_b = [w.name for key, w in keyed_b.items() if key not in keyed_a]
-    models = {side: _describe(checkpoint, weights) for side, checkpoint, weights in (("a", a, weights_a), ("b", b, weights_b))}
+    models = {
+        side: _describe(checkpoint, weights) for side, checkpoint, weights in (("a", a, weights_a), ("b", b, weights_b))
+    }
     return Comparison(a, b, pairs, only_a, only_b, len(weights_a), len(weights_b), models=models)
 
 
 def _describe(checkpoint: Checkpoint, weights: list[Weight]) -> dict[str, Any]:
-    return describe_model(checkpoint.path, checkpoint.format, ((w.scheme.label if w.scheme else None, w.parameters, w.nbytes) for w in weights))
+    return describe_model(
+        checkpoint.path,
+        checkpoint.format,
+        ((w.scheme.label if w.scheme else None, w.parameters, w.nbytes) for w in weights),
+    )
 
 
 # -- measuring ---------------------------------------------------------------------------------
@@ -344,7 +392,9 @@ def _source(checkpoint: Checkpoint, weight: Weight, device: str, rope_heads: int
 
         values = decoder_for(weight).decode(checkpoint, weight, device)
     elif stored.dtype.torch_name is None:
-        raise _NotComparable(f"{weight.name} is plain {stored.dtype.name} data, which has no float value without a scale")
+        raise _NotComparable(
+            f"{weight.name} is plain {stored.dtype.name} data, which has no float value without a scale"
+        )
     elif rope_heads or stored.dtype.torch_dtype().is_complex:
         values = checkpoint.load(stored).to(device)
         if values.is_complex():
@@ -440,7 +490,9 @@ def _measure_pair(comparison: Comparison, pair: Pair, device: str) -> None:
         x = _source(comparison.a, pair.a, device, pair.rope_heads if pair.rope_side == "a" else None)
         y = _source(comparison.b, pair.b, device, pair.rope_heads if pair.rope_side == "b" else None)
         if pair.rope_heads:
-            pair.notes.append(f"{pair.rope_side.upper()}'s rows un-permuted from llama.cpp's rotary order ({pair.rope_heads} heads)")
+            pair.notes.append(
+                f"{pair.rope_side.upper()}'s rows un-permuted from llama.cpp's rotary order ({pair.rope_heads} heads)"
+            )
         if _numel(x) != _numel(y):
             pair.finding = f"not comparable: A has {_numel(x)} values, B {_numel(y)}"
             return
@@ -449,7 +501,9 @@ def _measure_pair(comparison: Comparison, pair: Pair, device: str) -> None:
             chunks_x = rescaled_chunks(chunks_x, smoothing.scales)
         stats, bad_x, bad_y = _measure(chunks_x, _chunks(comparison.b, y, device))
         if not all(math.isfinite(v) for v in (stats.signal, stats.noise, stats.dot)):
-            where = ", ".join(f"{side} has {count} NaN/Inf values" for side, count in (("A", bad_x), ("B", bad_y)) if count)
+            where = ", ".join(
+                f"{side} has {count} NaN/Inf values" for side, count in (("A", bad_x), ("B", bad_y)) if count
+            )
             pair.finding = f"non-finite values: {where or 'the error overflows float64'}"
         if smoothing is None or smoothing.role != ROLE_UNRECOVERED or pair.finding is not None:
             pair.stats = stats  # an unrecovered fold is checked for NaN/Inf, with no error figure
@@ -462,7 +516,9 @@ def _measure_pair(comparison: Comparison, pair: Pair, device: str) -> None:
                 checkpoint.release(member)
 
 
-def run_comparison(comparison: Comparison, *, device: str = "cpu", on_progress: Callable[[int], None] | None = None) -> Comparison:
+def run_comparison(
+    comparison: Comparison, *, device: str = "cpu", on_progress: Callable[[int], None] | None = None
+) -> Comparison:
     """Measure every pair whose shapes agree, one pair at a time, in A's order."""
     started = time.perf_counter()
     comparison.device = device

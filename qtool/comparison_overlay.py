@@ -8,7 +8,8 @@ holding each comparison's own document, so the 2-argument document stays exactly
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 __all__ = ["OVERLAY_SCHEMA_VERSION", "overlay_document"]
 

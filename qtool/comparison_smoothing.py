@@ -33,7 +33,8 @@ are measured; every loop is linear in the pairs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Iterator, Sequence
 
 from qtool.formats.checkpoint import Checkpoint
 from qtool.weight import Weight
@@ -190,7 +191,7 @@ def find_smoothing(pairs: Sequence[Any], a: Checkpoint, b: Checkpoint, device: s
         if split is not None:
             layers.setdefault(split[0], {})[split[1]] = pair
     norms = 0
-    for prefix, members in layers.items():
+    for members in layers.values():
         for norm_name, feeds in NORM_FEEDS.items():
             if norm_name == "post_attention_layernorm" and "pre_feedforward_layernorm" in members:
                 continue
@@ -198,7 +199,11 @@ def find_smoothing(pairs: Sequence[Any], a: Checkpoint, b: Checkpoint, device: s
             if norm is None or len(norm.a.shape) != 1 or not (_is_plain_float(norm.a) and _is_plain_float(norm.b)):
                 continue
             width = norm.a.shape[0]
-            fed = [p for p in (members.get(name) for name in feeds) if p is not None and len(p.a.shape) == 2 and p.a.shape[1] == width and _float_sides(p)]
+            fed = [
+                p
+                for p in (members.get(name) for name in feeds)
+                if p is not None and len(p.a.shape) == 2 and p.a.shape[1] == width and _float_sides(p)
+            ]
             if not fed:
                 continue
             values_a, values_b = _values(a, norm.a), _values(b, norm.b)
@@ -206,7 +211,9 @@ def find_smoothing(pairs: Sequence[Any], a: Checkpoint, b: Checkpoint, device: s
                 continue
             scales, why = _scales(values_a, values_b, offset)
             if scales is None:
-                norm.notes.append(f"differs from A by no positive scale per channel (B's {why}): not AWQ's smoothing; compared as stored")
+                norm.notes.append(
+                    f"differs from A by no positive scale per channel (B's {why}): not AWQ's smoothing; compared as stored"
+                )
                 continue
             norms += 1
             norm.smoothing = Smoothing(
@@ -216,7 +223,12 @@ def find_smoothing(pairs: Sequence[Any], a: Checkpoint, b: Checkpoint, device: s
             )  # fmt: skip
             tensor = torch.from_numpy(scales).to(device)
             for pair in fed:
-                pair.smoothing = Smoothing(ROLE_RESCALED, norm.name, tensor, f"measured against A's columns times the smoothing scales of {norm_name} ({_range(scales)})")
+                pair.smoothing = Smoothing(
+                    ROLE_RESCALED,
+                    norm.name,
+                    tensor,
+                    f"measured against A's columns times the smoothing scales of {norm_name} ({_range(scales)})",
+                )
     if norms:
         for members in layers.values():
             for source, target in _linear_folds(members):
@@ -257,14 +269,19 @@ def _fold_applies(source: Any, target: Any) -> bool:
     """AWQ's rule (`qtool.calibration.awq.layer_mappings`): the fed Linear is quantized, and the
     smoothing Linear's rows cover its inputs (a fused qkv_proj: three times; grouped-query
     attention's narrower v_proj: no fold)."""
-    if len(source.a.shape) != 2 or len(target.a.shape) != 2 or not (target.a.quantized or target.b.quantized) or not (_float_sides(source) and _float_sides(target)):
+    if (
+        len(source.a.shape) != 2
+        or len(target.a.shape) != 2
+        or not (target.a.quantized or target.b.quantized)
+        or not (_float_sides(source) and _float_sides(target))
+    ):
         return False
     width = target.a.shape[1]
     fused = LINEAR_FEEDS.get(_short(source), (None, False))[1]
     return source.a.shape[0] == 3 * width if fused else source.a.shape[0] >= width
 
 
-def rescaled_chunks(chunks: Iterable["torch.Tensor"], scales: "torch.Tensor") -> Iterator["torch.Tensor"]:
+def rescaled_chunks(chunks: Iterable[torch.Tensor], scales: torch.Tensor) -> Iterator[torch.Tensor]:
     """Flat chunks of a [out, in] weight (row-major) times `scales` [in] along its columns, in
     float64: the chunk starting at element k holds columns k % in, k % in + 1, ..."""
     import torch

@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from qtool.errors import ShardJobError
 from qtool.executors import Executor
@@ -156,9 +157,21 @@ def execute_sharded(
         def on_result(job: ShardJob, result: ShardResult) -> None:
             problem = verify(job, result)
             if problem is not None:
-                raise ShardJobError(f"shard {job.label}: the staged file does not check out: {problem}; nothing was committed", path=job.path)
+                raise ShardJobError(
+                    f"shard {job.label}: the staged file does not check out: {problem}; nothing was committed",
+                    path=job.path,
+                )
             results[job.index] = result
-            records[job.index] = ShardRecord(job.label, result.node, result.worker, result.seconds, result.bytes_in, result.bytes_out, result.attempts, result.peak_rss_bytes)
+            records[job.index] = ShardRecord(
+                job.label,
+                result.node,
+                result.worker,
+                result.seconds,
+                result.bytes_in,
+                result.bytes_out,
+                result.attempts,
+                result.peak_rss_bytes,
+            )
             if options.on_progress:
                 options.on_progress(job.bytes_in)
 
@@ -193,7 +206,9 @@ def _merged(plan: Plan, jobs: list[ShardJob], results: dict[int, ShardResult]) -
             measured.unquantized = measured.unquantized.merge(stats)
         measured.bytes_read += result.bytes_read
     measured.errors = {job.weight.name: errors[job.weight.name] for job in plan.jobs if job.weight.name in errors}
-    measured.non_finite = {job.weight.name: non_finite[job.weight.name] for job in plan.jobs if job.weight.name in non_finite}
+    measured.non_finite = {
+        job.weight.name: non_finite[job.weight.name] for job in plan.jobs if job.weight.name in non_finite
+    }
     return measured
 
 

@@ -13,7 +13,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["StorageDType", "DTYPES", "WEIGHT_FLOATS", "storage_dtype", "nbytes_for", "from_torch", "decoded_dtype", "float_dtype_named", "weight_float_of"]
+__all__ = [
+    "StorageDType",
+    "DTYPES",
+    "WEIGHT_FLOATS",
+    "storage_dtype",
+    "nbytes_for",
+    "from_torch",
+    "decoded_dtype",
+    "float_dtype_named",
+    "weight_float_of",
+]
 
 Kind = Literal["bool", "int", "uint", "float", "complex"]
 

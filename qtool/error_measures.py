@@ -49,11 +49,11 @@ class ErrorStats:
     count: int = 0
 
     @classmethod
-    def from_sums(cls, xx: float, xe: float, ee: float, max_abs: float, count: int) -> "ErrorStats":
+    def from_sums(cls, xx: float, xe: float, ee: float, max_abs: float, count: int) -> ErrorStats:
         """From sum x^2, sum x*e and sum e^2 (e = x - x_hat), as every path accumulates them."""
         return cls(signal=xx, noise=ee, recon=xx - 2 * xe + ee, dot=xx - xe, max_abs=max_abs, count=count)
 
-    def update(self, original, reconstructed) -> "ErrorStats":
+    def update(self, original, reconstructed) -> ErrorStats:
         """Add one chunk: torch tensors with the same number of elements, any float dtype, any
         device. `reconstructed` should be in the dtype the weight decodes to (see above).
 
@@ -92,7 +92,7 @@ class ErrorStats:
         self.count += total
         return self
 
-    def update_numpy(self, original, reconstructed) -> "ErrorStats":
+    def update_numpy(self, original, reconstructed) -> ErrorStats:
         """`update` for numpy arrays on the CPU (the torch-free paths): the same float64 terms,
         the same slices and sums, so the same digits."""
         import numpy as np
@@ -105,7 +105,12 @@ class ErrorStats:
                 xs = x[start : start + _CPU_SLICE].astype(np.float64)
                 xx += float(np.einsum("i,i->", xs, xs))
             part = ErrorStats.from_sums(xx, 0.0, 0.0, 0.0, x.size)
-            self.signal, self.dot, self.recon, self.count = self.signal + xx, self.dot + part.dot, self.recon + part.recon, self.count + x.size
+            self.signal, self.dot, self.recon, self.count = (
+                self.signal + xx,
+                self.dot + part.dot,
+                self.recon + part.recon,
+                self.count + x.size,
+            )
             return self
         if x.size != y.size:
             raise ValueError(f"ErrorStats.update_numpy: {x.size} original values against {y.size} reconstructed")
@@ -127,7 +132,7 @@ class ErrorStats:
         self.count += x.size
         return self
 
-    def merge(self, other: "ErrorStats") -> "ErrorStats":
+    def merge(self, other: ErrorStats) -> ErrorStats:
         return ErrorStats(
             self.signal + other.signal,
             self.noise + other.noise,
@@ -201,7 +206,13 @@ def _device_sums(xs, es) -> tuple[float, float, float, float, float]:
     """The same on an accelerator, with torch ops."""
     import torch
 
-    return float(torch.dot(xs, xs)), float(torch.dot(xs, es)), float(torch.dot(es, es)), float(es.amax()), float(es.amin())
+    return (
+        float(torch.dot(xs, xs)),
+        float(torch.dot(xs, es)),
+        float(torch.dot(es, es)),
+        float(es.amax()),
+        float(es.amin()),
+    )
 
 
 NON_FINITE_CHUNK = 4 << 20  # elements per chunk when counting NaN and Inf

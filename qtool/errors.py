@@ -49,7 +49,9 @@ class QtoolError(Exception):
 
     exit_code: int = EXIT_USAGE
 
-    def __init__(self, message: str, *, hint: str | None = None, path: str | None = None, option: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, hint: str | None = None, path: str | None = None, option: str | None = None
+    ) -> None:
         self.message = message
         self.hint = hint
         self.path = path
@@ -65,7 +67,7 @@ class QtoolError(Exception):
         return (_rebuild, (type(self), self.args, self.__dict__))
 
 
-def _rebuild(kind: type, args: tuple, state: dict) -> "QtoolError":
+def _rebuild(kind: type, args: tuple, state: dict) -> QtoolError:
     error = kind.__new__(kind)
     Exception.__init__(error, *args)
     error.__dict__.update(state)
@@ -90,7 +92,9 @@ class ViolationError(QtoolError):
 
     exit_code = EXIT_VIOLATION
 
-    def __init__(self, message: str, *, reasons: list[str] | None = None, hint: str | None = None, path: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, reasons: list[str] | None = None, hint: str | None = None, path: str | None = None
+    ) -> None:
         self.reasons = list(reasons or [])
         super().__init__(message, hint=hint, path=path)
 

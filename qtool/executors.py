@@ -17,7 +17,8 @@ import os
 import signal
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from typing import Callable, Protocol
+from typing import Protocol
+from collections.abc import Callable
 
 from qtool import libc
 from qtool.errors import ShardJobError, UsageError
@@ -46,7 +47,14 @@ class Executor(Protocol):
         ...
 
 
-def make_executor(name: str, *, workers: int = 1, address: str | None = None, retries: int = DEFAULT_RETRIES, setup: Callable[[], None] | None = None) -> Executor:
+def make_executor(
+    name: str,
+    *,
+    workers: int = 1,
+    address: str | None = None,
+    retries: int = DEFAULT_RETRIES,
+    setup: Callable[[], None] | None = None,
+) -> Executor:
     """`local` (N processes here) or `ray` (the cluster at `address`, RAY_ADDRESS, else a
     local one); `setup` runs once in every worker process before its first job."""
     if retries < 0:
@@ -98,7 +106,12 @@ class LocalProcesses:
         context = multiprocessing.get_context("spawn")
         while pending:
             before = {process.pid for process in multiprocessing.active_children()}
-            pool = ProcessPoolExecutor(min(self.workers, len(pending)), mp_context=context, initializer=_worker_start, initargs=(self.setup, os.getpid()))
+            pool = ProcessPoolExecutor(
+                min(self.workers, len(pending)),
+                mp_context=context,
+                initializer=_worker_start,
+                initargs=(self.setup, os.getpid()),
+            )
             try:
                 futures = {}
                 for job in pending.values():

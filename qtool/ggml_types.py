@@ -35,7 +35,21 @@ from qtool.errors import UnknownNameError
 from qtool.qtypes import QType, qtype
 from qtool.scheme import QScheme, group
 
-__all__ = ["GgmlType", "GGML_TYPES", "GGUF_PY", "LLAMA_CPP", "IGNORED", "OPTIONAL", "LLAMA_QUANTIZE", "REQUIRED", "LLAMA_FTYPES", "GGML_QUANT_VERSION", "ggml_type", "ggml_type_named", "type_for"]
+__all__ = [
+    "GgmlType",
+    "GGML_TYPES",
+    "GGUF_PY",
+    "LLAMA_CPP",
+    "IGNORED",
+    "OPTIONAL",
+    "LLAMA_QUANTIZE",
+    "REQUIRED",
+    "LLAMA_FTYPES",
+    "GGML_QUANT_VERSION",
+    "ggml_type",
+    "ggml_type_named",
+    "type_for",
+]
 
 GGML_QUANT_VERSION = 2  # general.quantization_version, as llama-quantize stamps it
 
@@ -54,7 +68,9 @@ LLAMA_FTYPES = {
 
 
 # whose quantizer qtool's bytes of a type follow (`GgmlType.quantizer`)
-GGUF_PY = "gguf-py"  # gguf-py's numpy quantizer, which qtool runs; the C kernel, where there is one, is byte for byte it
+GGUF_PY = (
+    "gguf-py"  # gguf-py's numpy quantizer, which qtool runs; the C kernel, where there is one, is byte for byte it
+)
 LLAMA_CPP = "llama.cpp"  # llama.cpp's reference quantizers, in qtool's C kernels only (rows with inf/NaN included)
 
 # what llama.cpp says of an importance matrix for a type (`GgmlType.imatrix`)
@@ -123,20 +139,78 @@ def _row(
     """`kernels`: which kernels have the type, "e" qtool.native's encoder, "d" its decoder, "t"
     the torch decoder; `by`: whose quantizer the bytes follow."""
     entry = {kind: name if kind in kernels else None for kind in "edt"}
-    return GgmlType(id, name, block, size, scheme, tuple(details.items()), file_type, by, imatrix, fallback, entry["e"], entry["d"], entry["t"])
+    return GgmlType(
+        id,
+        name,
+        block,
+        size,
+        scheme,
+        tuple(details.items()),
+        file_type,
+        by,
+        imatrix,
+        fallback,
+        entry["e"],
+        entry["d"],
+        entry["t"],
+    )
 
 
-def _k(id: int, name: str, size: int, value: str, symmetric: bool, sub_blocks: str, file_type: str | None = None, scale: str = "F16", kernels: str = "edt", fallback: str | None = None) -> GgmlType:
+def _k(
+    id: int,
+    name: str,
+    size: int,
+    value: str,
+    symmetric: bool,
+    sub_blocks: str,
+    file_type: str | None = None,
+    scale: str = "F16",
+    kernels: str = "edt",
+    fallback: str | None = None,
+) -> GgmlType:
     """A K-quant: 256-value super-blocks of sub-blocks with their own quantized scales."""
     scheme = _llama(name, value, 256, symmetric=symmetric, scale=scale)
     by = LLAMA_CPP if "e" in kernels else None
-    return _row(id, name, 256, size, scheme, file_type, kernels=kernels, by=by, fallback=fallback, super_block=f"256 = {sub_blocks}")
+    return _row(
+        id,
+        name,
+        256,
+        size,
+        scheme,
+        file_type,
+        kernels=kernels,
+        by=by,
+        fallback=fallback,
+        super_block=f"256 = {sub_blocks}",
+    )
 
 
-def _iq(id: int, name: str, size: int, bits: int, file_type: str | None = None, *, kernels: str = "ed", imatrix: str = OPTIONAL, **details: str) -> GgmlType:
+def _iq(
+    id: int,
+    name: str,
+    size: int,
+    bits: int,
+    file_type: str | None = None,
+    *,
+    kernels: str = "ed",
+    imatrix: str = OPTIONAL,
+    **details: str,
+) -> GgmlType:
     """An IQ type of 256-value super-blocks: llama.cpp falls back to IQ4_NL for rows they do not fit."""
     by = LLAMA_CPP if "e" in kernels else None
-    return _row(id, name, 256, size, _llama(name, _codebook(name.lower(), bits), 256), file_type, kernels=kernels, by=by, imatrix=imatrix, fallback="IQ4_NL", **details)
+    return _row(
+        id,
+        name,
+        256,
+        size,
+        _llama(name, _codebook(name.lower(), bits), 256),
+        file_type,
+        kernels=kernels,
+        by=by,
+        imatrix=imatrix,
+        fallback="IQ4_NL",
+        **details,
+    )
 
 
 # (id, name, values per block, bytes per block, scheme, llama_ftype, kernels, quantizer, importance, fallback, details)
@@ -156,25 +230,128 @@ _ROWS = (
     _k(13, "Q5_K", 176, "uint5", False, "8 × 32, 6-bit scales and mins", "MOSTLY_Q5_K_M", fallback="Q5_1"),
     _k(14, "Q6_K", 210, "int6", True, "16 × 16, int8 scales", "MOSTLY_Q6_K", fallback="Q8_0"),
     _k(15, "Q8_K", 292, "int8", True, "one f32 scale, 16 int16 block sums", scale="F32", kernels="t"),
-    _iq(16, "IQ2_XXS", 66, 2, imatrix=REQUIRED, super_block="256 = 8 × 32, 4-bit scales", codebook="256 × 8 magnitudes, 7-bit sign masks"),
-    _iq(17, "IQ2_XS", 74, 2, imatrix=REQUIRED, super_block="256 = 16 × 16, 4-bit scales", codebook="512 × 8 magnitudes, 7-bit sign masks"),
-    _iq(18, "IQ3_XXS", 98, 3, imatrix=LLAMA_QUANTIZE, super_block="256 = 8 × 32, 4-bit scales", codebook="256 × 4 magnitudes, 7-bit sign masks"),
-    _iq(19, "IQ1_S", 50, 1, kernels="", imatrix=REQUIRED, super_block="256 = 8 × 32, 3-bit scales, ±1/8 shift", codebook="2048 × 8 values in {-1, 0, 1}"),
-    _row(20, "IQ4_NL", 32, 18, _llama("IQ4_NL", _codebook("iq4_nl", 4), 32), "MOSTLY_IQ4_NL", kernels="edt", by=LLAMA_CPP, codebook="16 non-linear values (kvalues_iq4nl)"),
-    _iq(21, "IQ3_S", 110, 3, "MOSTLY_IQ3_S", super_block="256 = 8 × 32, 4-bit scales", codebook="512 × 4 magnitudes, sign bits"),
-    _iq(22, "IQ2_S", 82, 2, imatrix=LLAMA_QUANTIZE, super_block="256 = 16 × 16, 4-bit scales", codebook="1024 × 8 magnitudes, sign bits"),
-    _iq(23, "IQ4_XS", 136, 4, "MOSTLY_IQ4_XS", kernels="edt", super_block="256 = 8 × 32, 6-bit scales", codebook="16 non-linear values (kvalues_iq4nl)"),
+    _iq(
+        16,
+        "IQ2_XXS",
+        66,
+        2,
+        imatrix=REQUIRED,
+        super_block="256 = 8 × 32, 4-bit scales",
+        codebook="256 × 8 magnitudes, 7-bit sign masks",
+    ),
+    _iq(
+        17,
+        "IQ2_XS",
+        74,
+        2,
+        imatrix=REQUIRED,
+        super_block="256 = 16 × 16, 4-bit scales",
+        codebook="512 × 8 magnitudes, 7-bit sign masks",
+    ),
+    _iq(
+        18,
+        "IQ3_XXS",
+        98,
+        3,
+        imatrix=LLAMA_QUANTIZE,
+        super_block="256 = 8 × 32, 4-bit scales",
+        codebook="256 × 4 magnitudes, 7-bit sign masks",
+    ),
+    _iq(
+        19,
+        "IQ1_S",
+        50,
+        1,
+        kernels="",
+        imatrix=REQUIRED,
+        super_block="256 = 8 × 32, 3-bit scales, ±1/8 shift",
+        codebook="2048 × 8 values in {-1, 0, 1}",
+    ),
+    _row(
+        20,
+        "IQ4_NL",
+        32,
+        18,
+        _llama("IQ4_NL", _codebook("iq4_nl", 4), 32),
+        "MOSTLY_IQ4_NL",
+        kernels="edt",
+        by=LLAMA_CPP,
+        codebook="16 non-linear values (kvalues_iq4nl)",
+    ),
+    _iq(
+        21,
+        "IQ3_S",
+        110,
+        3,
+        "MOSTLY_IQ3_S",
+        super_block="256 = 8 × 32, 4-bit scales",
+        codebook="512 × 4 magnitudes, sign bits",
+    ),
+    _iq(
+        22,
+        "IQ2_S",
+        82,
+        2,
+        imatrix=LLAMA_QUANTIZE,
+        super_block="256 = 16 × 16, 4-bit scales",
+        codebook="1024 × 8 magnitudes, sign bits",
+    ),
+    _iq(
+        23,
+        "IQ4_XS",
+        136,
+        4,
+        "MOSTLY_IQ4_XS",
+        kernels="edt",
+        super_block="256 = 8 × 32, 6-bit scales",
+        codebook="16 non-linear values (kvalues_iq4nl)",
+    ),
     _row(24, "I8", 1, 1),
     _row(25, "I16", 1, 2),
     _row(26, "I32", 1, 4),
     _row(27, "I64", 1, 8),
     _row(28, "F64", 1, 8),
-    _iq(29, "IQ1_M", 56, 1, kernels="", imatrix=LLAMA_QUANTIZE, super_block="256 = 16 × 16, 3-bit scales, ±1/8 shift", codebook="2048 × 8 values in {-1, 0, 1}"),
+    _iq(
+        29,
+        "IQ1_M",
+        56,
+        1,
+        kernels="",
+        imatrix=LLAMA_QUANTIZE,
+        super_block="256 = 16 × 16, 3-bit scales, ±1/8 shift",
+        codebook="2048 × 8 values in {-1, 0, 1}",
+    ),
     _row(30, "BF16", 1, 2, file_type="MOSTLY_BF16"),
-    _row(34, "TQ1_0", 256, 54, _llama("TQ1_0", _TERNARY, 256), kernels="t", fallback="Q4_0", packing="base 3, 5 trits a byte"),
+    _row(
+        34,
+        "TQ1_0",
+        256,
+        54,
+        _llama("TQ1_0", _TERNARY, 256),
+        kernels="t",
+        fallback="Q4_0",
+        packing="base 3, 5 trits a byte",
+    ),
     _row(35, "TQ2_0", 256, 66, _llama("TQ2_0", _TERNARY, 256), kernels="t", fallback="Q4_0", packing="2 bits a trit"),
-    _row(39, "MXFP4", 32, 17, QScheme(qtype("fp4_e2m1"), group(32), True, "E8M0"), "MOSTLY_MXFP4_MOE", kernels="dt", by=GGUF_PY),
-    _row(40, "NVFP4", 64, 36, QScheme(qtype("fp4_e2m1"), group(16), True, "UE4M3"), kernels="dt", super_block="64 = 4 × 16, ue4m3 scales"),
+    _row(
+        39,
+        "MXFP4",
+        32,
+        17,
+        QScheme(qtype("fp4_e2m1"), group(32), True, "E8M0"),
+        "MOSTLY_MXFP4_MOE",
+        kernels="dt",
+        by=GGUF_PY,
+    ),
+    _row(
+        40,
+        "NVFP4",
+        64,
+        36,
+        QScheme(qtype("fp4_e2m1"), group(16), True, "UE4M3"),
+        kernels="dt",
+        super_block="64 = 4 × 16, ue4m3 scales",
+    ),
     _row(41, "Q1_0", 128, 18),
 )
 
@@ -209,7 +386,15 @@ def ggml_type_named(name: str) -> GgmlType:
 
 def _math(scheme: QScheme) -> tuple:
     """A scheme as a block type stores it: the observer (how an encoder picks scales) aside."""
-    return (scheme.qtype, scheme.block, scheme.symmetric, scheme.scale_kind, scheme.zero_point, scheme.global_scale, scheme.rule)
+    return (
+        scheme.qtype,
+        scheme.block,
+        scheme.symmetric,
+        scheme.scale_kind,
+        scheme.zero_point,
+        scheme.global_scale,
+        scheme.rule,
+    )
 
 
 _BY_MATH = {_math(row.scheme): row for row in _ROWS if row.scheme is not None and row.scheme.rule is None}

@@ -22,7 +22,15 @@ from qtool.weight import Provenance, Weight
 if TYPE_CHECKING:
     from qtool.scheme import QScheme
 
-__all__ = ["SCHEMA_VERSION", "PLAIN_LABEL", "Inspection", "WeightStats", "inspect_checkpoint", "scheme_json", "weight_json"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "PLAIN_LABEL",
+    "Inspection",
+    "WeightStats",
+    "inspect_checkpoint",
+    "scheme_json",
+    "weight_json",
+]
 
 SCHEMA_VERSION = 1
 PLAIN_LABEL = "plain"  # the by_scheme key for weights that are not quantized
@@ -47,9 +55,11 @@ class Inspection:
     def __post_init__(self) -> None:
         # frozen: the normalised fields are set through object.__setattr__, once, here
         object.__setattr__(self, "weights", tuple(self.weights))
-        object.__setattr__(self, "stats", MappingProxyType({name: _frozen(entry) for name, entry in self.stats.items()}))
+        object.__setattr__(
+            self, "stats", MappingProxyType({name: _frozen(entry) for name, entry in self.stats.items()})
+        )
 
-    def with_stats(self, stats: Mapping[str, WeightStats | None]) -> "Inspection":
+    def with_stats(self, stats: Mapping[str, WeightStats | None]) -> Inspection:
         """A new Inspection with `stats` added to (and overriding) the ones already known."""
         return replace(self, stats={**self.stats, **stats})
 

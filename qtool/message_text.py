@@ -25,7 +25,8 @@ _ESCAPE_LETTERS = frozenset("tnrxuU")  # what follows the backslash of an escape
 # any run of more than NAME_LIMIT non-space characters. Each alternative advances over
 # characters that only it can take, so the scan is linear.
 _LONG_NAME = re.compile(
-    r"(?<!\w)(?P<q>['\"])(?P<quoted>(?:[^'\"\\]|\\.|(?!(?P=q))['\"]){%d,})(?P=q)(?!\w)|(?P<word>\S{%d,})" % (NAME_LIMIT - 1, NAME_LIMIT + 1)
+    r"(?<!\w)(?P<q>['\"])(?P<quoted>(?:[^'\"\\]|\\.|(?!(?P=q))['\"]){%d,})(?P=q)(?!\w)|(?P<word>\S{%d,})"
+    % (NAME_LIMIT - 1, NAME_LIMIT + 1)
 )
 
 
@@ -44,7 +45,11 @@ def escape(text: str, *, backslashes: bool = True) -> str:
     for at, char in enumerate(text):
         if char == "\\":
             following = text[at + 1] if at < last else ""
-            ambiguous = backslashes and (following in _ESCAPE_LETTERS or following in _ESCAPES or (following != "" and not following.isprintable()))
+            ambiguous = backslashes and (
+                following in _ESCAPE_LETTERS
+                or following in _ESCAPES
+                or (following != "" and not following.isprintable())
+            )
             out.append("\\\\" if ambiguous else "\\")
         elif char in _ESCAPES:
             out.append(_ESCAPES[char])
@@ -84,5 +89,5 @@ def _shortened(found: re.Match) -> str:
 
 
 def counted(count: int, noun: str, plural: str | None = None) -> str:
-    """"1 finding", "2 findings": a count and its noun in the number it takes."""
+    """ "1 finding", "2 findings": a count and its noun in the number it takes."""
     return f"{count} {noun if count == 1 else plural or noun + 's'}"

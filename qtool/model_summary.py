@@ -13,7 +13,8 @@ Bits per weight are `bytes * 8 / parameters` over every member tensor, rounded t
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 from qtool.formats.revision import revision_of
 
@@ -26,7 +27,13 @@ def _bits(nbytes: int, parameters: int) -> float:
     return round(nbytes * 8 / parameters, 4) if parameters else 0.0
 
 
-def describe_model(path: str, container: str, weights: Iterable[tuple[str | None, int, int]], *, revision: bool | dict[str, str | None] | None = True) -> dict[str, Any]:
+def describe_model(
+    path: str,
+    container: str,
+    weights: Iterable[tuple[str | None, int, int]],
+    *,
+    revision: bool | dict[str, str | None] | None = True,
+) -> dict[str, Any]:
     """`weights`: (scheme label or None, parameters, bytes) per weight. `revision`: True to
     look it up now; else the one looked up before (`revision_of`, a run does so before it
     commits anything), None where it is unknown or for a model qtool has just written."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from qtool.errors import UsageError
 from qtool.patterns import REGEX_PREFIX, BoundedRegex, compile_regex

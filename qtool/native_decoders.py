@@ -10,7 +10,7 @@ each layout (`qtool.layouts`).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from qtool import native
 from qtool.conventions import compressed_tensors
@@ -19,6 +19,7 @@ from qtool.formats.checkpoint import Checkpoint
 from qtool.weight import Weight
 
 __all__ = ["decoder"]
+
 
 def decoder(weight: Weight, out_dtype: str) -> Callable[[Checkpoint], memoryview] | None:
     """A function reading `weight` from a checkpoint and returning its values as `out_dtype`
@@ -49,14 +50,18 @@ def _int_decoder(weight: Weight, out_dtype: str):
     groups = cols // group
     if data.nbytes != rows * cols * bits // 8 or scale.numel != rows * groups:
         return None  # torch's decoder names what is wrong
-    if zero_point is not None and (zero_point.dtype.name != "I32" or tuple(zero_point.shape) != (-(-rows * bits // 32), groups)):
+    if zero_point is not None and (
+        zero_point.dtype.name != "I32" or tuple(zero_point.shape) != (-(-rows * bits // 32), groups)
+    ):
         return None
     logical = weight.dtype if weight.dtype in WEIGHT_FLOATS else "BF16"
 
     def decode(checkpoint: Checkpoint) -> memoryview:
         packed, scales = checkpoint.read_bytes(data), checkpoint.read_bytes(scale)
         zero_points = checkpoint.read_bytes(zero_point) if zero_point is not None else None
-        return native.decode_int(packed, scales, zero_points, scale.dtype.name, logical, out_dtype, rows, cols, group, bits)
+        return native.decode_int(
+            packed, scales, zero_points, scale.dtype.name, logical, out_dtype, rows, cols, group, bits
+        )
 
     return decode
 
@@ -71,7 +76,12 @@ def _gguf_decoder(weight: Weight, out_dtype: str):
         return None
     entry = gtype.native_decoder
     numel = math.prod(weight.shape)
-    if entry is None or entry not in native.gguf_types() or numel % gtype.block_size or weight.data.nbytes != gtype.nbytes(numel):
+    if (
+        entry is None
+        or entry not in native.gguf_types()
+        or numel % gtype.block_size
+        or weight.data.nbytes != gtype.nbytes(numel)
+    ):
         return None
     blocks = numel // gtype.block_size
 

@@ -16,11 +16,20 @@ cannot backtrack.
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from qtool.errors import UsageError
 
-__all__ = ["compile_pattern", "compile_regex", "BoundedRegex", "matches_any", "natural_key", "REGEX_PREFIX", "MATCH_SECONDS", "REGEX_HELP"]
+__all__ = [
+    "compile_pattern",
+    "compile_regex",
+    "BoundedRegex",
+    "matches_any",
+    "natural_key",
+    "REGEX_PREFIX",
+    "MATCH_SECONDS",
+    "REGEX_HELP",
+]
 
 REGEX_PREFIX = "re:"
 MATCH_SECONDS = 0.25  # one name against one regex; a sane pattern takes microseconds
@@ -68,7 +77,9 @@ def compile_pattern(pattern: str) -> Callable[[str], bool]:
         try:
             bounded = compile_regex(pattern[len(REGEX_PREFIX) :], repr(pattern))
         except ValueError as exc:
-            raise UsageError(f"invalid regex {pattern!r}: {exc}", hint="write re:<python regex>, e.g. 're:.*\\.mlp\\..*'") from None
+            raise UsageError(
+                f"invalid regex {pattern!r}: {exc}", hint="write re:<python regex>, e.g. 're:.*\\.mlp\\..*'"
+            ) from None
         return lambda name: bounded.match(name) is not None
     import fnmatch  # here: `inspect` without a pattern needs none
 

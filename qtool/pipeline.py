@@ -21,7 +21,8 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 from qtool import encoders, native, native_decoders
 from qtool.buffers import tensor_bytes, tensor_from_bytes
@@ -32,7 +33,17 @@ from qtool.formats.checkpoint import Checkpoint
 from qtool.formats.writer import Output
 from qtool.plan import CAST, COPY, DEQUANTIZE, QUANTIZE, GgmlBlocks, Job, Piece, Plan
 
-__all__ = ["ExecOptions", "Measurements", "execute", "stream", "Runner", "kernel_threads", "resolve_device", "parse_size", "parse_dtype"]
+__all__ = [
+    "ExecOptions",
+    "Measurements",
+    "execute",
+    "stream",
+    "Runner",
+    "kernel_threads",
+    "resolve_device",
+    "parse_size",
+    "parse_dtype",
+]
 
 COPY_CHUNK = 32 << 20  # bytes per piece when copying a tensor through
 WRITES_IN_FLIGHT = 8
@@ -70,7 +81,18 @@ class Measurements:
 
 # -- options -----------------------------------------------------------------------------------
 
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(text: str) -> int:
@@ -78,7 +100,9 @@ def parse_size(text: str) -> int:
 
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", text.upper())
     if not match or float(match.group(1)) <= 0:
-        raise UsageError(f"shard size {text!r} is not a size", hint="write e.g. 5GB, 500MB or 2GiB", option="max_shard_size")
+        raise UsageError(
+            f"shard size {text!r} is not a size", hint="write e.g. 5GB, 500MB or 2GiB", option="max_shard_size"
+        )
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2) or ""])
 
 
@@ -102,7 +126,9 @@ def resolve_device(text: str) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
         if not torch.cuda.is_available():
-            raise UsageError(f"device {text}: CUDA is not available on this machine", hint="use cpu, or auto", option="device")
+            raise UsageError(
+                f"device {text}: CUDA is not available on this machine", hint="use cpu, or auto", option="device"
+            )
         index = int(text[5:]) if ":" in text else 0
         if index >= torch.cuda.device_count():
             raise UsageError(f"device {text}: there are only {torch.cuda.device_count()} CUDA devices", option="device")
@@ -162,7 +188,9 @@ class _Runner:
         if key not in self._encoders:
             # a quantized weight's error sums are always taken: they carry the overflow check
             # (`_check_finite`), which a run without measuring must pass too; only the report skips them
-            self._encoders[key] = encoders.choose(self.plan.layout, job, self.options.device, job.action == QUANTIZE or self.options.measure)
+            self._encoders[key] = encoders.choose(
+                self.plan.layout, job, self.options.device, job.action == QUANTIZE or self.options.measure
+            )
         return self._encoders[key]
 
     def load(self, job: Job):
@@ -198,7 +226,11 @@ class _Runner:
             wanted = "F32"
         else:
             wanted = None  # a tensor
-        if wanted is not None and self.options.device == "cpu" and (job.action in (QUANTIZE, DEQUANTIZE) or job.transform is None):
+        if (
+            wanted is not None
+            and self.options.device == "cpu"
+            and (job.action in (QUANTIZE, DEQUANTIZE) or job.transform is None)
+        ):
             native_decode = native_decoders.decoder(weight, wanted)
             if native_decode is not None:
                 return native_decode(self.source)
@@ -312,10 +344,18 @@ def kept_error(original, written, source: str, target: str) -> ErrorStats:
     return ErrorStats().update_numpy(x, x if original is written else to_float32(written, target))
 
 
-def stream(runner: "_Runner", jobs: list[Job], write: Callable[[Job, Piece], None], on_progress: Callable[[int], None] | None = None) -> None:
+def stream(
+    runner: _Runner,
+    jobs: list[Job],
+    write: Callable[[Job, Piece], None],
+    on_progress: Callable[[int], None] | None = None,
+) -> None:
     """Run `jobs` in order through `runner`, one read ahead on a reader thread and at most
     WRITES_IN_FLIGHT pieces handed to `write` behind, on a writer thread."""
-    with ThreadPoolExecutor(1, thread_name_prefix="qtool-read") as reader, ThreadPoolExecutor(1, thread_name_prefix="qtool-write") as writer:
+    with (
+        ThreadPoolExecutor(1, thread_name_prefix="qtool-read") as reader,
+        ThreadPoolExecutor(1, thread_name_prefix="qtool-write") as writer,
+    ):
         in_flight: deque[Future] = deque()
         ahead = reader.submit(runner.load, jobs[0]) if jobs else None
         for index, job in enumerate(jobs):
@@ -332,7 +372,13 @@ def stream(runner: "_Runner", jobs: list[Job], write: Callable[[Job, Piece], Non
             in_flight.popleft().result()
 
 
-def execute(plan: Plan, output: Output, options: ExecOptions = ExecOptions(), *, before_commit: Callable[[Measurements], None] | None = None) -> Measurements:
+def execute(
+    plan: Plan,
+    output: Output,
+    options: ExecOptions = ExecOptions(),
+    *,
+    before_commit: Callable[[Measurements], None] | None = None,
+) -> Measurements:
     """Stream the plan into `output` and commit it; on any error, nothing is committed and the
     temporary output is removed. The inputs are checked unchanged before the commit, and
     `before_commit` (a report, say) runs once everything else is written."""

@@ -11,7 +11,7 @@ no infinity, only NaN at 0x7F/0xFF; E5M2 has both; the FNUZ formats have one NaN
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from functools import lru_cache
+from functools import cache
 from typing import TYPE_CHECKING
 
 from qtool.dtypes import StorageDType
@@ -31,7 +31,7 @@ _FLOAT8 = {
 }
 
 
-@lru_cache(maxsize=None)
+@cache
 def float8_table(name: str):  # -> np.ndarray of 256 float64
     """The value of every byte in the 8-bit float format `name` (F8_* or F8_E8M0)."""
     import numpy as np
@@ -59,7 +59,7 @@ def float8_table(name: str):  # -> np.ndarray of 256 float64
     return table
 
 
-def float64_reader(dtype: StorageDType) -> Callable[[bytes | bytearray | memoryview], "np.ndarray"] | None:
+def float64_reader(dtype: StorageDType) -> Callable[[bytes | bytearray | memoryview], np.ndarray] | None:
     """A function from raw bytes of `dtype` to their values as float64 (complex: magnitudes),
     or None where qtool has no reader (F4, F6)."""
     import numpy as np
@@ -69,7 +69,9 @@ def float64_reader(dtype: StorageDType) -> Callable[[bytes | bytearray | memoryv
         table = float8_table(name)
         return lambda raw: table[np.frombuffer(raw, dtype=np.uint8)]
     if name == "BF16":
-        return lambda raw: (np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return lambda raw: (
+            (np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        )
     if name == "BOOL":
         return lambda raw: (np.frombuffer(raw, dtype=np.uint8) != 0).astype(np.float64)
     if name == "C64":
@@ -81,7 +83,7 @@ def float64_reader(dtype: StorageDType) -> Callable[[bytes | bytearray | memoryv
     return lambda raw: np.frombuffer(raw, dtype=numpy_name).astype(np.float64)
 
 
-def value_chunks(checkpoint: Checkpoint, tensor: StoredTensor, chunk: int) -> Iterator[tuple["np.ndarray", int]]:
+def value_chunks(checkpoint: Checkpoint, tensor: StoredTensor, chunk: int) -> Iterator[tuple[np.ndarray, int]]:
     """(float64 values, bytes read) for each run of at most `chunk` elements of a plain stored
     tensor, in order. The caller checks `float64_reader(tensor.dtype)` first."""
     reader = float64_reader(tensor.dtype)

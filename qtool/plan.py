@@ -24,7 +24,8 @@ writes. None of these knows a file format beyond what the plan says.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, Union, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from collections.abc import Mapping
 
 from qtool.ggml_types import GgmlType
 from qtool.scheme import QScheme
@@ -99,7 +100,9 @@ class TensorLayout(Protocol):
 
     def encode_tensors(self, name: str, tensor: Any, scheme: QScheme) -> dict[str, Any]: ...
 
-    def reconstruct(self, name: str, encoded: dict[str, Any], scheme: QScheme, shape: tuple[int, ...], dtype: str) -> Any: ...
+    def reconstruct(
+        self, name: str, encoded: dict[str, Any], scheme: QScheme, shape: tuple[int, ...], dtype: str
+    ) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,7 @@ class PlanOptions:
     max_shard_size: int | None = None
     file_name: str = "model.safetensors"
     allow_incomplete_gguf: bool = False  # GGUF: write a model llama.cpp cannot run (no architecture or tokenizer)
-    imatrix: "Imatrix | None" = None  # GGUF: an importance matrix the quantizers weigh
+    imatrix: Imatrix | None = None  # GGUF: an importance matrix the quantizers weigh
     imatrix_name: str = ""  # the imatrix path as the user gave it (quantize.imatrix.file)
     imatrix_pending: bool = False  # GGUF: an importance matrix is computed after planning (--calibrate)
     hugging_face_names: bool = False  # safetensors from a llama/qwen2 GGUF: Hugging Face names and q/k row order
@@ -176,7 +179,7 @@ class PlanOptions:
 
 GgufEntry = tuple[str, Any, str]  # a GGUF key-value: key, value (as gguf_writer takes it), its GGUF type name
 # the container's own metadata: safetensors' `__metadata__`, or GGUF's architecture and key-values
-Metadata = Union[dict[str, str], tuple[Union[str, None], list[GgufEntry]]]
+Metadata = dict[str, str] | tuple[str | None, list[GgufEntry]]
 
 
 @dataclass(frozen=True)
@@ -184,8 +187,8 @@ class Plan:
     """Everything a run writes, fixed before any data is read, and never changed after: a
     calibration stage's results are applied beside it (`Calibrated.over`)."""
 
-    source: "Checkpoint"
-    layout: "Layout"  # the layout that planned it, and writes the headers
+    source: Checkpoint
+    layout: Layout  # the layout that planned it, and writes the headers
     jobs: list[Job]
     files: list[str]  # output file names, in shard order
     metadata: Metadata
@@ -198,7 +201,7 @@ class Plan:
     report: str | None = None  # where the report document is written, if anywhere (HTML by a .html suffix)
     html: str | None = None  # where the HTML report is written, if anywhere
     warnings: tuple[str, ...] = ()  # for the user: requantizing, side files left behind, the notes
-    calibration: "CalibrationRequest | ImatrixRequest | None" = None  # a calibration stage to run before the executor
+    calibration: CalibrationRequest | ImatrixRequest | None = None  # a calibration stage to run before the executor
 
     def to_json(self) -> dict[str, Any]:
         """The `--dry-run` document: what each weight becomes, and the sizes before and after."""

@@ -70,7 +70,7 @@ class Policy:
         max_bits_per_weight: float | None = None,
         fail_on_unknown: bool = False,
         no_nan: bool = False,
-    ) -> "Policy":
+    ) -> Policy:
         rules = self.check
         return replace(
             self,
@@ -78,7 +78,9 @@ class Policy:
                 expect_scheme=expect_scheme if expect_scheme is not None else rules.expect_scheme,
                 require_quantized=(*rules.require_quantized, *require_quantized),
                 allow_plain=(*rules.allow_plain, *allow_plain),
-                max_bits_per_weight=max_bits_per_weight if max_bits_per_weight is not None else rules.max_bits_per_weight,
+                max_bits_per_weight=max_bits_per_weight
+                if max_bits_per_weight is not None
+                else rules.max_bits_per_weight,
                 fail_on_unknown=rules.fail_on_unknown or fail_on_unknown,
                 no_nan=rules.no_nan or no_nan,
                 coverage=rules.coverage,
@@ -92,7 +94,7 @@ class Policy:
         max_rel_rmse: float | None = None,
         max_missing: int | None = None,
         maps: tuple[str, ...] = (),
-    ) -> "Policy":
+    ) -> Policy:
         gates = self.gates
         return replace(
             self,
@@ -117,18 +119,29 @@ def load_policy(path: str | os.PathLike[str] | None) -> Policy:
     except OSError as exc:
         raise UsageError(f"cannot read the policy file: {exc.strerror or exc}", path=where) from None
     if len(raw) > MAX_POLICY_BYTES:
-        raise UsageError(f"the policy file is larger than {MAX_POLICY_BYTES} bytes", path=where, hint="see README, 'qtool-policy.toml'")
+        raise UsageError(
+            f"the policy file is larger than {MAX_POLICY_BYTES} bytes",
+            path=where,
+            hint="see README, 'qtool-policy.toml'",
+        )
     try:
         document = tomllib.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise UsageError(f"the policy file is not UTF-8 text (byte {exc.start})", path=where) from None
     except tomllib.TOMLDecodeError as exc:
-        raise UsageError(f"the policy file is not valid TOML: {exc}", path=where, hint="see README, 'qtool-policy.toml'") from None
+        raise UsageError(
+            f"the policy file is not valid TOML: {exc}", path=where, hint="see README, 'qtool-policy.toml'"
+        ) from None
     values: dict[str, dict[str, Any]] = {}
     for section, table in document.items():
         keys = _SECTIONS.get(section)
         if keys is None or not isinstance(table, dict):
-            raise _unknown(where, f"section [{section}]" if keys is None else f"{section} (not a [section])", section, list(_SECTIONS))
+            raise _unknown(
+                where,
+                f"section [{section}]" if keys is None else f"{section} (not a [section])",
+                section,
+                list(_SECTIONS),
+            )
         values[section] = {}
         for key, value in table.items():
             kind = keys.get(key)
@@ -160,8 +173,16 @@ def _typed(where: str, section: str, key: str, value: Any, kind: type) -> Any:
         return [value]
     if kind in (str, bool) and type(value) is kind:
         return value
-    wanted = {float: "a number", int: "a whole number ≥ 0", list: "a list of strings", str: "a string", bool: "true or false"}[kind]
-    raise UsageError(f"[{section}] {key} = {value!r} should be {wanted}", path=where, hint="see README, 'qtool-policy.toml'")
+    wanted = {
+        float: "a number",
+        int: "a whole number ≥ 0",
+        list: "a list of strings",
+        str: "a string",
+        bool: "true or false",
+    }[kind]
+    raise UsageError(
+        f"[{section}] {key} = {value!r} should be {wanted}", path=where, hint="see README, 'qtool-policy.toml'"
+    )
 
 
 def _unknown(where: str, what: str, name: str, valid: list[str]) -> UsageError:

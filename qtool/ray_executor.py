@@ -18,7 +18,7 @@ import os
 import signal
 import socket
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from qtool.errors import QtoolError, ShardJobError, UsageError
 from qtool.shard_job import ShardJob, ShardResult, run
@@ -51,7 +51,7 @@ def _check_in(counter, index: int) -> None:
 
     try:
         ray.get(counter.start.remote(index))
-    except Exception:  # noqa: BLE001 - counting is a report figure, not the job
+    except Exception:
         pass
 
 
@@ -66,7 +66,9 @@ def _run_task(job: ShardJob, setup: Callable[[], None] | None, counter=None) -> 
     result = run(job)
     import ray
 
-    result.node = f"{socket.gethostname()} ({ray.get_runtime_context().get_node_id()[:12]})"  # one host may run several nodes
+    result.node = (
+        f"{socket.gethostname()} ({ray.get_runtime_context().get_node_id()[:12]})"  # one host may run several nodes
+    )
     return result
 
 
@@ -95,7 +97,11 @@ def _reachable(address: str | None, timeout: float = 10.0) -> None:
     try:
         socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout).close()
     except OSError as exc:
-        raise UsageError(f"cannot connect to the Ray cluster at {address}: {exc.strerror or exc}", hint="start it with `ray start --head`, or set --ray-address / RAY_ADDRESS", option="ray_address") from None
+        raise UsageError(
+            f"cannot connect to the Ray cluster at {address}: {exc.strerror or exc}",
+            hint="start it with `ray start --head`, or set --ray-address / RAY_ADDRESS",
+            option="ray_address",
+        ) from None
 
 
 class _RayStartupNotes:
@@ -123,7 +129,7 @@ class _RayStartupNotes:
 def _shutdown_quietly(ray) -> None:
     try:
         ray.shutdown()
-    except BaseException:  # noqa: BLE001 - the first failure (or signal) is the one reported
+    except BaseException:
         pass
 
 
@@ -131,7 +137,9 @@ def _import_ray():
     try:
         import ray
     except ImportError:
-        raise UsageError("--executor ray needs Ray, which is not installed", hint="pip install 'qtool[ray]'", option="executor") from None
+        raise UsageError(
+            "--executor ray needs Ray, which is not installed", hint="pip install 'qtool[ray]'", option="executor"
+        ) from None
     return ray
 
 
@@ -167,7 +175,11 @@ class RayCluster:
                 ray.init(address=self.address, log_to_driver=False, configure_logging=False)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             where = self.address or os.environ.get("RAY_ADDRESS") or "a local Ray"
-            raise UsageError(f"cannot connect to the Ray cluster at {where}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", hint="start it with `ray start --head`, or set --ray-address / RAY_ADDRESS", option="ray_address") from None
+            raise UsageError(
+                f"cannot connect to the Ray cluster at {where}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+                hint="start it with `ray start --head`, or set --ray-address / RAY_ADDRESS",
+                option="ray_address",
+            ) from None
         except BaseException as stopped:  # a signal, or Ray's SIGTERM handler: stop the Ray it started
             _shutdown_quietly(ray)
             if main and previous is not None:
@@ -180,7 +192,9 @@ class RayCluster:
                 signal.signal(signal.SIGTERM, previous)
         self._connected = True
         self.workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
-        self.largest_node = max((int(node.get("Resources", {}).get("CPU", 0)) for node in ray.nodes() if node.get("Alive")), default=0)
+        self.largest_node = max(
+            (int(node.get("Resources", {}).get("CPU", 0)) for node in ray.nodes() if node.get("Alive")), default=0
+        )
 
     def _disconnect(self) -> None:
         if self._connected:
@@ -200,11 +214,19 @@ class RayCluster:
             for node in ray.nodes():
                 if node.get("Alive"):
                     strategy = NodeAffinitySchedulingStrategy(node_id=node["NodeID"], soft=False)
-                    refs[probe.options(num_cpus=0, scheduling_strategy=strategy, max_retries=0).remote(paths, output_parent)] = node.get("NodeManagerAddress", node["NodeID"])
+                    refs[
+                        probe.options(num_cpus=0, scheduling_strategy=strategy, max_retries=0).remote(
+                            paths, output_parent
+                        )
+                    ] = node.get("NodeManagerAddress", node["NodeID"])
             for ref, address in refs.items():
                 host, problems = ray.get(ref)
                 if problems:
-                    raise UsageError(f"Ray node {host} ({address}) {problems[0]}", hint="inputs and outputs must be on storage every node mounts at the same path", option="executor")
+                    raise UsageError(
+                        f"Ray node {host} ({address}) {problems[0]}",
+                        hint="inputs and outputs must be on storage every node mounts at the same path",
+                        option="executor",
+                    )
         except BaseException:
             self._disconnect()
             raise
@@ -217,11 +239,22 @@ class RayCluster:
             task = ray.remote(_run_task)
             wanted = max(job.options.threads or 1 for job in jobs) if jobs else 1
             if wanted > self.largest_node:  # Ray would wait for such a node for ever
-                raise UsageError(f"each shard job asks for {wanted} CPUs, and no node of the Ray cluster has more than {self.largest_node}", hint="lower --threads (under Ray, the CPUs of one task)", option="threads")
+                raise UsageError(
+                    f"each shard job asks for {wanted} CPUs, and no node of the Ray cluster has more than {self.largest_node}",
+                    hint="lower --threads (under Ray, the CPUs of one task)",
+                    option="threads",
+                )
             counter = self._counter()
             for job in jobs:
                 threads = job.options.threads or 1
-                refs[task.options(num_cpus=threads, max_retries=self.retries, retry_exceptions=False, name=f"qtool shard {job.index}").remote(job, self.setup, counter)] = job
+                refs[
+                    task.options(
+                        num_cpus=threads,
+                        max_retries=self.retries,
+                        retry_exceptions=False,
+                        name=f"qtool shard {job.index}",
+                    ).remote(job, self.setup, counter)
+                ] = job
             while refs:
                 done, _ = ray.wait(list(refs), num_returns=1)
                 for ref in done:
@@ -233,7 +266,7 @@ class RayCluster:
             for ref in refs:
                 try:
                     ray.cancel(ref, force=True)
-                except Exception:  # noqa: BLE001 - finished meanwhile, or the node is gone
+                except Exception:
                     pass
             raise
         finally:
@@ -243,7 +276,7 @@ class RayCluster:
         """The attempt counter (`_Attempts`), or None where the cluster will not start it."""
         try:
             return self.ray.remote(num_cpus=0, max_restarts=0)(_Attempts).remote()
-        except Exception:  # noqa: BLE001 - without it the report says 0: "not counted"
+        except Exception:
             return None
 
     def _attempts(self, counter, index: int) -> int:
@@ -252,7 +285,7 @@ class RayCluster:
             return 0
         try:
             return int(self.ray.get(counter.count.remote(index)))
-        except Exception:  # noqa: BLE001 - the counter's node lost: the figure only
+        except Exception:
             return 0
 
     def _result(self, ref, job: ShardJob) -> ShardResult:
@@ -264,7 +297,12 @@ class RayCluster:
             if isinstance(cause, QtoolError):
                 raise cause from None
             raise
-        except (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError, ray.exceptions.ObjectLostError, ray.exceptions.TaskCancelledError) as exc:
+        except (
+            ray.exceptions.WorkerCrashedError,
+            ray.exceptions.NodeDiedError,
+            ray.exceptions.ObjectLostError,
+            ray.exceptions.TaskCancelledError,
+        ) as exc:
             raise ShardJobError(
                 f"shard {job.label}: its Ray task was lost ({type(exc).__name__}) after {self.retries} retries; nothing was committed",
                 hint="a worker or node died; raise --max-retries, or check the cluster",

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from qtool.errors import InternalError, UsageError
 from qtool.formats.writer import StagedFile, stage_file
@@ -33,7 +34,11 @@ def render_report(kind: str, documents: Sequence[dict[str, Any]], *, html: bool)
     if html:
         from qtool import html_report
 
-        page = {"quantize": lambda: html_report.render_quantize(documents[0]), "compare": lambda: html_report.render_compare(documents), "check": lambda: html_report.render_check(documents[0])}[kind]()
+        page = {
+            "quantize": lambda: html_report.render_quantize(documents[0]),
+            "compare": lambda: html_report.render_compare(documents),
+            "check": lambda: html_report.render_check(documents[0]),
+        }[kind]()
         return page.encode("utf-8")
     if kind == "compare" and len(documents) > 1:
         from qtool.comparison_overlay import overlay_document
@@ -42,10 +47,14 @@ def render_report(kind: str, documents: Sequence[dict[str, Any]], *, html: bool)
     return (json.dumps(documents[0], indent=2) + "\n").encode("utf-8")
 
 
-def stage_report(path: str, kind: str, documents: Sequence[dict[str, Any]], *, html: bool | None = None, overwrite: bool = False) -> StagedFile:
+def stage_report(
+    path: str, kind: str, documents: Sequence[dict[str, Any]], *, html: bool | None = None, overwrite: bool = False
+) -> StagedFile:
     """The report written in full beside `path`, to `commit()` into place. `html` None: by the
     suffix."""
-    return stage_file(path, render_report(kind, documents, html=is_html(path) if html is None else html), overwrite=overwrite)
+    return stage_file(
+        path, render_report(kind, documents, html=is_html(path) if html is None else html), overwrite=overwrite
+    )
 
 
 def refuse_report_paths(inputs: Sequence[str], paths: Sequence[str | None], *, overwrite: bool | None = None) -> None:
@@ -61,11 +70,19 @@ def refuse_report_paths(inputs: Sequence[str], paths: Sequence[str | None], *, o
         real = os.path.realpath(path)
         for source in inputs:
             if real == source:
-                raise UsageError(f"report {path} is the input {source}", hint="write to a new path; qtool never modifies its input")
+                raise UsageError(
+                    f"report {path} is the input {source}", hint="write to a new path; qtool never modifies its input"
+                )
             if real.startswith(source.rstrip(os.sep) + os.sep):
-                raise UsageError(f"report {path} lies inside the input {source}", hint="write beside the input, not into it")
+                raise UsageError(
+                    f"report {path} lies inside the input {source}", hint="write beside the input, not into it"
+                )
         if real in seen:
             raise UsageError(f"reports {seen[real]} and {path} are the same file", hint="give each report its own path")
         if overwrite is False and os.path.lexists(path):
-            raise UsageError(f"report {path} already exists", hint="allow overwriting to replace it, or choose another path", option="overwrite")
+            raise UsageError(
+                f"report {path} already exists",
+                hint="allow overwriting to replace it, or choose another path",
+                option="overwrite",
+            )
         seen[real] = os.fspath(path)

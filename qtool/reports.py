@@ -10,7 +10,8 @@ Two model-wide error figures, named for what they cover:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
 
 from qtool.error_measures import ErrorStats
 from qtool.model_summary import describe_model
@@ -30,12 +31,18 @@ _PAST = {"quantize": "quantized", "dequantize": "dequantized", "copy": "copied",
 
 @dataclass(frozen=True)
 class RunReport:
-    plan: "Plan"
-    measured: "Measurements"
+    plan: Plan
+    measured: Measurements
     device: str
-    execution: dict[str, Any] | None = None  # a run spread over workers: the executor and each shard job (`qtool.distribute`)
-    input_revision: bool | dict[str, Any] | None = True  # the input's revision as `api.run` read it before the commit (True: look it up)
-    calibration: Mapping[str, Any] | None = None  # what the plan's calibration stage did (`qtool.plan.Calibrated.document`); None: none ran
+    execution: dict[str, Any] | None = (
+        None  # a run spread over workers: the executor and each shard job (`qtool.distribute`)
+    )
+    input_revision: bool | dict[str, Any] | None = (
+        True  # the input's revision as `api.run` read it before the commit (True: look it up)
+    )
+    calibration: Mapping[str, Any] | None = (
+        None  # what the plan's calibration stage did (`qtool.plan.Calibrated.document`); None: none ran
+    )
 
     @property
     def errors(self) -> dict[str, ErrorStats]:
@@ -81,7 +88,9 @@ class RunReport:
                         # added for issue 23 (the HTML report)
                         **weight_position(name).to_json(),
                         "parameters": _parameters(entry["shape"]),
-                        "non_finite_input": self.measured.non_finite.get(name),  # added for issue 18: "NaN", "inf" or null
+                        "non_finite_input": self.measured.non_finite.get(
+                            name
+                        ),  # added for issue 18: "NaN", "inf" or null
                     }
                 )
             weights.sort(key=lambda w: (w["sqnr_db"] is None, w["sqnr_db"] if w["sqnr_db"] is not None else 0.0))
@@ -90,11 +99,17 @@ class RunReport:
                 **self.model_error().to_json(),  # schema 1: these top-level figures cover the quantized weights
                 "quantized": self.model_error().to_json(),
                 "all_weights": self.all_weights_error().to_json(),
-                "histogram": sqnr_histogram(stats.sqnr_db for stats in self.measured.errors.values()),  # added for issue 23
+                "histogram": sqnr_histogram(
+                    stats.sqnr_db for stats in self.measured.errors.values()
+                ),  # added for issue 23
                 "non_finite_weights": sorted(self.measured.non_finite),  # added for issue 18: inputs holding inf/NaN
             }
         else:  # added for issue 42: weights whose decoded values hold inf/NaN, as quantize's inputs
-            weights = [{**w, "non_finite_decoded": self.measured.non_finite.get(w["name"])} for w in plan["weights"] if w["action"] == "dequantize"]
+            weights = [
+                {**w, "non_finite_decoded": self.measured.non_finite.get(w["name"])}
+                for w in plan["weights"]
+                if w["action"] == "dequantize"
+            ]
             summary = {**plan["summary"], "non_finite_weights": sorted(self.measured.non_finite)}
         return {
             "schema_version": REPORT_SCHEMA_VERSION,
@@ -116,9 +131,17 @@ class RunReport:
         source = self.plan.source
         rows = plan["weights"]
         return {
-            "input": describe_model(source.path, source.format, ((w["from"], _parameters(w["shape"]), w["bytes_before"]) for w in rows), revision=self.input_revision),
+            "input": describe_model(
+                source.path,
+                source.format,
+                ((w["from"], _parameters(w["shape"]), w["bytes_before"]) for w in rows),
+                revision=self.input_revision,
+            ),
             "output": describe_model(
-                self.plan.output, self.plan.layout.container, ((w["scheme"], _parameters(w["shape"]), w["bytes_after"]) for w in rows), revision=None
+                self.plan.output,
+                self.plan.layout.container,
+                ((w["scheme"], _parameters(w["shape"]), w["bytes_after"]) for w in rows),
+                revision=None,
             ),
         }
 

@@ -57,7 +57,7 @@ SCALE_SPELLINGS = {"E8M0": "e8m0", "F8_E8M0": "e8m0", "E4M3": "e4m3", "UE4M3": "
 
 
 def scale_kind(scale_dtype: str) -> str | None:
-    """"auto", "float", "e8m0", "e4m3" or "int" for a scale dtype's spelling; None if unknown."""
+    """ "auto", "float", "e8m0", "e4m3" or "int" for a scale dtype's spelling; None if unknown."""
     name = scale_dtype.upper()
     if name == AUTO.upper():
         return "auto"
@@ -93,12 +93,19 @@ class QScheme:
 
     def __post_init__(self) -> None:
         if not isinstance(self.qtype, QType):
-            raise SchemeError(f"a scheme's value type must be a QType, got {self.qtype!r}", hint=f"known: {' '.join(QTYPES)}")
+            raise SchemeError(
+                f"a scheme's value type must be a QType, got {self.qtype!r}", hint=f"known: {' '.join(QTYPES)}"
+            )
         if not isinstance(self.block, tuple) or not self.block:
-            raise SchemeError(f"block must be a non-empty tuple, got {self.block!r}", hint="e.g. (1, 128) for groups of 128, (1, None) per channel")
+            raise SchemeError(
+                f"block must be a non-empty tuple, got {self.block!r}",
+                hint="e.g. (1, 128) for groups of 128, (1, None) per channel",
+            )
         for size in self.block:
             if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-                raise SchemeError(f"block sizes must be positive ints or None, got {self.block!r}", hint="e.g. (1, 128), (128, 128)")
+                raise SchemeError(
+                    f"block sizes must be positive ints or None, got {self.block!r}", hint="e.g. (1, 128), (128, 128)"
+                )
         if not isinstance(self.scale_dtype, str) or scale_kind(self.scale_dtype) is None:
             raise SchemeError(
                 f"unknown scale dtype {self.scale_dtype!r}",
@@ -107,12 +114,24 @@ class QScheme:
         if self.observer not in OBSERVERS:
             raise SchemeError(f"unknown observer {self.observer!r}", hint=f"known: {', '.join(OBSERVERS)}")
         if self.observer == "mse" and (self.qtype.kind != "int" or self.rule is not None):
-            what = f"{self.rule} is a GGUF block type with llama.cpp's own block math" if self.rule else f"{self.qtype.name} scales are chosen by min-max"
-            raise SchemeError(f"the mse observer searches int scales only: {what}", hint="use observer mse with int2..int8 schemes (e.g. int4:g128:mse), or minmax here")
+            what = (
+                f"{self.rule} is a GGUF block type with llama.cpp's own block math"
+                if self.rule
+                else f"{self.qtype.name} scales are chosen by min-max"
+            )
+            raise SchemeError(
+                f"the mse observer searches int scales only: {what}",
+                hint="use observer mse with int2..int8 schemes (e.g. int4:g128:mse), or minmax here",
+            )
         if not self.symmetric and self.qtype.kind != "int":
-            raise SchemeError(f"{self.qtype.name} is symmetric only", hint="asymmetric (zero point) schemes need an int value type")
+            raise SchemeError(
+                f"{self.qtype.name} is symmetric only", hint="asymmetric (zero point) schemes need an int value type"
+            )
         if self.rule is not None and (not isinstance(self.rule, str) or not self.rule):
-            raise SchemeError(f"a scheme's rule must name an algorithm, got {self.rule!r}", hint="e.g. Q4_K for llama.cpp's Q4_K quantizer")
+            raise SchemeError(
+                f"a scheme's rule must name an algorithm, got {self.rule!r}",
+                hint="e.g. Q4_K for llama.cpp's Q4_K quantizer",
+            )
 
     @property
     def scale_kind(self) -> str:
@@ -141,7 +160,11 @@ class QScheme:
         if last is None and lead and all(b == 1 for b in lead):
             return len(self.block) - 2
         ones = [axis for axis, b in enumerate(self.block) if b == 1]
-        if len(self.block) >= 2 and len(ones) == 1 and all(b is None for axis, b in enumerate(self.block) if axis != ones[0]):
+        if (
+            len(self.block) >= 2
+            and len(ones) == 1
+            and all(b is None for axis, b in enumerate(self.block) if axis != ones[0])
+        ):
             return ones[0]
         return None
 
@@ -203,16 +226,19 @@ class QScheme:
         return " ".join(parts)
 
 
-
 def nominal_bits_per_weight(scheme: QScheme, shape: tuple[int, int] = (4096, 4096), weight_bits: int = 16) -> float:
     """Storage bits per weight for a `shape` weight: values plus scales, zero points, global scale."""
     rows, cols = shape
     block = scheme.block_for(shape)
     blocks = math.ceil(rows / block[0]) * math.ceil(cols / block[1])
-    scale_bits = {AUTO: weight_bits, "F32": 32, "F16": 16, "BF16": 16, "E8M0": 8, "F8_E4M3": 8}.get(scheme.scale_dtype, 32)
+    scale_bits = {AUTO: weight_bits, "F32": 32, "F16": 16, "BF16": 16, "E8M0": 8, "F8_E4M3": 8}.get(
+        scheme.scale_dtype, 32
+    )
     total = rows * cols * scheme.bits + blocks * scale_bits
     if scheme.zero_point:
-        total += blocks * (16 if scheme.rule else scheme.bits)  # llama.cpp's f16 minimum, else packed at the value width
+        total += blocks * (
+            16 if scheme.rule else scheme.bits
+        )  # llama.cpp's f16 minimum, else packed at the value width
     if scheme.global_scale:
         total += 32
     return total / (rows * cols)

@@ -38,24 +38,62 @@ PRESETS: dict[str, tuple[QScheme, str]] = {
     "W4A16": (_ct("int4", group(128)), "int4 weights, symmetric, group 128 (compressed-tensors preset)"),
     "W4A16_ASYM": (_ct("int4", group(128), symmetric=False), "int4 weights with zero points, group 128"),
     "FP8": (_ct("fp8_e4m3", TENSOR), "fp8 e4m3 weights, one scale per tensor"),
-    "FP8_DYNAMIC": (_ct("fp8_e4m3", CHANNEL), "fp8 e4m3 weights, one scale per output channel; dynamic per-token activations"),
+    "FP8_DYNAMIC": (
+        _ct("fp8_e4m3", CHANNEL),
+        "fp8 e4m3 weights, one scale per output channel; dynamic per-token activations",
+    ),
     "FP8_BLOCK": (_ct("fp8_e4m3", (128, 128)), "fp8 e4m3 weights in 128x128 blocks (DeepSeek-V3 style)"),
-    "NVFP4A16": (_ct("fp4_e2m1", group(16), scale="F8_E4M3", global_scale=True), "fp4 e2m1, e4m3 scales per 16, one f32 global scale"),
+    "NVFP4A16": (
+        _ct("fp4_e2m1", group(16), scale="F8_E4M3", global_scale=True),
+        "fp4 e2m1, e4m3 scales per 16, one f32 global scale",
+    ),
     "MXFP4A16": (_ct("fp4_e2m1", group(32), scale="E8M0"), "fp4 e2m1 with power-of-two e8m0 scales per 32 (OCP MX)"),
 }
 
-_DEFAULT_BLOCK = {"int8": CHANNEL, "int4": group(128), "int3": group(128), "int2": group(64), "fp8_e4m3": TENSOR, "fp8_e5m2": TENSOR, "nf4": group(64)}
-_ALIASES = {"fp8": "fp8_e4m3", "int8": "int8", "int4": "int4", "int3": "int3", "int2": "int2", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "nf4": "nf4"}
+_DEFAULT_BLOCK = {
+    "int8": CHANNEL,
+    "int4": group(128),
+    "int3": group(128),
+    "int2": group(64),
+    "fp8_e4m3": TENSOR,
+    "fp8_e5m2": TENSOR,
+    "nf4": group(64),
+}
+_ALIASES = {
+    "fp8": "fp8_e4m3",
+    "int8": "int8",
+    "int4": "int4",
+    "int3": "int3",
+    "int2": "int2",
+    "fp8_e4m3": "fp8_e4m3",
+    "fp8_e5m2": "fp8_e5m2",
+    "nf4": "nf4",
+}
 
 # llama.cpp's block types `--scheme` takes, by their names in lowercase (each is its
 # `qtool.ggml_types` row's scheme); the others are written only under a mix
 _LLAMA_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 
 # the examples `qtool schemes` lists besides the presets; every one must parse
-SHORT_FORMS = ("int8", "int4:g128", "int4:g64:asym", "int2:g64", "fp8_e4m3:channel", "fp8:block128x128", "nf4:g64", "mxfp4", "nvfp4", *_LLAMA_TYPES)
+SHORT_FORMS = (
+    "int8",
+    "int4:g128",
+    "int4:g64:asym",
+    "int2:g64",
+    "fp8_e4m3:channel",
+    "fp8:block128x128",
+    "nf4:g64",
+    "mxfp4",
+    "nvfp4",
+    *_LLAMA_TYPES,
+)
 
 # short-form aliases of named formats whose granularity is fixed
-_FIXED = {"mxfp4": PRESETS["MXFP4A16"][0], "nvfp4": PRESETS["NVFP4A16"][0], **{name: _llama(name) for name in _LLAMA_TYPES}}
+_FIXED = {
+    "mxfp4": PRESETS["MXFP4A16"][0],
+    "nvfp4": PRESETS["NVFP4A16"][0],
+    **{name: _llama(name) for name in _LLAMA_TYPES},
+}
 
 
 def scheme_names() -> list[str]:
@@ -102,7 +140,10 @@ def _parse_plain(name: str, text: str) -> QScheme:
             rows, cols = mod[5:].split("x")
             block = (int(rows), int(cols))
         else:
-            raise _unknown(text, f"unknown part {mod!r}: use tensor, channel, g<N>, block<H>x<W>, sym or asym; an observer (mse, minmax) comes last")
+            raise _unknown(
+                text,
+                f"unknown part {mod!r}: use tensor, channel, g<N>, block<H>x<W>, sym or asym; an observer (mse, minmax) comes last",
+            )
     if not symmetric and value.startswith(("fp8", "nf4")):
         raise _unknown(text, f"{value} is symmetric only")
     if value == "nf4":
@@ -113,7 +154,6 @@ def _parse_plain(name: str, text: str) -> QScheme:
 
 
 def _unknown(text: str, why: str | None = None) -> SchemeError:
-    import difflib
 
     if why is None and re.fullmatch(r"Q[2-6]_K_[SML]", text.strip().upper()):
         why = "a llama.cpp file type (a mix of GGUF types), which only quantize --scheme takes; name one type here, e.g. q4_k"
@@ -122,7 +162,7 @@ def _unknown(text: str, why: str | None = None) -> SchemeError:
     return SchemeError(message, hint=scheme_hint(text))
 
 
-def scheme_hint(text: str, file_types: "tuple[str, ...]" = ()) -> str:
+def scheme_hint(text: str, file_types: tuple[str, ...] = ()) -> str:
     """The hint for an unknown scheme: the closest valid name (among `file_types` too: llama.cpp's
     file types, where the caller takes them, as `quantize`'s scheme does) and every valid name."""
     import difflib

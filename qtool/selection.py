@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
 from qtool.errors import SchemeError, UsageError
 from qtool.formats.checkpoint import Checkpoint
@@ -48,7 +49,9 @@ def parse_scheme_option(text: str, option: str = "scheme") -> QScheme:
     try:
         return parse_scheme(text)
     except SchemeError as exc:
-        raise SchemeError(f"{option}: {exc}", hint=exc.hint, option=option.replace(" ", "_").replace("-", "_")) from None
+        raise SchemeError(
+            f"{option}: {exc}", hint=exc.hint, option=option.replace(" ", "_").replace("-", "_")
+        ) from None
 
 
 def quantizable(weight: Weight) -> str | None:
@@ -90,8 +93,15 @@ class Selection:
 
     @classmethod
     def from_options(
-        cls, scheme: str, include: list[str], ignore: list[str], tensor_schemes: list[str], *, pure: bool = False, observer: str | None = None
-    ) -> "Selection":
+        cls,
+        scheme: str,
+        include: list[str],
+        ignore: list[str],
+        tensor_schemes: list[str],
+        *,
+        pure: bool = False,
+        observer: str | None = None,
+    ) -> Selection:
         """`pure`: a llama.cpp file type's default type on every tensor llama.cpp quantizes,
         with its row fallbacks and none of its promotions (`llama-quantize --pure`).
         `observer` ("minmax", "mse"): how the scales of `scheme` and of every tensor scheme that
@@ -107,7 +117,9 @@ class Selection:
             try:
                 return replace(parsed, observer=observer)
             except SchemeError as exc:
-                raise SchemeError(f"{what} {text!r} with observer {observer}: {exc.message}", hint=exc.hint, option="observer") from None
+                raise SchemeError(
+                    f"{what} {text!r} with observer {observer}: {exc.message}", hint=exc.hint, option="observer"
+                ) from None
 
         from qtool.llamacpp.mixes import mix_named
 
@@ -115,10 +127,16 @@ class Selection:
         for item in tensor_schemes:
             pattern, sep, value = item.rpartition("=")
             if not sep or not pattern or not value:
-                raise UsageError(f"tensor scheme {item!r} is not PATTERN=SCHEME", hint="e.g. 're:.*down_proj.*=int8'", option="tensor_schemes")
+                raise UsageError(
+                    f"tensor scheme {item!r} is not PATTERN=SCHEME",
+                    hint="e.g. 're:.*down_proj.*=int8'",
+                    option="tensor_schemes",
+                )
             compile_pattern(pattern)  # a bad regex fails here, with its own message
             try:
-                overrides.append((pattern, observed(parse_scheme_option(value, "tensor scheme"), value, "tensor scheme")))
+                overrides.append(
+                    (pattern, observed(parse_scheme_option(value, "tensor scheme"), value, "tensor scheme"))
+                )
             except SchemeError:
                 if mix_named(value.strip().upper()) is None:
                     raise
@@ -159,12 +177,21 @@ class Selection:
             [(compile_pattern(p), s) for p, s in self.overrides],
         )
 
-    def choose(self, checkpoint: Checkpoint, weights: list[Weight], *, allow_incomplete_gguf: bool = False, has_imatrix: bool = False) -> Chosen:
+    def choose(
+        self,
+        checkpoint: Checkpoint,
+        weights: list[Weight],
+        *,
+        allow_incomplete_gguf: bool = False,
+        has_imatrix: bool = False,
+    ) -> Chosen:
         """Each weight's scheme (weights left out are kept). `has_imatrix`: an importance matrix
         comes with the run, which changes some of llama.cpp's rules for a mix."""
         include, ignore, overrides = self._matchers()
         if self.mix is not None:
-            return _mix_choice(self.mix, checkpoint, weights, include, ignore, overrides, allow_incomplete_gguf, has_imatrix)
+            return _mix_choice(
+                self.mix, checkpoint, weights, include, ignore, overrides, allow_incomplete_gguf, has_imatrix
+            )
         chosen: dict[str, QScheme] = {}
         for weight in weights:
             override = next((s for match, s in overrides if match(weight.name)), None)
@@ -198,7 +225,9 @@ def _mix_choice(
         if out_name is None:  # a buffer llama.cpp does not read: not written at all
             continue
         out_names[weight.name] = out_name
-        wanted = (not include or any(match(weight.name) for match in include)) and not any(match(weight.name) for match in ignore)
+        wanted = (not include or any(match(weight.name) for match in include)) and not any(
+            match(weight.name) for match in ignore
+        )
         stored = stored_types[weight.name] = weight.data.encoding or weight.data.dtype.name
         candidate = wanted and (weight.quantized or stored in FLOAT_TYPES)
         override = next((s for match, s in overrides if match(weight.name)), None) if candidate else None
@@ -206,7 +235,10 @@ def _mix_choice(
         if override is not None:
             gtype = type_for(override)
             if gtype is None:
-                raise SchemeError(f"GGUF has no block type for {override.label}", hint="--tensor-scheme under a llama.cpp mix names one GGUF type, e.g. q6_k")
+                raise SchemeError(
+                    f"GGUF has no block type for {override.label}",
+                    hint="--tensor-scheme under a llama.cpp mix names one GGUF type, e.g. q6_k",
+                )
             override_type = gtype.name
         tensors.append(MixTensor(out_name, tuple(weight.shape), stored, candidate, override_type))
     by_out = choose_types(mix, tensors, _model_facts(checkpoint), has_imatrix=has_imatrix)

@@ -89,7 +89,9 @@ def _slice_source(source: Checkpoint, jobs: list[Job]) -> Checkpoint:
     return sliced
 
 
-def split(plan, paths: list[str], ranges: list[dict[str, tuple[int, int]]], options: ExecOptions, parts: int) -> list[ShardJob]:
+def split(
+    plan, paths: list[str], ranges: list[dict[str, tuple[int, int]]], options: ExecOptions, parts: int
+) -> list[ShardJob]:
     """The plan as shard jobs, in plan order: one per output file, and a file's jobs cut into
     contiguous slices of about equal input bytes where there are fewer files than `parts` (a
     GGUF output is one file). `paths[i]` and `ranges[i]` are file i's staged path and tensor ranges."""
@@ -100,7 +102,9 @@ def split(plan, paths: list[str], ranges: list[dict[str, tuple[int, int]]], opti
         shard = jobs[0].shard
         pieces = _balanced(jobs, slices_per_run)
         for number, slice_jobs in enumerate(pieces):
-            label = plan.files[shard] if len(pieces) == 1 else f"{plan.files[shard]} (part {number + 1} of {len(pieces)})"
+            label = (
+                plan.files[shard] if len(pieces) == 1 else f"{plan.files[shard]} (part {number + 1} of {len(pieces)})"
+            )
             names = {tensor.name for job in slice_jobs for tensor in job.outputs}
             shard_jobs.append(
                 ShardJob(

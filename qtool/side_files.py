@@ -54,7 +54,11 @@ def _candidates(source: Checkpoint) -> list[tuple[str, str]]:
     if not os.path.isdir(source.path):
         return []
     names = sorted(os.listdir(source.path))
-    return [(os.path.join(source.path, name), name) for name in names if any(fnmatch.fnmatchcase(name, p) for p in SIDE_FILE_PATTERNS)]
+    return [
+        (os.path.join(source.path, name), name)
+        for name in names
+        if any(fnmatch.fnmatchcase(name, p) for p in SIDE_FILE_PATTERNS)
+    ]
 
 
 def _safe(path: str, roots: list[str]) -> bool:

@@ -9,7 +9,8 @@ the table of hundreds of weights has a shape at a glance.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 __all__ = ["HISTOGRAM_BIN_DB", "sqnr_histogram"]
 

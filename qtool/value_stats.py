@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from qtool.dtypes import DTYPES
 from qtool.formats.checkpoint import Checkpoint

@@ -57,7 +57,7 @@ class Weight:
             raise ValueError(f"weight {self.name!r} has no {DATA!r} member")
 
     @classmethod
-    def plain(cls, tensor: StoredTensor, notes: list[str]) -> "Weight":
+    def plain(cls, tensor: StoredTensor, notes: list[str]) -> Weight:
         """A plain weight of one stored tensor, the same as `Weight(tensor.name, tensor.shape,
         tensor.dtype.name, {DATA: tensor}, notes=notes)`, built without the dataclass __init__:
         a header of 1.6M tensors makes 1.6M of them."""

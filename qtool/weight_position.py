@@ -28,38 +28,115 @@ from dataclasses import dataclass
 __all__ = ["WeightPosition", "weight_position", "KINDS", "PROJECTION_KINDS"]
 
 # every kind, in the order a legend shows them
-KINDS = ("q", "k", "v", "qkv", "kv", "o", "gate", "up", "gate_up", "down", "experts", "router", "norm", "embed", "lm_head", "bias")
+KINDS = (
+    "q",
+    "k",
+    "v",
+    "qkv",
+    "kv",
+    "o",
+    "gate",
+    "up",
+    "gate_up",
+    "down",
+    "experts",
+    "router",
+    "norm",
+    "embed",
+    "lm_head",
+    "bias",
+)
 # the kinds that are linear projections inside a layer: what error along the depth is about
 PROJECTION_KINDS = ("q", "k", "v", "qkv", "kv", "o", "gate", "up", "gate_up", "down", "experts", "router")
 
-_LAYER_CONTAINERS = frozenset(("layers", "layer", "h", "blocks", "block", "blk", "decoder_layer", "transformer_encoder"))
+_LAYER_CONTAINERS = frozenset(
+    ("layers", "layer", "h", "blocks", "block", "blk", "decoder_layer", "transformer_encoder")
+)
 _MAX_INDEX_DIGITS = 9
 _PARAMETER_LEAVES = frozenset(("weight", "bias"))
 
 # a module's own name -> kind, wherever it sits
 _LEAF_KINDS = {
     # Hugging Face LLaMA-style, Mistral, Qwen, Gemma, Phi-3, DeepSeek
-    "q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
-    "qkv_proj": "qkv", "gate_proj": "gate", "up_proj": "up", "down_proj": "down", "gate_up_proj": "gate_up",
-    "q_a_proj": "q", "q_b_proj": "q", "kv_a_proj_with_mqa": "kv", "kv_b_proj": "kv",
+    "q_proj": "q",
+    "k_proj": "k",
+    "v_proj": "v",
+    "o_proj": "o",
+    "qkv_proj": "qkv",
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+    "gate_up_proj": "gate_up",
+    "q_a_proj": "q",
+    "q_b_proj": "q",
+    "kv_a_proj_with_mqa": "kv",
+    "kv_b_proj": "kv",
     "out_proj": "o",
     # BERT-style attention, GPT-NeoX, Falcon, GPT-2
-    "query": "q", "key": "k", "value": "v", "query_key_value": "qkv", "c_attn": "qkv",
-    "dense_h_to_4h": "up", "dense_4h_to_h": "down", "c_fc": "up", "fc1": "up", "fc2": "down",
-    "fc_in": "up", "fc_out": "down", "q_lin": "q", "k_lin": "k", "v_lin": "v", "out_lin": "o", "lin1": "up", "lin2": "down",
+    "query": "q",
+    "key": "k",
+    "value": "v",
+    "query_key_value": "qkv",
+    "c_attn": "qkv",
+    "dense_h_to_4h": "up",
+    "dense_4h_to_h": "down",
+    "c_fc": "up",
+    "fc1": "up",
+    "fc2": "down",
+    "fc_in": "up",
+    "fc_out": "down",
+    "q_lin": "q",
+    "k_lin": "k",
+    "v_lin": "v",
+    "out_lin": "o",
+    "lin1": "up",
+    "lin2": "down",
     # Meta's original LLaMA and Mixtral (w1 gate, w2 down, w3 up); T5's attention
-    "wq": "q", "wk": "k", "wv": "v", "w1": "gate", "w2": "down", "w3": "up", "q": "q", "k": "k", "v": "v",
+    "wq": "q",
+    "wk": "k",
+    "wv": "v",
+    "w1": "gate",
+    "w2": "down",
+    "w3": "up",
+    "q": "q",
+    "k": "k",
+    "v": "v",
     # GGUF (llama.cpp's tensor names)
-    "attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "attn_qkv": "qkv",
-    "attn_q_a": "q", "attn_q_b": "q", "attn_kv_a_mqa": "kv", "attn_kv_b": "kv",
-    "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down",
-    "ffn_gate_shexp": "gate", "ffn_up_shexp": "up", "ffn_down_shexp": "down",
-    "ffn_gate_exps": "experts", "ffn_up_exps": "experts", "ffn_down_exps": "experts", "ffn_gate_up_exps": "experts",
-    "ffn_gate_inp": "router", "router": "router", "shared_expert_gate": "router",  # Qwen2-MoE: its shared expert's gate
+    "attn_q": "q",
+    "attn_k": "k",
+    "attn_v": "v",
+    "attn_output": "o",
+    "attn_qkv": "qkv",
+    "attn_q_a": "q",
+    "attn_q_b": "q",
+    "attn_kv_a_mqa": "kv",
+    "attn_kv_b": "kv",
+    "ffn_gate": "gate",
+    "ffn_up": "up",
+    "ffn_down": "down",
+    "ffn_gate_shexp": "gate",
+    "ffn_up_shexp": "up",
+    "ffn_down_shexp": "down",
+    "ffn_gate_exps": "experts",
+    "ffn_up_exps": "experts",
+    "ffn_down_exps": "experts",
+    "ffn_gate_up_exps": "experts",
+    "ffn_gate_inp": "router",
+    "router": "router",
+    "shared_expert_gate": "router",  # Qwen2-MoE: its shared expert's gate
     # embeddings and heads
-    "embed_tokens": "embed", "word_embeddings": "embed", "position_embeddings": "embed", "token_type_embeddings": "embed",
-    "wte": "embed", "wpe": "embed", "tok_embeddings": "embed", "token_embd": "embed", "embed_positions": "embed",
-    "lm_head": "lm_head", "output": "lm_head", "embed_out": "lm_head",
+    "embed_tokens": "embed",
+    "word_embeddings": "embed",
+    "position_embeddings": "embed",
+    "token_type_embeddings": "embed",
+    "wte": "embed",
+    "wpe": "embed",
+    "tok_embeddings": "embed",
+    "token_embd": "embed",
+    "embed_positions": "embed",
+    "lm_head": "lm_head",
+    "output": "lm_head",
+    "embed_out": "lm_head",
 }
 _ATTENTION_PARTS = ("attn", "attention")
 _MLP_PARTS = ("mlp", "ffn", "feed_forward", "densereludense", "intermediate")

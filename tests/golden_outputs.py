@@ -21,7 +21,8 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES = REPO / "sample_models"
@@ -47,7 +48,9 @@ class Case:
 
 
 def _mix_reference():
-    spec = importlib.util.spec_from_file_location("make_reference", REPO / "tests" / "fixtures" / "gguf_mix" / "make_reference.py")
+    spec = importlib.util.spec_from_file_location(
+        "make_reference", REPO / "tests" / "fixtures" / "gguf_mix" / "make_reference.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -96,7 +99,22 @@ CT_SCHEMES = [
     "int8", "int8:tensor", "int8:g128:asym", "int4:g64:asym", "int4:channel", "int3:g64", "int2:g64", "int2:g64:asym",
     "fp8_e4m3:channel", "fp8:block128x128",
 ]  # fmt: skip
-MIXES = ["Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0", "Q3_K", "Q4_K", "Q5_K"]
+MIXES = [
+    "Q2_K",
+    "Q3_K_S",
+    "Q3_K_M",
+    "Q3_K_L",
+    "Q4_K_S",
+    "Q4_K_M",
+    "Q5_K_S",
+    "Q5_K_M",
+    "Q6_K",
+    "Q8_0",
+    "Q4_0",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+]
 GGUF_TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
 NO_DOWN = {"ignore": ["*down_proj*"]}  # tiny-llama's down_proj rows (128) are not whole 256-blocks
 
@@ -111,14 +129,22 @@ def _cases() -> list[Case]:
     add(Case("tiny", "quantize", "out.safetensors", "NVFP4A16"))
     add(Case("tiny", "quantize", "out", "W4A16", {"dtype": "f16"}))
     add(Case("tiny", "quantize", "out", "W4A16", {"max_shard_size": "400KB"}))
-    add(Case("tiny", "quantize", "out", "W4A16", {"tensor_schemes": ["re:.*down_proj.*=W8A16", "*q_proj*=int4:g64:asym"]}))
+    add(
+        Case(
+            "tiny", "quantize", "out", "W4A16", {"tensor_schemes": ["re:.*down_proj.*=W8A16", "*q_proj*=int4:g64:asym"]}
+        )
+    )
     add(Case("tiny", "quantize", "out", "int8", {"include": ["*proj*", "lm_head.weight"], "ignore": ["*k_proj*"]}))
     add(Case("sharded", "quantize", "out", "W4A16"))
     add(Case("sharded", "quantize", "out", "FP8_BLOCK"))
     # the mse observer (issue 19): C (int2/4/8) and torch (int3) searches
     for scheme in ("W4A16:mse", "W4A16_ASYM:mse", "int8:channel:mse", "int3:g64:asym:mse", "int2:g64:asym:mse"):
         add(Case("tiny", "quantize", "out", scheme))
-    add(Case("tiny", "quantize", "out", "W4A16", {"observer": "mse", "tensor_schemes": ["re:.*down_proj.*=W8A16:minmax"]}))
+    add(
+        Case(
+            "tiny", "quantize", "out", "W4A16", {"observer": "mse", "tensor_schemes": ["re:.*down_proj.*=W8A16:minmax"]}
+        )
+    )
     # bitsandbytes
     for scheme in ("nf4:g64", "nf4:g128", "nf4:g32"):
         add(Case("tiny", "quantize", "out", scheme))
@@ -137,7 +163,11 @@ def _cases() -> list[Case]:
             add(Case(source, "quantize", "out.gguf", mix))
     for scheme in GGUF_TYPES:
         add(Case("tiny2_f32", "quantize", "out.gguf", scheme))
-    add(Case("gqa8_320", "quantize", "out.gguf", "Q4_K_M", {"tensor_schemes": ["re:.*ffn_down.*=q6_k", "*attn_q*=Q8_0"]}))
+    add(
+        Case(
+            "gqa8_320", "quantize", "out.gguf", "Q4_K_M", {"tensor_schemes": ["re:.*ffn_down.*=q6_k", "*attn_q*=Q8_0"]}
+        )
+    )
     add(Case("tiny2_f32", "quantize", "out.gguf", "mxfp4", {"layout": "gguf"}))
     # requantizing, and GGUF out of a quantized safetensors input
     add(Case("w4a16", "quantize", "out", "W8A16", {"allow_requantize": True}))
@@ -149,7 +179,17 @@ def _cases() -> list[Case]:
         add(Case(source, "dequantize", "back.safetensors", options={"dtype": "f32"}))
     add(Case("tiny", "dequantize", "out", options={"dtype": "f16"}))
     # a real weight set: all-MiniLM-L6-v2 (BERT: GGUF only as an incomplete file)
-    for scheme in ("W4A16", "W4A16_ASYM", "int8", "int2:g64:asym", "FP8_BLOCK", "NVFP4A16", "MXFP4A16", "nf4:g64", "W4A16:mse"):
+    for scheme in (
+        "W4A16",
+        "W4A16_ASYM",
+        "int8",
+        "int2:g64:asym",
+        "FP8_BLOCK",
+        "NVFP4A16",
+        "MXFP4A16",
+        "nf4:g64",
+        "W4A16:mse",
+    ):
         add(Case("minilm", "quantize", "out", scheme))
     for scheme in ("q8_0", "Q4_K_M", "Q2_K"):
         add(Case("minilm", "quantize", "out.gguf", scheme, {"allow_incomplete_gguf": True}))
@@ -213,7 +253,9 @@ def _inspected() -> list[str]:
     what `inspect --json` says of each must not change either."""
     suffixes = (".safetensors", ".gguf", ".pt", ".pth", ".bin", ".bpk")
     roots = [REPO / "tests" / "fixtures", SAMPLES]
-    found = sorted(p for root in roots for p in root.rglob("*") if p.is_file() and p.suffix in suffixes and "fuzz" not in p.parts)
+    found = sorted(
+        p for root in roots for p in root.rglob("*") if p.is_file() and p.suffix in suffixes and "fuzz" not in p.parts
+    )
     return [str(p.relative_to(REPO)) for p in found]
 
 

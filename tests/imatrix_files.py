@@ -27,9 +27,7 @@ def write_imatrix_gguf(
     (tensor name, array) written as they are, after the pairs."""
     import gguf
 
-    writer = gguf.GGUFWriter(
-        str(path), ""
-    )  # an empty arch: no general.architecture, as llama-imatrix writes
+    writer = gguf.GGUFWriter(str(path), "")  # an empty arch: no general.architecture, as llama-imatrix writes
     writer.add_string("general.type", "imatrix")
     if metadata:
         writer.add_array("imatrix.datasets", list(datasets))
@@ -41,9 +39,7 @@ def write_imatrix_gguf(
         counts = np.asarray(counts, dtype=np.float32)
         writer.add_tensor(
             f"{name}.in_sum2",
-            sums.reshape(len(counts), -1)
-            if sums.ndim == 1 and len(counts) > 1
-            else sums,
+            sums.reshape(len(counts), -1) if sums.ndim == 1 and len(counts) > 1 else sums,
         )
         writer.add_tensor(
             f"{name}.counts",
@@ -68,12 +64,7 @@ def legacy_bytes(
     out = struct.pack("<i", len(entries) if n_entries is None else n_entries)
     for name, ncall, values in entries:
         values = np.asarray(values, dtype="<f4")
-        out += (
-            struct.pack("<i", len(name))
-            + name
-            + struct.pack("<ii", ncall, values.size)
-            + values.tobytes()
-        )
+        out += struct.pack("<i", len(name)) + name + struct.pack("<ii", ncall, values.size) + values.tobytes()
     if chunk_count is not None:
         out += struct.pack("<i", chunk_count)
         if dataset is not None:

@@ -18,9 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 STAGING_MARK = ".qtool-tmp-"
 
 
-def qtool(
-    *args, env: dict | None = None, timeout: float = 600
-) -> subprocess.CompletedProcess:
+def qtool(*args, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "qtool", *map(str, args)],
         cwd=REPO,
@@ -127,7 +125,9 @@ def processes_writing(
     return found
 
 
-def kill_a_writer(staging_parent: Path, process: subprocess.Popen, timeout: float = 300, local: bool = False) -> int | None:
+def kill_a_writer(
+    staging_parent: Path, process: subprocess.Popen, timeout: float = 300, local: bool = False
+) -> int | None:
     """SIGKILL a worker (not `process`, the driver) while it holds a staged file open, frozen in
     that state (`signal_while`), so its job is certainly lost, not just finished. Its PID, or
     None when the run ended first. `local`: the workers are the driver's descendants (`--workers`),

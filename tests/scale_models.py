@@ -105,9 +105,7 @@ def llama_shaped(
 
     def bf16(shape) -> bytes:
         values = (rng.standard_normal(shape, dtype=np.float32) * 0.02).view(np.uint32)
-        return (
-            ((values + 0x7FFF + ((values >> 16) & 1)) >> 16).astype(np.uint16).tobytes()
-        )
+        return ((values + 0x7FFF + ((values >> 16) & 1)) >> 16).astype(np.uint16).tobytes()
 
     config = json.loads((TINY / "config.json").read_text())
     config.update(

@@ -16,7 +16,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 
 SENT_BY_TESTS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM")
@@ -51,11 +51,15 @@ def qtool_handlers_in(process: subprocess.Popen, signals: tuple[int, ...] = (sig
     caught, ignored = _signal_mask(process.pid, "SigCgt"), _signal_mask(process.pid, "SigIgn")
     if caught is None or ignored is None:
         return False  # gone
-    assert not ignored & wanted, f"the process ignores a signal the test sends (SigIgn {ignored:#x}): start it with preexec_fn=default_signal_dispositions"
+    assert not ignored & wanted, (
+        f"the process ignores a signal the test sends (SigIgn {ignored:#x}): start it with preexec_fn=default_signal_dispositions"
+    )
     return caught & wanted == wanted
 
 
-def wait_for_qtool_handlers(process: subprocess.Popen, timeout: float = 120, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+def wait_for_qtool_handlers(
+    process: subprocess.Popen, timeout: float = 120, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)
+) -> None:
     """Until qtool catches every one of `signals` (`qtool_handlers_in`). Before that instant the
     interpreter is still starting and its defaults apply; on a loaded machine that takes longer
     than any fixed delay."""
@@ -116,7 +120,9 @@ def signal_while(process: subprocess.Popen | int, signum: int, holds: Callable[[
             pass
 
 
-def signal_when(process: subprocess.Popen, signum: int, ready: Callable[[], bool] = lambda: True, timeout: float = 300) -> bool:
+def signal_when(
+    process: subprocess.Popen, signum: int, ready: Callable[[], bool] = lambda: True, timeout: float = 300
+) -> bool:
     """Poll until `ready()` holds, then send `signum` in that state (`signal_while`). False when
     the process ended first, or `timeout` passed."""
     deadline = time.monotonic() + timeout

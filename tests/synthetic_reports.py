@@ -17,7 +17,15 @@ from qtool.weight import Weight
 
 __all__ = ["synthetic_comparison", "synthetic_names", "PROJECTIONS"]
 
-PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 _EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -41,11 +49,20 @@ def _weight(name: str, dtype: str, shape: tuple[int, ...], offset: int, scheme=N
     size = 2 * shape[0] * (shape[1] if len(shape) > 1 else 1)
     if dtype != "BF16":
         size //= 4
-    tensor = StoredTensor(name, storage_dtype(dtype if dtype == "BF16" else "U8"), (size,) if dtype != "BF16" else shape, offset, offset + size, "synthetic.safetensors")
+    tensor = StoredTensor(
+        name,
+        storage_dtype(dtype if dtype == "BF16" else "U8"),
+        (size,) if dtype != "BF16" else shape,
+        offset,
+        offset + size,
+        "synthetic.safetensors",
+    )
     return Weight(name, shape, "BF16", {"data": tensor}, scheme)
 
 
-def synthetic_comparison(layers: int, experts: int = 0, *, seed: int = 0, b: str = "synthetic-w4/", min_sqnr: float | None = 15.0) -> dict[str, Any]:
+def synthetic_comparison(
+    layers: int, experts: int = 0, *, seed: int = 0, b: str = "synthetic-w4/", min_sqnr: float | None = 15.0
+) -> dict[str, Any]:
     """The `compare --json` document of a bf16 model against a W4A16 version of it: every
     projection measured (SQNR about 19-22 dB, the last layers' down_proj a few dB worse, one
     expert an outlier), norms and embeddings exact copies."""
@@ -58,7 +75,11 @@ def synthetic_comparison(layers: int, experts: int = 0, *, seed: int = 0, b: str
     offset = 0
     for name in names:
         projection = name.endswith("_proj.weight")
-        shape = (256, 256) if name.endswith("proj.weight") or "embed" in name or "lm_head" in name or name.endswith("gate.weight") else (256,)
+        shape = (
+            (256, 256)
+            if name.endswith("proj.weight") or "embed" in name or "lm_head" in name or name.endswith("gate.weight")
+            else (256,)
+        )
         weights_a.append(_weight(name, "BF16", shape, offset))
         weights_b.append(_weight(name, "I4" if projection else "BF16", shape, offset, scheme if projection else None))
         offset += 1 << 17

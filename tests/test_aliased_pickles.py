@@ -21,7 +21,14 @@ from tests.conftest import REPO
 def inspect(path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("QTOOL_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "qtool", "inspect", str(path), "-q"], capture_output=True, text=True, env=env, timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "qtool", "inspect", str(path), "-q"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
 
 
 @pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
@@ -32,7 +39,9 @@ def test_one_tensor_under_a_million_names_is_refused_in_one_line(tmp_path, legac
     done = inspect(path)
     assert done.returncode == 2, done.stderr[-2000:]
     first = done.stderr.splitlines()[0]
-    assert first.startswith(f"error: {path}: is over qtool's limits: the pickle refers back to earlier objects more often than qtool reads")
+    assert first.startswith(
+        f"error: {path}: is over qtool's limits: the pickle refers back to earlier objects more often than qtool reads"
+    )
     assert "Traceback" not in done.stderr
 
 
@@ -51,12 +60,27 @@ def test_tied_weights_keep_every_name_with_the_first_ones_bytes(tmp_path):
     path = tmp_path / "tied.pt"
     embed = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     view = embed.t()  # a strided view: read by gathering
-    torch.save({"embed.weight": embed, "lm_head.weight": embed, "t": view, "t2": view, **{f"alias{i}": embed for i in range(1000)}}, path)
+    torch.save(
+        {
+            "embed.weight": embed,
+            "lm_head.weight": embed,
+            "t": view,
+            "t2": view,
+            **{f"alias{i}": embed for i in range(1000)},
+        },
+        path,
+    )
     checkpoint = read_torch_files(str(path), [str(path)], {})
     assert len(checkpoint.tensors) == 1004
     first = checkpoint.tensors["embed.weight"]
     for name in ("lm_head.weight", "alias0", "alias999"):
         tensor = checkpoint.tensors[name]
-        assert (tensor.name, tensor.begin, tensor.end, tensor.shape, tensor.dtype) == (name, first.begin, first.end, first.shape, first.dtype)
+        assert (tensor.name, tensor.begin, tensor.end, tensor.shape, tensor.dtype) == (
+            name,
+            first.begin,
+            first.end,
+            first.shape,
+            first.dtype,
+        )
     assert torch.equal(checkpoint.load(checkpoint.tensors["t2"]), view)
     assert torch.equal(checkpoint.load(checkpoint.tensors["alias7"]), embed)

@@ -84,10 +84,21 @@ def ggml_type_tables(source: str) -> list[str]:
 
     names = {row.name for row in GGML_TYPES.values() if row.block_size > 1}
     tree = ast.parse(source)
-    top = {id(node) for statement in tree.body if isinstance(statement, (ast.Assign, ast.AnnAssign)) for node in ast.walk(statement)}
+    top = {
+        id(node)
+        for statement in tree.body
+        if isinstance(statement, (ast.Assign, ast.AnnAssign))
+        for node in ast.walk(statement)
+    }
     found = []
     for node in ast.walk(tree):
-        elements = node.keys if isinstance(node, ast.Dict) else node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else None
+        elements = (
+            node.keys
+            if isinstance(node, ast.Dict)
+            else node.elts
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set))
+            else None
+        )
         if not elements or not all(isinstance(e, ast.Constant) and e.value in names for e in elements):
             continue
         least = 2 if isinstance(node, ast.Dict) or id(node) in top else 3
@@ -159,7 +170,13 @@ def _plan_field_assignments(root) -> list[str]:
     for path in sorted(root.rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
         for node in ast.walk(tree):
-            targets = list(node.targets) if isinstance(node, ast.Assign) else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            targets = (
+                list(node.targets)
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+                else []
+            )
             while targets:
                 target = targets.pop()
                 if isinstance(target, (ast.Tuple, ast.List)):
@@ -169,7 +186,11 @@ def _plan_field_assignments(root) -> list[str]:
                     target = target.value
                 if isinstance(target, ast.Attribute) and target.attr in fields and planned(target.value):
                     found.append(f"{path.relative_to(root.parent)}:{node.lineno}")
-            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("setattr", "__setattr__") and len(node.args) >= 2:
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("setattr", "__setattr__")
+                and len(node.args) >= 2
+            ):
                 if planned(node.args[0]) and isinstance(node.args[1], ast.Constant) and node.args[1].value in fields:
                     found.append(f"{path.relative_to(root.parent)}:{node.lineno}")
     return found
@@ -184,7 +205,9 @@ def test_nothing_assigns_to_a_plan_or_job_after_planning():
 
 def test_the_plan_assignment_check_finds_one(package_copy):
     with open(package_copy / "qtool" / "pipeline.py", "a") as handle:
-        handle.write("\n\ndef _rewrite(plan, job):\n    plan.metadata = None\n    job.encoding += 1\n    setattr(plan, 'config', {})\n    plan.config['x'] = 1\n")
+        handle.write(
+            "\n\ndef _rewrite(plan, job):\n    plan.metadata = None\n    job.encoding += 1\n    setattr(plan, 'config', {})\n    plan.config['x'] = 1\n"
+        )
     assert len(_plan_field_assignments(package_copy / "qtool")) == 4
 
 
@@ -212,13 +235,21 @@ def algorithm_names_in(source: str) -> list[str]:
         if isinstance(node, ast.Import):
             words = [alias.name for alias in node.names] + [alias.asname or "" for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            words = [node.module or ""] + [alias.name for alias in node.names] + [alias.asname or "" for alias in node.names]
+            words = (
+                [node.module or ""]
+                + [alias.name for alias in node.names]
+                + [alias.asname or "" for alias in node.names]
+            )
         elif isinstance(node, ast.Name):
             words = [node.id]
         elif isinstance(node, ast.Attribute):
             words = [node.attr]
         elif isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
-            words = [node.name] + [a.arg for a in (*node.args.args, *node.args.kwonlyargs)] if not isinstance(node, ast.ClassDef) else [node.name]
+            words = (
+                [node.name] + [a.arg for a in (*node.args.args, *node.args.kwonlyargs)]
+                if not isinstance(node, ast.ClassDef)
+                else [node.name]
+            )
         elif isinstance(node, ast.arg):
             words = [node.arg]
         elif isinstance(node, ast.keyword):

@@ -15,7 +15,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import pytest
 from typer.testing import CliRunner
@@ -40,15 +41,30 @@ CT_FP8 = {"m.weight": ("F8_E4M3", [4, 32]), "m.weight_scale": ("BF16", [4, 1])} 
 FP8_BLOCK = {"m.weight": ("F8_E4M3", [256, 256]), "m.weight_scale_inv": ("F32", [2, 2])}
 GPT_OSS = {"m_blocks": ("U8", [2, 4, 16]), "m_scales": ("U8", [2, 4])}
 MLX = {"m.weight": ("U32", [4, 8]), "m.scales": ("F16", [4, 1]), "m.biases": ("F16", [4, 1])}
-GPTQ = {"m.qweight": ("I32", [16, 64]), "m.scales": ("F16", [1, 64]), "m.qzeros": ("I32", [1, 8]), "m.g_idx": ("I32", [128])}
+GPTQ = {
+    "m.qweight": ("I32", [16, 64]),
+    "m.scales": ("F16", [1, 64]),
+    "m.qzeros": ("I32", [1, 8]),
+    "m.g_idx": ("I32", [128]),
+}
 QUANTO = {"m.weight._data": ("I8", [4, 8]), "m.weight._scale": ("F32", [4, 1])}
 TORCHAO = {"0._weight_qdata": ("I8", [4, 8]), "0._weight_scale": ("F32", [4, 1])}
 
 
 def ct_config(weights: Any = None, **fields: Any) -> dict[str, Any]:
-    group = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"} if weights is None else weights}
+    group = {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "float", "strategy": "channel"} if weights is None else weights,
+    }
     group.update(fields.pop("group", {}))
-    return {"quantization_config": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": group}, **fields}}
+    return {
+        "quantization_config": {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {"group_0": group},
+            **fields,
+        }
+    }
 
 
 def folder(tmp: Path, tensors: dict, side: str, content: Any) -> tuple[Path, Path]:
@@ -85,7 +101,9 @@ REFUSED: dict[str, tuple[Callable[[Path], tuple[Path, Path]], str]] = {
         "holds an integer of 5000 digits (at most 40)",
     ),
     "index huge int": (
-        lambda tmp: folder(tmp, CT_FP8, "model.safetensors.index.json", '{"metadata": {"total_size": ' + HUGE + '}, "weight_map": {}}'),
+        lambda tmp: folder(
+            tmp, CT_FP8, "model.safetensors.index.json", '{"metadata": {"total_size": ' + HUGE + '}, "weight_map": {}}'
+        ),
         "holds an integer of 5000 digits (at most 40)",
     ),
     "config.json deep": (
@@ -105,11 +123,15 @@ REFUSED: dict[str, tuple[Callable[[Path], tuple[Path, Path]], str]] = {
         '__metadata__["quantization_config"] nests deeper than 64 levels',
     ),
     "ct metadata huge int": (
-        lambda tmp: single_file(tmp, CT_FP8, {"quantization_config": '{"quant_method": "compressed-tensors", "x": ' + HUGE + "}"}),
+        lambda tmp: single_file(
+            tmp, CT_FP8, {"quantization_config": '{"quant_method": "compressed-tensors", "x": ' + HUGE + "}"}
+        ),
         '__metadata__["quantization_config"] holds an integer of 5000 digits (at most 40)',
     ),
     "ct metadata wrong type": (
-        lambda tmp: single_file(tmp, CT_FP8, {"quantization_config": json.dumps(ct_config(ignore=5)["quantization_config"])}),
+        lambda tmp: single_file(
+            tmp, CT_FP8, {"quantization_config": json.dumps(ct_config(ignore=5)["quantization_config"])}
+        ),
         '__metadata__["quantization_config"].ignore is 5, expected a list of strings',
     ),
     "ct ignore 5": (
@@ -129,19 +151,30 @@ REFUSED: dict[str, tuple[Callable[[Path], tuple[Path, Path]], str]] = {
         'quantization_config.config_groups.group_0.weights.strategy is ["x"], expected a string',
     ),
     "ct block_structure 0x0": (
-        lambda tmp: folder(tmp, CT_FP8, "config.json", ct_config(weights={"strategy": "block", "block_structure": [0, 0]})),
+        lambda tmp: folder(
+            tmp, CT_FP8, "config.json", ct_config(weights={"strategy": "block", "block_structure": [0, 0]})
+        ),
         "quantization_config.config_groups.group_0.weights.block_structure[0] is 0, expected an integer ≥ 1",
     ),
     "ct block_structure text": (
-        lambda tmp: folder(tmp, CT_FP8, "config.json", ct_config(weights={"strategy": "block", "block_structure": "0x4"})),
+        lambda tmp: folder(
+            tmp, CT_FP8, "config.json", ct_config(weights={"strategy": "block", "block_structure": "0x4"})
+        ),
         'quantization_config.config_groups.group_0.weights.block_structure is "0x4", expected a list of 2 integers ≥ 1, or "<rows>x<cols>"',
     ),
     "fp8 weight_block_size 0": (
-        lambda tmp: folder(tmp, FP8_BLOCK, "config.json", {"quantization_config": {"quant_method": "fp8", "weight_block_size": [0, 0]}}),
+        lambda tmp: folder(
+            tmp, FP8_BLOCK, "config.json", {"quantization_config": {"quant_method": "fp8", "weight_block_size": [0, 0]}}
+        ),
         "quantization_config.weight_block_size[0] is 0, expected an integer ≥ 1",
     ),
     "fp8 modules_to_not_convert object": (
-        lambda tmp: folder(tmp, GPT_OSS, "config.json", {"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [{}]}}),
+        lambda tmp: folder(
+            tmp,
+            GPT_OSS,
+            "config.json",
+            {"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [{}]}},
+        ),
         "quantization_config.modules_to_not_convert[0] is {}, expected a string",
     ),
     "mlx mode object": (
@@ -149,7 +182,9 @@ REFUSED: dict[str, tuple[Callable[[Path], tuple[Path, Path]], str]] = {
         "quantization.mode is {}, expected a string",
     ),
     "mlx per-module bits": (
-        lambda tmp: folder(tmp, MLX, "config.json", {"quantization": {"group_size": 64, "bits": 4, "m": {"bits": "4"}}}),
+        lambda tmp: folder(
+            tmp, MLX, "config.json", {"quantization": {"group_size": 64, "bits": 4, "m": {"bits": "4"}}}
+        ),
         'quantization.m.bits is "4", expected an integer from 1 to 32',
     ),
     "gptq bits string": (
@@ -157,7 +192,9 @@ REFUSED: dict[str, tuple[Callable[[Path], tuple[Path, Path]], str]] = {
         'bits is "4", expected an integer',
     ),
     "awq zero_point string": (
-        lambda tmp: folder(tmp, GPTQ, "config.json", {"quantization_config": {"quant_method": "awq", "zero_point": "yes"}}),
+        lambda tmp: folder(
+            tmp, GPTQ, "config.json", {"quantization_config": {"quant_method": "awq", "zero_point": "yes"}}
+        ),
         'quantization_config.zero_point is "yes", expected true or false',
     ),
     "quanto map list": (
@@ -184,10 +221,20 @@ def test_bad_json_is_one_error_line_and_exit_2(tmp_path, case):
 def test_through_a_real_process(tmp_path):
     arg, named = folder(tmp_path, CT_FP8, "config.json", '{"vocab_size": ' + HUGE + "}")
     env = {k: v for k, v in os.environ.items() if k != "QTOOL_DEBUG"}
-    result = subprocess.run([sys.executable, "-m", "qtool", "inspect", str(arg)], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "qtool", "inspect", str(arg)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert result.stdout == ""
-    assert result.stderr.splitlines() == [f"error: {named}: holds an integer of 5000 digits (at most 40)", "hint: fix or remove the file"]
+    assert result.stderr.splitlines() == [
+        f"error: {named}: holds an integer of 5000 digits (at most 40)",
+        "hint: fix or remove the file",
+    ]
 
 
 # -- per-tensor records and scales: plain with a note, exit 0 -----------------------------------------
@@ -213,7 +260,11 @@ NOTED: dict[str, tuple[Callable[[Path], tuple[Path, Path]], str | None]] = {
         "looks like a torchao IntxUnpackedToInt8Tensor, but target_dtype 'intfoo' is not int1..int8 or uint1..uint8; left plain",
     ),
     "torchao F6 zero point": (
-        lambda tmp: single_file(tmp, {**TORCHAO, "0._weight_zero_point": ("F6_E3M2", [4, 1])}, torchao_record(("qdata", "scale", "zero_point"))),
+        lambda tmp: single_file(
+            tmp,
+            {**TORCHAO, "0._weight_zero_point": ("F6_E3M2", [4, 1])},
+            torchao_record(("qdata", "scale", "zero_point")),
+        ),
         "looks like a torchao IntxUnpackedToInt8Tensor, but zero_point is F6_E3M2, which no toolchain stores zero points as (an integer or a float); left plain",
     ),
     "torchao tensor_names deep": (  # not JSON within limits: not torchao's, ignored
@@ -221,11 +272,15 @@ NOTED: dict[str, tuple[Callable[[Path], tuple[Path, Path]], str | None]] = {
         None,
     ),
     "ct F6 scale": (
-        lambda tmp: folder(tmp, {"m.weight": ("F8_E4M3", [4, 32]), "m.weight_scale": ("F6_E3M2", [4, 1])}, "config.json", ct_config()),
+        lambda tmp: folder(
+            tmp, {"m.weight": ("F8_E4M3", [4, 32]), "m.weight_scale": ("F6_E3M2", [4, 1])}, "config.json", ct_config()
+        ),
         "looks like compressed-tensors, but weight_scale is F6_E3M2, which no toolchain stores scales as (a float, or U8/F8_E8M0 for E8M0); left plain",
     ),
     "fp8 F4 scale": (
-        lambda tmp: folder(tmp, {"m.weight": ("F8_E4M3", [4, 32]), "m.weight_scale": ("F4", [4, 1])}, "config.json", {}),
+        lambda tmp: folder(
+            tmp, {"m.weight": ("F8_E4M3", [4, 32]), "m.weight_scale": ("F4", [4, 1])}, "config.json", {}
+        ),
         "looks like an fp8 weight, but weight_scale F4 [4, 1] does not fit a [4, 32] weight; left plain",
     ),
 }
@@ -267,7 +322,12 @@ def test_block_structure_in_its_old_text_spelling_is_read(tmp_path):
     # compressed-tensors still accepts "100x100" for [100, 100]; so does qtool. The scale's
     # [3, 2] grid alone fits no block along 256 rows: only the config's block reads it.
     tensors = {"m.weight": ("F8_E4M3", [256, 200]), "m.weight_scale": ("F32", [3, 2])}
-    arg, _ = folder(tmp_path, tensors, "config.json", ct_config(weights={"type": "float", "num_bits": 8, "strategy": "block", "block_structure": "100x100"}))
+    arg, _ = folder(
+        tmp_path,
+        tensors,
+        "config.json",
+        ct_config(weights={"type": "float", "num_bits": 8, "strategy": "block", "block_structure": "100x100"}),
+    )
     result = runner.invoke(app, ["inspect", str(arg), "--json"])
     assert result.exit_code == 0, result.output
     (weight,) = json.loads(result.stdout)["weights"]

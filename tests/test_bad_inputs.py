@@ -13,7 +13,8 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import pytest
 from typer.testing import CliRunner
@@ -43,7 +44,9 @@ def raw_safetensors(path: Path, header: Any, data: bytes = b"", header_len: int 
     return path
 
 
-def tiny_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]], metadata: dict[str, str] | None = None) -> Path:
+def tiny_safetensors(
+    path: Path, tensors: dict[str, tuple[str, list[int]]], metadata: dict[str, str] | None = None
+) -> Path:
     """A valid file: tensors stored contiguously in dict order, zero-filled."""
     header: dict[str, Any] = {} if metadata is None else {"__metadata__": metadata}
     offset = 0
@@ -160,7 +163,11 @@ def index_naming_tensor_not_in_shard(tmp: Path):
     index = folder / "model.safetensors.index.json"
     weight_map = {"a": "model-00001-of-00001.safetensors", "lm_head.weight": "model-00001-of-00001.safetensors"}
     index.write_text(json.dumps({"metadata": {"total_size": 8}, "weight_map": weight_map}))
-    return index, index, "index maps tensor 'lm_head.weight' to 'model-00001-of-00001.safetensors', but that shard does not hold it"
+    return (
+        index,
+        index,
+        "index maps tensor 'lm_head.weight' to 'model-00001-of-00001.safetensors', but that shard does not hold it",
+    )
 
 
 def config_json_not_json(tmp: Path):

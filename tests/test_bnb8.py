@@ -85,10 +85,20 @@ def test_a_non_uint8_quant_storage_is_read_as_its_bytes():
     w = _weights(FIXTURES / "nf4_nested")["model.layers.0.mlp.up_proj.weight"]
     data = next(t for t in w["tensors"] if t["role"] == "data")
     assert (data["dtype"], data["shape"]) == ("BF16", [24 * 128 // 4, 1])  # 2 codes per byte, 2 bytes per word
-    assert {t["role"] for t in w["tensors"]} == {"data", "scale", "quant_map", "nested_absmax", "nested_quant_map", "quant_state"}
+    assert {t["role"] for t in w["tensors"]} == {
+        "data",
+        "scale",
+        "quant_map",
+        "nested_absmax",
+        "nested_quant_map",
+        "quant_state",
+    }
     checkpoint = qtool.open_checkpoint(FIXTURES / "nf4_nested")
     [weight] = [x for x in resolve(checkpoint) if x.name == "model.layers.0.mlp.up_proj.weight"]
-    assert dict(weight.provenance.details)["quant_storage"] == "BF16" and dict(weight.provenance.details)["double_quant"] == "yes"
+    assert (
+        dict(weight.provenance.details)["quant_storage"] == "BF16"
+        and dict(weight.provenance.details)["double_quant"] == "yes"
+    )
 
 
 # -- decode against bitsandbytes' own dequantization ----------------------------------------------
@@ -148,9 +158,16 @@ def _int8(tmp_path, scb=("F32", [2]), fmt=("U8", []), fmt_value=0):
 def test_int8_decodes_by_hand(tmp_path):
     checkpoint = qtool.open_checkpoint(_int8(tmp_path))
     [weight] = resolve(checkpoint)
-    assert (weight.name, weight.shape, weight.dtype, weight.scheme.label) == ("m.weight", (2, 3), "F32", "int8 sym channel")
+    assert (weight.name, weight.shape, weight.dtype, weight.scheme.label) == (
+        "m.weight",
+        (2, 3),
+        "F32",
+        "int8 sym channel",
+    )
     inverse = torch.tensor(1 / 127, dtype=torch.float32)
-    expected = (torch.tensor([[1, 127, -127], [-1, 0, 64]], dtype=torch.float32) * torch.tensor([[2.0], [0.5]])) * inverse
+    expected = (
+        torch.tensor([[1, 127, -127], [-1, 0, 64]], dtype=torch.float32) * torch.tensor([[2.0], [0.5]])
+    ) * inverse
     assert torch.equal(bnb.decode(checkpoint, weight), expected)
     assert bnb.decode(checkpoint, weight)[0, 1].item() == pytest.approx(2.0)
 
@@ -189,7 +206,7 @@ def _blob_checkpoint(tmp_path, blob: bytes):
 
     tensors, data = {}, {}
     with safe_open(FIXTURES / "fp4_nested" / "model.safetensors", "pt") as handle:
-        for name in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
+        for name in handle.keys():
             value = handle.get_tensor(name)
             if name == "model.layers.0.mlp.up_proj.weight.quant_state.bitsandbytes__fp4":
                 value = torch.tensor(list(blob), dtype=torch.uint8)
@@ -209,15 +226,25 @@ STATE = "model.layers.0.mlp.up_proj.weight.quant_state.bitsandbytes__fp4"
         (b"\xff\xfe{}", "the blob is not UTF-8 (byte 0)"),
         (b"[1, 2]", "it holds a JSON list, not an object"),
         (b'{"quant_type": "fp4", "blocksize": 64, "dtype": "float16"}', "'shape' is missing"),
-        (b'{"quant_type": "fp4", "blocksize": "64", "dtype": "float16", "shape": [20, 130]}', "'blocksize' is \"64\", not an integer"),
-        (b'{"quant_type": "fp4", "blocksize": 64, "dtype": "float16", "shape": [20, "x"]}', "'shape' is [20, \"x\"], not a list of sizes"),
+        (
+            b'{"quant_type": "fp4", "blocksize": "64", "dtype": "float16", "shape": [20, 130]}',
+            "'blocksize' is \"64\", not an integer",
+        ),
+        (
+            b'{"quant_type": "fp4", "blocksize": 64, "dtype": "float16", "shape": [20, "x"]}',
+            "'shape' is [20, \"x\"], not a list of sizes",
+        ),
     ],
     ids=["truncated", "not-utf8", "list", "no-shape", "blocksize-string", "shape-items"],
 )
 @pytest.mark.parametrize("command", ["inspect", "dequantize"])
 def test_a_malformed_quant_state_is_one_error_line_and_exit_2(tmp_path, blob, why, command):
     path = _blob_checkpoint(tmp_path, blob)
-    args = ["inspect", str(path)] if command == "inspect" else ["dequantize", str(path), "-o", str(tmp_path / "out.safetensors")]
+    args = (
+        ["inspect", str(path)]
+        if command == "inspect"
+        else ["dequantize", str(path), "-o", str(tmp_path / "out.safetensors")]
+    )
     result = runner.invoke(app, args)
     assert result.exit_code == 2
     assert result.stdout == ""
@@ -267,8 +294,12 @@ def test_the_fixture_script_reproduces_the_committed_files(tmp_path):
     maker.make_bnb(tmp_path / "bnb")
     for path in sorted(p for p in FIXTURES.rglob("*") if p.is_file() and p.name != "manifest.json"):
         made = tmp_path / "bnb" / path.relative_to(FIXTURES)
-        if path.parent.name == "reference":  # bitsandbytes' own decoding: by value (its zeros' sign varies by code path)
+        if (
+            path.parent.name == "reference"
+        ):  # bitsandbytes' own decoding: by value (its zeros' sign varies by code path)
             ours, committed = load_file(str(made)), load_file(str(path))
-            assert set(ours) == set(committed) and all(torch.equal(ours[k], committed[k]) and ours[k].dtype == committed[k].dtype for k in ours), path
+            assert set(ours) == set(committed) and all(
+                torch.equal(ours[k], committed[k]) and ours[k].dtype == committed[k].dtype for k in ours
+            ), path
         else:  # what bitsandbytes and transformers write: byte for byte
             assert made.read_bytes() == path.read_bytes(), path

@@ -49,7 +49,9 @@ def _bits(t):
 
 
 def _state(quant_type, blocksize, dtype, shape, **nested):
-    return json.dumps({"quant_type": quant_type, "blocksize": blocksize, "dtype": dtype, "shape": list(shape), **nested}).encode()
+    return json.dumps(
+        {"quant_type": quant_type, "blocksize": blocksize, "dtype": dtype, "shape": list(shape), **nested}
+    ).encode()
 
 
 # -- layout -------------------------------------------------------------------------------------
@@ -83,7 +85,10 @@ def test_layout_by_hand():
     "scheme, message",
     [
         (QScheme(qtype("nf4"), (1, None)), "bitsandbytes quantizes in blocks \\(nf4:g64\\), not per channel"),
-        (QScheme(qtype("nf4"), (1, 16)), "bitsandbytes blocksize must be one of \\[32, 64, 128, 256, 512, 1024, 2048, 4096\\], not 16"),
+        (
+            QScheme(qtype("nf4"), (1, 16)),
+            "bitsandbytes blocksize must be one of \\[32, 64, 128, 256, 512, 1024, 2048, 4096\\], not 16",
+        ),
         (QScheme(qtype("int4"), (1, 64)), "bitsandbytes 4-bit stores nf4 or fp4_bnb, not int4"),
         (QScheme(qtype("nf4"), (1, 64), scale_dtype="BF16"), "bitsandbytes stores float32 absmax scales, not BF16"),
     ],
@@ -107,7 +112,10 @@ def test_config_for_is_transformers_own():
     pytest.importorskip("bitsandbytes")
     ours = bnb_layout.config_for({"m.up_proj": NF4}, ["lm_head"], "BF16")
     theirs = transformers.BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16, llm_int8_skip_modules=["lm_head"]
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=torch.bfloat16,
+        llm_int8_skip_modules=["lm_head"],
     ).to_dict()
     assert ours == theirs
     assert transformers.BitsAndBytesConfig.from_dict(ours).to_dict() == theirs
@@ -135,7 +143,12 @@ def test_a_hand_written_layout_decodes_by_hand(make_safetensors):
     )
     checkpoint = qtool.open_checkpoint(path)
     [weight] = resolve(checkpoint, REGISTRY)
-    assert (weight.name, weight.shape, weight.dtype, weight.convention) == ("m.proj.weight", (2, 3), "F16", "bitsandbytes")
+    assert (weight.name, weight.shape, weight.dtype, weight.convention) == (
+        "m.proj.weight",
+        (2, 3),
+        "F16",
+        "bitsandbytes",
+    )
     assert weight.scheme.label == "nf4 g64" and set(weight.members) == {"data", "scale", "quant_map", "quant_state"}
     assert weight.notes == ["blocks of 64 run across rows of 3 (bitsandbytes blocks the flattened weight)"]
     out = bnb.decode(checkpoint, weight)
@@ -205,7 +218,9 @@ def test_a_layout_that_does_not_fit_stays_plain_with_a_note(make_safetensors):
     )
     weights = resolve(qtool.open_checkpoint(path), REGISTRY)
     assert len(weights) == 4 and all(w.scheme is None for w in weights)
-    assert all("looks like bitsandbytes 4-bit, but absmax is F32 [3], expected F32 [8]; left plain" in w.notes for w in weights)
+    assert all(
+        "looks like bitsandbytes 4-bit, but absmax is F32 [3], expected F32 [8]; left plain" in w.notes for w in weights
+    )
 
 
 # -- against bitsandbytes --------------------------------------------------------------------------
@@ -246,11 +261,15 @@ def test_bitsandbytes_and_qtool_decode_alike(functional, tmp_path, scheme, neste
     w = _weight((33, 130), torch.bfloat16, seed=5)
     w[5, :64] = 1e-5 * w[5, :64].sign()  # tiny values: fp4 codes 0 and 8 (signed zeros)
     if nested:  # qtool writes no double quantization: bitsandbytes writes it, qtool reads it
-        packed, state = functional.quantize_4bit(w, blocksize=64, quant_type="fp4" if "fp4" in scheme else "nf4", compress_statistics=True)
+        packed, state = functional.quantize_4bit(
+            w, blocksize=64, quant_type="fp4" if "fp4" in scheme else "nf4", compress_statistics=True
+        )
         tensors = {"m.weight": packed, **{f"m.weight.{k}": v for k, v in state.as_dict(packed=True).items()}}
     else:
         tensors = bnb_layout.encode("m.weight", w, SCHEMES[scheme])
-        state = QuantState.from_dict({k.removeprefix("m.weight."): v for k, v in tensors.items() if k != "m.weight"}, torch.device("cpu"))
+        state = QuantState.from_dict(
+            {k.removeprefix("m.weight."): v for k, v in tensors.items() if k != "m.weight"}, torch.device("cpu")
+        )
     expected = functional.dequantize_4bit(tensors["m.weight"], state)
     save_file(tensors, tmp_path / "model.safetensors")
     checkpoint = qtool.open_checkpoint(tmp_path)

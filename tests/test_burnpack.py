@@ -95,7 +95,10 @@ def scalar_decode(raw: bytes, scheme: BurnScheme, shape: tuple[int, ...]) -> lis
     value_end = math.prod(storage) * width
     grid = scheme.grid(shape)
     block = scheme.full_block(shape)
-    scales = _scale_values(raw[value_end : value_end + math.prod(grid) * {"F32": 4, "F16": 2, "BF16": 2}.get(scheme.scale_dtype, 1)], scheme.scale_dtype)
+    scales = _scale_values(
+        raw[value_end : value_end + math.prod(grid) * {"F32": 4, "F16": 2, "BF16": 2}.get(scheme.scale_dtype, 1)],
+        scheme.scale_dtype,
+    )
     global_scale = struct.unpack("<f", raw[-4:])[0] if scheme.global_scale else None
     out = []
     for flat in range(numel):
@@ -134,7 +137,13 @@ def test_the_header_cbor_and_alignment_are_burn_packs():
     assert version == 1
     document = cbor2.loads(raw[10 : 10 + size])
     assert document["tensors"]["q4s_block"]["dtype"] == {
-        "QFloat": {"value": "Q4S", "store": {"PackedU32": 0}, "mode": "Symmetric", "tensor": None, "block": {"size": {"storage": [16, 1, 1, 1, 1], "len": 1}, "dtype": "F16"}}
+        "QFloat": {
+            "value": "Q4S",
+            "store": {"PackedU32": 0},
+            "mode": "Symmetric",
+            "tensor": None,
+            "block": {"size": {"storage": [16, 1, 1, 1, 1], "len": 1}, "dtype": "F16"},
+        }
     }
     assert document["tensors"]["mask"]["dtype"] == {"Bool": "Native"}
     checkpoint = qtool.open_checkpoint(MODEL)
@@ -189,8 +198,26 @@ def test_the_legacy_scheme_form_reads_the_same():
     assert found["old_q8s_block"].scheme.label == "int8 sym g8"
     assert found["old_e5m2_tensor"].scheme.label == "fp8_e5m2 tensor"
     assert found["weight"].scheme is None
-    old = parse_scheme({"value": "Q8S", "param": "F16", "store": "Native", "level": {"Block": {"storage": [1, 8, 1, 1, 1], "len": 2}}, "mode": "Symmetric"}, 2)
-    new = parse_scheme({"value": "Q8S", "store": "Native", "mode": "Symmetric", "tensor": None, "block": {"size": {"storage": [8, 1, 1, 1, 1], "len": 1}, "dtype": "F16"}}, 2)
+    old = parse_scheme(
+        {
+            "value": "Q8S",
+            "param": "F16",
+            "store": "Native",
+            "level": {"Block": {"storage": [1, 8, 1, 1, 1], "len": 2}},
+            "mode": "Symmetric",
+        },
+        2,
+    )
+    new = parse_scheme(
+        {
+            "value": "Q8S",
+            "store": "Native",
+            "mode": "Symmetric",
+            "tensor": None,
+            "block": {"size": {"storage": [8, 1, 1, 1, 1], "len": 1}, "dtype": "F16"},
+        },
+        2,
+    )
     assert (old.full_block((4, 16)), old.scale_dtype) == (new.full_block((4, 16)), new.scale_dtype) == ((1, 8), "F16")
 
 
@@ -202,7 +229,9 @@ def test_inspect_json_says_burnpack():
     by_name = {w["name"]: w for w in doc["weights"]}
     assert by_name["q4s_block"]["scheme"]["group_size"] == 16
     assert by_name["q4s_block"]["scheme"]["scale_dtype"] == "F16"
-    assert by_name["q4s_block"]["tensors"] == [{"name": "q4s_block", "role": "data", "dtype": "U8", "shape": [4 * 5 * 4 + 24]}]
+    assert by_name["q4s_block"]["tensors"] == [
+        {"name": "q4s_block", "role": "data", "dtype": "U8", "shape": [4 * 5 * 4 + 24]}
+    ]
 
 
 # -- decoding ------------------------------------------------------------------------------------------
@@ -269,9 +298,21 @@ Q8 = {"value": "Q8S", "store": "Native", "mode": "Symmetric", "tensor": "F32", "
     "scheme, size, note",
     [
         (Q8, 10, "burn QFloat Q8S Native of shape [2, 4] needs 12 bytes, the tensor has 10; left plain"),
-        ({**Q8, "mode": "Lookup"}, 12, "burn QFloat in Lookup mode: its lookup table is not in the tensor's bytes, so qtool cannot decode it; left plain"),
-        ({**Q8, "value": "Q3S"}, 12, "burn QFloat tensor: unknown burn quant value 'Q3S' (known: Q8F Q8S Q4F Q4S Q2F Q2S E4M3 E5M2 E2M1); left plain"),
-        ({**Q8, "store": {"PackedNative": 0}}, 12, "burn QFloat tensor: burn packs only E2M1 natively, not Q8S; left plain"),
+        (
+            {**Q8, "mode": "Lookup"},
+            12,
+            "burn QFloat in Lookup mode: its lookup table is not in the tensor's bytes, so qtool cannot decode it; left plain",
+        ),
+        (
+            {**Q8, "value": "Q3S"},
+            12,
+            "burn QFloat tensor: unknown burn quant value 'Q3S' (known: Q8F Q8S Q4F Q4S Q2F Q2S E4M3 E5M2 E2M1); left plain",
+        ),
+        (
+            {**Q8, "store": {"PackedNative": 0}},
+            12,
+            "burn QFloat tensor: burn packs only E2M1 natively, not Q8S; left plain",
+        ),
     ],
     ids=["size", "lookup", "value", "store"],
 )
@@ -311,9 +352,18 @@ def _metadata_size() -> int:
     "edit, text",
     [
         (lambda raw: raw.__setitem__(slice(0, 4), b"BURN"), "bad magic 'BURN': not a burnpack file (expected 'NRUB')"),
-        (lambda raw: raw.__setitem__(slice(4, 6), struct.pack("<H", 2)), "burnpack version 2 is newer than qtool reads (version 1)"),
-        (lambda raw: raw.__setitem__(slice(6, 10), struct.pack("<I", 10**6)), "file is cut short: 1000000 bytes of metadata run past the end"),
-        (lambda raw: raw.__setitem__(slice(6, 10), struct.pack("<I", 200 * 2**20)), "metadata size 209715200 is over the 104857600-byte limit"),
+        (
+            lambda raw: raw.__setitem__(slice(4, 6), struct.pack("<H", 2)),
+            "burnpack version 2 is newer than qtool reads (version 1)",
+        ),
+        (
+            lambda raw: raw.__setitem__(slice(6, 10), struct.pack("<I", 10**6)),
+            "file is cut short: 1000000 bytes of metadata run past the end",
+        ),
+        (
+            lambda raw: raw.__setitem__(slice(6, 10), struct.pack("<I", 200 * 2**20)),
+            "metadata size 209715200 is over the 104857600-byte limit",
+        ),
         (lambda raw: raw.__setitem__(slice(10, 14), b"\xff\xff\xff\xff"), "metadata is not valid CBOR"),
         (lambda raw: raw[: len(raw) - 300], "file is truncated: tensor"),
         (lambda raw: raw[:7], "shorter than the 10-byte burnpack header"),
@@ -329,10 +379,22 @@ def test_a_malformed_burnpack_is_refused(tmp_path, edit, text):
     "entries, text",
     [
         ({"w": {"dtype": "F8", "shape": [2], "data_offsets": [0, 2]}}, "tensor 'w' has unknown burn dtype 'F8'"),
-        ({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, "tensor 'w' is 8 bytes but shape [3] of F32 needs 12"),
-        ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, "tensor 'w' data_offsets [8, 0) end before they begin"),
-        ({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, "tensor 'w' shape [-1] is not a list of non-negative integers"),
-        ({"w": {"dtype": {"QFloat": 3}, "shape": [2], "data_offsets": [0, 4]}}, "tensor 'w' QFloat scheme is not a map"),
+        (
+            {"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}},
+            "tensor 'w' is 8 bytes but shape [3] of F32 needs 12",
+        ),
+        (
+            {"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}},
+            "tensor 'w' data_offsets [8, 0) end before they begin",
+        ),
+        (
+            {"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}},
+            "tensor 'w' shape [-1] is not a list of non-negative integers",
+        ),
+        (
+            {"w": {"dtype": {"QFloat": 3}, "shape": [2], "data_offsets": [0, 4]}},
+            "tensor 'w' QFloat scheme is not a map",
+        ),
     ],
     ids=["dtype", "size", "offsets", "shape", "scheme"],
 )

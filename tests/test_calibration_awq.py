@@ -26,7 +26,10 @@ CONFIGS = {
     "qwen2": ("Qwen2Config", {"num_key_value_heads": 4}),  # q/k/v biases: v_proj's is divided too
     "gemma2": ("Gemma2Config", {"num_key_value_heads": 4}),  # norms compute x (1 + w)
     "gemma3": ("Gemma3TextConfig", {"num_key_value_heads": 4}),
-    "phi3": ("Phi3Config", {"num_key_value_heads": 4, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),  # fused qkv_proj and gate_up_proj
+    "phi3": (
+        "Phi3Config",
+        {"num_key_value_heads": 4, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),  # fused qkv_proj and gate_up_proj
 }
 
 
@@ -155,7 +158,9 @@ def test_awq_has_a_smaller_layer_output_error_than_round_to_nearest(tmp_path):
     smoothed, result = _layer_errors(model, text, "awq", tmp_path)
     assert smoothed[0] < 0.8 * rtn[0], (smoothed, rtn)
     assert sum(smoothed) < sum(rtn), (smoothed, rtn)
-    assert {"model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight"} <= set(result.replaced)
+    assert {"model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight"} <= set(
+        result.replaced
+    )
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -164,7 +169,9 @@ def test_awq_end_to_end_loads_in_transformers_and_decodes_as_qtool_does(tmp_path
 
     model = tiny_model(tmp_path / family, family)
     out, plain = tmp_path / "out", tmp_path / "plain"
-    plan = api.prepare_quantize(model, out, "int4:g32:asym", calibrate=text_file(tmp_path), algorithm="awq", samples=4, seq_len=32)
+    plan = api.prepare_quantize(
+        model, out, "int4:g32:asym", calibrate=text_file(tmp_path), algorithm="awq", samples=4, seq_len=32
+    )
     document = api.run(plan).to_json()
     assert document["calibration"]["algorithm"] == "awq"
     assert [layer["layer"] for layer in document["calibration"]["layers"]] == [0, 1]
@@ -174,7 +181,9 @@ def test_awq_end_to_end_loads_in_transformers_and_decodes_as_qtool_does(tmp_path
     norms = [name for name in original if name.startswith("model.layers.") and name.endswith("norm.weight")]
     assert all(ours[name].dtype == original[name].dtype for name in norms)
     assert any(not torch.equal(ours[name], original[name]) for name in norms)  # smoothed (a search may keep s = 1)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.bfloat16, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False)
+    )
     linears = {n: m for n, m in loaded.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
     assert len(linears) == 2 * LINEARS_PER_LAYER.get(family, 7)
     for name, module in linears.items():
@@ -198,7 +207,9 @@ def test_the_search_on_a_lone_linear_from_xtx_is_the_search_from_its_outputs(bia
     linear = torch.nn.Linear(128, 48, bias=bias)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(48, 128, generator=generator))
-    channel = torch.rand(128, generator=generator) * 4 + torch.where(torch.rand(128, generator=generator) < 0.05, 20.0, 0.0)
+    channel = torch.rand(128, generator=generator) * 4 + torch.where(
+        torch.rand(128, generator=generator) < 0.05, 20.0, 0.0
+    )
     samples = [torch.randn(1, 40, 128, generator=generator) * channel for _ in range(3)]
     hessian, scratch = torch.zeros(128, 128), torch.zeros(128, 128)
     for x in samples:
@@ -278,7 +289,9 @@ def test_awq_feeds_each_layer_the_float_models_activations(tmp_path, monkeypatch
         """X^T X of what transformers' own float32 model gives layer 1."""
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         total = []
-        hook = model.model.layers[1].register_forward_pre_hook(lambda module, args: total.append(args[0].reshape(-1, args[0].shape[-1]).double()))
+        hook = model.model.layers[1].register_forward_pre_hook(
+            lambda module, args: total.append(args[0].reshape(-1, args[0].shape[-1]).double())
+        )
         with torch.no_grad():
             for row in tokens:
                 model(row.unsqueeze(0))
@@ -315,14 +328,21 @@ def direct_clip(weight, inputs, quantize, group):
     peak = weight.reshape(rows, -1, group).abs().amax(dim=2, keepdim=True)
     for step in range(int(awq.CLIP_MAX_SHRINK * awq.CLIP_GRID)):
         limit = peak * (1 - step / awq.CLIP_GRID)
-        candidates.append((limit, quantize(torch.clamp(weight.reshape(rows, -1, group), -limit, limit).reshape(rows, cols))))
+        candidates.append(
+            (limit, quantize(torch.clamp(weight.reshape(rows, -1, group), -limit, limit).reshape(rows, cols)))
+        )
     for r in range(rows):
         for g in range(cols // group):
             columns = slice(g * group, (g + 1) * group)
             reference = inputs[:, columns].double() @ weight[r, columns].double()
-            errors = [float((inputs[:, columns].double() @ q[r, columns].double() - reference).pow(2).sum()) for _, q in candidates]
+            errors = [
+                float((inputs[:, columns].double() @ q[r, columns].double() - reference).pow(2).sum())
+                for _, q in candidates
+            ]
             best[r, g] = candidates[errors.index(min(errors))][0][r, g, 0]
-    return torch.clamp(weight.reshape(rows, -1, group).double(), -best.unsqueeze(2), best.unsqueeze(2)).reshape(rows, cols)
+    return torch.clamp(weight.reshape(rows, -1, group).double(), -best.unsqueeze(2), best.unsqueeze(2)).reshape(
+        rows, cols
+    )
 
 
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
@@ -334,7 +354,9 @@ def test_clipping_picks_each_groups_ratio_of_least_output_error(symmetric):
     generator = torch.Generator().manual_seed(5)
     weight = torch.randn(16, 96, dtype=torch.float64, generator=generator)
     weight[torch.rand(16, 96, generator=generator) < 0.03] *= 6  # outliers: clipping them pays
-    inputs = torch.randn(400, 96, dtype=torch.float64, generator=generator) @ torch.randn(96, 96, dtype=torch.float64, generator=generator)
+    inputs = torch.randn(400, 96, dtype=torch.float64, generator=generator) @ torch.randn(
+        96, 96, dtype=torch.float64, generator=generator
+    )
     quantize = functools.partial(_rtn_values, bits=3, group_size=32, symmetric=symmetric, scale_dtype=torch.float64)
     clipped = awq.clip(weight, inputs.T @ inputs, quantize, 32)
     expected = direct_clip(weight, inputs, quantize, 32)
@@ -347,7 +369,16 @@ def test_clipping_picks_each_groups_ratio_of_least_output_error(symmetric):
 def test_clipping_takes_every_linear_but_the_queries_and_keys():
     names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.qkv_proj", "model.layers.3.self_attn.k_proj.weight"]
     assert not any(awq.clipped(name) for name in names)
-    assert all(awq.clipped(name) for name in ["self_attn.v_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj", "block_sparse_moe.experts.0.w2"])
+    assert all(
+        awq.clipped(name)
+        for name in [
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_up_proj",
+            "mlp.down_proj",
+            "block_sparse_moe.experts.0.w2",
+        ]
+    )
 
 
 def test_a_bad_hessian_for_clipping_is_a_kernel_error():
@@ -383,7 +414,9 @@ def test_awq_clips_all_but_the_queries_and_keys_on_the_inputs_they_see_once_smoo
     with torch.no_grad():
         norm.weight.copy_(smoothed)
     seen = []
-    hook = loaded.model.layers[0].self_attn.v_proj.register_forward_pre_hook(lambda module, args: seen.append(args[0].reshape(-1, 64).double()))
+    hook = loaded.model.layers[0].self_attn.v_proj.register_forward_pre_hook(
+        lambda module, args: seen.append(args[0].reshape(-1, 64).double())
+    )
     with torch.no_grad():
         for row in tokens:
             loaded(torch.as_tensor(row).unsqueeze(0))
@@ -406,11 +439,16 @@ def test_the_raced_grid_sums_its_finalists_in_full_and_runs_far_fewer_forwards()
     linear = torch.nn.Linear(128, 48, bias=False)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(48, 128, generator=generator))
-    channel = torch.rand(128, generator=generator) * 4 + torch.where(torch.rand(128, generator=generator) < 0.05, 20.0, 0.0)
+    channel = torch.rand(128, generator=generator) * 4 + torch.where(
+        torch.rand(128, generator=generator) < 0.05, 20.0, 0.0
+    )
     samples = [((torch.randn(1, 40, 128, generator=generator) * channel,), {}) for _ in range(32)]
     quantize = functools.partial(_rtn_values, bits=3, group_size=32, symmetric=True, scale_dtype=torch.float32)
     x_mean = torch.cat([args[0].reshape(-1, 128) for args, _ in samples]).abs().mean(dim=0)
-    candidates = [awq.candidate_scales(x_mean, awq.weight_means([linear.weight.data], [32]), ratio, duo) for ratio, duo in awq.grid()]
+    candidates = [
+        awq.candidate_scales(x_mean, awq.weight_means([linear.weight.data], [32]), ratio, duo)
+        for ratio, duo in awq.grid()
+    ]
     original = linear.weight.data
     reference = [linear(*args) for args, _ in samples]
 
@@ -420,7 +458,10 @@ def test_the_raced_grid_sums_its_finalists_in_full_and_runs_far_fewer_forwards()
     whole = []
     for scales in candidates:
         set_weights(scales)
-        whole.append(sum(float((linear(*args).double() - r.double()).pow(2).sum()) for (args, _), r in zip(samples, reference)) / sum(r.numel() for r in reference))
+        whole.append(
+            sum(float((linear(*args).double() - r.double()).pow(2).sum()) for (args, _), r in zip(samples, reference))
+            / sum(r.numel() for r in reference)
+        )
     forwards = []
     hook = linear.register_forward_pre_hook(lambda module, args: forwards.append(1))
     raced = awq._raced_errors(linear, samples, reference, set_weights, candidates)

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tests.conftest import REPO, SAMPLES  # noqa: E402
+from tests.conftest import REPO, SAMPLES
 
 TINY = SAMPLES / "tiny-llama"
 TEXT = "An iterator is created for the result of the expression list. " * 40
@@ -22,14 +22,32 @@ TEXT = "An iterator is created for the result of the expression list. " * 40
 
 def run_qtool(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "QTOOL_DEBUG"}
-    return subprocess.run([sys.executable, "-m", "qtool", *map(str, args)], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "qtool", *map(str, args)], capture_output=True, text=True, env=env, cwd=REPO, timeout=300
+    )
 
 
 def test_a_calibrated_run_reports_each_layer(tmp_path):
     text = tmp_path / "text.jsonl"
     text.write_text("\n".join(json.dumps({"text": TEXT[i::3]}) for i in range(3)) + "\n")
     out = tmp_path / "out"
-    result = run_qtool("quantize", TINY, "-o", out, "--scheme", "int4:g64:asym", "--calibrate", text, "--samples", "4", "--seq-len", "32", "--threads", "1", "--json")
+    result = run_qtool(
+        "quantize",
+        TINY,
+        "-o",
+        out,
+        "--scheme",
+        "int4:g64:asym",
+        "--calibrate",
+        text,
+        "--samples",
+        "4",
+        "--seq-len",
+        "32",
+        "--threads",
+        "1",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     document = json.loads(result.stdout)
     assert document["calibration"]["algorithm"] == "gptq"
@@ -67,18 +85,68 @@ def _gguf(tmp_path):
 CASES = {
     # id: (model maker, text, extra args, the error line's words)
     "empty text": (None, "", (), "the calibration text is empty"),
-    "too few tokens": (None, "a few words", ("--samples", "4", "--seq-len", "512"), "the calibration text has 18 tokens, fewer than samples x seq_len = 4 x 512 = 2048"),
+    "too few tokens": (
+        None,
+        "a few words",
+        ("--samples", "4", "--seq-len", "512"),
+        "the calibration text has 18 tokens, fewer than samples x seq_len = 4 x 512 = 2048",
+    ),
     "no tokenizer": (_no_tokenizer, TEXT, (), "has no tokenizer"),
-    "unknown architecture": (_unknown_architecture, TEXT, (), "architecture 'nosucharch' is not known to this transformers"),
-    "gguf input": (_gguf, TEXT, ("--allow-requantize",), "is a gguf checkpoint; calibration reads a Hugging Face model folder"),
-    "quantized input": (lambda tmp_path: SAMPLES / "tiny-llama-w4a16", TEXT, ("--allow-requantize",), "calibration needs float weights"),
-    "unknown algorithm": (None, TEXT, ("--algorithm", "smoothquant"), "algorithm 'smoothquant' is not one of gptq, awq, rtn"),
-    "float scheme": (None, TEXT, ("--scheme", "FP8"), "GPTQ and AWQ calibrate int2..int8 per channel or per group, not fp8_e4m3"),
+    "unknown architecture": (
+        _unknown_architecture,
+        TEXT,
+        (),
+        "architecture 'nosucharch' is not known to this transformers",
+    ),
+    "gguf input": (
+        _gguf,
+        TEXT,
+        ("--allow-requantize",),
+        "is a gguf checkpoint; calibration reads a Hugging Face model folder",
+    ),
+    "quantized input": (
+        lambda tmp_path: SAMPLES / "tiny-llama-w4a16",
+        TEXT,
+        ("--allow-requantize",),
+        "calibration needs float weights",
+    ),
+    "unknown algorithm": (
+        None,
+        TEXT,
+        ("--algorithm", "smoothquant"),
+        "algorithm 'smoothquant' is not one of gptq, awq, rtn",
+    ),
+    "float scheme": (
+        None,
+        TEXT,
+        ("--scheme", "FP8"),
+        "GPTQ and AWQ calibrate int2..int8 per channel or per group, not fp8_e4m3",
+    ),
     "no such text": (None, None, (), "no such calibration text"),
-    "actorder group": (None, TEXT, ("--actorder", "group"), "activation order 'group' (columns regrouped, a weight_g_idx per weight) is gone from compressed-tensors"),
-    "unknown actorder": (None, TEXT, ("--actorder", "sideways"), "activation order 'sideways' is not one of weight, static, none"),
-    "actorder with awq": (None, TEXT, ("--actorder", "weight", "--algorithm", "awq"), "--actorder orders GPTQ's columns; awq has none to order"),
-    "true sequential with awq": (None, TEXT, ("--true-sequential", "--algorithm", "awq"), "true sequential orders GPTQ's Linears; awq quantizes each layer from its float run"),
+    "actorder group": (
+        None,
+        TEXT,
+        ("--actorder", "group"),
+        "activation order 'group' (columns regrouped, a weight_g_idx per weight) is gone from compressed-tensors",
+    ),
+    "unknown actorder": (
+        None,
+        TEXT,
+        ("--actorder", "sideways"),
+        "activation order 'sideways' is not one of weight, static, none",
+    ),
+    "actorder with awq": (
+        None,
+        TEXT,
+        ("--actorder", "weight", "--algorithm", "awq"),
+        "--actorder orders GPTQ's columns; awq has none to order",
+    ),
+    "true sequential with awq": (
+        None,
+        TEXT,
+        ("--true-sequential", "--algorithm", "awq"),
+        "true sequential orders GPTQ's Linears; awq quantizes each layer from its float run",
+    ),
 }
 
 
@@ -90,7 +158,9 @@ def test_bad_inputs_are_one_line_exit_2_and_write_nothing(tmp_path, case):
     if text is not None:
         text_path.write_text(text)
     out = tmp_path / "out"
-    result = run_qtool("quantize", model, "-o", out, "--calibrate", text_path, "--samples", "4", "--seq-len", "32", *extra)
+    result = run_qtool(
+        "quantize", model, "-o", out, "--calibrate", text_path, "--samples", "4", "--seq-len", "32", *extra
+    )
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and words in errors[0], result.stderr
@@ -117,13 +187,20 @@ def test_true_sequential_is_recorded_in_the_report_and_changes_the_codes(tmp_pat
     outs, reports = {}, {}
     for mode in ((), ("--true-sequential",)):
         out = outs[mode] = tmp_path / ("ts" if mode else "default")
-        result = run_qtool("quantize", TINY, "-o", out, "--calibrate", text, "--samples", "4", "--seq-len", "32", "--json", *mode)
+        result = run_qtool(
+            "quantize", TINY, "-o", out, "--calibrate", text, "--samples", "4", "--seq-len", "32", "--json", *mode
+        )
         assert result.returncode == 0, result.stderr
         reports[mode] = json.loads(result.stdout)["calibration"]
     assert reports[("--true-sequential",)]["true_sequential"] is True and "true_sequential" not in reports[()]
     default, sequential = (load_file(str(outs[mode] / "model.safetensors")) for mode in outs)
-    assert torch.equal(default["model.layers.0.self_attn.q_proj.weight_packed"], sequential["model.layers.0.self_attn.q_proj.weight_packed"])
-    assert not torch.equal(default["model.layers.0.mlp.down_proj.weight_packed"], sequential["model.layers.0.mlp.down_proj.weight_packed"])
+    assert torch.equal(
+        default["model.layers.0.self_attn.q_proj.weight_packed"],
+        sequential["model.layers.0.self_attn.q_proj.weight_packed"],
+    )
+    assert not torch.equal(
+        default["model.layers.0.mlp.down_proj.weight_packed"], sequential["model.layers.0.mlp.down_proj.weight_packed"]
+    )
 
 
 def test_actorder_is_recorded_in_the_config_and_changes_the_codes(tmp_path):
@@ -135,11 +212,30 @@ def test_actorder_is_recorded_in_the_config_and_changes_the_codes(tmp_path):
     for order in ("weight", "none", None):
         out = outs[order] = tmp_path / f"out-{order}"
         extra = ("--actorder", order) if order else ()
-        result = run_qtool("quantize", TINY, "-o", out, "--scheme", "int4:g32", "--calibrate", text, "--samples", "4", "--seq-len", "32", "--threads", "1", "-q", *extra)
+        result = run_qtool(
+            "quantize",
+            TINY,
+            "-o",
+            out,
+            "--scheme",
+            "int4:g32",
+            "--calibrate",
+            text,
+            "--samples",
+            "4",
+            "--seq-len",
+            "32",
+            "--threads",
+            "1",
+            "-q",
+            *extra,
+        )
         assert result.returncode == 0, result.stderr
 
     def weight_args(order):
-        return json.loads((outs[order] / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"]
+        return json.loads((outs[order] / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"][
+            "weights"
+        ]
 
     assert weight_args("weight")["actorder"] == "weight"
     assert weight_args(None)["actorder"] == "static"
@@ -159,10 +255,16 @@ def test_actorder_is_recorded_in_the_config_and_changes_the_codes(tmp_path):
     plain_out = tmp_path / "dequantized"
     assert run_qtool("dequantize", outs["weight"], "-o", plain_out, "-q").returncode == 0
     ours = load_file(str(plain_out / "model.safetensors"))
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(outs["weight"], dtype=torch.bfloat16, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        outs["weight"],
+        dtype=torch.bfloat16,
+        quantization_config=transformers.CompressedTensorsConfig(run_compressed=False),
+    )
     from compressed_tensors.quantization import QuantizationConfig
 
-    config = QuantizationConfig.model_validate(json.loads((outs["weight"] / "config.json").read_text())["quantization_config"])
+    config = QuantizationConfig.model_validate(
+        json.loads((outs["weight"] / "config.json").read_text())["quantization_config"]
+    )
     assert config.config_groups["group_0"].weights.actorder == "weight"
     for module in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
         assert torch.equal(loaded.get_submodule(module).weight.detach(), ours[module + ".weight"]), module
@@ -181,15 +283,31 @@ def test_the_mse_observer_chooses_the_calibrated_scales_and_is_recorded(tmp_path
     outs = {}
     for algorithm, observer in (("gptq", "mse"), ("gptq", "minmax"), ("rtn", "mse")):
         out = outs[algorithm, observer] = tmp_path / f"out-{algorithm}-{observer}"
-        common = ("--scheme", "int3:g32", "--calibrate", text, "--samples", "4", "--seq-len", "32", "--threads", "1", "-q")
+        common = (
+            "--scheme",
+            "int3:g32",
+            "--calibrate",
+            text,
+            "--samples",
+            "4",
+            "--seq-len",
+            "32",
+            "--threads",
+            "1",
+            "-q",
+        )
         result = run_qtool("quantize", TINY, "-o", out, *common, "--algorithm", algorithm, "--observer", observer)
         assert result.returncode == 0, result.stderr
-    weights = json.loads((outs["gptq", "mse"] / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"]
+    weights = json.loads((outs["gptq", "mse"] / "config.json").read_text())["quantization_config"]["config_groups"][
+        "group_0"
+    ]["weights"]
     assert weights["observer"] == "mse"
     name = "model.layers.1.mlp.down_proj.weight_scale"
     tensors = {key: load_file(str(out / "model.safetensors")) for key, out in outs.items()}
     assert not torch.equal(tensors["gptq", "mse"][name], tensors["gptq", "minmax"][name])
-    original = load_file(str(TINY / "model.safetensors"))["model.layers.1.mlp.down_proj.weight"]  # as the layer holds it
+    original = load_file(str(TINY / "model.safetensors"))[
+        "model.layers.1.mlp.down_proj.weight"
+    ]  # as the layer holds it
     expected, _ = choose_qparams_mse(original, (1, 32), "int3", True, tensors["rtn", "mse"][name].dtype)
     assert torch.equal(tensors["rtn", "mse"][name], expected)
 
@@ -264,9 +382,32 @@ def test_a_calibrated_run_holds_neither_the_whole_embedding_nor_transformers_opt
         shutil.copy(TINY / name, model / name)
     text = tmp_path / "text.txt"
     text.write_text(TEXT)
-    args = ["quantize", model, "-o", tmp_path / "out", "--scheme", "int4:g64", "--calibrate", text, "--samples", "4", "--seq-len", "32", "--threads", "1", "-q"]
+    args = [
+        "quantize",
+        model,
+        "-o",
+        tmp_path / "out",
+        "--scheme",
+        "int4:g64",
+        "--calibrate",
+        text,
+        "--samples",
+        "4",
+        "--seq-len",
+        "32",
+        "--threads",
+        "1",
+        "-q",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "QTOOL_DEBUG"}
-    result = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, *map(str, args)], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", PEAK_SCRIPT, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     document = json.loads(result.stdout.strip().splitlines()[-1])
     assert document["code"] in (0, None), result.stderr

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tests.conftest import REPO, SAMPLES  # noqa: E402
+from tests.conftest import REPO, SAMPLES
 
 TINY = SAMPLES / "tiny-llama"
 TEXT = "An iterator is created for the result of the expression list. " * 40
@@ -97,7 +97,9 @@ def prepare(tmp_path: Path, folder: Path, text: str = TEXT):
     """What `quantize --calibrate --dry-run` runs."""
     from qtool import api
 
-    return lambda: api.prepare_quantize(folder, tmp_path / "out", "W4A16", calibrate=text_file(tmp_path, text), samples=2, seq_len=16)
+    return lambda: api.prepare_quantize(
+        folder, tmp_path / "out", "W4A16", calibrate=text_file(tmp_path, text), samples=2, seq_len=16
+    )
 
 
 def imatrix_api(tmp_path: Path, folder: Path, text: str = TEXT):
@@ -121,30 +123,83 @@ def no_code_ran(tmp_path: Path, result: subprocess.CompletedProcess) -> None:
 def evil_tokenizer(tmp_path: Path, source: Path = TINY) -> Path:
     folder = copy_of(tmp_path, source)
     (folder / "evil.py").write_text(EVIL)
-    edit_json(folder / "tokenizer_config.json", tokenizer_class=None, auto_map={"AutoTokenizer": ["evil.EvilTokenizer", "evil.EvilTokenizer"]})
+    edit_json(
+        folder / "tokenizer_config.json",
+        tokenizer_class=None,
+        auto_map={"AutoTokenizer": ["evil.EvilTokenizer", "evil.EvilTokenizer"]},
+    )
     return folder
 
 
 def evil_architecture(tmp_path: Path) -> Path:
     folder = copy_of(tmp_path)
     (folder / "evil.py").write_text(EVIL)
-    edit_json(folder / "config.json", model_type="evilarch", auto_map={"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"})
+    edit_json(
+        folder / "config.json",
+        model_type="evilarch",
+        auto_map={"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"},
+    )
     return folder
 
 
 def calibrate(tmp_path: Path, folder: Path, *extra: str, text: str = TEXT, timeout: float = 300):
-    return run_qtool(tmp_path, "quantize", folder, "-o", tmp_path / "out", "--calibrate", text_file(tmp_path, text), "--samples", "2", "--seq-len", "16", "--json", *extra, timeout=timeout)
+    return run_qtool(
+        tmp_path,
+        "quantize",
+        folder,
+        "-o",
+        tmp_path / "out",
+        "--calibrate",
+        text_file(tmp_path, text),
+        "--samples",
+        "2",
+        "--seq-len",
+        "16",
+        "--json",
+        *extra,
+        timeout=timeout,
+    )
 
 
 def imatrix(tmp_path: Path, folder: Path, text: str = TEXT):
-    return run_qtool(tmp_path, "imatrix", folder, "-o", tmp_path / "imatrix.gguf", "--calibrate", text_file(tmp_path, text), "--chunk-size", "16", "--chunks", "2", "--json")
+    return run_qtool(
+        tmp_path,
+        "imatrix",
+        folder,
+        "-o",
+        tmp_path / "imatrix.gguf",
+        "--calibrate",
+        text_file(tmp_path, text),
+        "--chunk-size",
+        "16",
+        "--chunks",
+        "2",
+        "--json",
+    )
 
 
 def calibrated_gguf(tmp_path: Path, folder: Path, text: str = TEXT):
-    return run_qtool(tmp_path, "quantize", folder, "-o", tmp_path / "out.gguf", "--scheme", "Q4_K_M", "--calibrate", text_file(tmp_path, text), "--samples", "2", "--seq-len", "16", "--json")
+    return run_qtool(
+        tmp_path,
+        "quantize",
+        folder,
+        "-o",
+        tmp_path / "out.gguf",
+        "--scheme",
+        "Q4_K_M",
+        "--calibrate",
+        text_file(tmp_path, text),
+        "--samples",
+        "2",
+        "--seq-len",
+        "16",
+        "--json",
+    )
 
 
-@pytest.mark.parametrize("command", [calibrate, imatrix, calibrated_gguf], ids=["quantize-calibrate", "imatrix", "quantize-calibrate-gguf"])
+@pytest.mark.parametrize(
+    "command", [calibrate, imatrix, calibrated_gguf], ids=["quantize-calibrate", "imatrix", "quantize-calibrate-gguf"]
+)
 def test_a_tokenizer_of_the_folders_own_code_is_refused_and_never_run(tmp_path, command):
     folder = evil_tokenizer(tmp_path)
     result = command(tmp_path, folder)
@@ -166,7 +221,9 @@ def test_a_known_architecture_that_also_names_its_own_code_is_built_by_transform
     folder's code neither run nor asked about."""
     folder = copy_of(tmp_path)
     (folder / "evil.py").write_text(EVIL)
-    edit_json(folder / "config.json", auto_map={"AutoModelForCausalLM": "evil.EvilModel", "AutoConfig": "evil.EvilConfig"})
+    edit_json(
+        folder / "config.json", auto_map={"AutoModelForCausalLM": "evil.EvilModel", "AutoConfig": "evil.EvilConfig"}
+    )
     result = calibrate(tmp_path, folder, "--dry-run")
     assert result.returncode == 0, result.stderr[-3000:]
     no_code_ran(tmp_path, result)
@@ -181,7 +238,17 @@ def test_writing_a_gguf_tokenizer_never_runs_or_asks_about_the_folders_code(tmp_
     (tmp_path / "src").mkdir()
     source, _ = tiny_qwen2(tmp_path / "src")
     folder = evil_tokenizer(tmp_path, source)
-    result = run_qtool(tmp_path, "quantize", folder, "-o", tmp_path / "out.gguf", "--scheme", "q8_0", "--allow-incomplete-gguf", "--json")
+    result = run_qtool(
+        tmp_path,
+        "quantize",
+        folder,
+        "-o",
+        tmp_path / "out.gguf",
+        "--scheme",
+        "q8_0",
+        "--allow-incomplete-gguf",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     no_code_ran(tmp_path, result)
 
@@ -192,7 +259,12 @@ def test_every_transformers_entry_point_passes_trust_remote_code_false():
     calls = []
     for path in (REPO / "qtool").rglob("*.py"):
         text = path.read_text()
-        for marker in ("AutoTokenizer.from_pretrained(", "AutoModelForCausalLM.from_config(", "AutoConfig.from_pretrained(", "AutoModel.from_pretrained("):
+        for marker in (
+            "AutoTokenizer.from_pretrained(",
+            "AutoModelForCausalLM.from_config(",
+            "AutoConfig.from_pretrained(",
+            "AutoModel.from_pretrained(",
+        ):
             start = 0
             while (at := text.find(marker, start)) >= 0:
                 calls.append((path.name, text[at : text.find(")", at) + 1]))
@@ -227,7 +299,11 @@ def test_what_transformers_logs_is_a_warning_escaped_once(tmp_path):
     assert "\x1b" not in result.stderr and "\x07" not in result.stderr
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: transformers:")]
     assert warnings and any("\\x1b[2J" in line for line in warnings), result.stderr
-    assert not [line for line in result.stderr.splitlines() if line.strip() and not line.startswith(("warning:", "calibrated layer"))], result.stderr
+    assert not [
+        line
+        for line in result.stderr.splitlines()
+        if line.strip() and not line.startswith(("warning:", "calibrated layer"))
+    ], result.stderr
 
 
 @pytest.mark.parametrize(
@@ -235,7 +311,11 @@ def test_what_transformers_logs_is_a_warning_escaped_once(tmp_path):
     [
         ("hidden_act", "nosuch", "hidden_act is 'nosuch', not an activation transformers has"),
         ("hidden_act", 7, "hidden_act is 7, not an activation transformers has"),
-        ("rope_scaling", {"rope_type": "sideways", "factor": 2.0}, "rope_scaling names rope_type 'sideways', not one of default"),
+        (
+            "rope_scaling",
+            {"rope_type": "sideways", "factor": 2.0},
+            "rope_scaling names rope_type 'sideways', not one of default",
+        ),
         ("rope_scaling", "linear", "rope_scaling is 'linear', not an object"),
     ],
 )
@@ -267,7 +347,11 @@ def test_an_unknown_activation_through_the_cli(tmp_path):
         ("hidden_size", 2**31, "hidden_size is 2147483648, not a whole number from 1 to 256"),
         ("vocab_size", 0, "vocab_size is 0, not a whole number from 1 to 256"),
         ("num_attention_heads", True, "num_attention_heads is True"),
-        ("intermediate_size", 64, "has model.layers.0.mlp.gate_proj.weight of shape [64, 256], the checkpoint [128, 256]"),
+        (
+            "intermediate_size",
+            64,
+            "has model.layers.0.mlp.gate_proj.weight of shape [64, 256], the checkpoint [128, 256]",
+        ),
         ("vocab_size", 255, "has model.embed_tokens.weight of shape [255, 256], the checkpoint [256, 256]"),
     ],
 )
@@ -281,7 +365,11 @@ def test_absurd_layers_through_the_cli_dry_run(tmp_path):
     """num_hidden_layers 10**9 built layers at +40 MB/s until memory ran out."""
     folder = copy_of(tmp_path)
     edit_json(folder / "config.json", num_hidden_layers=10**9)
-    one_error(calibrate(tmp_path, folder, "--dry-run", timeout=120), f"{folder}/config.json", "num_hidden_layers is 1000000000")
+    one_error(
+        calibrate(tmp_path, folder, "--dry-run", timeout=120),
+        f"{folder}/config.json",
+        "num_hidden_layers is 1000000000",
+    )
 
 
 def test_the_config_check_takes_well_under_a_second(tmp_path):
@@ -290,7 +378,12 @@ def test_the_config_check_takes_well_under_a_second(tmp_path):
     from qtool.formats.loader import open_checkpoint
 
     Skeleton.build(open_checkpoint(str(TINY)))  # transformers imported, its Llama classes loaded
-    for field, value in (("num_hidden_layers", 10**9), ("head_dim", 2**31), ("hidden_size", 2**31), ("intermediate_size", 64)):
+    for field, value in (
+        ("num_hidden_layers", 10**9),
+        ("head_dim", 2**31),
+        ("hidden_size", 2**31),
+        ("intermediate_size", 64),
+    ):
         folder = copy_of(tmp_path, name=field)
         edit_json(folder / "config.json", **{field: value})
         checkpoint = open_checkpoint(str(folder))
@@ -306,9 +399,16 @@ def test_the_config_check_takes_well_under_a_second(tmp_path):
 def backtracking_tokenizer(tmp_path: Path) -> Path:
     folder = copy_of(tmp_path)
     tokenizer = json.loads((folder / "tokenizer.json").read_text())
-    tokenizer["pre_tokenizer"] = {"type": "Split", "pattern": {"Regex": "(a|aa)+$"}, "behavior": "Isolated", "invert": False}
+    tokenizer["pre_tokenizer"] = {
+        "type": "Split",
+        "pattern": {"Regex": "(a|aa)+$"},
+        "behavior": "Isolated",
+        "invert": False,
+    }
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
-    edit_json(folder / "tokenizer_config.json", tokenizer_class="PreTrainedTokenizerFast")  # the tokenizer.json as written
+    edit_json(
+        folder / "tokenizer_config.json", tokenizer_class="PreTrainedTokenizerFast"
+    )  # the tokenizer.json as written
     return folder
 
 
@@ -320,7 +420,9 @@ def test_a_tokenizer_regex_that_panics_is_one_line_naming_the_tokenizer(tmp_path
     result = calibrate(tmp_path, folder, text=BACKTRACKING_TEXT)
     one_error(result, f"{folder}/tokenizer.json", "the tokenizer failed on the text", "retry-limit")
     assert "PanicException" not in result.stderr
-    refused(imatrix_api(tmp_path, folder, BACKTRACKING_TEXT), f"{folder}/tokenizer.json", "the tokenizer failed on the text")
+    refused(
+        imatrix_api(tmp_path, folder, BACKTRACKING_TEXT), f"{folder}/tokenizer.json", "the tokenizer failed on the text"
+    )
 
 
 def test_a_panic_is_a_checkpoint_error_and_other_base_exceptions_pass():
@@ -348,7 +450,7 @@ def test_collected_keeps_loggers_and_warnings_as_they_were(capfd):
     with collected(notes, "transformers: "):
         logging.getLogger("transformers.models.llama").warning("value %s", ESCAPES)
         for _ in range(3):
-            warnings.warn(f"torch says {ESCAPES}", UserWarning)
+            warnings.warn(f"torch says {ESCAPES}", UserWarning, stacklevel=1)
     assert notes == [f"transformers: value {ESCAPES}", f"transformers: UserWarning: torch says {ESCAPES}"]
     assert (logger.handlers, logger.propagate) == (handlers, propagate)
     captured = capfd.readouterr()
@@ -363,6 +465,13 @@ def test_the_legacy_list_form_of_a_tokenizers_auto_map_is_refused_too(tmp_path, 
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
     folder = copy_of(tmp_path)
     (folder / "evil.py").write_text(EVIL)
-    edit_json(folder / "tokenizer_config.json", tokenizer_class=None, auto_map=["evil.EvilTokenizer", "evil.EvilTokenizer"])
-    refused(lambda: load_tokenizer(str(folder)), f"{folder}/tokenizer_config.json", "names its own code for its tokenizer", "evil.EvilTokenizer")
+    edit_json(
+        folder / "tokenizer_config.json", tokenizer_class=None, auto_map=["evil.EvilTokenizer", "evil.EvilTokenizer"]
+    )
+    refused(
+        lambda: load_tokenizer(str(folder)),
+        f"{folder}/tokenizer_config.json",
+        "names its own code for its tokenizer",
+        "evil.EvilTokenizer",
+    )
     assert not (tmp_path / "MARKER").exists()

@@ -78,10 +78,22 @@ def test_gptq_gives_the_papers_codes(seed, bits, group, symmetric, block):
     generator = torch.Generator().manual_seed(seed)
     rows, cols, samples = 6, 48, 80
     weight = torch.randn(rows, cols, generator=generator, dtype=torch.float64)
-    inputs = torch.randn(samples, cols, generator=generator, dtype=torch.float64) @ torch.randn(cols, cols, generator=generator, dtype=torch.float64) * 0.3
+    inputs = (
+        torch.randn(samples, cols, generator=generator, dtype=torch.float64)
+        @ torch.randn(cols, cols, generator=generator, dtype=torch.float64)
+        * 0.3
+    )
     inputs[:, 5] = 0  # an input never seen: a dead column
     expected_codes, expected_scale, expected_zp, scaled = paper_gptq(weight, inputs, bits, group, symmetric)
-    result = gptq(weight, inputs.T @ inputs, bits=bits, group_size=group, symmetric=symmetric, scale_dtype=torch.float64, block=block)
+    result = gptq(
+        weight,
+        inputs.T @ inputs,
+        bits=bits,
+        group_size=group,
+        symmetric=symmetric,
+        scale_dtype=torch.float64,
+        block=block,
+    )
     assert (result.zero_point is None) == symmetric
     for row, columns in enumerate(agreed_columns(result.codes, expected_codes, scaled)):
         groups = -(-(columns + 1) // group)  # every group observed up to the first difference
@@ -90,7 +102,9 @@ def test_gptq_gives_the_papers_codes(seed, bits, group, symmetric, block):
             assert torch.equal(result.zero_point[row, :groups], expected_zp[row, :groups])
 
 
-def paper_gptq_ordered(weight, inputs, bits, group, symmetric, dampening=0.01, observer="minmax", scale_dtype=torch.float64):
+def paper_gptq_ordered(
+    weight, inputs, bits, group, symmetric, dampening=0.01, observer="minmax", scale_dtype=torch.float64
+):
     """The same elimination over the columns in decreasing order of H's diagonal, each with its
     own group's scale, observed first on the original weight (llm-compressor's actorder weight)."""
     W = weight.double().clone()
@@ -129,14 +143,34 @@ def paper_gptq_ordered(weight, inputs, bits, group, symmetric, dampening=0.01, o
 def test_gptq_in_activation_order_gives_the_papers_codes_in_that_order(seed, bits, group, symmetric, block, actorder):
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(6, 48, generator=generator, dtype=torch.float64)
-    inputs = torch.randn(80, 48, generator=generator, dtype=torch.float64) * torch.linspace(0.1, 3, 48, dtype=torch.float64)[torch.randperm(48, generator=generator)]
+    inputs = (
+        torch.randn(80, 48, generator=generator, dtype=torch.float64)
+        * torch.linspace(0.1, 3, 48, dtype=torch.float64)[torch.randperm(48, generator=generator)]
+    )
     inputs[:, 7] = 0
     expected_codes, expected_scale, expected_zp = paper_gptq_ordered(weight, inputs, bits, group, symmetric)
-    result = gptq(weight, inputs.T @ inputs, bits=bits, group_size=group, symmetric=symmetric, scale_dtype=torch.float64, block=block, actorder=actorder)
+    result = gptq(
+        weight,
+        inputs.T @ inputs,
+        bits=bits,
+        group_size=group,
+        symmetric=symmetric,
+        scale_dtype=torch.float64,
+        block=block,
+        actorder=actorder,
+    )
     assert torch.equal(result.codes, expected_codes)
     torch.testing.assert_close(result.scale, expected_scale, rtol=0, atol=0)
     assert (result.zero_point is None) if symmetric else torch.equal(result.zero_point, expected_zp)
-    plain = gptq(weight, inputs.T @ inputs, bits=bits, group_size=group, symmetric=symmetric, scale_dtype=torch.float64, block=block)
+    plain = gptq(
+        weight,
+        inputs.T @ inputs,
+        bits=bits,
+        group_size=group,
+        symmetric=symmetric,
+        scale_dtype=torch.float64,
+        block=block,
+    )
     assert bits == 8 or not torch.equal(plain.codes, result.codes)  # the order matters
 
 
@@ -153,19 +187,38 @@ def test_gptq_with_the_mse_observer_gives_the_papers_codes_with_its_scales(seed,
     of min-max, when the sweep reaches a group or, in activation order, up front."""
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(6, 48, generator=generator, dtype=torch.float64)
-    inputs = torch.randn(80, 48, generator=generator, dtype=torch.float64) @ torch.randn(48, 48, generator=generator, dtype=torch.float64) * 0.3
+    inputs = (
+        torch.randn(80, 48, generator=generator, dtype=torch.float64)
+        @ torch.randn(48, 48, generator=generator, dtype=torch.float64)
+        * 0.3
+    )
     hessian = inputs.T @ inputs
-    result = gptq(weight, hessian, bits=bits, group_size=group, symmetric=symmetric, scale_dtype=torch.float32, actorder=actorder, observer="mse")
-    minmax = gptq(weight, hessian, bits=bits, group_size=group, symmetric=symmetric, scale_dtype=torch.float32, actorder=actorder)
+    result = gptq(
+        weight,
+        hessian,
+        bits=bits,
+        group_size=group,
+        symmetric=symmetric,
+        scale_dtype=torch.float32,
+        actorder=actorder,
+        observer="mse",
+    )
+    minmax = gptq(
+        weight, hessian, bits=bits, group_size=group, symmetric=symmetric, scale_dtype=torch.float32, actorder=actorder
+    )
     assert not torch.equal(result.scale, minmax.scale)  # the search moved some scale
     if actorder is None:
-        codes, scale, zero_point, scaled = paper_gptq(weight, inputs, bits, group, symmetric, observer="mse", scale_dtype=torch.float32)
+        codes, scale, zero_point, scaled = paper_gptq(
+            weight, inputs, bits, group, symmetric, observer="mse", scale_dtype=torch.float32
+        )
         for row, columns in enumerate(agreed_columns(result.codes, codes, scaled)):
             groups = -(-(columns + 1) // group)
             assert torch.equal(result.scale[row, :groups], scale[row, :groups])
             assert symmetric or torch.equal(result.zero_point[row, :groups], zero_point[row, :groups])
     else:
-        codes, scale, zero_point = paper_gptq_ordered(weight, inputs, bits, group, symmetric, observer="mse", scale_dtype=torch.float32)
+        codes, scale, zero_point = paper_gptq_ordered(
+            weight, inputs, bits, group, symmetric, observer="mse", scale_dtype=torch.float32
+        )
         assert torch.equal(result.codes, codes) and torch.equal(result.scale, scale)
         assert (result.zero_point is None) if symmetric else torch.equal(result.zero_point, zero_point)
 
@@ -207,7 +260,16 @@ def test_a_weight_with_no_rows_gives_empty_codes_not_a_crash(observer, actorder,
 
     weight = torch.zeros(0, 64)
     hessian = torch.eye(64)
-    result = gptq(weight, hessian, bits=4, group_size=32, symmetric=symmetric, scale_dtype=torch.float16, actorder=actorder, observer=observer)
+    result = gptq(
+        weight,
+        hessian,
+        bits=4,
+        group_size=32,
+        symmetric=symmetric,
+        scale_dtype=torch.float16,
+        actorder=actorder,
+        observer=observer,
+    )
     assert result.codes.shape == (0, 64) and result.scale.shape == (0, 2)
     assert symmetric or result.zero_point.shape == (0, 2)
     rounded = rtn(weight, bits=4, group_size=32, symmetric=symmetric, scale_dtype=torch.float16, observer=observer)
@@ -222,7 +284,9 @@ def test_a_weight_with_no_rows_gives_empty_codes_not_a_crash(observer, actorder,
 def test_gptq_beats_rounding_on_the_layer_output(group):
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(64, 128, generator=generator)
-    inputs = torch.randn(512, 128, generator=generator) @ torch.randn(128, 128, generator=generator)  # correlated inputs
+    inputs = torch.randn(512, 128, generator=generator) @ torch.randn(
+        128, 128, generator=generator
+    )  # correlated inputs
     result = gptq(weight, inputs.T @ inputs, bits=4, group_size=group, symmetric=True, scale_dtype=torch.float32)
     size = group or 128
     rtn = torch.cat([
@@ -276,18 +340,38 @@ def test_the_c_sweep_is_the_torch_sweep_bit_for_bit(seed, bits, group, symmetric
     generator = torch.Generator().manual_seed(seed)
     cols = 192
     weight = torch.randn(rows, cols, generator=generator)
-    inputs = torch.randn(300, cols, generator=generator) @ torch.randn(cols, cols, generator=generator) * torch.rand(cols, generator=generator)
+    inputs = (
+        torch.randn(300, cols, generator=generator)
+        @ torch.randn(cols, cols, generator=generator)
+        * torch.rand(cols, generator=generator)
+    )
     inputs[:, 3] = 0
     hessian = inputs.T @ inputs
     previous = native.threads()
     native.set_threads(threads)
     try:
-        fast = gptq(weight, hessian, bits=bits, group_size=group, symmetric=symmetric, scale_dtype=torch.bfloat16, actorder=actorder)
+        fast = gptq(
+            weight,
+            hessian,
+            bits=bits,
+            group_size=group,
+            symmetric=symmetric,
+            scale_dtype=torch.bfloat16,
+            actorder=actorder,
+        )
     finally:
         native.set_threads(previous)
     os.environ["QTOOL_NATIVE"] = "0"
     try:
-        reference = gptq(weight, hessian, bits=bits, group_size=group, symmetric=symmetric, scale_dtype=torch.bfloat16, actorder=actorder)
+        reference = gptq(
+            weight,
+            hessian,
+            bits=bits,
+            group_size=group,
+            symmetric=symmetric,
+            scale_dtype=torch.bfloat16,
+            actorder=actorder,
+        )
     finally:
         del os.environ["QTOOL_NATIVE"]
     assert torch.equal(fast.codes, reference.codes)
@@ -303,7 +387,10 @@ def test_the_sweep_is_not_a_no_op_either_way(monkeypatch):
     for flag in ("1", "0"):
         monkeypatch.setenv("QTOOL_NATIVE", flag)
         result = gptq(weight, inputs.T @ inputs, bits=4, group_size=32, symmetric=True, scale_dtype=torch.float32)
-        assert not torch.equal(result.dequantized(), torch.cat([quantize_column_block(weight[:, s : s + 32]) for s in range(0, 128, 32)], dim=1))
+        assert not torch.equal(
+            result.dequantized(),
+            torch.cat([quantize_column_block(weight[:, s : s + 32]) for s in range(0, 128, 32)], dim=1),
+        )
 
 
 @pytest.mark.parametrize("actorder", [None, "static"])
@@ -317,11 +404,31 @@ def test_a_shared_factor_gives_what_the_hessian_gives(actorder):
     prepared = factor(hessian, dtype=torch.float32, actorder=actorder)
     for rows in (8, 24):
         weight = torch.randn(rows, 64, generator=generator)
-        alone = gptq(weight, hessian, bits=4, group_size=16, symmetric=False, scale_dtype=torch.float32, actorder=actorder)
-        shared = gptq(weight, None, bits=4, group_size=16, symmetric=False, scale_dtype=torch.float32, actorder=actorder, prepared=prepared)
+        alone = gptq(
+            weight, hessian, bits=4, group_size=16, symmetric=False, scale_dtype=torch.float32, actorder=actorder
+        )
+        shared = gptq(
+            weight,
+            None,
+            bits=4,
+            group_size=16,
+            symmetric=False,
+            scale_dtype=torch.float32,
+            actorder=actorder,
+            prepared=prepared,
+        )
         assert torch.equal(alone.codes, shared.codes) and torch.equal(alone.scale, shared.scale)
     with pytest.raises(KernelError, match="does not fit"):
-        gptq(torch.zeros(4, 64), None, bits=4, group_size=16, symmetric=True, scale_dtype=torch.float32, actorder="static" if actorder is None else None, prepared=prepared)
+        gptq(
+            torch.zeros(4, 64),
+            None,
+            bits=4,
+            group_size=16,
+            symmetric=True,
+            scale_dtype=torch.float32,
+            actorder="static" if actorder is None else None,
+            prepared=prepared,
+        )
 
 
 @pytest.mark.parametrize("size", [1, 3, 64, 127, 200, 577])
@@ -331,7 +438,9 @@ def test_the_factor_is_the_upper_cholesky_factor_of_the_damped_inverse(size):
     from qtool.calibration.gptq import factor
 
     generator = torch.Generator().manual_seed(size)
-    inputs = torch.randn(2 * size + 5, size, generator=generator, dtype=torch.float64) * torch.logspace(-3, 2, size, dtype=torch.float64)
+    inputs = torch.randn(2 * size + 5, size, generator=generator, dtype=torch.float64) * torch.logspace(
+        -3, 2, size, dtype=torch.float64
+    )
     hessian = inputs.T @ inputs
     U = factor(hessian, dtype=torch.float64).U
     damped = hessian + 0.01 * hessian.diagonal().mean() * torch.eye(size, dtype=torch.float64)

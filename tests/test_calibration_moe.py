@@ -22,7 +22,10 @@ from tests.test_calibration_runner import TINY, calibrate_plan, in_one_run_only,
 
 FAMILIES = {"mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig"}
 # (the block's name in the checkpoint, in transformers' model; the expert's gate, up, down)
-NAMES = {"mixtral": ("block_sparse_moe", "mlp", ("w1", "w3", "w2")), "qwen3_moe": ("mlp", "mlp", ("gate_proj", "up_proj", "down_proj"))}
+NAMES = {
+    "mixtral": ("block_sparse_moe", "mlp", ("w1", "w3", "w2")),
+    "qwen3_moe": ("mlp", "mlp", ("gate_proj", "up_proj", "down_proj")),
+}
 
 
 def tiny_moe(folder, family: str, *, experts: int = 4, top_k: int = 2, dtype=torch.bfloat16):
@@ -72,7 +75,9 @@ def test_the_unfused_block_computes_what_transformers_fused_block_computes(tmp_p
         skeleton.materialize(layer, f"{skeleton.layers_prefix}.0", weights, checkpoint, "cpu")
     finally:
         checkpoint.close()
-    assert stored in dict(layer.named_children()) and all(f"{stored}.experts.{e}" in dict(layer.named_modules()) for e in range(4))
+    assert stored in dict(layer.named_children()) and all(
+        f"{stored}.experts.{e}" in dict(layer.named_modules()) for e in range(4)
+    )
     x = torch.randn(2, 24, 64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ours = getattr(layer, attribute)(x)
@@ -82,7 +87,9 @@ def test_the_unfused_block_computes_what_transformers_fused_block_computes(tmp_p
 
 @pytest.mark.parametrize("true_sequential", [False, True], ids=["two-runs", "true-sequential"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_each_expert_gets_the_hessian_of_only_the_tokens_the_router_sends_it(tmp_path, monkeypatch, family, true_sequential):
+def test_each_expert_gets_the_hessian_of_only_the_tokens_the_router_sends_it(
+    tmp_path, monkeypatch, family, true_sequential
+):
     """The routing and the block's inputs are the float model's by default; with true
     sequential, those of the model as written: attention and the router are quantized before
     the experts see their tokens (every tensor a waiting pass holds parked on disk meanwhile,
@@ -92,7 +99,9 @@ def test_each_expert_gets_the_hessian_of_only_the_tokens_the_router_sends_it(tmp
     monkeypatch.setattr(module, "PARK_AT_LEAST", 0)
     model_folder = tiny_moe(tmp_path / family, family, dtype=torch.float32)
     named = ["re:.*\\.gate\\.weight=int4:g32"]  # the router, kept in float unless named (issue 42 item 14)
-    plan = calibrate_plan(model_folder, tmp_path / "out", text_file(tmp_path), true_sequential=true_sequential, tensor_schemes=named)
+    plan = calibrate_plan(
+        model_folder, tmp_path / "out", text_file(tmp_path), true_sequential=true_sequential, tensor_schemes=named
+    )
     tokens = plan.calibration.tokens
     reference = model_folder
     if true_sequential:
@@ -125,7 +134,9 @@ def test_each_expert_gets_the_hessian_of_only_the_tokens_the_router_sends_it(tmp
         expected = x.T @ x
         ours = seen[f"{prefix}.experts.{e}.{gate}.weight"].double()
         torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
-        assert torch.equal(seen[f"{prefix}.experts.{e}.{gate}.weight"], seen[f"{prefix}.experts.{e}.{up}.weight"])  # one input, one X^T X
+        assert torch.equal(
+            seen[f"{prefix}.experts.{e}.{gate}.weight"], seen[f"{prefix}.experts.{e}.{up}.weight"]
+        )  # one input, one X^T X
         assert seen[f"{prefix}.experts.{e}.{down}.weight"].shape == (128, 128)
     router = seen[f"{prefix}.gate.weight"].double()  # the router reads every token
     torch.testing.assert_close(router, all_tokens.T @ all_tokens, rtol=1e-4, atol=1e-4 * float(router.abs().max()))
@@ -143,7 +154,9 @@ def test_an_expert_no_token_reaches_is_rounded_to_nearest_not_zeroed(tmp_path, f
     report = api.run(calibrate_plan(model_folder, out, text_file(tmp_path), samples=2, seq_len=8))
     layers = report.to_json()["calibration"]["layers"]
     unrouted = [name for layer in layers for name in layer["unrouted"]]
-    assert all(len(layer["unrouted"]) >= 3 * 16 for layer in layers), [len(layer["unrouted"]) for layer in layers]  # 3 Linears per expert
+    assert all(len(layer["unrouted"]) >= 3 * 16 for layer in layers), [
+        len(layer["unrouted"]) for layer in layers
+    ]  # 3 Linears per expert
     assert all(".experts." in name for name in unrouted)
     routed = [n for layer in layers for n in layer["weights"] if ".experts." in n and n not in unrouted]
     assert routed
@@ -151,7 +164,7 @@ def test_an_expert_no_token_reaches_is_rounded_to_nearest_not_zeroed(tmp_path, f
     ours = load_file(str(tmp_path / "ours.safetensors"))
     original = load_file(str(model_folder / "model.safetensors"))
 
-    def rounded(name: str) -> "torch.Tensor":
+    def rounded(name: str) -> torch.Tensor:
         """int4 sym g32 round to nearest of the float32 weight (bf16 scales absmax / 7.5),
         decoded as compressed-tensors decodes a bf16 model: code times scale in bf16."""
         w = original[name].float().reshape(-1, 32)
@@ -167,7 +180,9 @@ def test_an_expert_no_token_reaches_is_rounded_to_nearest_not_zeroed(tmp_path, f
 
 @pytest.mark.parametrize("algorithm", ["gptq", "awq", "gptq-true-sequential"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_calibrated_mixture_loads_in_transformers_with_its_experts_decoded_as_qtool_does(tmp_path, monkeypatch, family, algorithm):
+def test_a_calibrated_mixture_loads_in_transformers_with_its_experts_decoded_as_qtool_does(
+    tmp_path, monkeypatch, family, algorithm
+):
     from safetensors.torch import load_file
 
     from qtool.formats import open_checkpoint
@@ -190,14 +205,18 @@ def test_a_calibrated_mixture_loads_in_transformers_with_its_experts_decoded_as_
     api.dequantize(out, plain)
     ours = load_file(str(plain / "model.safetensors"))
 
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.bfloat16, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False)
+    )
     for index in range(2):
         block = getattr(loaded.model.layers[index], attribute)
         prefix = f"model.layers.{index}.{stored}"
         for e in range(4):
             fused = torch.cat([ours[f"{prefix}.experts.{e}.{gate}.weight"], ours[f"{prefix}.experts.{e}.{up}.weight"]])
             assert torch.equal(block.experts.gate_up_proj[e].detach(), fused.to(torch.bfloat16)), (prefix, e)
-            assert torch.equal(block.experts.down_proj[e].detach(), ours[f"{prefix}.experts.{e}.{down}.weight"].to(torch.bfloat16))
+            assert torch.equal(
+                block.experts.down_proj[e].detach(), ours[f"{prefix}.experts.{e}.{down}.weight"].to(torch.bfloat16)
+            )
         assert torch.equal(block.gate.weight.detach(), ours[f"{prefix}.gate.weight"].to(torch.bfloat16))
     assert loaded.generate(torch.tensor([[1, 5, 9]]), max_new_tokens=3, do_sample=False).shape == (1, 6)
     checkpoint = open_checkpoint(str(out))
@@ -222,7 +241,11 @@ def test_a_checkpoint_with_its_experts_fused_in_3d_is_refused_in_one_line(tmp_pa
     fused.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(source / name, fused / name)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(fused / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        str(fused / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     with safe_open(str(fused / "model.safetensors"), "pt") as stored:
         assert stored.get_slice("model.layers.0.mlp.experts.gate_up_proj").get_shape() == [4, 256, 64]
     with pytest.raises(UsageError, match=r"names no per-expert 2-D weights for mlp\.experts"):

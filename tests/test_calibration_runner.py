@@ -80,7 +80,9 @@ def _byte_level_tokenizer(folder) -> None:
     vocab = {chr(code): byte for byte, code in zip(printable, codes)}
     (folder / "vocab.json").write_text(json.dumps(vocab))
     (folder / "merges.txt").write_text("#version: 0.2\n")
-    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "Qwen2Tokenizer", "model_max_length": 256}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "Qwen2Tokenizer", "model_max_length": 256})
+    )
 
 
 def text_file(tmp_path, text=TEXT):
@@ -154,7 +156,9 @@ def written(model, tmp_path, scheme: str, *, true_sequential: bool = False):
     return tokens, plain
 
 
-LAYER_0 = [f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"] + [f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")]
+LAYER_0 = [f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"] + [
+    f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")
+]
 
 
 def shared_inputs_share_their_hessian(seen) -> None:
@@ -172,7 +176,9 @@ def test_the_hessian_is_xtx_of_the_inputs_transformers_gives_the_linear(tmp_path
     seen = hessians_of_layer(plan, tokens, 0)
     for name in LAYER_0:
         expected = captured_inputs(TINY, name, tokens)
-        torch.testing.assert_close(seen[name + ".weight"].double(), expected, rtol=1e-4, atol=1e-3 * float(expected.abs().max()))
+        torch.testing.assert_close(
+            seen[name + ".weight"].double(), expected, rtol=1e-4, atol=1e-3 * float(expected.abs().max())
+        )
     shared_inputs_share_their_hessian(seen)
 
 
@@ -182,14 +188,21 @@ def test_true_sequential_hessians_are_xtx_of_the_inputs_with_the_linears_before_
     inputs, so the model as written gives them all); o_proj's and down_proj's are far from
     what the float model gives them."""
     tokens, plain = written(TINY, tmp_path, "int2:g32", true_sequential=True)  # a coarse scheme: a clear difference
-    seen = hessians_of_layer(calibrate_plan(TINY, tmp_path / "again", text_file(tmp_path), scheme="int2:g32"), tokens, 0, true_sequential=True)
+    seen = hessians_of_layer(
+        calibrate_plan(TINY, tmp_path / "again", text_file(tmp_path), scheme="int2:g32"),
+        tokens,
+        0,
+        true_sequential=True,
+    )
     assert sorted(seen) == sorted(name + ".weight" for name in LAYER_0)
     for name in LAYER_0:
         assert relative(seen[name + ".weight"], captured_inputs(plain, name, tokens)) < 1e-3, name
     for name in (LAYER_0[3], LAYER_0[6]):
         assert relative(seen[name + ".weight"], captured_inputs(TINY, name, tokens)) > 1e-2, name
     q = seen[LAYER_0[0] + ".weight"]
-    torch.testing.assert_close(q.double(), captured_inputs(TINY, LAYER_0[0], tokens), rtol=1e-4, atol=1e-3 * float(q.abs().max()))
+    torch.testing.assert_close(
+        q.double(), captured_inputs(TINY, LAYER_0[0], tokens), rtol=1e-4, atol=1e-3 * float(q.abs().max())
+    )
     shared_inputs_share_their_hessian(seen)
 
 
@@ -205,10 +218,19 @@ def test_the_second_layer_sees_the_quantized_first_layers_outputs(tmp_path, fami
 
     model = TINY if family == "tiny-llama" else tiny_model(tmp_path / family, family, dtype=torch.float32)
     tokens, plain = written(model, tmp_path, "int2:g32", true_sequential=true_sequential)
-    seen = hessians_of_layer(calibrate_plan(model, tmp_path / "again", text_file(tmp_path), scheme="int2:g32"), tokens, 1, true_sequential=true_sequential)
+    seen = hessians_of_layer(
+        calibrate_plan(model, tmp_path / "again", text_file(tmp_path), scheme="int2:g32"),
+        tokens,
+        1,
+        true_sequential=true_sequential,
+    )
     name = "model.layers.1.self_attn.q_proj"
     ours = seen[name + ".weight"]
-    assert relative(ours, captured_inputs(plain, name, tokens)) < 1e-3 < relative(ours, captured_inputs(model, name, tokens)) / 10
+    assert (
+        relative(ours, captured_inputs(plain, name, tokens))
+        < 1e-3
+        < relative(ours, captured_inputs(model, name, tokens)) / 10
+    )
     reference = plain
     if not true_sequential:
         reference = tmp_path / "hybrid"
@@ -234,11 +256,20 @@ def test_a_layer_without_one_order_of_its_linears_is_calibrated_in_two_runs(tmp_
     passes = []
     real = gptq_step._gptq_layer_in_two_passes
     monkeypatch.setattr(gptq_step, "_gptq_layer_in_two_passes", lambda *args: passes.append(args[0]) or real(*args))
-    monkeypatch.setattr(true_sequential, "order", lambda layer, hidden, kwargs, linears, out: layers.run(layer, hidden, kwargs, out))
-    seen = hessians_of_layer(calibrate_plan(TINY, tmp_path / "again", text_file(tmp_path)), tokens, 0, true_sequential=True)
+    monkeypatch.setattr(
+        true_sequential, "order", lambda layer, hidden, kwargs, linears, out: layers.run(layer, hidden, kwargs, out)
+    )
+    seen = hessians_of_layer(
+        calibrate_plan(TINY, tmp_path / "again", text_file(tmp_path)), tokens, 0, true_sequential=True
+    )
     assert passes == [0, 1]
     name = LAYER_0[3]
-    torch.testing.assert_close(seen[name + ".weight"].double(), captured_inputs(TINY, name, tokens), rtol=1e-4, atol=1e-3 * float(seen[name + ".weight"].abs().max()))
+    torch.testing.assert_close(
+        seen[name + ".weight"].double(),
+        captured_inputs(TINY, name, tokens),
+        rtol=1e-4,
+        atol=1e-3 * float(seen[name + ".weight"].abs().max()),
+    )
 
 
 def test_true_sequential_parks_each_waiting_input_and_writes_what_it_would_without(tmp_path, monkeypatch):
@@ -258,7 +289,9 @@ def test_true_sequential_parks_each_waiting_input_and_writes_what_it_would_witho
     api.run(calibrate_plan(model, tmp_path / "parked", text_file(tmp_path), true_sequential=True))
     counts = {shape: parked.count(shape) for shape in set(parked)}
     assert counts[(1, 32, 128)] == 4 * 2  # the MLP's product at down_proj: every sample's, in both layers
-    assert counts[(1, 4, 32, 16)] == 4 * 2 and counts[(1, 2, 32, 16)] == 2 * 4 * 2  # the queries, keys, values at o_proj
+    assert (
+        counts[(1, 4, 32, 16)] == 4 * 2 and counts[(1, 2, 32, 16)] == 2 * 4 * 2
+    )  # the queries, keys, values at o_proj
     assert counts[(1, 32, 64)] >= 4 * 3 * 2  # the normed hidden states at q and gate, the attention's output at o
     monkeypatch.setattr(Parking, "park", lambda self, tensor: None)
     api.run(calibrate_plan(model, tmp_path / "kept", text_file(tmp_path), true_sequential=True))
@@ -270,7 +303,9 @@ def test_true_sequential_parks_each_waiting_input_and_writes_what_it_would_witho
 @pytest.mark.parametrize(
     "scheme, true_sequential", [("int4:g32", False), ("int4:g32:asym", False), ("int4:g32", True)], ids=["sym", "asym", "sym-true-sequential"]
 )  # fmt: skip
-def test_each_family_end_to_end_loads_in_transformers_and_decodes_as_qtool_does(tmp_path, monkeypatch, family, scheme, true_sequential):
+def test_each_family_end_to_end_loads_in_transformers_and_decodes_as_qtool_does(
+    tmp_path, monkeypatch, family, scheme, true_sequential
+):
     from safetensors.torch import load_file
 
     if true_sequential:
@@ -308,7 +343,9 @@ def test_each_family_end_to_end_loads_in_transformers_and_decodes_as_qtool_does(
 
 
 @pytest.mark.parametrize("family", ["tiny-llama", "gemma2", "gemma3", "phi3"])
-def test_the_embedding_step_reads_only_the_rows_of_the_samples_tokens_and_gives_the_same_hidden_states(tmp_path, family, monkeypatch):
+def test_the_embedding_step_reads_only_the_rows_of_the_samples_tokens_and_gives_the_same_hidden_states(
+    tmp_path, family, monkeypatch
+):
     """The first layer's inputs from an embedding of only the samples' distinct tokens (ids
     renumbered into it) are bit for bit those from the whole embedding, with Gemma 2's
     normalizer, Gemma 3's scaled embedding and Phi-3's padding index; and the embedding's bytes
@@ -382,14 +419,19 @@ def test_a_skeleton_built_by_the_caller_is_not_built_again_and_gives_the_same_re
             result = calibrate(plan.source, weights, schemes, plan.layout, tokens, RunnerOptions(), **given)
             return {name: {key: tensors[key].clone() for key in tensors} for name, tensors in result.encoded.items()}
         stats = collect_imatrix(plan.source, weights, lambda name: name, tokens, **given)
-        return {name: {"sums": torch.from_numpy(stats.sums[name]), "count": torch.tensor(stats.counts[name])} for name in stats.sums}
+        return {
+            name: {"sums": torch.from_numpy(stats.sums[name]), "count": torch.tensor(stats.counts[name])}
+            for name in stats.sums
+        }
 
     try:
         built = Skeleton.build(plan.source)
         own = run()
         builds = []
         real = Skeleton.build.__func__
-        monkeypatch.setattr(Skeleton, "build", classmethod(lambda cls, checkpoint: builds.append(checkpoint) or real(cls, checkpoint)))
+        monkeypatch.setattr(
+            Skeleton, "build", classmethod(lambda cls, checkpoint: builds.append(checkpoint) or real(cls, checkpoint))
+        )
         given = run(skeleton=built)
     finally:
         plan.source.close()
@@ -407,11 +449,17 @@ def test_a_calibrated_run_builds_the_skeleton_once(tmp_path, monkeypatch, output
 
     builds = []
     real = Skeleton.build.__func__
-    monkeypatch.setattr(Skeleton, "build", classmethod(lambda cls, checkpoint, *a, **k: builds.append(1) or real(cls, checkpoint, *a, **k)))
+    monkeypatch.setattr(
+        Skeleton,
+        "build",
+        classmethod(lambda cls, checkpoint, *a, **k: builds.append(1) or real(cls, checkpoint, *a, **k)),
+    )
     text = text_file(tmp_path)
     if output == "imatrix":
         api.imatrix(TINY, tmp_path / "out.imatrix.gguf", text, chunks=2, chunk_size=32)
     else:
-        plan = api.prepare_quantize(TINY, tmp_path / output, "int4:g32" if output == "out" else "Q4_K_M", calibrate=text, samples=2, seq_len=32)
+        plan = api.prepare_quantize(
+            TINY, tmp_path / output, "int4:g32" if output == "out" else "Q4_K_M", calibrate=text, samples=2, seq_len=32
+        )
         api.run(plan)
     assert builds == [1]

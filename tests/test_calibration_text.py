@@ -100,7 +100,9 @@ def test_a_text_of_short_documents_gives_the_windows_of_whole_documents(tmp_path
     pytest.importorskip("transformers")
     from qtool.calibration.samples import load_tokenizer
 
-    words = "An iterator is created for the result of the expression list. Then the suite is executed once for each item."
+    words = (
+        "An iterator is created for the result of the expression list. Then the suite is executed once for each item."
+    )
     documents = [" ".join(words.split()[i % 7 :]) * (3 + i) + "\n\n" + words for i in range(40)]
     (tmp_path / "a.txt").write_text(documents[0])
     (tmp_path / "b.jsonl").write_text("\r\n".join(json.dumps({"text": d}) for d in documents[1:]) + "\n\n")

@@ -74,7 +74,18 @@ def test_a_checkpoint_that_keeps_the_policy(w4):
     bits = qtool.inspect(w4).summary()["bits_per_weight"]
     result = runner.invoke(
         app,
-        ["check", str(w4), "--expect-scheme", "W4A16", "--require-quantized", LINEAR, "--max-bits-per-weight", repr(bits), "--fail-on-unknown", "--json"],
+        [
+            "check",
+            str(w4),
+            "--expect-scheme",
+            "W4A16",
+            "--require-quantized",
+            LINEAR,
+            "--max-bits-per-weight",
+            repr(bits),
+            "--fail-on-unknown",
+            "--json",
+        ],
     )
     assert result.exit_code == 0 and result.stderr == ""
     document = json.loads(result.stdout)
@@ -85,8 +96,15 @@ def test_a_checkpoint_that_keeps_the_policy(w4):
         "schema_version": 1,
         "path": str(w4),
         "ok": True,
-        "rules": ["require-quantized", "expect-scheme", "max-bits-per-weight", "fail-on-unknown",
-                  "targeted-but-plain", "ignored-but-quantized", "missing-member"],
+        "rules": [
+            "require-quantized",
+            "expect-scheme",
+            "max-bits-per-weight",
+            "fail-on-unknown",
+            "targeted-but-plain",
+            "ignored-but-quantized",
+            "missing-member",
+        ],
         "weights": 21,
         "findings": [],
     }
@@ -96,7 +114,11 @@ def test_expect_scheme(w4, partial):
     assert findings(w4, "--expect-scheme", "int4:g128") == []  # a short form of the same scheme
     document = check(w4, "--expect-scheme", "W8A16")
     assert len(document["findings"]) == 14
-    assert document["findings"][0] == {"rule": "expect-scheme", "weight": "model.layers.0.mlp.down_proj.weight", "detail": "int4 sym g128, expected int8 sym g128"}
+    assert document["findings"][0] == {
+        "rule": "expect-scheme",
+        "weight": "model.layers.0.mlp.down_proj.weight",
+        "detail": "int4 sym g128, expected int8 sym g128",
+    }
     # a selected (linear) weight left plain breaks it too, unless --allow-plain says so
     document = check(partial, "--expect-scheme", "W4A16")
     assert [f["weight"] for f in document["findings"]] == DOWN
@@ -145,10 +167,18 @@ def test_max_bits_per_weight_names_the_plain_weights_that_cost_the_bits(w4):
 
 def test_fail_on_unknown(w4, tmp_path):
     assert findings(w4, "--fail-on-unknown") == []
-    odd = edited(w4, tmp_path / "odd", tensors=lambda t: t.update({"model.layers.0.mlp.up_proj.weight_scale": torch.ones(128, 3, dtype=torch.bfloat16)}))
+    odd = edited(
+        w4,
+        tmp_path / "odd",
+        tensors=lambda t: t.update(
+            {"model.layers.0.mlp.up_proj.weight_scale": torch.ones(128, 3, dtype=torch.bfloat16)}
+        ),
+    )
     document = check(odd, "--fail-on-unknown")
     unknown = [f for f in document["findings"] if f["rule"] == "fail-on-unknown"]
-    assert {f["weight"] for f in unknown} == {f"model.layers.0.mlp.up_proj.{leaf}" for leaf in ("weight_packed", "weight_scale", "weight_shape")}
+    assert {f["weight"] for f in unknown} == {
+        f"model.layers.0.mlp.up_proj.{leaf}" for leaf in ("weight_packed", "weight_scale", "weight_shape")
+    }
     assert "weight_scale shape [128, 3] does not fit a [128, 256] weight" in unknown[0]["detail"]
 
 
@@ -181,8 +211,13 @@ def test_ignored_but_quantized_honours_re_exactly_as_compressed_tensors(w4, tmp_
 
     document = check(ignoring(r"re:.*mlp\.down_proj"))
     assert [(f["rule"], f["weight"]) for f in document["findings"]] == [("ignored-but-quantized", w) for w in DOWN]
-    label = qtool.inspect(tmp_path / "ignore0").weights[3].scheme.label  # without its config group, g128 on 128 inputs reads as channel
-    assert document["findings"][0]["detail"] == label + r", but the config's ignore entry 're:.*mlp\.down_proj' lists model.layers.0.mlp.down_proj"
+    label = (
+        qtool.inspect(tmp_path / "ignore0").weights[3].scheme.label
+    )  # without its config group, g128 on 128 inputs reads as channel
+    assert (
+        document["findings"][0]["detail"]
+        == label + r", but the config's ignore entry 're:.*mlp\.down_proj' lists model.layers.0.mlp.down_proj"
+    )
     assert findings(ignoring("mlp.down_proj")) == []  # not a substring match
     assert findings(ignoring(r"re:mlp\.down_proj")) == []  # re.match: anchored at the start
     assert findings(ignoring("model.layers.1.mlp.down_proj")) == [("ignored-but-quantized", DOWN[1])]  # an exact name
@@ -195,7 +230,15 @@ def test_ignore_matching_agrees_with_the_package():
     from qtool.conventions.compressed_tensors import _Config
 
     modules = ["model.layers.0.mlp.down_proj", "model.layers.10.self_attn.q_proj", "lm_head", "model.embed_tokens"]
-    entries = [r"re:.*mlp\.down_proj", "mlp.down_proj", r"re:mlp\.down_proj", "lm_head", r"re:.*layers\.1\..*", r"re:.*layers\.1.*", "re:.*(q|k)_proj$"]
+    entries = [
+        r"re:.*mlp\.down_proj",
+        "mlp.down_proj",
+        r"re:mlp\.down_proj",
+        "lm_head",
+        r"re:.*layers\.1\..*",
+        r"re:.*layers\.1.*",
+        "re:.*(q|k)_proj$",
+    ]
     for entry in entries:
         config = _Config({"ignore": [entry], "config_groups": {}})
         for module in modules:
@@ -209,13 +252,19 @@ def test_missing_member(w4, tmp_path):
         "rule": "missing-member", "weight": DOWN[0],
         "detail": "weight_packed is stored (I32) but weight_scale is missing (targeted by 'model.layers.0.mlp.down_proj')",
     }]  # fmt: skip
-    no_shape = edited(w4, tmp_path / "no-shape", tensors=lambda t: t.pop("model.layers.1.self_attn.q_proj.weight_shape"))
+    no_shape = edited(
+        w4, tmp_path / "no-shape", tensors=lambda t: t.pop("model.layers.1.self_attn.q_proj.weight_shape")
+    )
     assert findings(no_shape) == [("missing-member", "model.layers.1.self_attn.q_proj.weight")]
     asym = CT_FIXTURES / "W4A16_ASYM"  # written by compressed-tensors: group_0 asymmetric
     assert findings(asym) == []
-    no_zero = edited(asym, tmp_path / "no-zero", tensors=lambda t: t.pop("model.layers.0.self_attn.q_proj.weight_zero_point"))
+    no_zero = edited(
+        asym, tmp_path / "no-zero", tensors=lambda t: t.pop("model.layers.0.self_attn.q_proj.weight_zero_point")
+    )
     document = check(no_zero)
-    assert [(f["rule"], f["weight"]) for f in document["findings"]] == [("missing-member", "model.layers.0.self_attn.q_proj.weight")]
+    assert [(f["rule"], f["weight"]) for f in document["findings"]] == [
+        ("missing-member", "model.layers.0.self_attn.q_proj.weight")
+    ]
     assert "without weight_zero_point" in document["findings"][0]["detail"]
 
 
@@ -235,6 +284,7 @@ def test_no_nan_streams_the_data_dequantized_first(w4, tmp_path, monkeypatch):
         {"rule": "no-nan", "weight": "lm_head.weight", "detail": "0 NaN and 2 Inf values (stored)"},
         {"rule": "no-nan", "weight": "model.norm.weight", "detail": "1 NaN and 0 Inf values (stored)"},
     ]
+
     # an Inf scale: the packed data is finite, the weight it decodes to is not
     def inf_scale(stored):
         stored["model.layers.0.self_attn.q_proj.weight_scale"][5, 1] = float("inf")
@@ -242,8 +292,12 @@ def test_no_nan_streams_the_data_dequantized_first(w4, tmp_path, monkeypatch):
     scaled = edited(w4, tmp_path / "inf-scale", tensors=inf_scale)
     document = check(scaled, "--no-nan")
     [finding] = document["findings"]
-    nan, inf = map(int, re.fullmatch(r"(\d+) NaN and (\d+) Inf values \(after dequantizing\)", finding["detail"]).groups())
-    assert finding["weight"] == "model.layers.0.self_attn.q_proj.weight" and nan + inf == 128  # one group: inf * 0 is NaN
+    nan, inf = map(
+        int, re.fullmatch(r"(\d+) NaN and (\d+) Inf values \(after dequantizing\)", finding["detail"]).groups()
+    )
+    assert (
+        finding["weight"] == "model.layers.0.self_attn.q_proj.weight" and nan + inf == 128
+    )  # one group: inf * 0 is NaN
 
     # without --no-nan no tensor data is read at all
     from qtool.formats.checkpoint import Checkpoint
@@ -257,13 +311,10 @@ def test_no_nan_streams_the_data_dequantized_first(w4, tmp_path, monkeypatch):
 
 def test_policy_file_holds_the_same_rules(partial, tmp_path):
     policy = tmp_path / "qtool-policy.toml"
-    policy.write_text(
-        "[check]\n"
-        "expect-scheme = 'W4A16'\n"
-        f"require-quantized = ['{LINEAR}']\n"
-        "fail-on-unknown = true\n"
+    policy.write_text(f"[check]\nexpect-scheme = 'W4A16'\nrequire-quantized = ['{LINEAR}']\nfail-on-unknown = true\n")
+    assert findings(partial, "--policy", policy) == findings(
+        partial, "--expect-scheme", "W4A16", "--require-quantized", LINEAR, "--fail-on-unknown"
     )
-    assert findings(partial, "--policy", policy) == findings(partial, "--expect-scheme", "W4A16", "--require-quantized", LINEAR, "--fail-on-unknown")
     assert findings(partial, "--policy", policy) == [("require-quantized", w) for w in DOWN]
     assert findings(partial, "--policy", policy, "--allow-plain", "re:.*down_proj") == []  # options add to the file
     for text, message in [
@@ -299,7 +350,11 @@ def _readme_ci() -> tuple[list[str], str, list[tuple[str, int]]]:
     steps = [line.split("run:", 1)[1].strip() for line in workflow.splitlines() if line.strip().startswith("- run:")]
     policy = re.search(r"```toml\n(.*?)```", section, re.S).group(1)
     shell = re.search(r"```sh\n(.*?)```", section, re.S).group(1)
-    codes = [(line.split("#")[0].strip(), int(re.search(r"# exit (\d)", line).group(1))) for line in shell.splitlines() if line.strip()]
+    codes = [
+        (line.split("#")[0].strip(), int(re.search(r"# exit (\d)", line).group(1)))
+        for line in shell.splitlines()
+        if line.strip()
+    ]
     return steps, policy, codes
 
 
@@ -313,7 +368,12 @@ def test_the_readme_ci_example_runs_with_the_documented_exit_codes(tmp_path):
     (bin_dir / "qtool").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m qtool "$@"\n')
     (bin_dir / "qtool").chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(REPO)}
-    script = "set -e\n" + "\n".join(steps[1:]) + "\n" + "".join(f"set +e; {command}; echo \"exit=$?\"\n" for command, _ in codes)
+    script = (
+        "set -e\n"
+        + "\n".join(steps[1:])
+        + "\n"
+        + "".join(f'set +e; {command}; echo "exit=$?"\n' for command, _ in codes)
+    )
     result = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert re.findall(r"exit=(\d)", result.stdout) == [str(code) for _, code in codes], result.stdout + result.stderr

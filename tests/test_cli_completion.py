@@ -19,7 +19,9 @@ from tests.conftest import REPO
 def qtool_with(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("_QTOOL", "_TYPER", "COMP_"))}
     environment.update(env, PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "qtool", *args], capture_output=True, text=True, env=environment, cwd=REPO, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "qtool", *args], capture_output=True, text=True, env=environment, cwd=REPO, timeout=60
+    )
 
 
 def test_help_offers_install_and_show_completion():
@@ -44,13 +46,25 @@ def test_zsh_and_fish_scripts():
 
 
 def test_completing_commands_and_options():
-    assert qtool_with({"_QTOOL_COMPLETE": "complete_bash", "COMP_WORDS": "qtool insp", "COMP_CWORD": "1"}).stdout.split() == ["inspect"]
-    assert qtool_with({"_QTOOL_COMPLETE": "bash_complete", "COMP_WORDS": "qtool c", "COMP_CWORD": "1"}).stdout.split() == ["compare", "check"]
-    options = qtool_with({"_QTOOL_COMPLETE": "complete_bash", "COMP_WORDS": "qtool inspect --fo", "COMP_CWORD": "2"}).stdout.split()
+    assert qtool_with(
+        {"_QTOOL_COMPLETE": "complete_bash", "COMP_WORDS": "qtool insp", "COMP_CWORD": "1"}
+    ).stdout.split() == ["inspect"]
+    assert qtool_with(
+        {"_QTOOL_COMPLETE": "bash_complete", "COMP_WORDS": "qtool c", "COMP_CWORD": "1"}
+    ).stdout.split() == ["compare", "check"]
+    options = qtool_with(
+        {"_QTOOL_COMPLETE": "complete_bash", "COMP_WORDS": "qtool inspect --fo", "COMP_CWORD": "2"}
+    ).stdout.split()
     assert options == ["--format"]
     zsh = qtool_with({"_QTOOL_COMPLETE": "complete_zsh", "_TYPER_COMPLETE_ARGS": "qtool sch"})
     assert '"schemes"' in zsh.stdout
-    fish = qtool_with({"_QTOOL_COMPLETE": "complete_fish", "_TYPER_COMPLETE_ARGS": "qtool deq", "_TYPER_COMPLETE_FISH_ACTION": "get-args"})
+    fish = qtool_with(
+        {
+            "_QTOOL_COMPLETE": "complete_fish",
+            "_TYPER_COMPLETE_ARGS": "qtool deq",
+            "_TYPER_COMPLETE_FISH_ACTION": "get-args",
+        }
+    )
     assert fish.stdout.startswith("dequantize\t")
 
 
@@ -63,6 +77,8 @@ def test_the_bash_script_completes_in_a_real_bash(tmp_path):
     (bin_dir / "qtool").chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(REPO)}
     script = 'eval "$(_QTOOL_COMPLETE=source_bash qtool)"\nCOMP_WORDS=(qtool insp)\nCOMP_CWORD=1\n_qtool_completion qtool\necho "${COMPREPLY[@]}"\n'
-    result = subprocess.run(["bash", "--norc", "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    result = subprocess.run(
+        ["bash", "--norc", "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["inspect"]

@@ -80,7 +80,8 @@ def test_expected_errors_and_usage_errors_keep_their_codes(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("exc", "code", "line"), [(KeyboardInterrupt(), 130, "error: interrupted"), (Terminated(), 143, "error: terminated")]
+    ("exc", "code", "line"),
+    [(KeyboardInterrupt(), 130, "error: interrupted"), (Terminated(), 143, "error: terminated")],
 )
 def test_interrupted_and_terminated_exit_130_and_143(monkeypatch, exc, code, line):
     monkeypatch.setattr(qtool.api, "inspect", _raise(exc))
@@ -119,7 +120,11 @@ def crashing_qtool(exc: str, *, debug: bool = False) -> subprocess.CompletedProc
     if debug:
         env["QTOOL_DEBUG"] = "1"
     return subprocess.run(
-        [sys.executable, "-c", CRASHING_MAIN.format(exc=exc), str(TINY)], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, "-c", CRASHING_MAIN.format(exc=exc), str(TINY)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
 
 
@@ -145,7 +150,10 @@ def test_subprocess_debug_keeps_a_qtool_errors_own_code():
     assert result.stderr.endswith("error: bad\nhint: do this\n")
 
 
-@pytest.mark.parametrize(("exc", "code", "line"), [("KeyboardInterrupt", 130, "interrupted"), ("__import__('qtool.errors').errors.Terminated", 143, "terminated")])
+@pytest.mark.parametrize(
+    ("exc", "code", "line"),
+    [("KeyboardInterrupt", 130, "interrupted"), ("__import__('qtool.errors').errors.Terminated", 143, "terminated")],
+)
 def test_subprocess_interrupted_and_terminated(exc, code, line):
     result = crashing_qtool(exc)
     assert result.returncode == code
@@ -165,7 +173,10 @@ def test_a_signal_aborts_the_writers_open_outputs(monkeypatch):
     monkeypatch.setattr(qtool.formats.writer, "abort_all", _raise(OSError(5, "Input/output error")), raising=False)
     result = runner.invoke(app, ["inspect", str(TINY)])
     assert result.exit_code == 143
-    assert result.stderr == "warning: cleaning up the outputs failed: OSError: [Errno 5] Input/output error\nerror: terminated\n"
+    assert (
+        result.stderr
+        == "warning: cleaning up the outputs failed: OSError: [Errno 5] Input/output error\nerror: terminated\n"
+    )
 
 
 def test_an_error_after_a_signal_is_the_signals_doing_not_a_bug(monkeypatch):

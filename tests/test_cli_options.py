@@ -53,10 +53,19 @@ def test_the_help_says_what_qtool_does_and_where_quantize_writes():
     from tests.conftest import REPO
 
     env = {**os.environ, "COLUMNS": "300", "NO_COLOR": "1"}
-    top = subprocess.run([sys.executable, "-m", "qtool", "--help"], capture_output=True, text=True, cwd=REPO, env=env, timeout=120).stdout
+    top = subprocess.run(
+        [sys.executable, "-m", "qtool", "--help"], capture_output=True, text=True, cwd=REPO, env=env, timeout=120
+    ).stdout
     summary = top.split("Options")[0]
     for verb in ("Inspect", "quantize", "dequantize", "compare", "check"):
         assert verb in summary, verb
-    quantize = subprocess.run([sys.executable, "-m", "qtool", "quantize", "--help"], capture_output=True, text=True, cwd=REPO, env=env, timeout=120).stdout
+    quantize = subprocess.run(
+        [sys.executable, "-m", "qtool", "quantize", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=120,
+    ).stdout
     output_line = next(line for line in quantize.splitlines() if "--output" in line)
     assert ".gguf" in output_line and ".safetensors" in output_line

@@ -33,7 +33,9 @@ def _environment() -> dict[str, str]:
 
 def _loaded_after(statement: str) -> list[str]:
     code = f"import sys; before = set(sys.modules); {statement}; print('\\n'.join(sorted(set(sys.modules) - before)))"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_environment(), cwd=REPO, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=_environment(), cwd=REPO, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout.split()
 
@@ -96,7 +98,9 @@ SIGNALS = [(signal.SIGINT, 130, "error: interrupted"), (signal.SIGTERM, 143, "er
 
 @posix_only
 @pytest.mark.parametrize(("signum", "code", "line"), SIGNALS, ids=["SIGINT", "SIGTERM"])
-@pytest.mark.parametrize("args", [["inspect", str(TINY)], ["inspect", str(TINY), "--stats", "-q"]], ids=["inspect", "inspect-stats"])
+@pytest.mark.parametrize(
+    "args", [["inspect", str(TINY)], ["inspect", str(TINY), "--stats", "-q"]], ids=["inspect", "inspect-stats"]
+)
 def test_a_signal_at_any_moment_exits_with_its_code_and_no_traceback(signum, code, line, args):
     """`--stats` imports torch: signals land inside a long import, as Ctrl-C in the first second
     of a quantize does. The first signal is sent the instant qtool's handlers are in, with the
@@ -116,7 +120,10 @@ def test_a_signal_at_any_moment_exits_with_its_code_and_no_traceback(signum, cod
 
 
 @posix_only
-@pytest.mark.parametrize(("first", "then"), [(signal.SIGTERM, signal.SIGINT), (signal.SIGINT, signal.SIGINT), (signal.SIGTERM, signal.SIGTERM)])
+@pytest.mark.parametrize(
+    ("first", "then"),
+    [(signal.SIGTERM, signal.SIGINT), (signal.SIGINT, signal.SIGINT), (signal.SIGTERM, signal.SIGTERM)],
+)
 def test_a_second_signal_during_cleanup_leaves_no_traceback(first, then):
     codes = {signal.SIGINT: 130, signal.SIGTERM: 143}
     for delay in (0.1, 0.3, 0.6):
@@ -139,7 +146,9 @@ def _big_model(folder: Path) -> Path:
     from tests.conftest import write_safetensors
 
     folder.mkdir()
-    tensors = {f"model.layers.{i}.mlp.{p}.weight": ("BF16", (4096, 4096)) for i in range(3) for p in ("up_proj", "down_proj")}
+    tensors = {
+        f"model.layers.{i}.mlp.{p}.weight": ("BF16", (4096, 4096)) for i in range(3) for p in ("up_proj", "down_proj")
+    }
     write_safetensors(folder / "model.safetensors", tensors)
     (folder / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": "bfloat16"}))
     return folder
@@ -153,7 +162,9 @@ def _quantize_and_signal(tmp_path: Path, signum: int, ready) -> subprocess.Compl
     """Quantize ~200 MB and send `signum` while `ready(staging folder)` holds, the process
     frozen in that state (`signal_when`): the signal lands there however loaded the machine."""
     model = _big_model(tmp_path / "model")
-    process, _ = _start("quantize", str(model), "-o", str(tmp_path / "out"), "--scheme", "int8", "-q", "--threads", "1", cwd=tmp_path)
+    process, _ = _start(
+        "quantize", str(model), "-o", str(tmp_path / "out"), "--scheme", "int8", "-q", "--threads", "1", cwd=tmp_path
+    )
 
     def in_state() -> bool:
         try:
@@ -239,7 +250,11 @@ def test_sighup_stays_ignored_under_nohup():
     """`nohup qtool ...` ignores SIGHUP: qtool keeps it ignored and finishes."""
     process = subprocess.Popen(
         [sys.executable, "-m", "qtool", "inspect", str(TINY), "--stats", "-q"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_environment(), cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_environment(),
+        cwd=REPO,
         preexec_fn=lambda: (default_signal_dispositions(), signal.signal(signal.SIGHUP, signal.SIG_IGN)),
     )
     wait_for_qtool_handlers(process)
@@ -267,7 +282,14 @@ def test_started_with_sigint_ignored_qtool_still_handles_the_other_signals_from_
         default_signal_dispositions()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-    result = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, env=_environment(), timeout=120, preexec_fn=background)
+    result = subprocess.run(
+        [sys.executable, str(probe)],
+        capture_output=True,
+        text=True,
+        env=_environment(),
+        timeout=120,
+        preexec_fn=background,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["SIG_IGN", "_exit_at_once", "_exit_at_once"]
 
@@ -287,5 +309,12 @@ def test_a_second_signal_while_the_early_handler_writes_its_line_adds_no_second_
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         "print('the early handler returned', flush=True)\n"
     )
-    result = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, env=_environment(), timeout=120, preexec_fn=default_signal_dispositions)
+    result = subprocess.run(
+        [sys.executable, str(probe)],
+        capture_output=True,
+        text=True,
+        env=_environment(),
+        timeout=120,
+        preexec_fn=default_signal_dispositions,
+    )
     assert (result.returncode, result.stdout, result.stderr) == (143, "", "error: terminated\n")

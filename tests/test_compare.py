@@ -105,7 +105,11 @@ def test_a_pair_written_by_compressed_tensors_itself(tmp_path):
     shapes, model, compressor, original = ct.make_quantized({"preset": "W4A16_ASYM"})
     quantized = tmp_path / "ct"
     quantized.mkdir()
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, quantized / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        quantized / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     compressor.update_config(str(quantized))
     (tmp_path / "orig").mkdir()
     save_file({k: v.contiguous() for k, v in original.items()}, tmp_path / "orig" / "model.safetensors")
@@ -113,7 +117,10 @@ def test_a_pair_written_by_compressed_tensors_itself(tmp_path):
 
     report = qtool.compare(tmp_path / "orig", quantized).to_json()
     by_name = {w["name"]: w for w in report["weights"]}
-    assert report["only_in_a"] == [] and set(report["only_in_b"]) == {"model.layers.0.input_layernorm.weight", "model.norm.weight"}
+    assert report["only_in_a"] == [] and set(report["only_in_b"]) == {
+        "model.layers.0.input_layernorm.weight",
+        "model.norm.weight",
+    }
     for name, values in reference.items():
         assert by_name[name]["scheme_b"] == "int4 asym g128"
         assert_matches(by_name[name], measures(original[name], values))
@@ -154,9 +161,11 @@ def test_gguf_is_matched_by_hugging_face_name_and_its_rotary_rows_are_undone(q8_
 
     reader = gguf.GGUFReader(str(q8_gguf))
     original = load_file(str(TINY / "model.safetensors"))
-    for gguf_name, hf_name, heads in [("blk.1.attn_q.weight", "model.layers.1.self_attn.q_proj.weight", 4),
-                                      ("blk.0.attn_k.weight", "model.layers.0.self_attn.k_proj.weight", 2),
-                                      ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", None)]:
+    for gguf_name, hf_name, heads in [
+        ("blk.1.attn_q.weight", "model.layers.1.self_attn.q_proj.weight", 4),
+        ("blk.0.attn_k.weight", "model.layers.0.self_attn.k_proj.weight", 2),
+        ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", None),
+    ]:
         tensor = next(t for t in reader.tensors if t.name == gguf_name)
         decoded = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())
         x = original[hf_name]
@@ -167,7 +176,9 @@ def test_gguf_is_matched_by_hugging_face_name_and_its_rotary_rows_are_undone(q8_
         assert any("un-permuted" in n for n in by_name[hf_name]["notes"]) == bool(heads)
 
     # without the built-in map, a --map pairs q_proj, but nothing undoes the permutation
-    raw = qtool.compare(TINY, q8_gguf, gguf_names=False, maps=[r"re:^blk\.(\d+)\.attn_q\.=model.layers.\1.self_attn.q_proj."]).to_json()
+    raw = qtool.compare(
+        TINY, q8_gguf, gguf_names=False, maps=[r"re:^blk\.(\d+)\.attn_q\.=model.layers.\1.self_attn.q_proj."]
+    ).to_json()
     paired = {w["name"]: w for w in raw["weights"]}
     assert set(paired) == {f"model.layers.{i}.self_attn.q_proj.weight" for i in range(2)}
     assert paired["model.layers.1.self_attn.q_proj.weight"]["sqnr_db"] < 3
@@ -188,11 +199,19 @@ def test_the_gguf_name_map_agrees_with_gguf_py():
 
 
 def test_rename_rules():
-    rules = [parse_rename(r"re:^blk\.(\d+)\.=model.layers.\1."), parse_rename("model.layers.=layers."), parse_rename(r"re:(?=x)x=y")]
+    rules = [
+        parse_rename(r"re:^blk\.(\d+)\.=model.layers.\1."),
+        parse_rename("model.layers.=layers."),
+        parse_rename(r"re:(?=x)x=y"),
+    ]
     assert rename("blk.12.attn_q.weight", rules) == "layers.12.attn_q.weight"  # in order, chained
     assert rename("xblk.1.w", rules[:1]) == "xblk.1.w"  # anchored at the start
     assert rename("x.blk", rules[2:]) == "y.blk"  # split at the last '=', so (?=...) works
-    for bad, message in [("no-equals", "is not OLD=NEW"), ("re:(=x", "invalid regex"), (r"re:^a(b)=\2", "invalid group reference 2")]:
+    for bad, message in [
+        ("no-equals", "is not OLD=NEW"),
+        ("re:(=x", "invalid regex"),
+        (r"re:^a(b)=\2", "invalid group reference 2"),
+    ]:
         with pytest.raises(UsageError, match=message):
             parse_rename(bad)
 
@@ -212,7 +231,9 @@ def test_each_gate_fires_exactly_at_its_threshold(w4):
     worst_sqnr = worst["sqnr_db"]
     assert comparison.violations(Gates(min_sqnr=worst_sqnr)) == []
     breaches = comparison.violations(Gates(min_sqnr=math.nextafter(worst_sqnr, math.inf)))
-    assert breaches == [f"{worst['name']}: SQNR {worst_sqnr:.9g} dB is below --min-sqnr {math.nextafter(worst_sqnr, math.inf):g}"]
+    assert breaches == [
+        f"{worst['name']}: SQNR {worst_sqnr:.9g} dB is below --min-sqnr {math.nextafter(worst_sqnr, math.inf):g}"
+    ]
 
     rel = max(w["rel_rmse"] for w in report["weights"])
     assert comparison.violations(Gates(max_rel_rmse=rel)) == []
@@ -227,7 +248,9 @@ def test_gates_on_the_command_line_exit_1_with_one_line_per_breach(w4, w4_report
     result = run("compare", TINY, w4, "--min-sqnr", repr(math.nextafter(sqnrs[2], math.inf)), "--json")
     assert result.exit_code == 1
     assert result.stderr.splitlines() == [f"error: {line}" for line in json.loads(result.stdout)["violations"]]
-    assert len(result.stderr.splitlines()) == 3 and all("is below --min-sqnr" in line for line in result.stderr.splitlines())
+    assert len(result.stderr.splitlines()) == 3 and all(
+        "is below --min-sqnr" in line for line in result.stderr.splitlines()
+    )
 
     # two weights missing from B, one extra: --max-missing counts both sides
     tensors = load_file(str(TINY / "model.safetensors"))
@@ -238,8 +261,14 @@ def test_gates_on_the_command_line_exit_1_with_one_line_per_breach(w4, w4_report
     assert run("compare", TINY, tmp_path / "b", "--max-missing", "3").exit_code == 0
     result = run("compare", TINY, tmp_path / "b", "--max-missing", "2", "--json")
     document = json.loads(result.stdout)
-    assert result.exit_code == 1 and document["only_in_a"] == ["lm_head.weight", "model.norm.weight"] and document["only_in_b"] == ["extra.weight"]
-    assert result.stderr == "error: 3 weights have no counterpart (2 only in A, 1 only in B), more than --max-missing 2\n"
+    assert (
+        result.exit_code == 1
+        and document["only_in_a"] == ["lm_head.weight", "model.norm.weight"]
+        and document["only_in_b"] == ["extra.weight"]
+    )
+    assert (
+        result.stderr == "error: 3 weights have no counterpart (2 only in A, 1 only in B), more than --max-missing 2\n"
+    )
     assert run("compare", TINY, tmp_path / "b").exit_code == 0  # reported, but no gate asked
 
 
@@ -252,7 +281,11 @@ def test_gates_from_a_policy_file(w4, w4_report, tmp_path):
     assert run("compare", TINY, w4, "--policy", policy, "--min-sqnr", repr(worst)).exit_code == 0  # the option wins
     policy.write_text("[compare]\nmin-sqrn = 20\n")
     result = run("compare", TINY, w4, "--policy", policy)
-    assert result.exit_code == 2 and "unknown key 'min-sqrn' in [compare]" in result.stderr and "did you mean 'min-sqnr'" in result.stderr
+    assert (
+        result.exit_code == 2
+        and "unknown key 'min-sqrn' in [compare]" in result.stderr
+        and "did you mean 'min-sqnr'" in result.stderr
+    )
 
 
 # -- findings ------------------------------------------------------------------------------------
@@ -285,7 +318,9 @@ def test_pages_are_released_pair_by_pair(w4, monkeypatch):
     events = []
     monkeypatch.setattr(Checkpoint, "release", lambda self, tensor: events.append(("release", tensor.name)))
     load = Checkpoint.load
-    monkeypatch.setattr(Checkpoint, "load", lambda self, tensor: events.append(("load", tensor.name)) or load(self, tensor))
+    monkeypatch.setattr(
+        Checkpoint, "load", lambda self, tensor: events.append(("load", tensor.name)) or load(self, tensor)
+    )
     qtool.compare(TINY, w4)
     live = set()
     for kind, name in events:
@@ -396,7 +431,13 @@ def _cli(*argv):
 
     from tests.conftest import REPO
 
-    return subprocess.run([sys.executable, "-m", "qtool", "compare", *map(str, argv)], capture_output=True, text=True, cwd=REPO, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "qtool", "compare", *map(str, argv)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
 
 
 def test_nothing_matched_is_exit_2_with_the_reason(tmp_path):
@@ -406,7 +447,9 @@ def test_nothing_matched_is_exit_2_with_the_reason(tmp_path):
         assert result.returncode == 2, result.stdout + result.stderr
         assert result.stdout == ""
         lines = result.stderr.splitlines()
-        assert lines[0].startswith("error: ") and "nothing was compared" in lines[0] and "1 in A, 1 in B" in lines[0], lines
+        assert lines[0].startswith("error: ") and "nothing was compared" in lines[0] and "1 in A, 1 in B" in lines[0], (
+            lines
+        )
         assert lines[1].startswith("hint: ") and "--map" in lines[1] and len(lines) == 2
 
 

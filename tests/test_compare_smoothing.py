@@ -152,7 +152,11 @@ def awq_outputs(tmp_path_factory):
     model = _outlier_model(root / "model")
     text = text_file(root)
     for algorithm in ("awq", "rtn"):
-        api.run(api.prepare_quantize(model, root / algorithm, "int4:g32", calibrate=text, algorithm=algorithm, samples=4, seq_len=32))
+        api.run(
+            api.prepare_quantize(
+                model, root / algorithm, "int4:g32", calibrate=text, algorithm=algorithm, samples=4, seq_len=32
+            )
+        )
     return model, root / "awq", root / "rtn"
 
 
@@ -169,19 +173,34 @@ def test_an_awq_output_measures_in_line_with_round_to_nearest(awq_outputs):
     roles = {w["name"]: (w["smoothing"] or {}).get("role") for w in smoothed["weights"]}
     for layer in (0, 1):
         prefix = f"model.layers.{layer}"
-        assert roles[f"{prefix}.input_layernorm.weight"] == roles[f"{prefix}.post_attention_layernorm.weight"] == ROLE_NORM
+        assert (
+            roles[f"{prefix}.input_layernorm.weight"] == roles[f"{prefix}.post_attention_layernorm.weight"] == ROLE_NORM
+        )
         assert {roles[f"{prefix}.self_attn.{leaf}.weight"] for leaf in ATTENTION} == {ROLE_RESCALED}
         assert roles[f"{prefix}.mlp.gate_proj.weight"] == ROLE_RESCALED
         assert roles[f"{prefix}.mlp.up_proj.weight"] == roles[f"{prefix}.mlp.down_proj.weight"] == ROLE_UNRECOVERED
-        assert roles[f"{prefix}.self_attn.o_proj.weight"] is None  # grouped-query attention: v_proj is not folded into it
+        assert (
+            roles[f"{prefix}.self_attn.o_proj.weight"] is None
+        )  # grouped-query attention: v_proj is not folded into it
     unrecovered = _by_name(smoothed)["model.layers.0.mlp.down_proj.weight"]
     assert unrecovered["sqnr_db"] is None and unrecovered["finding"] is None
     assert unrecovered["notes"][-1].startswith("not measured: AWQ smooths mlp.up_proj -> mlp.down_proj")
-    assert smoothed["summary"]["smoothing"] == {**smoothed["summary"]["smoothing"], "norms": 4, "rescaled": 8, "unrecovered": 4}
+    assert smoothed["summary"]["smoothing"] == {
+        **smoothed["summary"]["smoothing"],
+        "norms": 4,
+        "rescaled": 8,
+        "unrecovered": 4,
+    }
 
 
 def _cli(*argv):
-    return subprocess.run([sys.executable, "-m", "qtool", "compare", *map(str, argv)], capture_output=True, text=True, cwd=REPO, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "qtool", "compare", *map(str, argv)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
 
 
 def test_the_readme_gate_passes_on_an_awq_output_with_one_line_saying_what_was_measured(awq_outputs):
@@ -215,7 +234,9 @@ def _pair(key: str, shape, quantized: bool = True):
 def _folds(shapes: dict[str, tuple[int, int]], quantized: bool = True) -> list[tuple[str, str]]:
     from qtool.comparison_smoothing import _fold_applies, _linear_folds
 
-    members = {relative: _pair(f"model.layers.0.{relative}.weight", shape, quantized) for relative, shape in shapes.items()}
+    members = {
+        relative: _pair(f"model.layers.0.{relative}.weight", shape, quantized) for relative, shape in shapes.items()
+    }
     return [(_short(s), _short(t)) for s, t in _linear_folds(members) if _fold_applies(s, t)]
 
 
@@ -224,17 +245,35 @@ def _short(pair) -> str:
 
 
 def test_v_proj_folds_into_o_proj_only_without_grouped_query_attention():
-    assert _folds({"self_attn.v_proj": (256, 256), "self_attn.o_proj": (256, 256)}) == [("self_attn.v_proj", "self_attn.o_proj")]
+    assert _folds({"self_attn.v_proj": (256, 256), "self_attn.o_proj": (256, 256)}) == [
+        ("self_attn.v_proj", "self_attn.o_proj")
+    ]
     assert _folds({"self_attn.v_proj": (128, 256), "self_attn.o_proj": (256, 256)}) == []  # 2 of 4 heads' values
 
 
 def test_fused_and_expert_folds():
-    assert _folds({"self_attn.qkv_proj": (768, 256), "self_attn.o_proj": (256, 256)}) == [("self_attn.qkv_proj", "self_attn.o_proj")]
-    assert _folds({"self_attn.qkv_proj": (512, 256), "self_attn.o_proj": (256, 256)}) == []  # grouped-query: v is not o's width
-    assert _folds({"mlp.gate_up_proj": (256, 64), "mlp.down_proj": (64, 128)}) == [("mlp.gate_up_proj", "mlp.down_proj")]
-    experts = {"mlp.experts.3.up_proj": (128, 64), "mlp.experts.3.down_proj": (64, 128), "block_sparse_moe.experts.0.w3": (128, 64), "block_sparse_moe.experts.0.w2": (64, 128)}
-    assert sorted(_folds(experts)) == [("block_sparse_moe.experts.0.w3", "block_sparse_moe.experts.0.w2"), ("mlp.experts.3.up_proj", "mlp.experts.3.down_proj")]
-    assert _folds({"mlp.shared_expert.up_proj": (128, 64), "mlp.shared_expert.down_proj": (64, 128)}) == []  # not one of AWQ's mappings
+    assert _folds({"self_attn.qkv_proj": (768, 256), "self_attn.o_proj": (256, 256)}) == [
+        ("self_attn.qkv_proj", "self_attn.o_proj")
+    ]
+    assert (
+        _folds({"self_attn.qkv_proj": (512, 256), "self_attn.o_proj": (256, 256)}) == []
+    )  # grouped-query: v is not o's width
+    assert _folds({"mlp.gate_up_proj": (256, 64), "mlp.down_proj": (64, 128)}) == [
+        ("mlp.gate_up_proj", "mlp.down_proj")
+    ]
+    experts = {
+        "mlp.experts.3.up_proj": (128, 64),
+        "mlp.experts.3.down_proj": (64, 128),
+        "block_sparse_moe.experts.0.w3": (128, 64),
+        "block_sparse_moe.experts.0.w2": (64, 128),
+    }
+    assert sorted(_folds(experts)) == [
+        ("block_sparse_moe.experts.0.w3", "block_sparse_moe.experts.0.w2"),
+        ("mlp.experts.3.up_proj", "mlp.experts.3.down_proj"),
+    ]
+    assert (
+        _folds({"mlp.shared_expert.up_proj": (128, 64), "mlp.shared_expert.down_proj": (64, 128)}) == []
+    )  # not one of AWQ's mappings
 
 
 def test_a_fold_into_a_plain_linear_is_measured_as_stored():

@@ -17,24 +17,50 @@ DOWN_PROJ = "model.layers.0.mlp.down_proj.weight"
 
 # fixture -> {weight: (logical shape, label, granularity, block, scale dtype, member roles)}
 EXPECTED = {
-    "W8A16": {Q_PROJ: ([16, 128], "int8 sym g128", "group", [1, 128], "BF16", {"data", "scale", "shape"}),
-              DOWN_PROJ: ([12, 256], "int8 sym g128", "group", [1, 128], "BF16", {"data", "scale", "shape"})},
-    "W4A16": {Q_PROJ: ([16, 128], "int4 sym g128", "group", [1, 128], "BF16", {"data", "scale", "shape"}),
-              DOWN_PROJ: ([12, 256], "int4 sym g128", "group", [1, 128], "BF16", {"data", "scale", "shape"})},
+    "W8A16": {
+        Q_PROJ: ([16, 128], "int8 sym g128", "group", [1, 128], "BF16", {"data", "scale", "shape"}),
+        DOWN_PROJ: ([12, 256], "int8 sym g128", "group", [1, 128], "BF16", {"data", "scale", "shape"}),
+    },
+    "W4A16": {
+        Q_PROJ: ([16, 128], "int4 sym g128", "group", [1, 128], "BF16", {"data", "scale", "shape"}),
+        DOWN_PROJ: ([12, 256], "int4 sym g128", "group", [1, 128], "BF16", {"data", "scale", "shape"}),
+    },
     "W3A16": {DOWN_PROJ: ([12, 256], "int3 sym g128", "group", [1, 128], "BF16", {"data", "scale", "shape"})},
-    "W4A16_ASYM": {DOWN_PROJ: ([12, 256], "int4 asym g128", "group", [1, 128], "BF16", {"data", "scale", "shape", "zero_point"})},
+    "W4A16_ASYM": {
+        DOWN_PROJ: ([12, 256], "int4 asym g128", "group", [1, 128], "BF16", {"data", "scale", "shape", "zero_point"})
+    },
     "W4A16_naive": {DOWN_PROJ: ([12, 256], "int4 sym g128", "group", [1, 128], "BF16", {"data", "scale"})},
     "W8A8": {DOWN_PROJ: ([12, 256], "int8 sym channel", "channel", [1, 256], "BF16", {"data", "scale"})},
     "FP8": {DOWN_PROJ: ([12, 256], "fp8_e4m3 tensor", "tensor", None, "BF16", {"data", "scale", "input_scale"})},
     "FP8_DYNAMIC": {DOWN_PROJ: ([12, 256], "fp8_e4m3 channel", "channel", [1, 256], "BF16", {"data", "scale"})},
-    "FP8_BLOCK": {Q_PROJ: ([256, 128], "fp8_e4m3 block128x128", "block", [128, 128], "BF16", {"data", "scale"}),
-                  DOWN_PROJ: ([136, 136], "fp8_e4m3 block128x128", "block", [128, 128], "BF16", {"data", "scale"})},
+    "FP8_BLOCK": {
+        Q_PROJ: ([256, 128], "fp8_e4m3 block128x128", "block", [128, 128], "BF16", {"data", "scale"}),
+        DOWN_PROJ: ([136, 136], "fp8_e4m3 block128x128", "block", [128, 128], "BF16", {"data", "scale"}),
+    },
     "NVFP4A16": {DOWN_PROJ: ([12, 256], "nvfp4 g16", "group", [1, 16], "F8_E4M3", {"data", "scale", "global_scale"})},
-    "NVFP4": {DOWN_PROJ: ([12, 256], "nvfp4 g16", "group", [1, 16], "F8_E4M3", {"data", "scale", "global_scale", "input_global_scale"})},
+    "NVFP4": {
+        DOWN_PROJ: (
+            [12, 256],
+            "nvfp4 g16",
+            "group",
+            [1, 16],
+            "F8_E4M3",
+            {"data", "scale", "global_scale", "input_global_scale"},
+        )
+    },
     "MXFP4A16": {DOWN_PROJ: ([12, 256], "mxfp4 g32", "group", [1, 32], "E8M0", {"data", "scale"})},
     "MXFP8A16": {DOWN_PROJ: ([12, 256], "mxfp8 g32", "group", [1, 32], "E8M0", {"data", "scale"})},
-    "int4_asym_channel_odd": {Q_PROJ: ([20, 100], "int4 asym channel", "channel", [1, 100], "BF16", {"data", "scale", "shape", "zero_point"}),
-                              DOWN_PROJ: ([12, 132], "int4 asym channel", "channel", [1, 132], "BF16", {"data", "scale", "shape", "zero_point"})},
+    "int4_asym_channel_odd": {
+        Q_PROJ: ([20, 100], "int4 asym channel", "channel", [1, 100], "BF16", {"data", "scale", "shape", "zero_point"}),
+        DOWN_PROJ: (
+            [12, 132],
+            "int4 asym channel",
+            "channel",
+            [1, 132],
+            "BF16",
+            {"data", "scale", "shape", "zero_point"},
+        ),
+    },
 }
 
 
@@ -87,7 +113,9 @@ def test_weight_shape_is_read_for_in_features_that_do_not_fill_words():
 # -- synthetic variants ------------------------------------------------------------------------
 
 
-def _packed_int4(make_safetensors, config=None, *, shape=(16, 256), group=128, shape_dtype="I64", metadata=None, extra=None):
+def _packed_int4(
+    make_safetensors, config=None, *, shape=(16, 256), group=128, shape_dtype="I64", metadata=None, extra=None
+):
     out_f, in_f = shape
     tensors = {
         "m.layers.0.proj.weight_packed": ("I32", [out_f, math.ceil(in_f * 4 / 32)]),
@@ -209,9 +237,19 @@ def test_a_config_regex_that_backtracks_is_refused_not_run_for_hours(make_safete
     from tests.conftest import REPO
 
     module = "a" * 40 + "!"
-    tensors = {f"{module}.weight_packed": ("I32", [16, 32]), f"{module}.weight_scale": ("BF16", [16, 2]), f"{module}.weight_shape": ("I64", [2])}
-    path = make_safetensors(tensors, data={f"{module}.weight_shape": (16).to_bytes(8, "little") + (256).to_bytes(8, "little")})
-    (path.parent / "config.json").write_text(json.dumps({"quantization_config": dict(_ct_config(), ignore=["re:(a|aa)+$"])}))
-    done = subprocess.run([sys.executable, "-m", "qtool", "inspect", str(path)], capture_output=True, text=True, cwd=REPO, timeout=60)
+    tensors = {
+        f"{module}.weight_packed": ("I32", [16, 32]),
+        f"{module}.weight_scale": ("BF16", [16, 2]),
+        f"{module}.weight_shape": ("I64", [2]),
+    }
+    path = make_safetensors(
+        tensors, data={f"{module}.weight_shape": (16).to_bytes(8, "little") + (256).to_bytes(8, "little")}
+    )
+    (path.parent / "config.json").write_text(
+        json.dumps({"quantization_config": dict(_ct_config(), ignore=["re:(a|aa)+$"])})
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "qtool", "inspect", str(path)], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
     assert done.returncode == 2, done.stderr
     assert "(a|aa)+$" in done.stderr and "quantization_config" in done.stderr and "backtracks" in done.stderr

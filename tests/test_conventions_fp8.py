@@ -17,7 +17,12 @@ def test_deepseek_block_scales_with_edge_blocks(make_safetensors):
     # [200, 300] in 128x128 blocks: a 2x3 grid whose last row and column are partial
     path = make_safetensors({"l.weight": ("F8_E4M3", [200, 300]), "l.weight_scale_inv": ("F32", [2, 3])})
     (path.parent / "config.json").write_text(
-        json.dumps({"torch_dtype": "bfloat16", "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}})
+        json.dumps(
+            {
+                "torch_dtype": "bfloat16",
+                "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+            }
+        )
     )
     w = _weights(path)["l.weight"]
     assert w["scheme"]["label"] == "fp8_e4m3 block128x128"

@@ -53,6 +53,11 @@ def test_inspect_of_a_plain_checkpoint_imports_no_convention():
         "import sys, qtool; qtool.inspect(sys.argv[1]).to_json();"
         "print(sorted(m for m in sys.modules if m.startswith('qtool.conventions.')))"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(REPO / "sample_models" / "tiny-llama")], capture_output=True, text=True, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(REPO / "sample_models" / "tiny-llama")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "['qtool.conventions.base', 'qtool.conventions.plain']"

@@ -134,7 +134,11 @@ def test_layout_of_the_usual_presets():
         (f"{m}.weight_scale", "F8_E4M3", (12, 16)),
         (f"{m}.weight_global_scale", "F32", (1,)),
     ]
-    assert ct_encode.encoded_layout(w, (12, 256), "BF16", SCHEMES["MXFP4A16"])[1] == (f"{m}.weight_scale", "U8", (12, 8))
+    assert ct_encode.encoded_layout(w, (12, 256), "BF16", SCHEMES["MXFP4A16"])[1] == (
+        f"{m}.weight_scale",
+        "U8",
+        (12, 8),
+    )
     # an explicit scale dtype is honoured; "auto" follows the weight, as compressed-tensors does
     f32_scales = QScheme(qtype("int4"), (1, 128), scale_dtype="F32")
     assert ct_encode.encoded_layout(w, (12, 256), "BF16", f32_scales)[1] == (f"{m}.weight_scale", "F32", (12, 2))
@@ -143,7 +147,10 @@ def test_layout_of_the_usual_presets():
 def test_ragged_groups_are_refused_naming_both_numbers():
     with pytest.raises(UsageError) as error:
         ct_encode.encoded_layout("m.proj.weight", (16, 200), "BF16", SCHEMES["W4A16"])
-    assert error.value.message == "compressed-tensors refuses group size 128 for m.proj.weight: in_features 200 is not a multiple of 128"
+    assert (
+        error.value.message
+        == "compressed-tensors refuses group size 128 for m.proj.weight: in_features 200 is not a multiple of 128"
+    )
     assert error.value.hint == "use a group size that divides 200 (e.g. 8), or leave this weight unquantized"
     with pytest.raises(UsageError, match="group size 16 for m.proj.weight: in_features 40 is not a multiple of 16"):
         ct_encode.encode("m.proj.weight", torch.zeros(16, 40), SCHEMES["NVFP4A16"])
@@ -175,15 +182,25 @@ def test_encode_keeps_the_device_and_never_touches_its_input():
 
 
 def test_config_for_one_scheme_and_a_mix():
-    config = ct_encode.config_for({"model.layers.1.mlp.up_proj": SCHEMES["W4A16"], "model.layers.0.mlp.up_proj": SCHEMES["W4A16"]}, ["lm_head"], "BF16")
+    config = ct_encode.config_for(
+        {"model.layers.1.mlp.up_proj": SCHEMES["W4A16"], "model.layers.0.mlp.up_proj": SCHEMES["W4A16"]},
+        ["lm_head"],
+        "BF16",
+    )
     assert config["format"] == "pack-quantized" and config["quantization_status"] == "compressed"
     assert config["config_groups"]["group_0"]["targets"] == ["model.layers.0.mlp.up_proj", "model.layers.1.mlp.up_proj"]
     assert config["config_groups"]["group_0"]["weights"] == {
         "num_bits": 4, "type": "int", "symmetric": True, "group_size": 128, "strategy": "group", "dynamic": False,
     }  # fmt: skip
-    mixed = ct_encode.config_for({"a.q_proj": SCHEMES["W4A16"], "a.down_proj": SCHEMES["FP8_BLOCK"], "a.up_proj": SCHEMES["NVFP4A16"]}, [])
+    mixed = ct_encode.config_for(
+        {"a.q_proj": SCHEMES["W4A16"], "a.down_proj": SCHEMES["FP8_BLOCK"], "a.up_proj": SCHEMES["NVFP4A16"]}, []
+    )
     assert mixed["format"] == "mixed-precision"
-    assert [g["format"] for g in mixed["config_groups"].values()] == ["pack-quantized", "float-quantized", "nvfp4-pack-quantized"]
+    assert [g["format"] for g in mixed["config_groups"].values()] == [
+        "pack-quantized",
+        "float-quantized",
+        "nvfp4-pack-quantized",
+    ]
     assert mixed["config_groups"]["group_1"]["input_activations"] == {
         "num_bits": 8, "type": "float", "symmetric": True, "group_size": 128, "strategy": "group", "dynamic": True,
     }  # fmt: skip
@@ -273,7 +290,9 @@ def _package_compress(name, weights):
     from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
     model = _model({m: tuple(w.shape) for m, w in weights.items()}, next(iter(weights.values())).dtype)
-    config = QuantizationConfig(config_groups={"group_0": _package_scheme(name)}, quantization_status=QuantizationStatus.INITIALIZED)
+    config = QuantizationConfig(
+        config_groups={"group_0": _package_scheme(name)}, quantization_status=QuantizationStatus.INITIALIZED
+    )
     apply_quantization_config(model, config, show_progress=False)
     with torch.no_grad():
         for module_name, w in weights.items():
@@ -287,7 +306,9 @@ def _package_compress(name, weights):
             scale, zero_point = calculate_qparams(*_minmax(w, args), args, global_scale=global_scale)
             module.weight_scale.data = scale.to(module.weight_scale.dtype).reshape(module.weight_scale.shape)
             if hasattr(module, "weight_zero_point"):
-                module.weight_zero_point.data = zero_point.to(module.weight_zero_point.dtype).reshape(module.weight_zero_point.shape)
+                module.weight_zero_point.data = zero_point.to(module.weight_zero_point.dtype).reshape(
+                    module.weight_zero_point.shape
+                )
             if hasattr(module, "input_scale"):  # the FP8 preset's static activations: any value
                 module.input_scale.data.fill_(1.0)
             module.quantization_status = QuantizationStatus.FROZEN
@@ -301,7 +322,9 @@ F16_TOO = ("MXFP4A16", "MXFP8A16", "NVFP4A16", "W4A16_ASYM", "FP8_BLOCK")
 
 
 @pytest.mark.parametrize(
-    "name, dtype", [(name, "BF16") for name in sorted(PRESETS)] + [(name, "F16") for name in F16_TOO], ids=lambda v: str(v)
+    "name, dtype",
+    [(name, "BF16") for name in sorted(PRESETS)] + [(name, "F16") for name in F16_TOO],
+    ids=lambda v: str(v),
 )
 def test_encode_equals_the_packages_compression(package, name, dtype):
     weights = {m: _weight(s, DTYPES[dtype], seed=i) for i, (m, s) in enumerate(_shapes(name).items())}
@@ -314,13 +337,17 @@ def test_encode_equals_the_packages_compression(package, name, dtype):
     for key, tensor in ours.items():
         reference = expected[key]
         assert (tensor.dtype, tuple(tensor.shape)) == (reference.dtype, tuple(reference.shape)), key
-        assert torch.equal(_bits(tensor), _bits(reference)), f"{key}: {(_bits(tensor) != _bits(reference)).sum()} bytes differ"
+        assert torch.equal(_bits(tensor), _bits(reference)), (
+            f"{key}: {(_bits(tensor) != _bits(reference)).sum()} bytes differ"
+        )
 
 
 def _write(tmp_path, tensors, config):
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, tmp_path / "model.safetensors", metadata={"format": "pt"}
+    )
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": config}, indent=2))
 
 
@@ -341,7 +368,19 @@ def _package_decompress(path, shapes, dtype):
 
 
 @pytest.mark.parametrize(
-    "name", ["W8A16", "W4A16", "W4A16_ASYM", "int3_asym_g32", "int4_asym_channel", "FP8", "FP8_BLOCK", "NVFP4A16", "MXFP4A16", "MXFP8A16"]
+    "name",
+    [
+        "W8A16",
+        "W4A16",
+        "W4A16_ASYM",
+        "int3_asym_g32",
+        "int4_asym_channel",
+        "FP8",
+        "FP8_BLOCK",
+        "NVFP4A16",
+        "MXFP4A16",
+        "MXFP8A16",
+    ],
 )
 def test_the_package_loads_what_qtool_writes_and_decodes_it_as_qtool_does(package, tmp_path, name):
     shapes = _shapes(name)
@@ -374,14 +413,22 @@ def test_qtools_config_is_the_packages_own(package):
             config_groups={"group_0": scheme}, ignore=["lm_head"], format=scheme.format,
             quantization_status=QuantizationStatus.COMPRESSED,
         )  # fmt: skip
-        theirs = {"version": package.__version__, "quant_method": "compressed-tensors", "sparsity_config": {}, "transform_config": {}}
+        theirs = {
+            "version": package.__version__,
+            "quant_method": "compressed-tensors",
+            "sparsity_config": {},
+            "transform_config": {},
+        }
         theirs.update(json.loads(json.dumps(reference.model_dump(exclude=["quant_method"]))))
         if name == "FP8":  # static per-tensor input scales need calibration; qtool writes dynamic per-token
             assert theirs["config_groups"]["group_0"].pop("input_activations")["dynamic"] is False
             assert ours["config_groups"]["group_0"].pop("input_activations")["strategy"] == "token"
         assert ours == theirs, name
         QuantizationConfig.model_validate(ours)
-    mixed = ct_encode.config_for({"a.q_proj": SCHEMES["W4A16_ASYM"], "a.down_proj": SCHEMES["FP8_BLOCK"], "a.up_proj": SCHEMES["MXFP4A16"]}, ["lm_head"])
+    mixed = ct_encode.config_for(
+        {"a.q_proj": SCHEMES["W4A16_ASYM"], "a.down_proj": SCHEMES["FP8_BLOCK"], "a.up_proj": SCHEMES["MXFP4A16"]},
+        ["lm_head"],
+    )
     validated = QuantizationConfig.model_validate(mixed)
     assert validated.format == "mixed-precision" and len(validated.config_groups) == 3
 
@@ -389,23 +436,41 @@ def test_qtools_config_is_the_packages_own(package):
 def test_the_packages_mxfp6_decodes_bit_for_bit(package, tmp_path):
     """qtool writes no mxfp6, but reads the package's."""
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, apply_quantization_config, preset_name_to_scheme
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationStatus,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
     from compressed_tensors.quantization.utils import calculate_qparams
 
     shapes = {"q_proj": (16, 128), "down_proj": (12, 256)}
     model = _model(shapes, torch.bfloat16)
-    config = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme("MXFP6A16", ["Linear"])}, quantization_status="initialized")
+    config = QuantizationConfig(
+        config_groups={"group_0": preset_name_to_scheme("MXFP6A16", ["Linear"])}, quantization_status="initialized"
+    )
     apply_quantization_config(model, config, show_progress=False)
     with torch.no_grad():
         for i, module_name in enumerate(shapes):
             module = getattr(model, module_name)
             module.weight.copy_(_weight(shapes[module_name], torch.bfloat16, seed=i))
-            scale, _ = calculate_qparams(*_minmax(module.weight, module.quantization_scheme.weights), module.quantization_scheme.weights)
+            scale, _ = calculate_qparams(
+                *_minmax(module.weight, module.quantization_scheme.weights), module.quantization_scheme.weights
+            )
             module.weight_scale.data = scale.to(torch.bfloat16)
             module.quantization_status = QuantizationStatus.FROZEN
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
-    _write(tmp_path, model.state_dict(), json.loads(json.dumps(compressor.quantization_config.model_dump(exclude=["quant_method"]) | {"quant_method": "compressed-tensors"})))
+    _write(
+        tmp_path,
+        model.state_dict(),
+        json.loads(
+            json.dumps(
+                compressor.quantization_config.model_dump(exclude=["quant_method"])
+                | {"quant_method": "compressed-tensors"}
+            )
+        ),
+    )
     expected = _package_decompress(tmp_path, shapes, torch.bfloat16)
     checkpoint = qtool.open_checkpoint(tmp_path)
     weights = {w.name: w for w in resolve(checkpoint)}
@@ -435,7 +500,9 @@ def test_fp8_deepseek_block_scales_multiply_with_edge_blocks(make_safetensors):
         data={"l.weight": _fp8_bytes(values.to(torch.float8_e4m3fn)), "l.weight_scale_inv": _fp8_bytes(scale_inv)},
     )
     (path.parent / "config.json").write_text(
-        json.dumps({"torch_dtype": "bfloat16", "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
+        json.dumps(
+            {"torch_dtype": "bfloat16", "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+        )
     )
     checkpoint = qtool.open_checkpoint(path)
     [weight] = resolve(checkpoint)
@@ -457,7 +524,11 @@ def test_fp8_per_tensor_and_per_channel_weight_scale(make_safetensors, scale_sha
     scales = torch.tensor([0.5, 0.25, 2.0, 1.5, 3.0, 0.125])[: math.prod(scale_shape) if scale_shape else 1]
     path = make_safetensors(
         {"l.weight": ("F8_E5M2", [6, 4]), "l.weight_scale": ("F32", scale_shape), "l.input_scale": ("F32", [])},
-        data={"l.weight": _fp8_bytes(values.to(torch.float8_e5m2)), "l.weight_scale": _fp8_bytes(scales), "l.input_scale": _fp8_bytes(torch.ones(1))},
+        data={
+            "l.weight": _fp8_bytes(values.to(torch.float8_e5m2)),
+            "l.weight_scale": _fp8_bytes(scales),
+            "l.input_scale": _fp8_bytes(torch.ones(1)),
+        },
     )
     checkpoint = qtool.open_checkpoint(path)
     [weight] = resolve(checkpoint)

@@ -42,10 +42,23 @@ def _model_from(tensors: dict[str, torch.Tensor]) -> nn.Module:
     return root
 
 
-MSE_PRESETS = ["W8A16:mse", "W4A16:mse", "W4A16_ASYM:mse", "int8:channel:mse", "int8:channel:asym:mse", "int4:g64:asym:mse", "int3:g64:mse", "int3:g64:asym:mse", "int2:g64:mse", "int2:g64:asym:mse"]
+MSE_PRESETS = [
+    "W8A16:mse",
+    "W4A16:mse",
+    "W4A16_ASYM:mse",
+    "int8:channel:mse",
+    "int8:channel:asym:mse",
+    "int4:g64:asym:mse",
+    "int3:g64:mse",
+    "int3:g64:asym:mse",
+    "int2:g64:mse",
+    "int2:g64:asym:mse",
+]
 
 
-@pytest.mark.parametrize("scheme", ["W8A16", "W4A16", "W4A16_ASYM", "FP8", "FP8_BLOCK", "NVFP4A16", "MXFP4A16", *MSE_PRESETS])
+@pytest.mark.parametrize(
+    "scheme", ["W8A16", "W4A16", "W4A16_ASYM", "FP8", "FP8_BLOCK", "NVFP4A16", "MXFP4A16", *MSE_PRESETS]
+)
 def test_compressed_tensors_loads_qtool_output_bit_for_bit(tmp_path, scheme):
     runner = CliRunner()
     out, back = tmp_path / "out", tmp_path / "back.safetensors"

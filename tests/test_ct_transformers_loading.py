@@ -38,7 +38,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def _calibrate():
     """tests/fixtures/make_ct_fixtures.py's min/max calibration, computed by the package."""
-    spec = importlib.util.spec_from_file_location("make_ct_fixtures", REPO / "tests" / "fixtures" / "make_ct_fixtures.py")
+    spec = importlib.util.spec_from_file_location(
+        "make_ct_fixtures", REPO / "tests" / "fixtures" / "make_ct_fixtures.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.calibrate
@@ -47,7 +49,12 @@ def _calibrate():
 def compressed_tensors_own(preset: str, folder: Path) -> Path:
     """tiny-llama quantized and saved by compressed-tensors itself, as llm-compressor does."""
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, apply_quantization_config, preset_name_to_scheme
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationStatus,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -63,14 +70,18 @@ def compressed_tensors_own(preset: str, folder: Path) -> Path:
         compressor = ModelCompressor.from_pretrained_model(model)
         compressor.compress_model(model)
     folder.mkdir(parents=True)
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, folder / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().contiguous() for k, v in model.state_dict().items()},
+        folder / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     AutoConfig.from_pretrained(TINY).save_pretrained(folder)
     compressor.update_config(str(folder))
     return folder
 
 
 def outcome(folder: Path, dtype: torch.dtype) -> str:
-    """"runs", or where it fails: "load" or "forward"."""
+    """ "runs", or where it fails: "load" or "forward"."""
     from transformers import AutoModelForCausalLM
 
     logging.disable(logging.WARNING)

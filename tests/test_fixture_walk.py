@@ -14,7 +14,11 @@ from tests.conftest import REPO
 FIXTURES = REPO / "tests" / "fixtures"
 # each file on its own: some reference folders hold one file per output dtype
 REFERENCES = sorted(f for p in FIXTURES.rglob("reference") if p.is_dir() for f in p.glob("*.safetensors"))
-PLAIN_MODELS = [REPO / "sample_models" / "tiny-llama", REPO / "sample_models" / "tiny-llama-sharded", REPO / "sample_models" / "traps"]
+PLAIN_MODELS = [
+    REPO / "sample_models" / "tiny-llama",
+    REPO / "sample_models" / "tiny-llama-sharded",
+    REPO / "sample_models" / "traps",
+]
 
 
 def _checkpoints() -> list[Path]:
@@ -22,7 +26,9 @@ def _checkpoints() -> list[Path]:
     for path in sorted(FIXTURES.rglob("*")):
         if "reference" in path.parts:
             continue
-        if path.is_dir() and any(c.suffix in (".safetensors", ".gguf", ".pt", ".bin", ".bpk") for c in path.iterdir() if c.is_file()):
+        if path.is_dir() and any(
+            c.suffix in (".safetensors", ".gguf", ".pt", ".bin", ".bpk") for c in path.iterdir() if c.is_file()
+        ):
             found.append(path)
     return found
 

@@ -31,7 +31,10 @@ def _inspect(folder):
     return json.loads(result.stdout), result.stderr
 
 
-@pytest.mark.parametrize("other", ["consolidated.safetensors", "adapter_model.safetensors", "model.fp32-copy.safetensors", "pytorch_model.bin"])
+@pytest.mark.parametrize(
+    "other",
+    ["consolidated.safetensors", "adapter_model.safetensors", "model.fp32-copy.safetensors", "pytorch_model.bin"],
+)
 def test_model_safetensors_wins_and_the_others_are_named(tmp_path, other):
     folder = tmp_path / "m"
     _model(folder)
@@ -40,7 +43,9 @@ def test_model_safetensors_wins_and_the_others_are_named(tmp_path, other):
     assert document["files"] == [str(folder / "model.safetensors")]
     assert {w["name"] for w in document["weights"]} == {"w", "b"}
     [note] = document["notes"]
-    assert note.startswith("read model.safetensors as the model (transformers' order") and note.endswith(f"not read: {other}")
+    assert note.startswith("read model.safetensors as the model (transformers' order") and note.endswith(
+        f"not read: {other}"
+    )
     assert stderr.splitlines() == [f"warning: {note}"]
 
 
@@ -55,7 +60,9 @@ def test_model_safetensors_comes_before_the_index(tmp_path):
     folder = tmp_path / "m"
     _model(folder)
     _model(folder, "model-00001-of-00001.safetensors", {"x": ("F32", (2,))})
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-00001-of-00001.safetensors"}}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"x": "model-00001-of-00001.safetensors"}})
+    )
     document, _ = _inspect(folder)
     assert document["files"] == [str(folder / "model.safetensors")]
     assert "model-00001-of-00001.safetensors, model.safetensors.index.json" in document["notes"][0]
@@ -118,7 +125,10 @@ def test_quantize_dequantize_check_and_compare_read_the_model_only(tmp_path, lla
     assert sorted(p.name for p in (tmp_path / "q").glob("*.safetensors")) == ["model.safetensors"]
     result = runner.invoke(app, ["dequantize", str(tmp_path / "q"), "-o", str(tmp_path / "d.safetensors"), "-q"])
     assert result.exit_code == 0, result.output
-    for command in (["check", str(llama_and_copy)], ["compare", str(llama_and_copy), str(tmp_path / "d.safetensors"), "-q"]):
+    for command in (
+        ["check", str(llama_and_copy)],
+        ["compare", str(llama_and_copy), str(tmp_path / "d.safetensors"), "-q"],
+    ):
         result = runner.invoke(app, command)
         assert result.exit_code == 0, result.output
         assert "warning: read model.safetensors as the model" in result.stderr, command

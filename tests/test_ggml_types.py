@@ -55,7 +55,9 @@ def _writes_rows_after_a_nan_row(row, importance: bool) -> bool:
     args = (row.native_encoder, x.tobytes(), 0, cols, out, 0, 3) + ((weights,) if importance else ())
     native._kernels.encode_gguf(*args)
     alone = bytearray(row.type_size)
-    native._kernels.encode_gguf(row.native_encoder, x[2].tobytes(), 0, cols, alone, 0, 1, *((weights,) if importance else ()))
+    native._kernels.encode_gguf(
+        row.native_encoder, x[2].tobytes(), 0, cols, alone, 0, 1, *((weights,) if importance else ())
+    )
     return bytes(out[2 * row.type_size :]) == bytes(alone)
 
 

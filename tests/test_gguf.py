@@ -38,13 +38,48 @@ runner = CliRunner()
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 QUANTIZABLE = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "TQ1_0", "TQ2_0", "MXFP4"]
 # the types gguf can dequantize but not quantize: tested on random valid blocks
-DEQUANTIZE_ONLY = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "NVFP4"]
+DEQUANTIZE_ONLY = [
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "IQ1_S",
+    "IQ1_M",
+    "IQ2_XXS",
+    "IQ2_XS",
+    "IQ2_S",
+    "IQ3_XXS",
+    "IQ3_S",
+    "IQ4_NL",
+    "IQ4_XS",
+    "NVFP4",
+]
 # byte offsets of each block's f16 scales, set to small finite values in random blocks
 F16_FIELDS = {
-    "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "TQ1_0": [52], "TQ2_0": [64],
-    "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
-    "IQ2_XXS": [0], "IQ2_XS": [0], "IQ2_S": [0], "IQ3_XXS": [0], "IQ3_S": [0], "IQ1_S": [0],
-    "IQ4_NL": [0], "IQ4_XS": [0], "NVFP4": [], "IQ1_M": [], "MXFP4": [],
+    "Q4_0": [0],
+    "Q4_1": [0, 2],
+    "Q5_0": [0],
+    "Q5_1": [0, 2],
+    "Q8_0": [0],
+    "TQ1_0": [52],
+    "TQ2_0": [64],
+    "Q2_K": [80, 82],
+    "Q3_K": [108],
+    "Q4_K": [0, 2],
+    "Q5_K": [0, 2],
+    "Q6_K": [208],
+    "IQ2_XXS": [0],
+    "IQ2_XS": [0],
+    "IQ2_S": [0],
+    "IQ3_XXS": [0],
+    "IQ3_S": [0],
+    "IQ1_S": [0],
+    "IQ4_NL": [0],
+    "IQ4_XS": [0],
+    "NVFP4": [],
+    "IQ1_M": [],
+    "MXFP4": [],
 }
 
 
@@ -126,7 +161,9 @@ def test_scheme_mapping_reads_well():
     # labels may gain the GGUF type as a prefix ("Q4_K uint4 asym g256"): compare the tail
     assert scheme_for_type(named("Q8_0"))[0].label.endswith("int8 sym g32")
     q4k, provenance, _ = scheme_for_type(named("Q4_K"))
-    assert q4k.label.endswith("uint4 asym g256") and q4k.rule == "Q4_K" and dict(provenance.details)["gguf_type"] == "Q4_K"
+    assert (
+        q4k.label.endswith("uint4 asym g256") and q4k.rule == "Q4_K" and dict(provenance.details)["gguf_type"] == "Q4_K"
+    )
     assert "8 × 32" in dict(provenance.details)["super_block"]
     assert scheme_for_type(named("MXFP4"))[0].label == "mxfp4 g32"
     assert scheme_for_type(named("NVFP4"))[0].label == "nvfp4 g16"
@@ -218,7 +255,10 @@ def test_inspect_json(tmp_path):
     path = write_with_gguf(
         tmp_path / "m.gguf",
         {
-            "blk.0.attn_q.weight": (gguf.quants.quantize(rng.standard_normal((64, 96)).astype(np.float32), T.Q4_0), "Q4_0"),
+            "blk.0.attn_q.weight": (
+                gguf.quants.quantize(rng.standard_normal((64, 96)).astype(np.float32), T.Q4_0),
+                "Q4_0",
+            ),
             "blk.0.ffn_down.weight": (random_blocks("Q4_K", 4, 512), "Q4_K"),
             "blk.0.attn_norm.weight": (np.ones(96, np.float32), "F32"),
             "token_embd.weight": (np.zeros((10, 96), np.float16), "F16"),
@@ -283,8 +323,14 @@ def test_metadata_values_are_shown_as_strings(tmp_path):
     writer.close()
     metadata = qtool.open_checkpoint(tmp_path / "m.gguf").metadata
     assert {k: v for k, v in metadata.items() if k.startswith("a.")} == {
-        "a.bool": "true", "a.i8": "-3", "a.u64": str(2**40), "a.f64": "0.1", "a.f32": "10000",
-        "a.short": "[1, 2, 3]", "a.long": "[100 × i32]", "a.nested": "[2 × array]",
+        "a.bool": "true",
+        "a.i8": "-3",
+        "a.u64": str(2**40),
+        "a.f64": "0.1",
+        "a.f32": "10000",
+        "a.short": "[1, 2, 3]",
+        "a.long": "[100 × i32]",
+        "a.nested": "[2 × array]",
     }
     assert metadata["GGUF.version"] == "3"
 
@@ -292,7 +338,9 @@ def test_metadata_values_are_shown_as_strings(tmp_path):
 def test_inspect_reads_the_header_only(tmp_path):
     path = write_with_gguf(tmp_path / "m.gguf", {"w": (random_blocks("Q4_K", 2, 256), "Q4_K")})
     code = f"import sys, qtool; qtool.inspect({str(path)!r}); print('torch' in sys.modules, 'numpy' in sys.modules)"
-    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=REPO, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=REPO, timeout=60
+    )
     assert done.stdout.split() == ["False", "False"], done.stderr
 
 
@@ -309,8 +357,11 @@ def test_a_folder_with_one_gguf_opens_and_two_is_an_error(tmp_path):
 # -- hand-built files: unknown types and bad input -------------------------------------------------
 
 
-def gguf_bytes(tensors: list[tuple[str, list[int], int, bytes]], kv: bytes = b"", kv_count: int = 0, version: int = 3) -> bytes:
+def gguf_bytes(
+    tensors: list[tuple[str, list[int], int, bytes]], kv: bytes = b"", kv_count: int = 0, version: int = 3
+) -> bytes:
     """A GGUF file built byte by byte: tensors are (name, ne dims, type id, data)."""
+
     def string(text: str) -> bytes:
         raw = text.encode()
         return struct.pack("<Q", len(raw)) + raw
@@ -353,18 +404,53 @@ BAD = {
     "zero-byte": (lambda tmp: b"", "file is empty (0 bytes)"),
     "bad magic": (lambda tmp: b"PK\x03\x04" + bytes(60), "bad magic 'PK..': not a GGUF file (expected 'GGUF')"),
     "truncated data": (lambda tmp: _valid(tmp)[:-40], "file is truncated: tensor 'w' ends at byte"),
-    "truncated header": (lambda tmp: _valid(tmp)[:30], "file is cut short: 1 entries of the tensor infos need at least 24 bytes, 6 are left"),
+    "truncated header": (
+        lambda tmp: _valid(tmp)[:30],
+        "file is cut short: 1 entries of the tensor infos need at least 24 bytes, 6 are left",
+    ),
     "version 1": (lambda tmp: b"GGUF" + struct.pack("<I", 1) + bytes(16), "GGUF version 1 is no longer supported"),
     "big-endian": (lambda tmp: b"GGUF" + struct.pack(">I", 3) + bytes(16), "file is big-endian GGUF"),
     "too many dims": (lambda tmp: gguf_bytes([("w", [1, 1, 1, 1, 1], 0, bytes(4))]), "tensor 'w' has 5 dims"),
-    "row not a block multiple": (lambda tmp: gguf_bytes([("w", [33], 8, bytes(34))]), "has 33 elements per row, not a multiple of its block size 32"),
-    "duplicate tensor": (lambda tmp: gguf_bytes([("w", [1], 0, bytes(4)), ("w", [1], 0, bytes(4))]), "duplicate tensor name 'w'"),
-    "bad value type": (lambda tmp: gguf_bytes([], kv=struct.pack("<Q", 1) + b"k" + struct.pack("<I", 77), kv_count=1), "key 'k' has invalid GGUF value type 77"),
-    "absurd tensor count": (lambda tmp: b"GGUF" + struct.pack("<IQQ", 3, 2**60, 0) + bytes(40), "1152921504606846976 entries of the tensor infos need at least"),
-    "absurd array length": (lambda tmp: gguf_bytes([], kv=struct.pack("<Q", 1) + b"k" + struct.pack("<IIQ", 9, 8, 2**50), kv_count=1), "1125899906842624 entries of the array 'k' need at least"),
-    "arrays nested too deep": (lambda tmp: gguf_bytes([], kv=struct.pack("<Q", 1) + b"k" + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 20 + struct.pack("<IQ", 4, 0), kv_count=1), "array 'k' nests deeper than 8 levels"),
-    "dims overflow 64 bits": (lambda tmp: gguf_bytes([("w", [0, 64, 2**62], 0, b"")]), "tensor 'w' has dims [0, 64, 4611686018427387904] whose product overflows 64 bits"),
-    "string past the end": (lambda tmp: gguf_bytes([], kv=struct.pack("<Q", 1) + b"k" + struct.pack("<IQ", 8, 10**12), kv_count=1), "file is cut short: the value of 'k'"),
+    "row not a block multiple": (
+        lambda tmp: gguf_bytes([("w", [33], 8, bytes(34))]),
+        "has 33 elements per row, not a multiple of its block size 32",
+    ),
+    "duplicate tensor": (
+        lambda tmp: gguf_bytes([("w", [1], 0, bytes(4)), ("w", [1], 0, bytes(4))]),
+        "duplicate tensor name 'w'",
+    ),
+    "bad value type": (
+        lambda tmp: gguf_bytes([], kv=struct.pack("<Q", 1) + b"k" + struct.pack("<I", 77), kv_count=1),
+        "key 'k' has invalid GGUF value type 77",
+    ),
+    "absurd tensor count": (
+        lambda tmp: b"GGUF" + struct.pack("<IQQ", 3, 2**60, 0) + bytes(40),
+        "1152921504606846976 entries of the tensor infos need at least",
+    ),
+    "absurd array length": (
+        lambda tmp: gguf_bytes([], kv=struct.pack("<Q", 1) + b"k" + struct.pack("<IIQ", 9, 8, 2**50), kv_count=1),
+        "1125899906842624 entries of the array 'k' need at least",
+    ),
+    "arrays nested too deep": (
+        lambda tmp: gguf_bytes(
+            [],
+            kv=struct.pack("<Q", 1)
+            + b"k"
+            + struct.pack("<I", 9)
+            + struct.pack("<IQ", 9, 1) * 20
+            + struct.pack("<IQ", 4, 0),
+            kv_count=1,
+        ),
+        "array 'k' nests deeper than 8 levels",
+    ),
+    "dims overflow 64 bits": (
+        lambda tmp: gguf_bytes([("w", [0, 64, 2**62], 0, b"")]),
+        "tensor 'w' has dims [0, 64, 4611686018427387904] whose product overflows 64 bits",
+    ),
+    "string past the end": (
+        lambda tmp: gguf_bytes([], kv=struct.pack("<Q", 1) + b"k" + struct.pack("<IQ", 8, 10**12), kv_count=1),
+        "file is cut short: the value of 'k'",
+    ),
 }
 
 
@@ -393,7 +479,10 @@ def test_dims_that_overflow_are_exit_2_in_the_data_readers_too(tmp_path, command
     path.write_bytes(gguf_bytes([("w", [0, 64, 2**62], 0, b""), ("n", [4], 0, bytes(16))]))
     result = runner.invoke(app, [command[0], str(path), command[1]])
     assert result.exit_code == 2, result.output
-    assert result.stderr.splitlines()[0] == f"error: {path}: tensor 'w' has dims [0, 64, 4611686018427387904] whose product overflows 64 bits"
+    assert (
+        result.stderr.splitlines()[0]
+        == f"error: {path}: tensor 'w' has dims [0, 64, 4611686018427387904] whose product overflows 64 bits"
+    )
 
 
 def test_many_tensors_of_an_unknown_type_list_in_linear_time(tmp_path):
@@ -420,7 +509,9 @@ def plan_gguf(checkpoint, weights, chosen, output, allow_incomplete=False):
     from qtool.plan import Chosen, PlanOptions
 
     options = PlanOptions(single_file=True, file_name=os.path.basename(output), allow_incomplete_gguf=allow_incomplete)
-    return LAYOUTS["gguf"].plan(checkpoint, weights, Chosen({n: s for n, s in chosen.items() if s is not None}), options)
+    return LAYOUTS["gguf"].plan(
+        checkpoint, weights, Chosen({n: s for n, s in chosen.items() if s is not None}), options
+    )
 
 
 def write_gguf(checkpoint, weights, chosen, output, *, overwrite, device, allow_incomplete=False):
@@ -443,7 +534,14 @@ def chosen_for(inspection, scheme_text: str) -> dict:
 def test_write_tiny_llama_reads_back_with_gguf(tmp_path, scheme_text):
     inspection = qtool.inspect(TINY)
     out = tmp_path / "tiny.gguf"
-    result = write_gguf(inspection.checkpoint, inspection.weights, chosen_for(inspection, scheme_text), str(out), overwrite=False, device="cpu")
+    result = write_gguf(
+        inspection.checkpoint,
+        inspection.weights,
+        chosen_for(inspection, scheme_text),
+        str(out),
+        overwrite=False,
+        device="cpu",
+    )
     expected_type = gguf_type_for(parse_scheme(scheme_text)).name
 
     reader = gguf.GGUFReader(str(out))
@@ -455,7 +553,9 @@ def test_write_tiny_llama_reads_back_with_gguf(tmp_path, scheme_text):
     fields = {name: field.contents() for name, field in reader.fields.items()}
     assert fields["general.architecture"] == "llama"
     assert fields["llama.block_count"] == 2 and fields["llama.attention.head_count_kv"] == 2
-    assert fields["general.file_type"] == int(gguf.LlamaFileType[{"MXFP4": "MOSTLY_MXFP4_MOE"}.get(expected_type, f"MOSTLY_{expected_type}")])
+    assert fields["general.file_type"] == int(
+        gguf.LlamaFileType[{"MXFP4": "MOSTLY_MXFP4_MOE"}.get(expected_type, f"MOSTLY_{expected_type}")]
+    )
     assert fields["general.quantization_version"] == gguf.GGML_QUANT_VERSION
 
     back = qtool.inspect(out)
@@ -485,7 +585,11 @@ def test_q_and_k_rows_are_permuted_as_llama_cpp_does(tmp_path):
         return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
     source = {w.name: w for w in inspection.weights}
-    for hf, gg, heads in (("self_attn.q_proj", "attn_q", 4), ("self_attn.k_proj", "attn_k", 2), ("self_attn.v_proj", "attn_v", None)):
+    for hf, gg, heads in (
+        ("self_attn.q_proj", "attn_q", 4),
+        ("self_attn.k_proj", "attn_k", 2),
+        ("self_attn.v_proj", "attn_v", None),
+    ):
         original = inspection.checkpoint.load(source[f"model.layers.1.{hf}.weight"].data).view(torch.int16).numpy()
         written = reader[f"blk.1.{gg}.weight"].data.view(np.int16)
         assert np.array_equal(written, permute(original, heads) if heads else original), hf
@@ -499,7 +603,15 @@ def test_error_on_random_normal_weights(tmp_path, make_safetensors):
     floors = {"q8_0": 35.0, "q4_0": 15.0, "q5_0": 20.0, "mxfp4": 12.0}
     for scheme_text, floor in floors.items():
         out = tmp_path / f"{scheme_text}.gguf"
-        result = write_gguf(inspection.checkpoint, inspection.weights, chosen_for_all(inspection, scheme_text), str(out), overwrite=False, device="cpu", allow_incomplete=True)
+        result = write_gguf(
+            inspection.checkpoint,
+            inspection.weights,
+            chosen_for_all(inspection, scheme_text),
+            str(out),
+            overwrite=False,
+            device="cpu",
+            allow_incomplete=True,
+        )
         assert min(s.sqnr_db for s in result.errors.values()) > floor, scheme_text
         names = {t.name for t in gguf.GGUFReader(str(out)).tensors}
         assert names == {"a.weight", "b.weight"}  # no config.json: names kept, architecture unknown
@@ -515,9 +627,23 @@ def test_existing_output_is_refused_unless_overwrite(tmp_path):
     out = tmp_path / "tiny.gguf"
     out.write_bytes(b"keep me")
     with pytest.raises(UsageError, match="already exists"):
-        write_gguf(inspection.checkpoint, inspection.weights, chosen_for(inspection, "q8_0"), str(out), overwrite=False, device="cpu")
+        write_gguf(
+            inspection.checkpoint,
+            inspection.weights,
+            chosen_for(inspection, "q8_0"),
+            str(out),
+            overwrite=False,
+            device="cpu",
+        )
     assert out.read_bytes() == b"keep me"
-    write_gguf(inspection.checkpoint, inspection.weights, chosen_for(inspection, "q8_0"), str(out), overwrite=True, device="cpu")
+    write_gguf(
+        inspection.checkpoint,
+        inspection.weights,
+        chosen_for(inspection, "q8_0"),
+        str(out),
+        overwrite=True,
+        device="cpu",
+    )
     assert out.read_bytes()[:4] == b"GGUF"
 
 
@@ -537,15 +663,32 @@ def test_a_failing_write_leaves_nothing_behind(tmp_path, monkeypatch, exc):
 
     monkeypatch.setattr(LaidOutFile, "write", failing)
     with pytest.raises(type(exc)):
-        write_gguf(inspection.checkpoint, inspection.weights, chosen_for(inspection, "q4_0"), str(tmp_path / "t.gguf"), overwrite=False, device="cpu")
+        write_gguf(
+            inspection.checkpoint,
+            inspection.weights,
+            chosen_for(inspection, "q4_0"),
+            str(tmp_path / "t.gguf"),
+            overwrite=False,
+            device="cpu",
+        )
     assert os.listdir(tmp_path) == []
 
 
 def test_rows_not_a_multiple_of_32_are_refused_before_writing(tmp_path, make_safetensors):
     path = make_safetensors({"ok.weight": ("F32", [8, 64]), "odd.weight": ("F32", [8, 48])})
     inspection = qtool.inspect(path)
-    with pytest.raises(UsageError, match=r"odd\.weight: rows of 48 values are not a multiple of the Q4_0 block size 32"):
-        write_gguf(inspection.checkpoint, inspection.weights, chosen_for_all(inspection, "q4_0"), str(tmp_path / "o.gguf"), overwrite=False, device="cpu", allow_incomplete=True)
+    with pytest.raises(
+        UsageError, match=r"odd\.weight: rows of 48 values are not a multiple of the Q4_0 block size 32"
+    ):
+        write_gguf(
+            inspection.checkpoint,
+            inspection.weights,
+            chosen_for_all(inspection, "q4_0"),
+            str(tmp_path / "o.gguf"),
+            overwrite=False,
+            device="cpu",
+            allow_incomplete=True,
+        )
     assert not (tmp_path / "o.gguf").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
 
@@ -563,7 +706,9 @@ def test_layout_bytes_and_dry_run_plan():
     with pytest.raises(SchemeError, match="rows of 100 values"):
         gguf_layout_bytes((4, 100), "Q8_0")
     inspection = qtool.inspect(TINY)
-    plan = plan_gguf(inspection.checkpoint, inspection.weights, chosen_for(inspection, "q4_0"), "out/tiny.gguf").to_json()
+    plan = plan_gguf(
+        inspection.checkpoint, inspection.weights, chosen_for(inspection, "q4_0"), "out/tiny.gguf"
+    ).to_json()
     assert plan["format"] == "gguf" and plan["files"] == ["tiny.gguf"]
     by_name = {w["name"]: w for w in plan["weights"]}
     q = by_name["model.layers.0.self_attn.q_proj.weight"]
@@ -577,7 +722,10 @@ def test_layout_bytes_and_dry_run_plan():
 def test_requantizing_a_gguf_decodes_first_and_never_overwrites_the_input(tmp_path):
     rng = np.random.default_rng(4)
     values = rng.standard_normal((16, 64)).astype(np.float32)
-    source = write_with_gguf(tmp_path / "in.gguf", {"w.weight": (gguf.quants.quantize(values, T.Q8_0), "Q8_0"), "n.weight": (np.ones(64, np.float32), "F32")})
+    source = write_with_gguf(
+        tmp_path / "in.gguf",
+        {"w.weight": (gguf.quants.quantize(values, T.Q8_0), "Q8_0"), "n.weight": (np.ones(64, np.float32), "F32")},
+    )
     inspection = qtool.inspect(source)
     chosen = {"w.weight": parse_scheme("q4_0"), "n.weight": None}
     with pytest.raises(UsageError, match="is the input"):

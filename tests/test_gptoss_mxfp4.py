@@ -44,7 +44,10 @@ def test_blocks_and_scales_are_one_weight_in_the_models_layout():
     assert gate_up.scheme.label == "mxfp4 block32x1"
     assert gate_up.scheme.scale_dtype == "E8M0" and gate_up.scheme.qtype.name == "fp4_e2m1"
     assert gate_up.bits_per_weight == (2 * 8 * 2 * 16 + 2 * 8 * 2) * 8 / 1024  # 4.25
-    assert {role: t.name for role, t in gate_up.members.items()} == {"data": f"{EXPERTS}.gate_up_proj_blocks", "scale": f"{EXPERTS}.gate_up_proj_scales"}
+    assert {role: t.name for role, t in gate_up.members.items()} == {
+        "data": f"{EXPERTS}.gate_up_proj_blocks",
+        "scale": f"{EXPERTS}.gate_up_proj_scales",
+    }
     assert found[f"{EXPERTS}.down_proj"].shape == (2, 32, 4)
     assert found[f"{EXPERTS}.gate_up_proj_bias"].scheme is None
 
@@ -72,7 +75,9 @@ def test_decoding_matches_transformers_live():
     inspection, found = inspected()
     blocks = load_file(MODEL)
     weight = found[f"{EXPERTS}.gate_up_proj"]
-    expected = mxfp4.convert_moe_packed_tensors(blocks[f"{EXPERTS}.gate_up_proj_blocks"], blocks[f"{EXPERTS}.gate_up_proj_scales"], dtype=torch.bfloat16)
+    expected = mxfp4.convert_moe_packed_tensors(
+        blocks[f"{EXPERTS}.gate_up_proj_blocks"], blocks[f"{EXPERTS}.gate_up_proj_scales"], dtype=torch.bfloat16
+    )
     out = decoder_for(weight).decode(inspection.checkpoint, weight, "cpu")
     assert torch.equal(float_bits(out), float_bits(expected))
 
@@ -117,7 +122,10 @@ def test_shapes_that_do_not_fit_are_plain_with_a_note(make_safetensors):
 def test_no_plain_tensor_is_reported_as_quantized():
     _, found = inspected()
     for weight in found.values():
-        paired = weight.data.name.endswith("_blocks") and weight.data.name.replace("_blocks", "_scales") in qtool.open_checkpoint(MODEL).tensors
+        paired = (
+            weight.data.name.endswith("_blocks")
+            and weight.data.name.replace("_blocks", "_scales") in qtool.open_checkpoint(MODEL).tensors
+        )
         assert weight.quantized == paired, weight.name
         if not weight.quantized:
             assert weight.dtype in ("BF16", "F32", "U8") and weight.notes == [], weight.name

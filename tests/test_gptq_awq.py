@@ -38,7 +38,7 @@ from qtool.formats.memory import MemoryCheckpoint
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 MODULE = "model.layers.0.self_attn.q_proj"
 WEIGHT = f"{MODULE}.weight"
-O, I = 32, 256
+O, I = 32, 256  # noqa: E741 - out and in features, as the byte formulas below name them
 runner = CliRunner()
 
 # fixture -> (label, bits, group_size, format | AWQ version, desc_act, settings source, stored bytes)
@@ -111,7 +111,9 @@ def test_inspect_reports_shape_parameters_bits_and_scheme(fixture):
     assert w["bits_per_weight"] == pytest.approx(stored * 8 / (O * I), abs=1e-4)
     assert w["notes"] == []
     roles = {t["role"] for t in w["tensors"]}
-    assert roles == ({"data", "scale", "zero_point", "g_idx"} if fixture.startswith("gptq") else {"data", "scale", "zero_point"})
+    assert roles == (
+        {"data", "scale", "zero_point", "g_idx"} if fixture.startswith("gptq") else {"data", "scale", "zero_point"}
+    )
     extra = dict(_weights(FIXTURES / fixture)[WEIGHT].provenance.details)
     assert extra["settings"] == source
     if fixture.startswith("gptq"):
@@ -190,7 +192,9 @@ def test_gptq_v2_zero_points_are_not_offset():
     checkpoint = MemoryCheckpoint(v2, {"quantize_config.json": {"bits": 4, "group_size": 128, "sym": False}})
     weight = next(w for w in resolve(checkpoint) if w.quantized)
     assert dict(weight.provenance.details)["format"] == "gptq"
-    assert not torch.equal(decoder_for(weight).decode(checkpoint, weight, "cpu"), _reference("gptq/gptq_4bit_asym_g128"))
+    assert not torch.equal(
+        decoder_for(weight).decode(checkpoint, weight, "cpu"), _reference("gptq/gptq_4bit_asym_g128")
+    )
 
 
 # -- hand-computed layouts --------------------------------------------------------------------------
@@ -214,7 +218,10 @@ def test_gptq_packing_by_hand_every_width(bits):
     qzeros = torch.tensor([_stream([1] * outputs, bits, outputs * bits // 32)], dtype=torch.int32)
     scales = torch.full((1, outputs), 0.5, dtype=torch.float16)
     tensors = {"m.qweight": qweight, "m.qzeros": qzeros, "m.scales": scales}
-    checkpoint = MemoryCheckpoint(tensors, {"quantize_config.json": {"bits": bits, "group_size": -1, "sym": False, "checkpoint_format": "gptq_v2"}})
+    checkpoint = MemoryCheckpoint(
+        tensors,
+        {"quantize_config.json": {"bits": bits, "group_size": -1, "sym": False, "checkpoint_format": "gptq_v2"}},
+    )
     weight = next(w for w in resolve(checkpoint) if w.quantized)
     assert weight.shape == (outputs, 64) and weight.scheme.bits == bits
     decoded = decoder_for(weight).decode(checkpoint, weight, "cpu")
@@ -246,7 +253,17 @@ def test_awq_gemv_padding_by_hand():
     scales = torch.full((8, 32), 7.0, dtype=torch.float16)
     scales[:, 0], scales[:, 1] = 0.25, 2.0
     tensors = {"m.qweight": qweight, "m.qzeros": qzeros, "m.scales": scales}
-    config = {"config.json": {"quantization_config": {"quant_method": "awq", "version": "gemv", "group_size": 32, "bits": 4, "zero_point": True}}}
+    config = {
+        "config.json": {
+            "quantization_config": {
+                "quant_method": "awq",
+                "version": "gemv",
+                "group_size": 32,
+                "bits": 4,
+                "zero_point": True,
+            }
+        }
+    }
     checkpoint = MemoryCheckpoint(tensors, config)
     weight = next(w for w in resolve(checkpoint) if w.quantized)
     assert weight.shape == (8, 64) and weight.scheme.label == "uint4 asym g32" and weight.notes == []
@@ -329,7 +346,9 @@ def _bad_gptq(tmp_path: Path) -> Path:
         f"{MODULE}.g_idx": torch.zeros(I, dtype=torch.int32),
     }
     save_file(tensors, str(path / "model.safetensors"))
-    (path / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 128, "desc_act": False, "sym": True}))
+    (path / "quantize_config.json").write_text(
+        json.dumps({"bits": 4, "group_size": 128, "desc_act": False, "sym": True})
+    )
     return path
 
 
@@ -347,7 +366,12 @@ def test_gptq_shapes_that_do_not_fit_their_config(tmp_path, monkeypatch):
     ]
     assert runner.invoke(app, ["inspect", str(path)]).exit_code == 0
     # dequantize refuses: exit 2, one error line and one hint line at most, no traceback
-    result = subprocess.run([sys.executable, "-m", "qtool", "dequantize", str(path), "-o", str(tmp_path / "out")], capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "qtool", "dequantize", str(path), "-o", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert lines[0].startswith("error: ") and "scales has 3 rows, which no group size gives for 256 inputs" in lines[0]
@@ -392,7 +416,9 @@ def test_lookalikes_stay_plain(make_safetensors):
     weights = _json(path)
     assert weights["a.g_idx"]["quantized"] is False and weights["a.g_idx"]["notes"] == []
     assert weights["b.weight"]["quantized"] is False and weights["b.weight"]["notes"] == []
-    assert weights["c.weight"]["scheme"]["label"] == "uint4 asym g128"  # qzeros all 0: v1 zero point 1, not the midpoint
+    assert (
+        weights["c.weight"]["scheme"]["label"] == "uint4 asym g128"
+    )  # qzeros all 0: v1 zero point 1, not the midpoint
     assert "c.g_idx" not in weights
 
 

@@ -44,7 +44,12 @@ def test_a_name_with_thousands_of_digits_lists(tmp_path):
     """Sorting by natural order int()ed every run of digits: 5000 of them is a ValueError."""
     path = tmp_path / "digits.safetensors"
     name = "layer." + "9" * 5000
-    header = json.dumps({name: {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "layer.2": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})
+    header = json.dumps(
+        {
+            name: {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+            "layer.2": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]},
+        }
+    )
     path.write_bytes(struct.pack("<Q", len(header)) + header.encode() + bytes(8))
     result = runner.invoke(app, ["inspect", str(path), "--json"])
     assert result.exit_code == 0, result.output
@@ -60,7 +65,10 @@ def test_an_empty_shape_whose_dims_overflow_is_exit_2(tmp_path, command):
     path.write_bytes(struct.pack("<Q", len(header)) + header.encode())
     result = runner.invoke(app, [command[0], str(path), *command[1:]])
     assert result.exit_code == 2, result.output
-    assert result.stderr.splitlines()[0] == f"error: {path}: tensor 'w' shape [0, 4611686018427387904, 64] overflows 64 bits"
+    assert (
+        result.stderr.splitlines()[0]
+        == f"error: {path}: tensor 'w' shape [0, 4611686018427387904, 64] overflows 64 bits"
+    )
 
 
 def test_fast_constructors_build_the_same_objects():

@@ -132,7 +132,11 @@ def test_json_naming_a_path_that_is_not_utf8_is_valid_json_and_utf8(tmp_path):
     write_safetensors(os.fsdecode(path), {"w.weight": ("F32", [2, 2])})
     for env in ({"LC_ALL": "C.UTF-8"}, {"LC_ALL": "C", "PYTHONUTF8": "0"}, {"PYTHONIOENCODING": "utf-8:strict"}):
         result = subprocess.run(
-            [sys.executable, "-m", "qtool", "inspect", os.fsdecode(path), "--json"], capture_output=True, cwd=REPO, timeout=300, env={**os.environ, **env}
+            [sys.executable, "-m", "qtool", "inspect", os.fsdecode(path), "--json"],
+            capture_output=True,
+            cwd=REPO,
+            timeout=300,
+            env={**os.environ, **env},
         )
         assert result.returncode == 0, (env, result.stderr)
         document = json.loads(result.stdout.decode("utf-8"))  # strict: valid UTF-8

@@ -23,14 +23,24 @@ from tests.synthetic_reports import synthetic_comparison
 
 CHROMIUM = os.environ.get("QTOOL_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 # as the issue asks: no sandbox (root in CI), no GPU, and nothing that tries the network
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 @pytest.fixture(scope="module")
 def browser():
     if CHROMIUM is None:
         pytest.skip("no chromium on this machine (apt-get install chromium; .ci/run installs it)")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed (pip install -e '.[test]')")
+    sync_api = pytest.importorskip(
+        "playwright.sync_api", reason="the playwright package is not installed (pip install -e '.[test]')"
+    )
     with sync_api.sync_playwright() as driver:
         chromium = driver.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
         yield chromium
@@ -48,9 +58,14 @@ class Opened:
     def __init__(self, browser, path: Path, scheme: str = "light") -> None:
         self.page = browser.new_page(viewport={"width": 1280, "height": 800}, color_scheme=scheme)
         self.problems: list[str] = []
-        self.page.on("console", lambda m: self.problems.append(f"console {m.type}: {m.text}") if m.type in ("error", "warning") else None)
+        self.page.on(
+            "console",
+            lambda m: self.problems.append(f"console {m.type}: {m.text}") if m.type in ("error", "warning") else None,
+        )
         self.page.on("pageerror", lambda e: self.problems.append(f"page error: {e}"))
-        self.page.on("request", lambda r: self.problems.append(f"request: {r.url}") if not r.url.startswith("file:") else None)
+        self.page.on(
+            "request", lambda r: self.problems.append(f"request: {r.url}") if not r.url.startswith("file:") else None
+        )
         self.page.goto(path.as_uri())
         self.page.wait_for_function("() => document.documentElement.dataset.ready", timeout=20_000)
         assert self.page.evaluate("document.documentElement.dataset.ready") == "1"
@@ -64,10 +79,18 @@ class Opened:
         )
 
     def column(self, key: str) -> int:
-        return self.page.evaluate("(key) => [...document.querySelectorAll('#weights-table thead th')].findIndex(th => th.dataset.key === key)", key)
+        return self.page.evaluate(
+            "(key) => [...document.querySelectorAll('#weights-table thead th')].findIndex(th => th.dataset.key === key)",
+            key,
+        )
 
     def marks(self) -> list[tuple[str, str, str]]:
-        return [tuple(m) for m in self.page.evaluate("() => [...document.querySelectorAll('svg.depth .mark')].map(g => [g.dataset.series, g.dataset.layer, g.dataset.kind])")]
+        return [
+            tuple(m)
+            for m in self.page.evaluate(
+                "() => [...document.querySelectorAll('svg.depth .mark')].map(g => [g.dataset.series, g.dataset.layer, g.dataset.kind])"
+            )
+        ]
 
     def shot(self, artifacts: Path, name: str) -> Path:
         path = artifacts / name
@@ -117,13 +140,18 @@ def test_compare_report_in_chromium(browser, tiny_compare, artifacts):
     # filtering by name keeps only the matches
     page.fill("#filter", "down_proj")
     page.wait_for_function("() => document.querySelectorAll('#weights-table tbody tr:not(.spacer)').length === 2")
-    assert [r["name"] for r in opened.rows()] == sorted((w["name"] for w in measured if "down_proj" in w["name"]), key=lambda n: by_name[n]["sqnr_db"])
+    assert [r["name"] for r in opened.rows()] == sorted(
+        (w["name"] for w in measured if "down_proj" in w["name"]), key=lambda n: by_name[n]["sqnr_db"]
+    )
     assert page.text_content("#row-count") == "2 of 21 weights match"
     page.fill("#filter", "")
     page.wait_for_function("() => document.querySelectorAll('#weights-table tbody tr:not(.spacer)').length === 21")
     # a mark in the chart finds its row
     page.click("svg.depth .mark[data-kind='o'][data-layer='0']")
-    assert page.evaluate("document.querySelector('#weights-table tr.target').dataset.name") == "model.layers.0.self_attn.o_proj.weight"
+    assert (
+        page.evaluate("document.querySelector('#weights-table tr.target').dataset.name")
+        == "model.layers.0.self_attn.o_proj.weight"
+    )
     page.evaluate("window.scrollTo(0, 0)")
     opened.shot(artifacts, "compare-1280x800.png")
     assert not opened.problems
@@ -153,7 +181,10 @@ def test_overlay_with_experts_in_dark_mode(browser, tmp_path, artifacts):
     assert opened.rows()[0]["name"] == worst["name"]
     page.evaluate("document.getElementById('table-scroll').scrollTop = 1e9")  # to the end: the last rows are drawn
     page.wait_for_timeout(200)
-    last = sorted((w for w in documents[1]["weights"]), key=lambda w: (w["finding"] is None, 1 if w["exact"] else 0, w["sqnr_db"] or 0))[-1]
+    last = sorted(
+        (w for w in documents[1]["weights"]),
+        key=lambda w: (w["finding"] is None, 1 if w["exact"] else 0, w["sqnr_db"] or 0),
+    )[-1]
     assert by_status(documents[1], opened.rows()[-1]["name"]) == by_status(documents[1], last["name"])
     page.evaluate("window.scrollTo(0, 0)")
     opened.shot(artifacts, "overlay-experts-dark-1280x800.png")
@@ -210,7 +241,9 @@ def _qtool(*argv) -> None:
 
     from tests.conftest import REPO
 
-    done = subprocess.run([sys.executable, "-m", "qtool", *map(str, argv)], capture_output=True, text=True, cwd=REPO, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "qtool", *map(str, argv)], capture_output=True, text=True, cwd=REPO, timeout=600
+    )
     assert done.returncode == 0, done.stderr
 
 
@@ -249,7 +282,9 @@ def _every_row(opened: Opened) -> list[dict]:
         )
         if done:
             page.wait_for_timeout(30)
-            for row in page.evaluate("() => [...document.querySelectorAll('#weights-table tbody tr:not(.spacer)')].map(tr => ({row: Number(tr.dataset.row), name: tr.dataset.name, cells: [...tr.cells].map(td => td.textContent)}))"):
+            for row in page.evaluate(
+                "() => [...document.querySelectorAll('#weights-table tbody tr:not(.spacer)')].map(tr => ({row: Number(tr.dataset.row), name: tr.dataset.name, cells: [...tr.cells].map(td => td.textContent)}))"
+            ):
                 seen.setdefault(row["row"], row)
             break
     count = page.evaluate("document.getElementById('row-count').textContent")
@@ -295,7 +330,9 @@ def test_minilm_names_headers_and_values_are_whole(browser, minilm_reports, name
     )
     assert not cut, cut[:10]
     if name != "two":  # one model's columns fit the frame at 1280 px: no value hidden to the right
-        assert page.evaluate("(() => { const s = document.getElementById('table-scroll'); return s.scrollWidth <= s.clientWidth; })()")
+        assert page.evaluate(
+            "(() => { const s = document.getElementById('table-scroll'); return s.scrollWidth <= s.clientWidth; })()"
+        )
     # every name whole, on every row (the rows differ in height where a name wraps)
     rows = _every_row(opened)
     names = {r["name"] for r in rows}
@@ -303,11 +340,14 @@ def test_minilm_names_headers_and_values_are_whole(browser, minilm_reports, name
     assert all(r["cells"][0] == r["name"] for r in rows)
     # and a wrapped row's height is what the table's spacers account for: scrolled to the end,
     # the last row's bottom is the table's
-    assert page.evaluate(
-        """() => { const rows = document.querySelectorAll('#weights-table tbody tr');
+    assert (
+        page.evaluate(
+            """() => { const rows = document.querySelectorAll('#weights-table tbody tr');
                    const last = rows[rows.length - 1];
                    return last.classList.contains('spacer') ? last.getBoundingClientRect().height : 0; }"""
-    ) < 1
+        )
+        < 1
+    )
     assert not opened.problems
 
 
@@ -352,18 +392,24 @@ def test_minilm_counts_add_up(browser, minilm_reports, name):
 
     opened = Opened(browser, minilm_reports[name])
     page = opened.page
-    facts = page.evaluate("() => Object.fromEntries([...document.querySelectorAll('dl.facts dt')].map(dt => [dt.textContent, dt.nextElementSibling.textContent]))")
+    facts = page.evaluate(
+        "() => Object.fromEntries([...document.querySelectorAll('dl.facts dt')].map(dt => [dt.textContent, dt.nextElementSibling.textContent]))"
+    )
     histogram = page.evaluate(
         """() => [...document.querySelectorAll('svg.histogram .bar')].map(bar => bar.querySelector('title').textContent)"""
     )
     rows = _every_row(opened)
-    heads = page.evaluate("() => [...document.querySelectorAll('#weights-table thead th')].map(th => [th.dataset.key, th.textContent])")
+    heads = page.evaluate(
+        "() => [...document.querySelectorAll('#weights-table thead th')].map(th => [th.dataset.key, th.textContent])"
+    )
     candidates = 2 if name == "two" else 1
     for index in range(candidates):
         tag = "w8" if index else "w4"
-        line = next(value for label, value in facts.items() if label.startswith("weights") and (candidates == 1 or tag in label))
+        line = next(
+            value for label, value in facts.items() if label.startswith("weights") and (candidates == 1 or tag in label)
+        )
 
-        def figure(pattern: str) -> int:
+        def figure(pattern: str, line: str = line) -> int:
             found = re.search(pattern, line)
             assert found, f"{pattern!r} not in {line!r}"
             return int(found.group(1))
@@ -379,12 +425,18 @@ def test_minilm_counts_add_up(browser, minilm_reports, name):
         assert figure(r"(\d+) exact") == exact_bar == statuses.count("exact")
         # findings: the summary's count is the rows that show a finding, and no other row does
         assert figure(r"(\d+) findings?") == sum(1 for s in statuses if s.startswith("finding"))
-        assert not any(heads[status][1].startswith("finding") and s and not s.startswith("finding") for s in statuses), heads[status]
+        assert not any(
+            heads[status][1].startswith("finding") and s and not s.startswith("finding") for s in statuses
+        ), heads[status]
         # measured: those with an error are the histogram's bins and the rows with an SQNR
         assert figure(r"(\d+) with an error") == in_bins == measured_rows
         assert figure(r"(\d+) measured") == in_bins + exact_bar
         # and the parts make the matched count
-        assert figure(r"(\d+) matched") == len(rows) == sum(figure(p) for p in (r"(\d+) measured", r"(\d+) findings?", r"(\d+) integer"))
+        assert (
+            figure(r"(\d+) matched")
+            == len(rows)
+            == sum(figure(p) for p in (r"(\d+) measured", r"(\d+) findings?", r"(\d+) integer"))
+        )
     assert not opened.problems
 
 

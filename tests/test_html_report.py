@@ -24,11 +24,20 @@ from tests.synthetic_reports import synthetic_comparison
 
 TINY = SAMPLES / "tiny-llama"
 PAYLOAD = re.compile(r'<script type="application/octet-stream" id="table-data">([^<]*)</script>')
-MARK = re.compile(r'<g class="mark [^"]*" data-series="(\d+)" data-layer="(\d*)" data-kind="([^"]*)" data-name="([^"]*)" data-value="([^"]*)"')
+MARK = re.compile(
+    r'<g class="mark [^"]*" data-series="(\d+)" data-layer="(\d*)" data-kind="([^"]*)" data-name="([^"]*)" data-value="([^"]*)"'
+)
 
 
 def qtool(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "qtool", *args], cwd=cwd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "qtool", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=600,
+    )
 
 
 def table_rows(page: str) -> tuple[list[dict], list[dict]]:
@@ -43,18 +52,69 @@ def runs(tmp_path_factory) -> Path:
     tiny-llama (with --json and --html from the same run), a compare of each (the first with
     --json and --html), a 3-way overlay and a failing check."""
     folder = tmp_path_factory.mktemp("html")
-    out = qtool("quantize", str(TINY), "-o", "w4", "-q", "--json", "--html", "quantize.html", "--report", "quantize.json", cwd=folder)
+    out = qtool(
+        "quantize",
+        str(TINY),
+        "-o",
+        "w4",
+        "-q",
+        "--json",
+        "--html",
+        "quantize.html",
+        "--report",
+        "quantize.json",
+        cwd=folder,
+    )
     assert out.returncode == 0, out.stderr
     (folder / "quantize.stdout.json").write_text(out.stdout)
     assert qtool("quantize", str(TINY), "-o", "w4g64", "-s", "int4:g64", "-q", cwd=folder).returncode == 0
-    out = qtool("compare", str(TINY), "w4", "--min-sqnr", "19.05", "--json", "--html", "compare.html", "--report", "compare.report.json", "-q", cwd=folder)
+    out = qtool(
+        "compare",
+        str(TINY),
+        "w4",
+        "--min-sqnr",
+        "19.05",
+        "--json",
+        "--html",
+        "compare.html",
+        "--report",
+        "compare.report.json",
+        "-q",
+        cwd=folder,
+    )
     assert out.returncode == 1, out.stderr
     (folder / "compare.json").write_text(out.stdout)
-    out = qtool("compare", str(TINY), "w4", "w4g64", "--min-sqnr", "19.05", "--json", "--report", "overlay.html", "-q", cwd=folder)
+    out = qtool(
+        "compare",
+        str(TINY),
+        "w4",
+        "w4g64",
+        "--min-sqnr",
+        "19.05",
+        "--json",
+        "--report",
+        "overlay.html",
+        "-q",
+        cwd=folder,
+    )
     assert out.returncode == 1, out.stderr
-    assert out.stderr.splitlines()[0] == "error: w4: model.layers.0.self_attn.o_proj.weight: SQNR 19.003107 dB is below --min-sqnr 19.05"
+    assert (
+        out.stderr.splitlines()[0]
+        == "error: w4: model.layers.0.self_attn.o_proj.weight: SQNR 19.003107 dB is below --min-sqnr 19.05"
+    )
     (folder / "overlay.json").write_text(out.stdout)
-    out = qtool("check", "w4", "--expect-scheme", "W8A16", "--max-bits-per-weight", "6", "--json", "--html", "check.html", cwd=folder)
+    out = qtool(
+        "check",
+        "w4",
+        "--expect-scheme",
+        "W8A16",
+        "--max-bits-per-weight",
+        "6",
+        "--json",
+        "--html",
+        "check.html",
+        cwd=folder,
+    )
     assert out.returncode == 1, out.stderr
     (folder / "check.json").write_text(out.stdout)
     return folder
@@ -74,7 +134,9 @@ def _same(html_value, json_value) -> bool:
 
 def test_quantize_html_has_the_json_figures(runs):
     document = json.loads((runs / "quantize.stdout.json").read_text())
-    assert json.loads((runs / "quantize.json").read_text())["weights"] == document["weights"]  # --report: the same run's document
+    assert (
+        json.loads((runs / "quantize.json").read_text())["weights"] == document["weights"]
+    )  # --report: the same run's document
     page = (runs / "quantize.html").read_text()
     _, rows = table_rows(page)
     by_name = {row["name"]: row for row in rows}
@@ -85,7 +147,9 @@ def test_quantize_html_has_the_json_figures(runs):
             assert _same(row[key], weight[key]), (weight["name"], key)
         assert row["kind"] == weight["kind"]
     marks = MARK.findall(page)
-    assert {(int(layer), kind) for _, layer, kind, _, _ in marks} == {(w["layer"], w["kind"]) for w in document["weights"]}
+    assert {(int(layer), kind) for _, layer, kind, _, _ in marks} == {
+        (w["layer"], w["kind"]) for w in document["weights"]
+    }
     for _, _, _, name, value in marks:  # each mark is the worst of its layer and kind, with the JSON's figure
         assert float(value) == next(w["sqnr_db"] for w in document["weights"] if w["name"] == unquote(name))
     summary = document["summary"]
@@ -102,7 +166,11 @@ def test_compare_html_has_the_json_figures(runs):
     _, rows = table_rows(page)
     assert [row["name"] for row in rows] == [w["name"] for w in document["weights"]]
     for row, weight in zip(rows, document["weights"]):
-        assert row["sqnr_db@0"] == weight["sqnr_db"] and row["max_abs_err@0"] == weight["max_abs_err"] and row["bytes_b@0"] == weight["bytes_b"]
+        assert (
+            row["sqnr_db@0"] == weight["sqnr_db"]
+            and row["max_abs_err@0"] == weight["max_abs_err"]
+            and row["bytes_b@0"] == weight["bytes_b"]
+        )
         assert row["status@0"] == ("exact" if weight["exact"] else "")
     measured = [w for w in document["weights"] if w["sqnr_db"] is not None]
     assert len(MARK.findall(page)) == len({(w["layer"], w["kind"]) for w in measured})
@@ -116,10 +184,14 @@ def test_compare_html_has_the_json_figures(runs):
 def test_overlay_report_is_html_by_suffix_and_json_holds_each_comparison(runs):
     document = json.loads((runs / "overlay.json").read_text())
     assert [c["b"] for c in document["comparisons"]] == ["w4", "w4g64"]
-    assert document["ok"] is False and document["violations"] == ["w4: model.layers.0.self_attn.o_proj.weight: SQNR 19.003107 dB is below --min-sqnr 19.05"]
+    assert document["ok"] is False and document["violations"] == [
+        "w4: model.layers.0.self_attn.o_proj.weight: SQNR 19.003107 dB is below --min-sqnr 19.05"
+    ]
     single = json.loads((runs / "compare.json").read_text())
     first = document["comparisons"][0]
-    assert {k: v for k, v in first.items() if k != "seconds"} == {k: v for k, v in single.items() if k != "seconds"}  # the 2-argument document, unchanged
+    assert {k: v for k, v in first.items() if k != "seconds"} == {
+        k: v for k, v in single.items() if k != "seconds"
+    }  # the 2-argument document, unchanged
     page = (runs / "overlay.html").read_text()
     assert page.startswith("<!DOCTYPE html>")
     _, rows = table_rows(page)
@@ -128,7 +200,9 @@ def test_overlay_report_is_html_by_suffix_and_json_holds_each_comparison(runs):
         assert row["sqnr_db@1"] == second[row["name"]]["sqnr_db"]
     series = {(int(s), int(layer), kind) for s, layer, kind, _, _ in MARK.findall(page)}
     for index, comparison in enumerate(document["comparisons"]):
-        assert {(s, layer, kind) for s, layer, kind in series if s == index} == {(index, w["layer"], w["kind"]) for w in comparison["weights"] if w["sqnr_db"] is not None}
+        assert {(s, layer, kind) for s, layer, kind in series if s == index} == {
+            (index, w["layer"], w["kind"]) for w in comparison["weights"] if w["sqnr_db"] is not None
+        }
 
 
 def test_check_html_links_each_finding_to_its_row(runs):
@@ -143,7 +217,10 @@ def test_check_html_links_each_finding_to_its_row(runs):
             assert f'<a href="#weight={finding["weight"]}">{finding["rule"]}: {finding["weight"]}: ' in page
     by_name = {w["name"]: w for w in document["weight_rows"]}
     for row in rows:
-        assert row["bits_per_weight"] == by_name[row["name"]]["bits_per_weight"] and row["bytes"] == by_name[row["name"]]["bytes"]
+        assert (
+            row["bits_per_weight"] == by_name[row["name"]]["bits_per_weight"]
+            and row["bytes"] == by_name[row["name"]]["bytes"]
+        )
     assert document["policy"]["max_bits_per_weight"] == 6.0
     assert "max bits per weight 6 (over the whole checkpoint)" in page
 
@@ -172,7 +249,11 @@ def test_inline_script_and_style_match_the_policy_hashes(runs):
         assert f"{directive} 'sha256-{digest}'" in _policy(page)
 
 
-HOSTILE = ["model.layers.0.mlp.down_proj.</script><script>alert(1)</script>", 'model.layers.1.self_attn.q_proj."><img src=x onerror=alert(1)>', "model.layers.2.mlp.up_proj.\x1b[31m\u202egnp.exe\n"]
+HOSTILE = [
+    "model.layers.0.mlp.down_proj.</script><script>alert(1)</script>",
+    'model.layers.1.self_attn.q_proj."><img src=x onerror=alert(1)>',
+    "model.layers.2.mlp.up_proj.\x1b[31m\u202egnp.exe\n",
+]
 
 
 def test_hostile_names_stay_text():
@@ -198,7 +279,10 @@ def test_thousand_and_sixty_thousand_weights_stay_small():
     marks = MARK.findall(page)
     # experts aggregated: one mark per layer for all 1,500 expert weights of that layer
     assert sum(1 for _, _, kind, _, _ in marks if kind == "experts") == 40
-    outlier = min((w for w in experts["weights"] if w["kind"] == "experts" and w["sqnr_db"] is not None), key=lambda w: w["sqnr_db"])
+    outlier = min(
+        (w for w in experts["weights"] if w["kind"] == "experts" and w["sqnr_db"] is not None),
+        key=lambda w: w["sqnr_db"],
+    )
     assert any(unquote(name) == outlier["name"] for _, _, _, name, _ in marks)
     _, rows = table_rows(page)
     assert len(rows) == len(experts["weights"])  # every row kept in the table
@@ -207,7 +291,11 @@ def test_thousand_and_sixty_thousand_weights_stay_small():
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.text(max_size=40), st.one_of(st.none(), st.floats(allow_nan=False, allow_infinity=False)), st.sampled_from(["a", "b", None])),
+        st.tuples(
+            st.text(max_size=40),
+            st.one_of(st.none(), st.floats(allow_nan=False, allow_infinity=False)),
+            st.sampled_from(["a", "b", None]),
+        ),
         max_size=30,
     )
 )
@@ -231,7 +319,9 @@ def test_report_paths_are_refused_where_qtool_reads(tmp_path):
 
     shutil.copytree(TINY, model)
     out = qtool("compare", "model", "model", "--html", "model/report.html", cwd=tmp_path)
-    assert out.returncode == 2 and out.stderr.splitlines()[0].startswith("error: report model/report.html lies inside the input")
+    assert out.returncode == 2 and out.stderr.splitlines()[0].startswith(
+        "error: report model/report.html lies inside the input"
+    )
     assert not (model / "report.html").exists()
     out = qtool("check", "model", "--html", "r.html", "--report", "r.html", cwd=tmp_path)
     assert out.returncode == 2 and out.stderr.splitlines()[0] == "error: reports r.html and r.html are the same file"
@@ -256,13 +346,22 @@ def test_model_revision_from_a_hub_cache_and_git(tmp_path):
     snapshot.mkdir(parents=True)
     (snapshot / "model.safetensors").write_bytes(b"")
     assert revision_of(str(tmp_path / "hub" / "gone")) is None  # a path that is not there has no revision
-    assert revision_of(str(snapshot / "model.safetensors")) == {"source": "hub-cache", "repo": "org/name", "commit": commit}
+    assert revision_of(str(snapshot / "model.safetensors")) == {
+        "source": "hub-cache",
+        "repo": "org/name",
+        "commit": commit,
+    }
     work = tmp_path / "work"
     (work / ".git" / "refs" / "heads").mkdir(parents=True)
     (work / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
     (work / ".git" / "packed-refs").write_text(f"# pack-refs\n{commit} refs/heads/main\n")
     (work / "models" / "m").mkdir(parents=True)
-    assert revision_of(str(work / "models" / "m")) == {"source": "git", "repo": None, "commit": commit, "ref": "refs/heads/main"}
+    assert revision_of(str(work / "models" / "m")) == {
+        "source": "git",
+        "repo": None,
+        "commit": commit,
+        "ref": "refs/heads/main",
+    }
     (work / ".git" / "HEAD").write_text("ref: refs/heads/../../../etc/passwd\n")
     assert revision_of(str(work / "models" / "m")) is None
     (work / ".git" / "HEAD").write_text("x" * 10_000)
@@ -291,15 +390,30 @@ def test_compare_counts_add_up_with_every_kind_of_pair(tmp_path):
     save_file(b, tmp_path / "b.safetensors")
     document = api.compare(tmp_path / "a.safetensors", tmp_path / "b.safetensors").to_json()
     summary = document["summary"]
-    assert (summary["matched"], summary["measured"], summary["exact"], summary["findings"], summary["integer"]) == (6, 3, 2, 2, {"compared": 2, "equal": 1})
+    assert (summary["matched"], summary["measured"], summary["exact"], summary["findings"], summary["integer"]) == (
+        6,
+        3,
+        2,
+        2,
+        {"compared": 2, "equal": 1},
+    )
     page = compare_page([document])
     weights = dict(page.facts)["weights"]
-    assert "6 matched (6 in A, 6 in B): 3 measured (1 with an error, 1 exact, 1 with no signal in A) + 1 integer tensor, equal (compared for equality, not measured)" in weights
+    assert (
+        "6 matched (6 in A, 6 in B): 3 measured (1 with an error, 1 exact, 1 with no signal in A) + 1 integer tensor, equal (compared for equality, not measured)"
+        in weights
+    )
     assert "+ 2 findings;" in weights
     statuses = {row["name"]: row["status@0"] for row in page.rows}
-    assert statuses["l.0.q.weight"] == "" and statuses["l.0.k.weight"] == "exact" and statuses["l.0.v.weight"] == "no signal"
+    assert (
+        statuses["l.0.q.weight"] == ""
+        and statuses["l.0.k.weight"] == "exact"
+        and statuses["l.0.v.weight"] == "no signal"
+    )
     assert statuses["pos"] == "integer, equal"
-    assert statuses["ids"].startswith("finding: integer values differ") and statuses["l.0.o.weight"].startswith("finding: ")
+    assert statuses["ids"].startswith("finding: integer values differ") and statuses["l.0.o.weight"].startswith(
+        "finding: "
+    )
     assert sum(s.startswith("finding") for s in statuses.values()) == summary["findings"]
     assert list(statuses.values()).count("exact") == summary["histogram"]["exact"]
     assert [c.label for c in page.columns if c.key == "status@0"] == ["status"]

@@ -59,7 +59,11 @@ def test_qtools_imatrix_is_llama_imatrixs_on_the_same_model_and_text(computed, t
     out, document = computed
     ours, theirs = read_imatrix(out), read_imatrix(TINY_GGUF)
     assert list(ours.entries) == list(theirs.entries)
-    assert (ours.chunk_count, ours.chunk_size, ours.datasets) == (theirs.chunk_count, theirs.chunk_size, (str(text).encode(),))
+    assert (ours.chunk_count, ours.chunk_size, ours.datasets) == (
+        theirs.chunk_count,
+        theirs.chunk_size,
+        (str(text).encode(),),
+    )
     for name, entry in theirs.entries.items():
         mine = ours.entries[name]
         assert mine.counts == entry.counts and mine.columns == entry.columns, name
@@ -73,7 +77,12 @@ def test_llama_quantize_takes_qtools_imatrix(computed, tmp_path):
     out, _ = computed
     model = tmp_path / "tiny.gguf"
     api.quantize(TINY, model, "Q8_0", ignore=["re:.*"])
-    done = subprocess.run([LLAMA_QUANTIZE, "--imatrix", str(out), str(model), str(tmp_path / "q.gguf"), "Q4_K_M", "1"], capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [LLAMA_QUANTIZE, "--imatrix", str(out), str(model), str(tmp_path / "q.gguf"), "Q4_K_M", "1"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"loaded 14 importance matrix entries from {out} computed on 4 chunks" in done.stdout
     assert "did not find weights for blk." not in done.stdout + done.stderr
@@ -91,20 +100,30 @@ def test_quantize_calibrate_to_gguf_computes_and_uses_the_imatrix(computed, text
         name = job.outputs[0].name
         if job.action == QUANTIZE and name in importance.entries:
             np.testing.assert_array_equal(job.encoding.importance, importance.entries[name].importance(), err_msg=name)
-    assert all(job.encoding is None or job.encoding.importance is None for job in plan.jobs)  # the plan made is not changed
+    assert all(
+        job.encoding is None or job.encoding.importance is None for job in plan.jobs
+    )  # the plan made is not changed
     fields = gguf.GGUFReader(str(target)).fields
     assert bytes(fields["quantize.imatrix.dataset"].parts[-1]) == str(text).encode()
-    assert fields["quantize.imatrix.entries_count"].contents() == 14 and fields["quantize.imatrix.chunks_count"].contents() == 4
+    assert (
+        fields["quantize.imatrix.entries_count"].contents() == 14
+        and fields["quantize.imatrix.chunks_count"].contents() == 4
+    )
     assert report.calibration["entries"] == 14 and report.to_json()["calibration"]["entries"] == 14
 
 
 def qtool(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "qtool", *map(str, args)], cwd=REPO, capture_output=True, text=True, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "qtool", *map(str, args)], cwd=REPO, capture_output=True, text=True, check=False
+    )
 
 
 def test_bad_requests_are_one_line_exit_2(text, tmp_path):
     done = qtool("imatrix", TINY, "--calibrate", text, "-o", tmp_path / "imatrix.dat")
-    assert done.returncode == 2 and "an importance matrix is written as GGUF and its name should end in .gguf" in done.stderr
+    assert (
+        done.returncode == 2
+        and "an importance matrix is written as GGUF and its name should end in .gguf" in done.stderr
+    )
     done = qtool("imatrix", TINY, "--calibrate", tmp_path / "missing.txt", "-o", tmp_path / "imatrix.gguf")
     assert done.returncode == 2 and "no such calibration text" in done.stderr
     tiny_text = tmp_path / "short.txt"
@@ -118,10 +137,35 @@ def test_the_cli_says_how_many_chunks_before_it_starts(text, tmp_path):
     """issue 42 item 24: `qtool imatrix` said nothing of the work ahead (the README's example ran
     376 s on the sample model, its first output at 198 s). Now its first line says how many
     chunks of how many tokens over how many layers, before the first layer runs; -q says nothing."""
-    done = qtool("imatrix", TINY, "--calibrate", text, "-o", tmp_path / "imatrix.gguf", "--chunks", "3", "--chunk-size", "64", "--json")
+    done = qtool(
+        "imatrix",
+        TINY,
+        "--calibrate",
+        text,
+        "-o",
+        tmp_path / "imatrix.gguf",
+        "--chunks",
+        "3",
+        "--chunk-size",
+        "64",
+        "--json",
+    )
     assert done.returncode == 0, done.stderr
     lines = done.stderr.splitlines()
     assert lines[0] == "imatrix: 3 chunks of 64 tokens, through 2 decoder layers", lines
     assert lines[1].startswith("layer 1/2: ")
-    quiet = qtool("imatrix", TINY, "--calibrate", text, "-o", tmp_path / "quiet.gguf", "--chunks", "3", "--chunk-size", "64", "-q", "--json")
+    quiet = qtool(
+        "imatrix",
+        TINY,
+        "--calibrate",
+        text,
+        "-o",
+        tmp_path / "quiet.gguf",
+        "--chunks",
+        "3",
+        "--chunk-size",
+        "64",
+        "-q",
+        "--json",
+    )
     assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr

@@ -53,9 +53,7 @@ def test_the_legacy_fixture_gives_the_same_importance_as_the_gguf_one():
     gguf_file, dat = read_imatrix(TINY_GGUF), read_imatrix(TINY_DAT)
     assert dat.format == "dat" and list(dat.entries) == TINY_NAMES
     assert (dat.chunk_count, dat.chunk_size, dat.datasets) == (4, 0, (b"topics.txt",))
-    assert dat.entries["blk.0.attn_q.weight"].counts == (
-        4,
-    )  # ncall: ceil(256 tokens / 64)
+    assert dat.entries["blk.0.attn_q.weight"].counts == (4,)  # ncall: ceil(256 tokens / 64)
     for name in TINY_NAMES:
         np.testing.assert_allclose(
             dat.entries[name].importance(),
@@ -70,29 +68,21 @@ def test_importance_is_llama_quantizes_sums_over_counts_per_expert_and_one_where
     got = entry.importance()
     assert got.dtype == np.float32 and got.shape == (12,)
     assert np.array_equal(got[:4], sums[0] / np.float32(3))
-    assert np.array_equal(
-        got[4:8], np.ones(4, dtype=np.float32)
-    )  # llama.cpp: e = 1 for a zero count
+    assert np.array_equal(got[4:8], np.ones(4, dtype=np.float32))  # llama.cpp: e = 1 for a zero count
     assert np.array_equal(got[8:], sums[2] / np.float32(7))
     legacy = ImatrixEntry("w", sums.ravel(), (0,), legacy=True)
-    assert np.array_equal(
-        legacy.importance(), sums.ravel()
-    )  # ncall 0: the values as they are
+    assert np.array_equal(legacy.importance(), sums.ravel())  # ncall 0: the values as they are
 
 
 def test_counts_round_as_lround_does(tmp_path):
     path = tmp_path / "m.gguf"
-    write_imatrix_gguf(
-        path, {"a.weight": (np.ones((3, 32)), [2.5, 0.49999997, 3.4999998])}
-    )
+    write_imatrix_gguf(path, {"a.weight": (np.ones((3, 32)), [2.5, 0.49999997, 3.4999998])})
     assert read_imatrix(path).entries["a.weight"].counts == (3, 0, 3)
 
 
 def test_a_3d_expert_entry_reads_as_matrices_of_columns(tmp_path):
     path = tmp_path / "moe.gguf"
-    write_imatrix_gguf(
-        path, {"blk.0.ffn_down_exps.weight": (np.ones((4, 64)), [10, 0, 3, 1])}
-    )
+    write_imatrix_gguf(path, {"blk.0.ffn_down_exps.weight": (np.ones((4, 64)), [10, 0, 3, 1])})
     entry = read_imatrix(path).entries["blk.0.ffn_down_exps.weight"]
     assert (entry.matrices, entry.columns, entry.counts) == (4, 64, (10, 0, 3, 1))
 
@@ -168,9 +158,7 @@ def test_a_bad_gguf_imatrix_is_one_error_naming_the_file(tmp_path, changes, mess
 
 def test_a_gguf_without_imatrix_tensors_is_refused(tmp_path):
     path = tmp_path / "model.gguf"
-    write_imatrix_gguf(
-        path, {}, extra=[("token_embd.weight", np.ones((2, 32), dtype=np.float32))]
-    )
+    write_imatrix_gguf(path, {}, extra=[("token_embd.weight", np.ones((2, 32), dtype=np.float32))])
     with pytest.raises(ImatrixError, match="holds no .in_sum2 / .counts tensors"):
         read_imatrix(path)
 
@@ -250,9 +238,7 @@ def test_a_legacy_file_without_its_trailer_reads_with_no_chunks_and_no_dataset(
     assert (imatrix.chunk_count, imatrix.datasets) == (0, ())
     assert list(imatrix.entries) == ["blk.0.attn_q.weight", "blk.0.ffn_down.weight"]
     path.write_bytes(legacy_bytes(GOOD_LEGACY, dataset=b"a.txt\0hidden"))
-    assert read_imatrix(path).datasets == (
-        b"a.txt",
-    )  # a C string, as llama.cpp reads it
+    assert read_imatrix(path).datasets == (b"a.txt",)  # a C string, as llama.cpp reads it
 
 
 def test_every_prefix_of_the_legacy_fixture_reads_or_is_one_error(tmp_path):
@@ -271,11 +257,7 @@ def test_every_prefix_of_the_legacy_fixture_reads_or_is_one_error(tmp_path):
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
-@given(
-    st.lists(
-        st.tuples(st.integers(0, 2000), st.integers(0, 255)), min_size=1, max_size=6
-    )
-)
+@given(st.lists(st.tuples(st.integers(0, 2000), st.integers(0, 255)), min_size=1, max_size=6))
 def test_flipped_bytes_in_either_format_read_or_are_one_error(tmp_path, flips):
     for source in (TINY_DAT, TINY_GGUF):
         data = bytearray(source.read_bytes())
@@ -295,7 +277,10 @@ def test_the_writer_makes_llama_imatrixs_file_byte_for_byte():
 
     imatrix = read_imatrix(TINY_GGUF)
     entries = {name: (e.sums, list(e.counts)) for name, e in imatrix.entries.items()}
-    assert imatrix_gguf_bytes(entries, list(imatrix.datasets), imatrix.chunk_count, imatrix.chunk_size) == TINY_GGUF.read_bytes()
+    assert (
+        imatrix_gguf_bytes(entries, list(imatrix.datasets), imatrix.chunk_count, imatrix.chunk_size)
+        == TINY_GGUF.read_bytes()
+    )
 
 
 def test_the_writer_lays_out_expert_tensors_as_matrices_of_columns(tmp_path):

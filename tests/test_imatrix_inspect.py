@@ -25,9 +25,7 @@ def qtool(*args) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize(
-    "path, counts, chunk_size", [(TINY_GGUF, [256], 64), (TINY_DAT, [4], 0)]
-)
+@pytest.mark.parametrize("path, counts, chunk_size", [(TINY_GGUF, [256], 64), (TINY_DAT, [4], 0)])
 def test_inspect_json_says_what_an_imatrix_covers(path, counts, chunk_size):
     done = qtool("inspect", path, "--json")
     assert done.returncode == 0, done.stderr
@@ -49,9 +47,7 @@ def test_inspect_json_says_what_an_imatrix_covers(path, counts, chunk_size):
 
 
 def test_inspect_table_shows_the_summary_and_k_filters_the_rows():
-    done = qtool(
-        "inspect", TINY_GGUF, "-f", "table", "--no-collapse", "-k", "re:.*ffn_down.*"
-    )
+    done = qtool("inspect", TINY_GGUF, "-f", "table", "--no-collapse", "-k", "re:.*ffn_down.*")
     assert done.returncode == 0, done.stderr
     assert "blk.1.ffn_down.weight" in done.stdout and "attn_q" not in done.stdout
     for fact in ("GGUF imatrix", "tensors covered", "chunk size", "topics.txt"):
@@ -62,11 +58,7 @@ def test_inspect_raw_lists_an_imatrix_ggufs_stored_tensors():
     done = qtool("inspect", TINY_GGUF, "--raw", "-f", "tsv")
     assert done.returncode == 0, done.stderr
     names = [line.split("\t")[0] for line in done.stdout.splitlines()[1:]]
-    assert (
-        len(names) == 28
-        and "blk.0.attn_q.weight.in_sum2" in names
-        and "blk.0.attn_q.weight.counts" in names
-    )
+    assert len(names) == 28 and "blk.0.attn_q.weight.in_sum2" in names and "blk.0.attn_q.weight.counts" in names
 
 
 @pytest.mark.parametrize(
@@ -81,13 +73,9 @@ def test_a_bad_imatrix_is_one_line_exit_2(tmp_path, suffix, message):
     if suffix == ".gguf":
         write_imatrix_gguf(path, {"x.weight": (np.array([np.nan] * 32), [3])})
     else:
-        path.write_bytes(
-            legacy_bytes([(b"x.weight", 1, np.ones(4)), (b"x.weight", 1, np.ones(4))])
-        )
+        path.write_bytes(legacy_bytes([(b"x.weight", 1, np.ones(4)), (b"x.weight", 1, np.ones(4))]))
     done = qtool("inspect", path)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
-    assert (
-        lines[0] == f"error: {path}: {message}" and len(lines) <= 2
-    )  # the error and its hint
+    assert lines[0] == f"error: {path}: {message}" and len(lines) <= 2  # the error and its hint
     assert "Traceback" not in done.stderr and done.stdout == ""

@@ -33,7 +33,9 @@ LLAMA_QUANTIZE = os.environ.get("LLAMA_QUANTIZE", "/work/llama/build/bin/llama-q
 
 
 def qtool(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "qtool", *map(str, args)], cwd=REPO, capture_output=True, text=True, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "qtool", *map(str, args)], cwd=REPO, capture_output=True, text=True, check=False
+    )
 
 
 def planned(imatrix, scheme="Q4_K_M", source=TINY, tmp=None):
@@ -52,9 +54,13 @@ def test_every_quantized_tensor_gets_its_entrys_importance():
             name = job.outputs[0].name
             weighted[name] = job.encoding.importance
             if name in imatrix.entries:
-                assert job.encoding.importance.dtype == np.float32 and job.encoding.importance.shape == (job.weight.shape[-1],)
+                assert job.encoding.importance.dtype == np.float32 and job.encoding.importance.shape == (
+                    job.weight.shape[-1],
+                )
                 assert np.array_equal(job.encoding.importance, imatrix.entries[name].importance()), name
-        assert weighted["output.weight"] is None and weighted["token_embd.weight"] is None  # llama-imatrix does not cover them
+        assert (
+            weighted["output.weight"] is None and weighted["token_embd.weight"] is None
+        )  # llama-imatrix does not cover them
         assert sum(v is not None for v in weighted.values()) == 14
         assert any("14 of 16 quantized tensors weighted" in note for note in plan.warnings)
     finally:
@@ -81,7 +87,10 @@ def test_recorded_strings_are_cut_as_strncpy_cuts_them():
     recorded = imatrix_metadata(imatrix, long_name)
     assert recorded[0] == ("quantize.imatrix.file", long_name.encode()[:127], "STRING")
     no_chunks = SimpleNamespace(entries=imatrix.entries, datasets=(), chunk_count=0)
-    assert [key for key, _, _ in imatrix_metadata(no_chunks, "x")] == ["quantize.imatrix.file", "quantize.imatrix.entries_count"]
+    assert [key for key, _, _ in imatrix_metadata(no_chunks, "x")] == [
+        "quantize.imatrix.file",
+        "quantize.imatrix.entries_count",
+    ]
 
 
 def test_a_legacy_dat_weighs_the_same_tensors_with_the_same_importance():
@@ -104,12 +113,20 @@ class _Job:  # what attach_importance reads of a plan's Job; it returns new ones
 
 
 def _job(name, shape, gguf_type="Q4_K"):
-    return _Job(QUANTIZE, GgmlBlocks(ggml_type_named(gguf_type)), [SimpleNamespace(name=name, dtype=gguf_type)], SimpleNamespace(shape=shape))
+    return _Job(
+        QUANTIZE,
+        GgmlBlocks(ggml_type_named(gguf_type)),
+        [SimpleNamespace(name=name, dtype=gguf_type)],
+        SimpleNamespace(shape=shape),
+    )
 
 
 def test_a_3d_expert_tensor_takes_one_slice_per_expert():
     sums = np.arange(4 * 64, dtype=np.float32)
-    imatrix = SimpleNamespace(path="m.gguf", entries={"blk.0.ffn_up_exps.weight": ImatrixEntry("blk.0.ffn_up_exps.weight", sums, (2, 0, 4, 8))})
+    imatrix = SimpleNamespace(
+        path="m.gguf",
+        entries={"blk.0.ffn_up_exps.weight": ImatrixEntry("blk.0.ffn_up_exps.weight", sums, (2, 0, 4, 8))},
+    )
     job = _job("blk.0.ffn_up_exps.weight", (4, 128, 64))
     (weighted,), _ = attach_importance([job], imatrix, "Q4_K_M")
     assert job.encoding.importance is None  # the job given is not changed
@@ -123,7 +140,10 @@ def test_a_3d_expert_tensor_takes_one_slice_per_expert():
 def test_a_width_mismatch_is_refused_but_token_embd_goes_without():
     entry = ImatrixEntry("blk.0.attn_q.weight", np.ones(128, dtype=np.float32), (3,))
     imatrix = SimpleNamespace(path="m.gguf", entries={"blk.0.attn_q.weight": entry, "token_embd.weight": entry})
-    with pytest.raises(ImatrixError, match="entry blk.0.attn_q.weight holds 128 values, the weight has 256 columns: an importance matrix for another model"):
+    with pytest.raises(
+        ImatrixError,
+        match="entry blk.0.attn_q.weight holds 128 values, the weight has 256 columns: an importance matrix for another model",
+    ):
         attach_importance([_job("blk.0.attn_q.weight", (256, 256))], imatrix, None)
     embd, q = _job("token_embd.weight", (1000, 256)), _job("blk.0.attn_q.weight", (256, 128))
     (embd, q), _ = attach_importance([embd, q], imatrix, None)
@@ -132,13 +152,22 @@ def test_a_width_mismatch_is_refused_but_token_embd_goes_without():
 
 def test_types_that_need_an_imatrix_are_refused_without_one():
     iq2_xs, q2_k = ggml_type_named("IQ2_XS"), ggml_type_named("Q2_K")
-    assert requires_imatrix("blk.0.attn_q.weight", iq2_xs, None) and requires_imatrix("blk.0.ffn_up.weight", q2_k, "Q2_K_S")
-    assert not requires_imatrix("token_embd.weight", iq2_xs, None) and not requires_imatrix("blk.0.ffn_up.weight", q2_k, "Q2_K")
+    assert requires_imatrix("blk.0.attn_q.weight", iq2_xs, None) and requires_imatrix(
+        "blk.0.ffn_up.weight", q2_k, "Q2_K_S"
+    )
+    assert not requires_imatrix("token_embd.weight", iq2_xs, None) and not requires_imatrix(
+        "blk.0.ffn_up.weight", q2_k, "Q2_K"
+    )
     with pytest.raises(SchemeError, match="IQ2_XXS needs an importance matrix"):
         attach_importance([_job("blk.0.attn_q.weight", (256, 256), "IQ2_XXS")], None, None)
-    imatrix = SimpleNamespace(path="m.gguf", entries={"blk.0.attn_k.weight": ImatrixEntry("blk.0.attn_k.weight", np.ones(256, dtype=np.float32), (3,))})
+    imatrix = SimpleNamespace(
+        path="m.gguf",
+        entries={"blk.0.attn_k.weight": ImatrixEntry("blk.0.attn_k.weight", np.ones(256, dtype=np.float32), (3,))},
+    )
     with pytest.raises(ImatrixError, match="has no entry for blk.0.attn_q.weight, whose type IQ2_XXS needs one"):
-        attach_importance([_job("blk.0.attn_k.weight", (256, 256)), _job("blk.0.attn_q.weight", (256, 256), "IQ2_XXS")], imatrix, None)
+        attach_importance(
+            [_job("blk.0.attn_k.weight", (256, 256)), _job("blk.0.attn_q.weight", (256, 256), "IQ2_XXS")], imatrix, None
+        )
 
 
 def test_with_an_imatrix_q4_0_puts_the_first_eighth_of_ffn_down_in_q4_1():
@@ -158,18 +187,27 @@ def test_an_imatrix_for_another_model_is_one_line_exit_2_and_nothing_written(tmp
     out = tmp_path / "out.gguf"
     done = qtool("quantize", TINY, "-o", out, "--scheme", "Q4_K_M", "--imatrix", other, "-q")
     assert done.returncode == 2, done.stderr
-    assert done.stderr.splitlines()[0] == f"error: {other}: entry blk.0.attn_q.weight holds 4096 values, the weight has 256 columns: an importance matrix for another model?"
+    assert (
+        done.stderr.splitlines()[0]
+        == f"error: {other}: entry blk.0.attn_q.weight holds 4096 values, the weight has 256 columns: an importance matrix for another model?"
+    )
     unrelated = tmp_path / "unrelated.gguf"
     write_imatrix_gguf(unrelated, {"blk.0.ssm_in.weight": (np.ones(256), [512])})
     done = qtool("quantize", TINY, "-o", out, "--scheme", "Q4_K_M", "--imatrix", unrelated, "-q")
-    assert done.returncode == 2 and "none of its 1 entries (e.g. blk.0.ssm_in.weight) names a tensor this quantizes" in done.stderr
+    assert (
+        done.returncode == 2
+        and "none of its 1 entries (e.g. blk.0.ssm_in.weight) names a tensor this quantizes" in done.stderr
+    )
     assert not out.exists() and sorted(os.listdir(tmp_path)) == ["other.gguf", "unrelated.gguf"]
 
 
 def test_an_imatrix_with_a_non_gguf_output_is_one_line_exit_2(tmp_path):
     done = qtool("quantize", TINY, "-o", tmp_path / "w4", "--scheme", "W4A16", "--imatrix", TINY_GGUF, "-q")
     assert done.returncode == 2
-    assert done.stderr.splitlines()[0] == "error: an importance matrix weighs llama.cpp's GGUF quantizers; this writes compressed-tensors"
+    assert (
+        done.stderr.splitlines()[0]
+        == "error: an importance matrix weighs llama.cpp's GGUF quantizers; this writes compressed-tensors"
+    )
     assert not (tmp_path / "w4").exists()
 
 
@@ -204,12 +242,38 @@ def _fields(path) -> dict:
 
 
 @pytest.mark.skipif(not os.path.exists(LLAMA_QUANTIZE), reason="llama-quantize not built (set LLAMA_QUANTIZE)")
-@pytest.mark.parametrize("mix", [m for m in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "Q4_0", "IQ4_XS", "IQ3_S", "IQ3_M", *IMATRIX_ONLY) if m in MIXES])
+@pytest.mark.parametrize(
+    "mix",
+    [
+        m
+        for m in (
+            "Q2_K",
+            "Q3_K_S",
+            "Q3_K_M",
+            "Q3_K_L",
+            "Q4_K_S",
+            "Q4_K_M",
+            "Q5_K_S",
+            "Q5_K_M",
+            "Q6_K",
+            "Q4_0",
+            "IQ4_XS",
+            "IQ3_S",
+            "IQ3_M",
+            *IMATRIX_ONLY,
+        )
+        if m in MIXES
+    ],
+)
 @pytest.mark.parametrize("imatrix", [TINY_GGUF, TINY_DAT], ids=["gguf", "dat"])
 def test_the_output_equals_llama_quantize_imatrix(tiny_gguf, tmp_path, mix, imatrix):
     ours, theirs, plain = tmp_path / "qtool.gguf", tmp_path / "llama.gguf", tmp_path / "plain.gguf"
     api.quantize(tiny_gguf, ours, mix, imatrix=str(imatrix))
-    done = subprocess.run([LLAMA_QUANTIZE, "--imatrix", str(imatrix), str(tiny_gguf), str(theirs), mix, "1"], capture_output=True, check=False)
+    done = subprocess.run(
+        [LLAMA_QUANTIZE, "--imatrix", str(imatrix), str(tiny_gguf), str(theirs), mix, "1"],
+        capture_output=True,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert _fields(ours) == _fields(theirs)  # the quantize.imatrix.* keys included, types too
     a, b = gguf.GGUFReader(str(ours)), gguf.GGUFReader(str(theirs))
@@ -233,7 +297,9 @@ def test_the_output_equals_llama_quantize_imatrix(tiny_gguf, tmp_path, mix, imat
 def _gguf_mix_reference():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("make_reference", REPO / "tests" / "fixtures" / "gguf_mix" / "make_reference.py")
+    spec = importlib.util.spec_from_file_location(
+        "make_reference", REPO / "tests" / "fixtures" / "gguf_mix" / "make_reference.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -250,7 +316,10 @@ def synthetic(tmp_path_factory):
     folder = tmp_path_factory.mktemp("synthetic")
     rng = np.random.default_rng(5)
     made = {}
-    for name, spec in (("moe8", dict(layers=2, hidden=256, heads=4, kv=4, ffn=256, tied=False, dtype="F16", experts=8)), ("deep16", dict(layers=16, hidden=256, heads=4, kv=2, ffn=512, tied=False, dtype="F16"))):
+    for name, spec in (
+        ("moe8", dict(layers=2, hidden=256, heads=4, kv=4, ffn=256, tied=False, dtype="F16", experts=8)),
+        ("deep16", dict(layers=16, hidden=256, heads=4, kv=2, ffn=512, tied=False, dtype="F16")),
+    ):
         model = folder / f"{name}.gguf"
         ref.write_model(str(model), spec, seed=11)
         entries = {}
@@ -271,12 +340,18 @@ def synthetic(tmp_path_factory):
 
 @pytest.mark.skipif(not os.path.exists(LLAMA_QUANTIZE), reason="llama-quantize not built (set LLAMA_QUANTIZE)")
 @pytest.mark.parametrize("model", ["moe8", "deep16"])
-@pytest.mark.parametrize("mix", [m for m in ("Q4_K_M", "Q2_K", "Q4_0", "IQ4_XS", "IQ3_XXS", "IQ2_M", "IQ2_XXS") if m in MIXES])
+@pytest.mark.parametrize(
+    "mix", [m for m in ("Q4_K_M", "Q2_K", "Q4_0", "IQ4_XS", "IQ3_XXS", "IQ2_M", "IQ2_XXS") if m in MIXES]
+)
 def test_expert_slices_and_the_imatrix_rules_equal_llama_quantize(synthetic, tmp_path, model, mix):
     source, imatrix = synthetic[model]
     ours, theirs = tmp_path / "qtool.gguf", tmp_path / "llama.gguf"
     api.quantize(source, ours, mix, imatrix=str(imatrix))
-    done = subprocess.run([LLAMA_QUANTIZE, "--imatrix", str(imatrix), str(source), str(theirs), mix, "1"], capture_output=True, check=False)
+    done = subprocess.run(
+        [LLAMA_QUANTIZE, "--imatrix", str(imatrix), str(source), str(theirs), mix, "1"],
+        capture_output=True,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert _fields(ours) == _fields(theirs)
     a, b = gguf.GGUFReader(str(ours)), {t.name: t for t in gguf.GGUFReader(str(theirs)).tensors}
@@ -291,8 +366,14 @@ def test_expert_slices_and_the_imatrix_rules_equal_llama_quantize(synthetic, tmp
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"imatrix": TINY_GGUF, "calibrate": TINY_GGUF}, "give either an importance matrix or calibration text, not both"),
-        ({"calibrate": TINY_GGUF, "algorithm": "gptq"}, "algorithm 'gptq': a calibrated GGUF is weighed by llama.cpp's importance matrix"),
+        (
+            {"imatrix": TINY_GGUF, "calibrate": TINY_GGUF},
+            "give either an importance matrix or calibration text, not both",
+        ),
+        (
+            {"calibrate": TINY_GGUF, "algorithm": "gptq"},
+            "algorithm 'gptq': a calibrated GGUF is weighed by llama.cpp's importance matrix",
+        ),
     ],
 )
 def test_calibrated_gguf_options_that_contradict_are_refused(tmp_path, options, message):
@@ -318,7 +399,9 @@ def test_the_mixes_llama_cpp_makes_only_with_an_imatrix_are_refused_without_one(
     done = qtool("quantize", TINY, "-o", out, "--scheme", mix, "-q")
     assert done.returncode == 2, done.stderr
     first = done.stderr.splitlines()[0]
-    assert first.startswith("error: blk.0.") and "needs an importance matrix (llama.cpp refuses it without one)" in first
+    assert (
+        first.startswith("error: blk.0.") and "needs an importance matrix (llama.cpp refuses it without one)" in first
+    )
     assert "Traceback" not in done.stderr and not out.exists() and os.listdir(tmp_path) == []
 
 
@@ -329,6 +412,8 @@ def test_calibrate_plans_a_mix_that_needs_an_imatrix(tmp_path):
     plan = api.prepare_quantize(TINY, tmp_path / "out.gguf", "IQ2_M", calibrate=text, samples=2, seq_len=64)
     try:
         types = {job.outputs[0].name: job.outputs[0].dtype for job in plan.jobs}
-        assert types["blk.0.attn_q.weight"] == "IQ2_S" and all(job.encoding.importance is None for job in plan.jobs if job.action == QUANTIZE)
+        assert types["blk.0.attn_q.weight"] == "IQ2_S" and all(
+            job.encoding.importance is None for job in plan.jobs if job.action == QUANTIZE
+        )
     finally:
         plan.source.close()

@@ -34,7 +34,20 @@ def inspect_json(*args) -> dict:
 TOP = {"schema_version", "path", "format", "files", "metadata", "conventions", "summary", "weights"}
 SUMMARY = {"tensors", "weights", "quantized_weights", "parameters", "bytes", "bits_per_weight", "by_dtype", "by_scheme"}
 WEIGHT = {"name", "shape", "dtype", "parameters", "bytes", "bits_per_weight", "quantized", "scheme", "tensors", "notes"}
-SCHEME = {"label", "qtype", "bits", "kind", "symmetric", "granularity", "block", "group_size", "scale_dtype", "zero_point", "convention", "details"}
+SCHEME = {
+    "label",
+    "qtype",
+    "bits",
+    "kind",
+    "symmetric",
+    "granularity",
+    "block",
+    "group_size",
+    "scale_dtype",
+    "zero_point",
+    "convention",
+    "details",
+}
 
 
 def test_json_contract_field_by_field_on_a_plain_model():
@@ -86,7 +99,12 @@ def test_json_contract_on_a_quantized_weight():
     }
     assert w["quantized"] is True
     roles = {t["role"]: t for t in w["tensors"]}
-    assert roles["data"] == {"name": "model.layers.0.mlp.down_proj.weight_packed", "role": "data", "dtype": "I32", "shape": [12, 32]}
+    assert roles["data"] == {
+        "name": "model.layers.0.mlp.down_proj.weight_packed",
+        "role": "data",
+        "dtype": "I32",
+        "shape": [12, 32],
+    }
     summary = doc["summary"]
     assert summary["quantized_weights"] == 2
     assert summary["by_scheme"]["int4 asym g128"] == {"weights": 2, "parameters": 16 * 128 + 12 * 256}
@@ -153,7 +171,14 @@ def test_tsv_and_names_list_every_weight_by_its_real_name():
     assert tsv[0].split("\t") == ["name", "shape", "dtype", "scheme", "parameters", "size"]
     assert len(tsv) == 22
     row = dict(zip(tsv[0].split("\t"), next(line for line in tsv if line.startswith("model.norm.weight")).split("\t")))
-    assert row == {"name": "model.norm.weight", "shape": "256", "dtype": "BF16", "scheme": "", "parameters": "256", "size": "512"}
+    assert row == {
+        "name": "model.norm.weight",
+        "shape": "256",
+        "dtype": "BF16",
+        "scheme": "",
+        "parameters": "256",
+        "size": "512",
+    }
     names = run("inspect", TINY, "-f", "names").stdout.splitlines()
     assert len(names) == 21 and "model.layers.1.self_attn.q_proj.weight" in names
 
@@ -172,7 +197,13 @@ def test_filter_glob_and_regex():
 
 def test_a_filter_that_matches_nothing_warns():
     """A typo in -k lists nothing, exit 0 (it is a listing, not a gate), and says so on stderr."""
-    result = subprocess.run([sys.executable, "-m", "qtool", "inspect", str(TINY), "-k", "nomatch*", "--json"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "qtool", "inspect", str(TINY), "-k", "nomatch*", "--json"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stderr == f"warning: -k 'nomatch*' matches no weight in {TINY}\n"
     assert json.loads(result.stdout)["weights"] == []
@@ -182,11 +213,17 @@ def test_a_filter_that_matches_nothing_warns():
 def test_a_filtered_summary_is_the_filtered_weights(tmp_path):
     from tests.conftest import write_safetensors
 
-    tensors = {"embeddings.weight": ("BF16", (4000, 64)), "pooler.dense.weight": ("BF16", (64, 64)), "pooler.dense.bias": ("BF16", (64,))}
+    tensors = {
+        "embeddings.weight": ("BF16", (4000, 64)),
+        "pooler.dense.weight": ("BF16", (64, 64)),
+        "pooler.dense.bias": ("BF16", (64,)),
+    }
     path = write_safetensors(tmp_path / "m.safetensors", tensors)
     doc = inspect_json(path, "-k", "pooler*")
     summary = doc["summary"]
-    assert [w["name"] for w in doc["weights"]] == ["pooler.dense.bias", "pooler.dense.weight"] and doc["filter"] == "pooler*"
+    assert [w["name"] for w in doc["weights"]] == ["pooler.dense.bias", "pooler.dense.weight"] and doc[
+        "filter"
+    ] == "pooler*"
     assert summary["bytes"] == sum(w["bytes"] for w in doc["weights"]) == 2 * (64 * 64 + 64)
     assert summary["bits_per_weight"] == 16.0 and summary["tensors"] == 2  # was 1000.6: the whole file's bytes
     assert summary["by_dtype"] == {"BF16": {"tensors": 2, "bytes": summary["bytes"]}}
@@ -209,7 +246,9 @@ def test_raw_lists_stored_tensors_not_weights():
     tsv = run("inspect", CT_FIXTURES / "W4A16", "--raw", "-f", "tsv").stdout.splitlines()
     assert tsv[0].split("\t") == ["name", "dtype", "shape", "bytes", "file", "offset"]
     names = [line.split("\t")[0] for line in tsv[1:]]
-    assert "model.layers.0.mlp.down_proj.weight_packed" in names and "model.layers.0.mlp.down_proj.weight_scale" in names
+    assert (
+        "model.layers.0.mlp.down_proj.weight_packed" in names and "model.layers.0.mlp.down_proj.weight_scale" in names
+    )
     doc = inspect_json(CT_FIXTURES / "W4A16", "--raw")
     assert len(doc["tensors"]) == doc["summary"]["tensors"]
 

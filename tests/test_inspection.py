@@ -28,7 +28,11 @@ def bert(tmp_path) -> Path:
         "embeddings.word_embeddings.weight": ("BF16", (3000, 64)),
         "embeddings.position_embeddings.weight": ("BF16", (512, 64)),
         "embeddings.LayerNorm.weight": ("BF16", (64,)),
-        **{f"encoder.layer.{i}.attention.self.{p}.weight": ("BF16", (64, 64)) for i in range(2) for p in ("query", "key", "value")},
+        **{
+            f"encoder.layer.{i}.attention.self.{p}.weight": ("BF16", (64, 64))
+            for i in range(2)
+            for p in ("query", "key", "value")
+        },
         **{f"encoder.layer.{i}.intermediate.dense.weight": ("BF16", (256, 64)) for i in range(2)},
         "pooler.dense.weight": ("F32", (64, 64)),
         "pooler.dense.bias": ("F32", (64,)),
@@ -42,7 +46,11 @@ def test_a_filtered_summary_counts_only_the_weights_reported(bert):
     summary = report.summary()
     parameters = 64 * 64 + 64
     assert summary["parameters"] == parameters
-    assert summary["bytes"] == sum(w.nbytes for w in report.weights) == tensor_bytes("F32", (64, 64)) + tensor_bytes("F32", (64,))
+    assert (
+        summary["bytes"]
+        == sum(w.nbytes for w in report.weights)
+        == tensor_bytes("F32", (64, 64)) + tensor_bytes("F32", (64,))
+    )
     assert summary["bits_per_weight"] == round(sum(w.nbytes * 8 for w in report.weights) / parameters, 4) == 32.0
     assert summary["tensors"] == 2 and summary["weights"] == 2 and summary["quantized_weights"] == 0
     assert summary["by_dtype"] == {"F32": {"tensors": 2, "bytes": summary["bytes"]}}
@@ -51,7 +59,13 @@ def test_a_filtered_summary_counts_only_the_weights_reported(bert):
     # the same weights by regex; and no weight at all is an empty report, not a division by zero
     assert [w.name for w in _inspect(bert, r"re:pooler\.").weights] == [w.name for w in report.weights]
     empty = _inspect(bert, "nothing*").summary()
-    assert (empty["weights"], empty["tensors"], empty["bytes"], empty["bits_per_weight"], empty["by_dtype"]) == (0, 0, 0, 0.0, {})
+    assert (empty["weights"], empty["tensors"], empty["bytes"], empty["bits_per_weight"], empty["by_dtype"]) == (
+        0,
+        0,
+        0,
+        0.0,
+        {},
+    )
 
 
 def test_a_filtered_quantized_summary_counts_every_member_of_its_weights():
@@ -63,11 +77,16 @@ def test_a_filtered_quantized_summary_counts_every_member_of_its_weights():
     assert summary["bytes"] == sum(t.nbytes for t in members)
     assert summary["bits_per_weight"] == round(summary["bytes"] * 8 / summary["parameters"], 4)
     assert summary["by_dtype"] == {
-        dtype: {"tensors": sum(1 for t in members if t.dtype.name == dtype), "bytes": sum(t.nbytes for t in members if t.dtype.name == dtype)}
+        dtype: {
+            "tensors": sum(1 for t in members if t.dtype.name == dtype),
+            "bytes": sum(t.nbytes for t in members if t.dtype.name == dtype),
+        }
         for dtype in ("I32", "BF16", "I64")
     }
     assert summary["by_scheme"] == {"int4 sym g128": {"weights": 2, "parameters": 2 * 256 * 256}}
-    assert [t.name for t in report.tensors] == [name for name in report.checkpoint.tensors if name in {t.name for t in members}]
+    assert [t.name for t in report.tensors] == [
+        name for name in report.checkpoint.tensors if name in {t.name for t in members}
+    ]
 
 
 @pytest.mark.parametrize("model", sorted(json.loads(GOLDEN.read_text())))

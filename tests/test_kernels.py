@@ -66,7 +66,9 @@ def test_int8_symmetric_per_tensor_by_hand(device):
     # x / scale = -63.75, 31.875, 15.9375, 127.5 -> round, and 127.5 clamps to 127
     assert q.dtype == torch.int8 and q.tolist() == [[-64, 32], [16, 127]]
     step = 2 / 127.5
-    assert K.dequantize(q, scale, None, (None, None)).flatten().tolist() == pytest.approx([-64 * step, 32 * step, 16 * step, 127 * step])
+    assert K.dequantize(q, scale, None, (None, None)).flatten().tolist() == pytest.approx(
+        [-64 * step, 32 * step, 16 * step, 127 * step]
+    )
 
 
 def test_int4_asymmetric_by_hand(device):
@@ -76,7 +78,9 @@ def test_int4_asymmetric_by_hand(device):
     assert scale.item() == pytest.approx(0.2) and zero_point.dtype == torch.int8 and zero_point.item() == -8
     q = K.quantize(x, scale, zero_point, (1, 4), "int4")
     assert q.tolist() == [[-8, -3, 2, 7]]
-    assert K.dequantize(q, scale, zero_point, (1, 4)).flatten().tolist() == pytest.approx([0.0, 1.0, 2.0, 3.0], abs=1e-6)
+    assert K.dequantize(q, scale, zero_point, (1, 4)).flatten().tolist() == pytest.approx(
+        [0.0, 1.0, 2.0, 3.0], abs=1e-6
+    )
 
 
 def test_integer_rounding_is_half_to_even(device):
@@ -98,7 +102,10 @@ def test_fp8_cast_saturates_and_rounds_half_to_even(device):
     q = K.quantize(x, torch.ones(1, device=device), None, (None,), "fp8_e4m3")
     # e4m3 at 16..32 has a step of 2: 17 is a tie -> 16 (even mantissa), 19 -> 20
     assert q.dtype == torch.float8_e4m3fn and q.float().tolist() == [448.0, -448.0, 0.1015625, 16.0, 20.0]
-    assert K.quantize(x, torch.ones(1, device=device), None, (None,), "fp8_e5m2").float().tolist()[:2] == [1024.0, -1024.0]
+    assert K.quantize(x, torch.ones(1, device=device), None, (None,), "fp8_e5m2").float().tolist()[:2] == [
+        1024.0,
+        -1024.0,
+    ]
 
 
 def test_fp4_e2m1_codes_by_hand(device):
@@ -149,7 +156,9 @@ def test_nf4_codebook_by_hand(device):
     q = K.quantize(x, absmax, None, (1, 4), "nf4")
     # 0.5 lies below the midpoint 0.5016634 of entries 12 (0.4407) and 13 (0.5626)
     assert q.tolist() == [[15, 0, 7, 12]]
-    assert K.dequantize(q, absmax, None, (1, 4), qtype="nf4").flatten().tolist() == pytest.approx([2.0, -2.0, 0.0, 2 * 0.44070982933044434])
+    assert K.dequantize(q, absmax, None, (1, 4), qtype="nf4").flatten().tolist() == pytest.approx(
+        [2.0, -2.0, 0.0, 2 * 0.44070982933044434]
+    )
 
 
 def test_codebook_ties_go_to_the_lower_entry():
@@ -161,7 +170,11 @@ def test_codebook_ties_go_to_the_lower_entry():
 
 def test_bnb_fp4_codebook_is_the_bitsandbytes_table():
     table = K.codebook("fp4_bnb")
-    assert table[3].item() == 1.0 and table[2].item() == pytest.approx(8 / 12) and table[1].item() == pytest.approx(0.0625 / 12)
+    assert (
+        table[3].item() == 1.0
+        and table[2].item() == pytest.approx(8 / 12)
+        and table[1].item() == pytest.approx(0.0625 / 12)
+    )
     assert math.copysign(1, table[8].item()) == 1  # bitsandbytes' `-0` is an int: +0.0 at index 8
 
 
@@ -201,9 +214,7 @@ def _tensor(draw, rows, cols, dtype=torch.float32):
 @st.composite
 def _blocked_tensor(draw):
     rows, cols = draw(st.integers(1, 24)), draw(st.integers(1, 70))
-    block = draw(
-        st.sampled_from([(None, None), (1, None), (1, 8), (1, 32), (4, 16), (16, 16), (3, 7)])
-    )
+    block = draw(st.sampled_from([(None, None), (1, None), (1, 8), (1, 32), (4, 16), (16, 16), (3, 7)]))
     return _tensor(draw, rows, cols), block
 
 
@@ -272,7 +283,11 @@ def test_codebook_round_trip_is_within_half_the_widest_gap(numel, blocksize, nam
 def test_scale_dtypes(device, dtype, scale_dtype):
     x = torch.randn(8, 64, device=device).to(dtype)
     scale, _ = K.choose_qparams(x, (1, 32), "int4", True, scale_dtype)
-    expected = dtype if scale_dtype == "auto" else {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[scale_dtype]
+    expected = (
+        dtype
+        if scale_dtype == "auto"
+        else {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[scale_dtype]
+    )
     assert scale.dtype == expected and scale.shape == (8, 2) and scale.device.type == device
     q = K.quantize(x, scale, None, (1, 32), "int4")
     assert K.dequantize(q, scale, None, (1, 32), dtype).dtype == dtype
@@ -336,7 +351,9 @@ def test_pack_int32_equals_compressed_tensors(bits, rows, cols, data):
     values = data.draw(st.lists(st.integers(-offset, offset - 1), min_size=rows * cols, max_size=rows * cols))
     q = torch.tensor(values, dtype=torch.int8).reshape(rows, cols)
     for dim in (1, 0):
-        assert torch.equal(K.pack_int32(q.to(torch.int32) + offset, bits, dim=dim), helpers.pack_to_int32(q, bits, packed_dim=dim))
+        assert torch.equal(
+            K.pack_int32(q.to(torch.int32) + offset, bits, dim=dim), helpers.pack_to_int32(q, bits, packed_dim=dim)
+        )
 
 
 def test_nibble_order_by_hand():

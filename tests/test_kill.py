@@ -33,7 +33,10 @@ def _write_model(folder: Path) -> None:
     folder.mkdir()
     names = [f"model.layers.{i}.mlp.up_proj.weight" for i in range(LAYERS)]
     size = ROWS * COLS * 2
-    header = {name: {"dtype": "BF16", "shape": [ROWS, COLS], "data_offsets": [i * size, (i + 1) * size]} for i, name in enumerate(names)}
+    header = {
+        name: {"dtype": "BF16", "shape": [ROWS, COLS], "data_offsets": [i * size, (i + 1) * size]}
+        for i, name in enumerate(names)
+    }
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
     rng = np.random.default_rng(0)

@@ -18,7 +18,12 @@ from tests.conftest import SAMPLES
 TINY = SAMPLES / "tiny-llama"
 WRITERS = [name for name in LAYOUTS if name != "safetensors"]
 # the K-quants' 256-value blocks do not fit this model's 128-value rows: tests/test_gguf_mix.py writes them
-CASES = [(layout, name) for layout in WRITERS for name in scheme_names() if LAYOUTS[layout].refusal(parse_scheme(name)) is None and not name.endswith("_k")]
+CASES = [
+    (layout, name)
+    for layout in WRITERS
+    for name in scheme_names()
+    if LAYOUTS[layout].refusal(parse_scheme(name)) is None and not name.endswith("_k")
+]
 
 
 def test_every_scheme_has_a_layout_and_every_writer_stores_something():
@@ -37,7 +42,11 @@ def test_each_layout_round_trips_each_scheme_through_its_reader(tmp_path, layout
     assert len(quantized) == len(report.errors) == 14
     for weight in quantized:
         got = weight.require_scheme()
-        assert (got.qtype.name, got.symmetric, got.block_for(weight.shape)) == (scheme.qtype.name, scheme.symmetric, scheme.block_for(weight.shape)), weight.name
+        assert (got.qtype.name, got.symmetric, got.block_for(weight.shape)) == (
+            scheme.qtype.name,
+            scheme.symmetric,
+            scheme.block_for(weight.shape),
+        ), weight.name
         decoded = decoder_for(weight).decode(back.checkpoint, weight, "cpu")
         assert tuple(decoded.shape) == tuple(weight.shape) and bool(decoded.isfinite().all())
     worst = min(stats.sqnr_db for stats in report.errors.values())
@@ -73,7 +82,11 @@ def test_dry_run_plans_are_the_bytes_written(tmp_path):
         target = tmp_path / out
         files = [target] if target.is_file() else [p for p in target.iterdir() if p.suffix in (".safetensors", ".gguf")]
         written = sum(p.stat().st_size for p in files)
-        assert planned <= written <= planned + 64 * 1024 * math.ceil(len(files)), (name, planned, written)  # headers on top
+        assert planned <= written <= planned + 64 * 1024 * math.ceil(len(files)), (
+            name,
+            planned,
+            written,
+        )  # headers on top
 
 
 @pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4"])
@@ -90,7 +103,9 @@ def test_gguf_native_kernels_write_gguf_pys_bytes(tmp_path, monkeypatch, make_sa
     source = tmp_path / "model.safetensors"
     if dtype == "BF16":
         bf16 = {k: (v.view(np.uint32) >> 16).astype(np.uint16) for k, v in values.items()}
-        make_safetensors({k: ("BF16", list(v.shape)) for k, v in bf16.items()}, data={k: v.tobytes() for k, v in bf16.items()})
+        make_safetensors(
+            {k: ("BF16", list(v.shape)) for k, v in bf16.items()}, data={k: v.tobytes() for k, v in bf16.items()}
+        )
     else:
         save_file({k: v.astype(np.float16 if dtype == "F16" else np.float32) for k, v in values.items()}, str(source))
     qtool.quantize(source, tmp_path / "native.gguf", scheme, allow_incomplete_gguf=True)

@@ -38,10 +38,9 @@ SCHEMES = ["q8_0", "q4_0", "Q4_K_M"]
 def llama_cpp():
     try:
         import llama_cpp as module
-    except Exception as exc:  # noqa: BLE001 - a missing shared library raises OSError/RuntimeError, not ImportError
+    except Exception as exc:
         pytest.skip(f"llama_cpp does not import: {exc}")
     return module
-
 
 
 def vocab_file(name: str) -> Path:
@@ -82,7 +81,9 @@ def test_sample_tiny_llama_runs_in_llama_cpp(tmp_path, scheme):
     qtool.quantize(TINY, out, scheme)
     llm = load(out)
     text = "Hello wörld, 🦙!"
-    assert llm.tokenize(text.encode(), add_bos=True) == Tokenizer.from_file(str(TINY / "tokenizer.json")).encode(text).ids
+    assert (
+        llm.tokenize(text.encode(), add_bos=True) == Tokenizer.from_file(str(TINY / "tokenizer.json")).encode(text).ids
+    )
     assert_runs(llm, b"Hello")
 
 
@@ -137,7 +138,12 @@ def hf_tokenizer_from_vocab(vocab: Path, folder: Path, bos: tuple[str, int] | No
         tokenizer["post_processor"] = {
             "type": "TemplateProcessing",
             "single": [first, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [first, {"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": text, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "pair": [
+                first,
+                {"Sequence": {"id": "A", "type_id": 0}},
+                {"SpecialToken": {"id": text, "type_id": 1}},
+                {"Sequence": {"id": "B", "type_id": 1}},
+            ],
             "special_tokens": {text: {"id": text, "ids": [index], "tokens": [text]}},
         }
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer), encoding="utf-8")
@@ -147,7 +153,10 @@ def hf_tokenizer_from_vocab(vocab: Path, folder: Path, bos: tuple[str, int] | No
 def vocab_cases(vocab: Path) -> list[tuple[str, list[int]]]:
     """llama.cpp's own tokenizer test cases: texts (.inp) and the ids the real tokenizer gives (.out)."""
     texts = Path(f"{vocab}.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")[:-1]
-    ids = [[int(t) for t in line.split()] for line in Path(f"{vocab}.out").read_text(encoding="utf-8").split("\n")[: len(texts)]]
+    ids = [
+        [int(t) for t in line.split()]
+        for line in Path(f"{vocab}.out").read_text(encoding="utf-8").split("\n")[: len(texts)]
+    ]
     assert len(texts) == len(ids) > 20
     return list(zip(texts, ids))
 
@@ -204,7 +213,9 @@ def test_sentencepiece_tokenizer_model_runs_and_tokenizes_as_sentencepiece(tmp_p
     tokenizer = tmp_path / "tok"
     tokenizer.mkdir()
     (tokenizer / "tokenizer.model").write_bytes(model.getvalue())
-    (tokenizer / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True}))
+    (tokenizer / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True})
+    )
     folder = random_llama(tmp_path / "model", tokenizer, 512, 1, 2)
     out = tmp_path / "spm.gguf"
     qtool.quantize(folder, out, "q4_0")
@@ -215,7 +226,13 @@ def test_sentencepiece_tokenizer_model_runs_and_tokenizes_as_sentencepiece(tmp_p
     assert len(set(fields["tokenizer.ggml.scores"].contents())) > 100  # sentencepiece's own scores, not one placeholder
     processor = spm.SentencePieceProcessor(model_proto=model.getvalue())
     llm = load(out)
-    for text in ("Hello world", "qtool quantize model/ -o model-q4_0.gguf --scheme q4_0", "Ünïcödé 🦙 3.14159", lines[3], lines[-1]):
+    for text in (
+        "Hello world",
+        "qtool quantize model/ -o model-q4_0.gguf --scheme q4_0",
+        "Ünïcödé 🦙 3.14159",
+        lines[3],
+        lines[-1],
+    ):
         assert llm.tokenize(text.encode(), add_bos=True) == [1] + processor.encode(text), text
     assert_runs(llm, b"qtool inspect")
 
@@ -244,7 +261,9 @@ def tiny_llama_gguf(path: Path, vocab: Path) -> Path:
     for name, field in reader.fields.items():
         if name.startswith("tokenizer."):
             kind = field.types[0]
-            writer.add_key_value(name, field.contents(), kind, sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+            writer.add_key_value(
+                name, field.contents(), kind, sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+            )
     rng = np.random.default_rng(1)
 
     def add(name: str, *shape: int) -> None:
@@ -286,7 +305,20 @@ def test_requantized_gguf_runs_in_llama_cpp(tmp_path, scheme):
 
 # -- quantized with an importance matrix (issue 21) ------------------------------------------------
 
-IMATRIX_MIXES = ["Q4_K_M", "Q3_K_M", "Q2_K", "Q4_0", "IQ4_XS", "IQ3_S", "IQ3_M", "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS"]
+IMATRIX_MIXES = [
+    "Q4_K_M",
+    "Q3_K_M",
+    "Q2_K",
+    "Q4_0",
+    "IQ4_XS",
+    "IQ3_S",
+    "IQ3_M",
+    "IQ3_XXS",
+    "IQ2_M",
+    "IQ2_S",
+    "IQ2_XS",
+    "IQ2_XXS",
+]
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ def test_short_messages_are_unchanged_and_long_names_keep_their_context():
 
 
 def test_a_backslash_is_doubled_only_where_it_would_read_as_an_escape():
-    """issue 42 item 24: a user's `re:.*foo\.bar` was shown as `re:.*foo\\.bar`. A backslash stays
+    """issue 42 item 24: a user's `re:.*foo\\.bar` was shown as `re:.*foo\\.bar`. A backslash stays
     single unless what follows would read as one of escape's own sequences."""
     assert escape("re:.*foo\\.bar") == "re:.*foo\\.bar"
     assert escape("re:\\d+\\s") == "re:\\d+\\s"
@@ -73,7 +73,9 @@ def test_cli_error_naming_a_16_kb_tensor_name_is_one_short_line(tmp_path):
     raw = json.dumps({name: {"dtype": "F32", "shape": [4], "data_offsets": [0, 999]}}).encode()
     path = tmp_path / "long.safetensors"
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(16))
-    result = subprocess.run([sys.executable, "-m", "qtool", "inspect", str(path)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "qtool", "inspect", str(path)], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.splitlines()
     assert lines[0].startswith(f"error: {path}: tensor 'www") and "…" in lines[0]

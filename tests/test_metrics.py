@@ -28,7 +28,11 @@ def tiny_f32(tmp_path_factory):
     """tiny-llama in float32: the native kernel sums its terms in another order than torch
     (in bf16 most float64 sums happen to be exact), so this is where the paths could part."""
     folder = tmp_path_factory.mktemp("tiny-f32")
-    save_file({k: v.float() for k, v in load_file(str(TINY / "model.safetensors")).items()}, str(folder / "model.safetensors"), {"format": "pt"})
+    save_file(
+        {k: v.float() for k, v in load_file(str(TINY / "model.safetensors")).items()},
+        str(folder / "model.safetensors"),
+        {"format": "pt"},
+    )
     config = json.loads((TINY / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}))
     return folder
@@ -120,12 +124,19 @@ def test_update_does_not_depend_on_torch_threads():
 
 def test_update_of_nothing_and_of_unequal_sizes():
     empty = ErrorStats().update(torch.empty(0), torch.empty(0))
-    assert empty == ErrorStats() and empty.to_json() == {"sqnr_db": None, "rel_rmse": 0.0, "max_abs_err": 0.0, "cosine": 1.0}
+    assert empty == ErrorStats() and empty.to_json() == {
+        "sqnr_db": None,
+        "rel_rmse": 0.0,
+        "max_abs_err": 0.0,
+        "cosine": 1.0,
+    }
     with pytest.raises(ValueError, match="ErrorStats.update: 4 original values against 3 reconstructed"):
         ErrorStats().update(torch.zeros(4), torch.zeros(3))
 
 
-@pytest.mark.parametrize("scheme, out, ignore", [("q8_0", "x.gguf", ["re:.*q_proj.*"]), ("W4A16", "x", []), ("int8", "x", [])])
+@pytest.mark.parametrize(
+    "scheme, out, ignore", [("q8_0", "x.gguf", ["re:.*q_proj.*"]), ("W4A16", "x", []), ("int8", "x", [])]
+)
 def test_quantize_over_all_weights_is_compares_model_figure(tmp_path, scheme, out, ignore):
     """Copies (also GGUF's q/k rows, permuted, and norms cast to F32) count as compare counts them."""
     result = qtool.quantize(TINY, tmp_path / out, scheme, ignore=ignore)

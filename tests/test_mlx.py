@@ -62,7 +62,9 @@ def test_inspect_reports_logical_shape_scheme_and_true_bits(fixture):
         assert w["scheme"]["group_size"] == spec["group_size"]
         roles = {t["role"] for t in w["tensors"]}
         assert roles == ({"data", "scale", "bias"} if spec["mode"] == "affine" else {"data", "scale"})
-        stored = sum(math.prod(t["shape"]) * {"U32": 4, "U8": 1, "BF16": 2, "F16": 2, "F32": 4}[t["dtype"]] for t in w["tensors"])
+        stored = sum(
+            math.prod(t["shape"]) * {"U32": 4, "U8": 1, "BF16": 2, "F16": 2, "F32": 4}[t["dtype"]] for t in w["tensors"]
+        )
         assert w["bits_per_weight"] == pytest.approx(stored * 8 / w["parameters"], abs=1e-4)
         if fixture != "noconfig":
             assert w["notes"] == [], w["notes"]
@@ -89,7 +91,14 @@ def test_per_module_overrides_pick_between_settings_the_shapes_cannot_tell_apart
 
 
 def test_settings_for_follows_to_quantized_defaults():
-    config = {"group_size": 32, "bits": 4, "mode": "mxfp4", "a": {"group_size": 32, "bits": 8}, "b": {"mode": "nvfp4"}, "c": False}
+    config = {
+        "group_size": 32,
+        "bits": 4,
+        "mode": "mxfp4",
+        "a": {"group_size": 32, "bits": 8},
+        "b": {"mode": "nvfp4"},
+        "c": False,
+    }
     S = mlx_convention.Settings
     assert mlx_convention.settings_for(config, "a") == S("affine", 32, 8)  # no mode: affine, as to_quantized
     assert mlx_convention.settings_for(config, "b") == S("nvfp4", 16, 4)  # that mode's defaults
@@ -122,7 +131,9 @@ def test_config_and_tensors_disagree_the_tensors_win_with_a_note(tmp_path):
     weights = _weights(_copy("affine", tmp_path, config))
     w = weights["model.layers.0.b8_g64.weight"]
     assert w["scheme"]["label"] == "uint8 asym g64" and w["shape"] == [4, 128]
-    assert w["notes"] == ["config.json says affine 4-bit g64, the tensors show affine 8-bit g64; read as the tensors show"]
+    assert w["notes"] == [
+        "config.json says affine 4-bit g64, the tensors show affine 8-bit g64; read as the tensors show"
+    ]
     assert weights["model.layers.0.b3_g32.weight"]["notes"] == [
         "config.json says mxfp4 4-bit g32, the tensors show affine 3-bit g32; read as the tensors show"
     ]
@@ -141,7 +152,9 @@ def test_a_layout_that_does_not_fit_stays_plain_with_a_note(make_safetensors):
     path = make_safetensors({"m.weight": ("U32", [4, 16]), "m.scales": ("BF16", [4, 3]), "m.biases": ("BF16", [4, 3])})
     weights = {w.name: w for w in resolve(qtool.open_checkpoint(path))}
     assert all(w.scheme is None for w in weights.values())
-    assert weights["m.weight"].notes == ["looks like an MLX quantized weight, but 16 words per row cannot split into 3 groups; left plain"]
+    assert weights["m.weight"].notes == [
+        "looks like an MLX quantized weight, but 16 words per row cannot split into 3 groups; left plain"
+    ]
 
 
 # -- decode against mx.dequantize ----------------------------------------------------------------
@@ -217,8 +230,18 @@ def test_hand_packed_mxfp4_and_nvfp4(make_safetensors):
     e2m1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6]
     table = e2m1 + [-v for v in e2m1]
     path = make_safetensors(
-        {"a.weight": ("U32", [1, 4]), "a.scales": ("U8", [1, 1]), "b.weight": ("U32", [1, 4]), "b.scales": ("U8", [1, 2])},
-        data={"a.weight": packed, "a.scales": bytes([128]), "b.weight": packed, "b.scales": bytes([0x38, 0x40])},  # e4m3 1.0, 2.0
+        {
+            "a.weight": ("U32", [1, 4]),
+            "a.scales": ("U8", [1, 1]),
+            "b.weight": ("U32", [1, 4]),
+            "b.scales": ("U8", [1, 2]),
+        },
+        data={
+            "a.weight": packed,
+            "a.scales": bytes([128]),
+            "b.weight": packed,
+            "b.scales": bytes([0x38, 0x40]),
+        },  # e4m3 1.0, 2.0
     )
     checkpoint = qtool.open_checkpoint(path)
     weights = {w.name: w for w in resolve(checkpoint, REGISTRY)}

@@ -5,7 +5,6 @@ quantized as asked."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -36,7 +35,9 @@ def moe_names(tmp_path):
     folder = tmp_path / "moe"
     folder.mkdir()
     generator = torch.Generator().manual_seed(0)
-    tensors = {name: torch.randn(1 if "shared_expert_gate" in name else 8, 128, generator=generator) for name in ROUTERS}
+    tensors = {
+        name: torch.randn(1 if "shared_expert_gate" in name else 8, 128, generator=generator) for name in ROUTERS
+    }
     tensors.update({name: torch.randn(64, 128, generator=generator) for name in LINEARS})
     save_file(tensors, str(folder / "model.safetensors"))
     shutil.copy(SAMPLES / "tiny-llama" / "config.json", folder / "config.json")
@@ -65,7 +66,24 @@ def test_a_router_named_is_quantized(moe_names, tmp_path):
 
 def test_the_cli_keeps_routers_and_check_does_not_ask_for_them(moe_names, tmp_path):
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "qtool", "quantize", str(moe_names), "-o", str(out), "--scheme", "W8A16", "--json", "-q"], capture_output=True, text=True, cwd=REPO)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "qtool",
+            "quantize",
+            str(moe_names),
+            "-o",
+            str(out),
+            "--scheme",
+            "W8A16",
+            "--json",
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stderr
     from safetensors import safe_open
 
@@ -75,5 +93,10 @@ def test_the_cli_keeps_routers_and_check_does_not_ask_for_them(moe_names, tmp_pa
             assert router in names and router.replace(".weight", ".weight_scale") not in names
             assert stored.get_tensor(router).dtype.is_floating_point
         assert all(linear.replace(".weight", ".weight_scale") in names for linear in LINEARS)
-    check = subprocess.run([sys.executable, "-m", "qtool", "check", str(out), "--expect-scheme", "W8A16"], capture_output=True, text=True, cwd=REPO)
+    check = subprocess.run(
+        [sys.executable, "-m", "qtool", "check", str(out), "--expect-scheme", "W8A16"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert check.returncode == 0, check.stdout + check.stderr

@@ -23,7 +23,9 @@ from tests.conftest import SAMPLES
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
-def _group_errors(x: torch.Tensor, group: int, bits: int, symmetric: bool, observer: str, scale_dtype: str) -> torch.Tensor:
+def _group_errors(
+    x: torch.Tensor, group: int, bits: int, symmetric: bool, observer: str, scale_dtype: str
+) -> torch.Tensor:
     """float64 [rows * groups]: each group's squared error as the decoder sees it."""
     choose = kernels.choose_qparams_mse if observer == "mse" else kernels.choose_qparams
     block = (1, group)
@@ -70,7 +72,11 @@ def _minilm_weights(count: int = 4) -> list[torch.Tensor]:
     except Unavailable as exc:
         pytest.skip(str(exc))
     with safe_open(str(folder / "model.safetensors"), "pt") as handle:
-        names = [name for name in handle.keys() if name.startswith("encoder.layer.0.") and name.endswith(".weight") and "LayerNorm" not in name]
+        names = [
+            name
+            for name in handle.keys()
+            if name.startswith("encoder.layer.0.") and name.endswith(".weight") and "LayerNorm" not in name
+        ]
         return [handle.get_tensor(name)[:96] for name in names[:count]]
 
 
@@ -96,7 +102,9 @@ def _native_vs_torch(x: torch.Tensor, dtype: str, bits: int, group: int, symmetr
     packed = torch.frombuffer(bytearray(encoded.packed), dtype=torch.int32).reshape(ours["m.weight_packed"].shape)
     assert torch.equal(packed, ours["m.weight_packed"]), "codes differ"
     if not symmetric:
-        zero_point = torch.frombuffer(bytearray(encoded.zero_point), dtype=torch.int32).reshape(ours["m.weight_zero_point"].shape)
+        zero_point = torch.frombuffer(bytearray(encoded.zero_point), dtype=torch.int32).reshape(
+            ours["m.weight_zero_point"].shape
+        )
         assert torch.equal(zero_point, ours["m.weight_zero_point"]), "zero points differ"
 
 
@@ -123,7 +131,13 @@ def test_native_mse_is_the_torch_search_bit_for_bit(seed, tail, bits, symmetric,
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_native_mse_is_the_torch_search_on_real_rows(dtype):
     for weight in _minilm_weights():
-        for bits, group, symmetric in [(4, 128, True), (4, 128, False), (3, 128, False), (2, 64, False), (8, 384, True)]:
+        for bits, group, symmetric in [
+            (4, 128, True),
+            (4, 128, False),
+            (3, 128, False),
+            (2, 64, False),
+            (8, 384, True),
+        ]:
             _native_vs_torch(weight.to(DTYPES[dtype]), dtype, bits, group, symmetric)
 
 
@@ -183,8 +197,14 @@ def test_cli_observer_flag_records_mse_in_the_config(tmp_path):
     "args,message",
     [
         (["--scheme", "Q4_K_M", "--observer", "mse"], "error: observer mse: Q4_K_M is a llama.cpp file type"),
-        (["--scheme", "q4_0:mse"], "error: scheme: the mse observer searches int scales only: Q4_0 is a GGUF block type"),
-        (["--scheme", "nvfp4", "--observer", "mse"], "error: scheme 'nvfp4' with observer mse: the mse observer searches int scales only"),
+        (
+            ["--scheme", "q4_0:mse"],
+            "error: scheme: the mse observer searches int scales only: Q4_0 is a GGUF block type",
+        ),
+        (
+            ["--scheme", "nvfp4", "--observer", "mse"],
+            "error: scheme 'nvfp4' with observer mse: the mse observer searches int scales only",
+        ),
         (["--scheme", "W4A16", "--observer", "psychic"], "error: unknown observer 'psychic'"),
     ],
 )

@@ -26,8 +26,21 @@ if os.environ.get("QTOOL_REQUIRE_NATIVE") == "1":  # CI: a silently skipped buil
 pytestmark = pytest.mark.skipif(not native.available(), reason="qtool.native._kernels is not built")
 
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-SCHEMES = [("int8", 8, None), ("W4A16", 4, 128), ("int4:g64", 4, 64), ("int2:g64", 2, 64), ("W8A16", 8, 128), ("int3:g64", 3, 64)]
-ASYM_SCHEMES = [("W4A16_ASYM", 4, 128), ("int8:asym", 8, None), ("int4:g64:asym", 4, 64), ("int2:g64:asym", 2, 64), ("int3:g128:asym", 3, 128)]
+SCHEMES = [
+    ("int8", 8, None),
+    ("W4A16", 4, 128),
+    ("int4:g64", 4, 64),
+    ("int2:g64", 2, 64),
+    ("W8A16", 8, 128),
+    ("int3:g64", 3, 64),
+]
+ASYM_SCHEMES = [
+    ("W4A16_ASYM", 4, 128),
+    ("int8:asym", 8, None),
+    ("int4:g64:asym", 4, 64),
+    ("int2:g64:asym", 2, 64),
+    ("int3:g128:asym", 3, 128),
+]
 # int3 (issue 19): encoded natively, a dense stream (fields cross int32 words); decoded by torch
 
 
@@ -59,7 +72,9 @@ def _native_encode(w: torch.Tensor, dtype: str, bits: int, group: int, symmetric
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("scheme,bits,group,symmetric", [(*s, True) for s in SCHEMES] + [(*s, False) for s in ASYM_SCHEMES])
+@pytest.mark.parametrize(
+    "scheme,bits,group,symmetric", [(*s, True) for s in SCHEMES] + [(*s, False) for s in ASYM_SCHEMES]
+)
 def test_encode_equals_the_torch_encoder_bit_for_bit(dtype, scheme, bits, group, symmetric):
     w = _weight(0, 48, 256, DTYPES[dtype])
     parsed = parse_scheme(scheme)
@@ -80,7 +95,9 @@ def test_encode_equals_the_torch_encoder_bit_for_bit(dtype, scheme, bits, group,
     for field in ("signal", "noise", "dot", "recon"):
         assert getattr(got.errors, field) == pytest.approx(getattr(expected, field), rel=1e-12, abs=1e-300)
     for out in DTYPES if bits != 3 else ():  # and back
-        decoded = native.decode_int(got.packed, got.scale, got.zero_point, dtype, dtype, out, 48, 256, group or 256, bits)
+        decoded = native.decode_int(
+            got.packed, got.scale, got.zero_point, dtype, dtype, out, 48, 256, group or 256, bits
+        )
         assert bytes(decoded) == bytes(_bytes(reconstructed.to(DTYPES[out]))), out
 
 
@@ -92,8 +109,21 @@ def test_decode_equals_the_torch_decoder_bit_for_bit(logical, out, scheme, bits,
     parsed = parse_scheme(scheme)
     encoded = encode("m.weight", w, parsed)
     expected = CompressedTensors().reconstruct("m.weight", encoded, parsed, (40, 128), logical).to(DTYPES[out])
-    got = native.decode_int(_bytes(encoded["m.weight_packed"]), _bytes(encoded["m.weight_scale"]), None, logical, logical, out, 40, 128, group or 128, bits)
-    assert torch.equal(torch.frombuffer(got, dtype=DTYPES[out]).reshape(40, 128).view(torch.uint8), expected.view(torch.uint8))
+    got = native.decode_int(
+        _bytes(encoded["m.weight_packed"]),
+        _bytes(encoded["m.weight_scale"]),
+        None,
+        logical,
+        logical,
+        out,
+        40,
+        128,
+        group or 128,
+        bits,
+    )
+    assert torch.equal(
+        torch.frombuffer(got, dtype=DTYPES[out]).reshape(40, 128).view(torch.uint8), expected.view(torch.uint8)
+    )
 
 
 @settings(max_examples=40, deadline=None)
@@ -169,12 +199,34 @@ def test_hostile_sizes_are_refused_before_any_access():
 
     huge = 1 << 62
     calls = [
-        ("bad layout", lambda: _kernels.encode_int(bytes(256), 2, huge, huge, bytearray(64), bytearray(64), None, 8, 0, 4)),
-        ("src: the size asked for overflows", lambda: _kernels.encode_int(bytes(256), 2, 64, 64, bytearray(64), bytearray(64), None, 8, huge - 1, huge)),
-        ("packed: the size asked for overflows", lambda: _kernels.decode_int(bytes(64), bytes(64), 2, None, 2, bytearray(64), 2, 64, 64, 8, huge, huge - 1, huge)),
-        ("zero_point: the size asked for overflows", lambda: _kernels.decode_int(bytes(256), bytes(8), 2, bytes(64), 2, bytearray(512), 2, 64, 64, 8, (1 << 63) - 1, 0, 4)),
-        ("zero_point: the size asked for overflows", lambda: _kernels.pack_zero_points(bytes(64), huge, 4, 8, bytearray(64))),
-        ("zero_point holds 64 bytes, needs 9223372036854775807", lambda: _kernels.pack_zero_points(bytes(64), (1 << 63) - 1, 1, 8, bytearray(64))),
+        (
+            "bad layout",
+            lambda: _kernels.encode_int(bytes(256), 2, huge, huge, bytearray(64), bytearray(64), None, 8, 0, 4),
+        ),
+        (
+            "src: the size asked for overflows",
+            lambda: _kernels.encode_int(bytes(256), 2, 64, 64, bytearray(64), bytearray(64), None, 8, huge - 1, huge),
+        ),
+        (
+            "packed: the size asked for overflows",
+            lambda: _kernels.decode_int(
+                bytes(64), bytes(64), 2, None, 2, bytearray(64), 2, 64, 64, 8, huge, huge - 1, huge
+            ),
+        ),
+        (
+            "zero_point: the size asked for overflows",
+            lambda: _kernels.decode_int(
+                bytes(256), bytes(8), 2, bytes(64), 2, bytearray(512), 2, 64, 64, 8, (1 << 63) - 1, 0, 4
+            ),
+        ),
+        (
+            "zero_point: the size asked for overflows",
+            lambda: _kernels.pack_zero_points(bytes(64), huge, 4, 8, bytearray(64)),
+        ),
+        (
+            "zero_point holds 64 bytes, needs 9223372036854775807",
+            lambda: _kernels.pack_zero_points(bytes(64), (1 << 63) - 1, 1, 8, bytearray(64)),
+        ),
     ]
     for message, call in calls:
         with pytest.raises(ValueError, match=message):
@@ -185,10 +237,18 @@ def test_hostile_sizes_are_refused_before_any_access():
 
 
 def _qtool(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "qtool", *args], capture_output=True, text=True, env={**os.environ, **(env or {})}, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "qtool", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        cwd=REPO,
+    )
 
 
-@pytest.mark.parametrize("scheme", ["int8", "W4A16", "int2:g64", "W4A16_ASYM", "int8:asym", "int3:g64:asym", "int3:g64:asym:mse"])
+@pytest.mark.parametrize(
+    "scheme", ["int8", "W4A16", "int2:g64", "W4A16_ASYM", "int8:asym", "int3:g64:asym", "int3:g64:asym:mse"]
+)
 def test_native_and_torch_pipelines_write_the_same_bytes(tmp_path, scheme):
     model = SAMPLES / "tiny-llama"
     for name, env in (("native", {}), ("torch", {"QTOOL_NATIVE": "0"})):
@@ -196,7 +256,9 @@ def test_native_and_torch_pipelines_write_the_same_bytes(tmp_path, scheme):
         assert result.returncode == 0, result.stderr
         result = _qtool("dequantize", str(tmp_path / name), "-o", str(tmp_path / f"{name}.safetensors"), "-q", env=env)
         assert result.returncode == 0, result.stderr
-    assert (tmp_path / "native" / "model.safetensors").read_bytes() == (tmp_path / "torch" / "model.safetensors").read_bytes()
+    assert (tmp_path / "native" / "model.safetensors").read_bytes() == (
+        tmp_path / "torch" / "model.safetensors"
+    ).read_bytes()
     assert (tmp_path / "native.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
 
 
@@ -208,9 +270,13 @@ def test_an_infinite_weight_falls_back_to_torch_in_the_pipeline(tmp_path):
     tensors[name][3, 5] = float("inf")
     save_file(tensors, tmp_path / "in.safetensors")
     for out, env in (("native", {}), ("torch", {"QTOOL_NATIVE": "0"})):
-        result = _qtool("quantize", str(tmp_path / "in.safetensors"), "-o", str(tmp_path / out), "--scheme", "int8", "-q", env=env)
+        result = _qtool(
+            "quantize", str(tmp_path / "in.safetensors"), "-o", str(tmp_path / out), "--scheme", "int8", "-q", env=env
+        )
         assert result.returncode == 0, result.stderr
-    assert (tmp_path / "native" / "model.safetensors").read_bytes() == (tmp_path / "torch" / "model.safetensors").read_bytes()
+    assert (tmp_path / "native" / "model.safetensors").read_bytes() == (
+        tmp_path / "torch" / "model.safetensors"
+    ).read_bytes()
 
 
 _NO_TORCH = """
@@ -243,8 +309,21 @@ def test_quantize_and_dequantize_of_common_layouts_never_import_torch(tmp_path, 
 def test_threads_reach_torch_when_a_job_needs_it(tmp_path):
     """--threads without torch imported sets OMP_NUM_THREADS, which torch reads when a job
     (here FP8, which has no native kernel) imports it."""
-    code = _NO_TORCH.replace('assert "torch" not in sys.modules, "torch was imported"', 'import torch; assert torch.get_num_threads() == 1, torch.get_num_threads()')
-    step = ["quantize", str(SAMPLES / "tiny-llama"), "-o", str(tmp_path / "q"), "--scheme", "FP8", "-q", "--threads", "1"]
+    code = _NO_TORCH.replace(
+        'assert "torch" not in sys.modules, "torch was imported"',
+        "import torch; assert torch.get_num_threads() == 1, torch.get_num_threads()",
+    )
+    step = [
+        "quantize",
+        str(SAMPLES / "tiny-llama"),
+        "-o",
+        str(tmp_path / "q"),
+        "--scheme",
+        "FP8",
+        "-q",
+        "--threads",
+        "1",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     result = subprocess.run([sys.executable, "-c", code, *step], capture_output=True, text=True, cwd=REPO, env=env)
     assert result.returncode == 0, result.stderr
@@ -285,7 +364,7 @@ def test_set_threads_never_shuts_the_pool_under_a_running_job():
         try:
             for _ in range(800):
                 assert bytes(_native_encode(w, "BF16", 4, 128).packed) == expected
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             failures.append(exc)
 
     worker = threading.Thread(target=work)
@@ -327,7 +406,11 @@ def test_the_issue_10_calls_raise_in_a_child_not_segfault():
         """
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
-    assert result.returncode == 0 and result.stdout.strip() == "all refused", (result.returncode, result.stdout, result.stderr[-2000:])
+    assert result.returncode == 0 and result.stdout.strip() == "all refused", (
+        result.returncode,
+        result.stdout,
+        result.stderr[-2000:],
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -348,7 +431,9 @@ def test_sum_squares_is_the_signal_numpy_measures_and_needs_no_thread_count(dtyp
     from qtool.float_casts import to_float32
 
     torch_dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[dtype]
-    values = (torch.randn(count, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2.0**exponent).to(torch_dtype)
+    values = (
+        torch.randn(count, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2.0**exponent
+    ).to(torch_dtype)
     raw = values.view(torch.uint8).numpy().tobytes() if count else b""
     previous = native.threads()
     try:
@@ -374,7 +459,10 @@ def test_sum_squares_refuses_short_buffers_and_bad_ranges():
         native._kernels.sum_squares(b"\0" * 12, 0, 3, 2, bytearray(8), 0, 2)  # out holds 1 double
 
 
-_NO_NUMPY = _NO_TORCH.replace('assert "torch" not in sys.modules, "torch was imported"', 'assert not {"torch", "numpy"} & set(sys.modules), "torch or numpy was imported"')
+_NO_NUMPY = _NO_TORCH.replace(
+    'assert "torch" not in sys.modules, "torch was imported"',
+    'assert not {"torch", "numpy"} & set(sys.modules), "torch or numpy was imported"',
+)
 
 
 def test_requantizing_a_gguf_imports_neither_torch_nor_numpy(tmp_path):
@@ -384,6 +472,17 @@ def test_requantizing_a_gguf_imports_neither_torch_nor_numpy(tmp_path):
     result = _qtool("quantize", str(SAMPLES / "tiny-llama"), "-o", str(q4_1), "--scheme", "q4_1", "-q")
     assert result.returncode == 0, result.stderr
     for mix in ("Q8_0", "Q4_K_M"):
-        step = ["quantize", str(q4_1), "-o", str(tmp_path / f"{mix}.gguf"), "--scheme", mix, "--allow-requantize", "-q", "--threads", "2"]
+        step = [
+            "quantize",
+            str(q4_1),
+            "-o",
+            str(tmp_path / f"{mix}.gguf"),
+            "--scheme",
+            mix,
+            "--allow-requantize",
+            "-q",
+            "--threads",
+            "2",
+        ]
         result = subprocess.run([sys.executable, "-c", _NO_NUMPY, *step], capture_output=True, text=True, cwd=REPO)
         assert result.returncode == 0, result.stderr

@@ -31,9 +31,15 @@ TYPES = {
     "NVFP4": (64, 36, []),
     "IQ4_XS": (256, 136, [0]),
 }
-DTYPES = {0: (torch.float32, np.float32, np.uint32), 1: (torch.float16, np.float16, np.uint16), 2: (torch.bfloat16, None, np.uint16)}
+DTYPES = {
+    0: (torch.float32, np.float32, np.uint32),
+    1: (torch.float16, np.float16, np.uint16),
+    2: (torch.bfloat16, None, np.uint16),
+}
 # halves worth meeting: zeros, subnormals, the largest, ones, values whose products round
-SPECIAL_HALVES = np.array([0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x0400, 0x7BFF, 0xFBFF, 0x3C00, 0xBC00, 0x3555, 0x2E66], dtype=np.uint16)
+SPECIAL_HALVES = np.array(
+    [0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x0400, 0x7BFF, 0xFBFF, 0x3C00, 0xBC00, 0x3555, 0x2E66], dtype=np.uint16
+)
 
 
 def random_blocks(type_name: str, count: int, seed: int) -> np.ndarray:
@@ -74,7 +80,9 @@ def assert_same_bits(got: np.ndarray, want: np.ndarray) -> None:
     if not np.array_equal(got, want):
         bad = np.flatnonzero(got != want)
         i = int(bad[0])
-        raise AssertionError(f"{len(bad)} of {len(want)} values differ; first at {i}: got {got[i]:#x}, want {want[i]:#x}")
+        raise AssertionError(
+            f"{len(bad)} of {len(want)} values differ; first at {i}: got {got[i]:#x}, want {want[i]:#x}"
+        )
 
 
 @pytest.mark.parametrize("type_name", list(TYPES))
@@ -86,7 +94,13 @@ def test_bit_exact_on_many_blocks(type_name, dtype_code):
 
 
 @settings(max_examples=15, deadline=None)
-@given(type_name=st.sampled_from(list(TYPES)), dtype_code=st.sampled_from([0, 1, 2]), count=st.integers(1, 19), seed=st.integers(0, 2**32 - 1), split=st.floats(0, 1))
+@given(
+    type_name=st.sampled_from(list(TYPES)),
+    dtype_code=st.sampled_from([0, 1, 2]),
+    count=st.integers(1, 19),
+    seed=st.integers(0, 2**32 - 1),
+    split=st.floats(0, 1),
+)
 def test_split_ranges_equal_one_call_and_the_reference(type_name, dtype_code, count, seed, split):
     blocks = random_blocks(type_name, count, seed)
     k = int(split * count)
@@ -166,7 +180,10 @@ def test_dequantize_of_a_gguf_file_is_the_same_on_both_paths(tmp_path, monkeypat
     from .test_gguf import random_blocks, write_with_gguf
 
     assert "Q4_K" in native.gguf_types()
-    tensors = {f"blk.0.{t.lower()}.weight": (random_blocks(t, 64, 512, seed=i), t) for i, t in enumerate(["Q8_0", "Q4_0", "Q4_K", "Q6_K"])}
+    tensors = {
+        f"blk.0.{t.lower()}.weight": (random_blocks(t, 64, 512, seed=i), t)
+        for i, t in enumerate(["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
+    }
     path = write_with_gguf(tmp_path / "m.gguf", tensors)
     calls = []
     decode = native.decode_gguf

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from qtool import native
 
 gguf_quants = pytest.importorskip("gguf.quants")
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402 - once the package is known to be there
 
 if os.environ.get("QTOOL_REQUIRE_NATIVE") == "1":  # CI: a silently skipped build must fail
     assert native.available(), "qtool.native._kernels was not built (setup.py) or QTOOL_NATIVE=0"
@@ -36,6 +36,8 @@ def rows_kernel(request):
         yield request.param
     finally:
         native._kernels.gguf_set_avx512(True)
+
+
 DTYPES = ["F32", "F16", "BF16"]
 F16_MAX = 65504.0
 
@@ -90,7 +92,9 @@ def first_zero_rule(want: bytes, values: np.ndarray, type_name: str) -> bytes:
 def reference_errors(values: np.ndarray, data: bytes, type_name: str) -> dict[str, float]:
     """The sums in float64 over gguf-py's decoder, and the sizes their tolerances scale with."""
     rows = values.shape[0]
-    decoded = gguf_quants.dequantize(np.frombuffer(data, dtype=np.uint8).reshape(rows, -1), GGMLQuantizationType[type_name])
+    decoded = gguf_quants.dequantize(
+        np.frombuffer(data, dtype=np.uint8).reshape(rows, -1), GGMLQuantizationType[type_name]
+    )
     x, y = values.astype(np.float64), decoded.astype(np.float64)
     with np.errstate(invalid="ignore", over="ignore"):
         e = x - y
@@ -131,11 +135,13 @@ def check(values: np.ndarray, type_name: str, dtype: str) -> None:
         b = int(bad[0])
         raise AssertionError(
             f"{type_name} from {dtype}: {len(bad)} of {len(have)} blocks differ; block {b}:\n"
-            f"  values {widened.reshape(-1, 32)[b].tolist()}\n  got  {have[b].tobytes().hex()}\n  want {want[b * size:(b + 1) * size].hex()}"
+            f"  values {widened.reshape(-1, 32)[b].tolist()}\n  got  {have[b].tobytes().hex()}\n  want {want[b * size : (b + 1) * size].hex()}"
         )
     ref = reference_errors(widened, want, type_name)
     # the kernel's own sums, one range: x.x, x.e, e.e and max |e|
-    xx, xe, ee, max_err, finite = _kernels.encode_gguf(type_name, src, native.DTYPE_CODES[dtype], cols, bytearray(len(want)), 0, rows)
+    xx, xe, ee, max_err, finite = _kernels.encode_gguf(
+        type_name, src, native.DTYPE_CODES[dtype], cols, bytearray(len(want)), 0, rows
+    )
     assert finite
     assert close(xx, ref["xx"], ref["xx"]) and close(ee, ref["ee"], ref["ee"]), (xx, ee, ref)
     assert close(xe, ref["xe"], ref["|xe|"]), (xe, ref)
@@ -203,7 +209,18 @@ def _case(name: str, dtype: str, seed: int = 0, rows: int = 48, cols: int = 256)
     raise KeyError(name)
 
 
-CASES = ["normal", "heavy_tailed", "zero_rows", "one_signed", "ties", "near_f16_max", "past_f16_max", "near_f32_max", "tiny", "scale_rounds_to_0"]
+CASES = [
+    "normal",
+    "heavy_tailed",
+    "zero_rows",
+    "one_signed",
+    "ties",
+    "near_f16_max",
+    "past_f16_max",
+    "near_f32_max",
+    "tiny",
+    "scale_rounds_to_0",
+]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -251,7 +268,9 @@ def test_cases_reach_the_edges():
     dtype=st.sampled_from(DTYPES),
     type_name=st.sampled_from(TYPES),
 )
-def test_matches_gguf_py_on_random_shapes_and_magnitudes(seed, rows, blocks, exponent, shift, specials, dtype, type_name):
+def test_matches_gguf_py_on_random_shapes_and_magnitudes(
+    seed, rows, blocks, exponent, shift, specials, dtype, type_name
+):
     rng = np.random.default_rng(seed)
     values = (rng.standard_normal((rows, blocks * 32)) + shift) * 2.0**exponent
     if specials:  # signed zeros, ties, repeated maxima
@@ -271,7 +290,9 @@ def test_signed_zero_ties_take_the_first_value():
     values[1, :] = -0.0
     values[1, 5] = 0.0
     for type_name in ("Q4_1", "Q5_1"):
-        got = np.frombuffer(native.encode_gguf(type_name, values.tobytes(), "F32", 2, 32).data, dtype=np.uint8).reshape(2, -1)
+        got = np.frombuffer(native.encode_gguf(type_name, values.tobytes(), "F32", 2, 32).data, dtype=np.uint8).reshape(
+            2, -1
+        )
         m = got[:, 2:4].copy().view(np.float16)[:, 0]
         d = got[:, 0:2].copy().view(np.float16)[:, 0]
         assert not np.signbit(m[0]) and np.signbit(m[1])  # row 0 starts with +0, row 1 with -0

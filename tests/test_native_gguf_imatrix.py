@@ -27,8 +27,20 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="qtool.native._ke
 
 FIXTURE = Path(__file__).parent / "fixtures" / "gguf_kquants"
 WEIGHTED = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS"]
-SIZES = {"Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q4_0": (32, 18), "Q4_1": (32, 20),
-         "Q5_0": (32, 22), "Q5_1": (32, 24), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136), "Q8_0": (32, 34)}
+SIZES = {
+    "Q2_K": (256, 84),
+    "Q3_K": (256, 110),
+    "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "IQ4_NL": (32, 18),
+    "IQ4_XS": (256, 136),
+    "Q8_0": (32, 34),
+}
 
 
 def manifest():
@@ -52,7 +64,14 @@ def expected(file: str, type_name: str) -> list[bytes]:
 
 def encode(type_name: str, x: np.ndarray, qw: np.ndarray | None = None) -> native.EncodedBlocks:
     x = np.ascontiguousarray(x, dtype=np.float32)
-    return native.encode_gguf(type_name, x.tobytes(), "F32", x.shape[0], x.shape[1], None if qw is None else np.ascontiguousarray(qw, "<f4").tobytes())
+    return native.encode_gguf(
+        type_name,
+        x.tobytes(),
+        "F32",
+        x.shape[0],
+        x.shape[1],
+        None if qw is None else np.ascontiguousarray(qw, "<f4").tobytes(),
+    )
 
 
 @pytest.fixture(params=["avx2", "four"])
@@ -68,7 +87,9 @@ def lanes(request):
 
 def test_the_fixture_covers_every_weighted_type():
     m = manifest()
-    assert sorted(m["weighted"]) == sorted([*WEIGHTED, "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S"])  # the IQ2/IQ3 types: tests/test_native_gguf_iq[23].py
+    assert sorted(m["weighted"]) == sorted(
+        [*WEIGHTED, "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S"]
+    )  # the IQ2/IQ3 types: tests/test_native_gguf_iq[23].py
     assert m["importance_sets"] == ["activations", "uniform"]
     assert (importance("activations") == 0).sum() >= 16 and importance("uniform").min() > 0
 
@@ -137,6 +158,7 @@ def test_bad_importance():
 
 
 # -- against llama.cpp compiled here, when its sources are on the machine --------------------------
+
 
 @pytest.fixture(scope="module")
 def reference():
@@ -212,8 +234,18 @@ def _job(shape, type_name, importance, dtype="F32"):
 
     from qtool.plan import GgmlBlocks, Job, OutputTensor
 
-    weight = SimpleNamespace(name="blk.0.ffn_up.weight", shape=shape, quantized=False, data=SimpleNamespace(dtype=SimpleNamespace(name=dtype)))
-    return Job(weight, "quantize", [OutputTensor("out", type_name, shape, 0)], encoding=GgmlBlocks(ggml_type_named(type_name), importance=importance))
+    weight = SimpleNamespace(
+        name="blk.0.ffn_up.weight",
+        shape=shape,
+        quantized=False,
+        data=SimpleNamespace(dtype=SimpleNamespace(name=dtype)),
+    )
+    return Job(
+        weight,
+        "quantize",
+        [OutputTensor("out", type_name, shape, 0)],
+        encoding=GgmlBlocks(ggml_type_named(type_name), importance=importance),
+    )
 
 
 def _run_encoder(job, values, monkeypatch, piece_values):
@@ -252,7 +284,9 @@ def test_the_encoder_refuses_importance_without_the_native_kernels():
     from qtool.encoders.ggml_blocks import GgmlBlockEncoder
     from qtool.errors import UsageError
 
-    with pytest.raises(UsageError, match="blk.0.ffn_up.weight: quantizing with an importance matrix needs qtool's native kernels"):
+    with pytest.raises(
+        UsageError, match="blk.0.ffn_up.weight: quantizing with an importance matrix needs qtool's native kernels"
+    ):
         GgmlBlockEncoder(_job((2, 256), "Q4_0", np.ones(256, np.float32)), measure=False, native=False)
 
 

@@ -28,10 +28,19 @@ REQUIRED = ["IQ2_XXS", "IQ2_XS"]  # no path without weights
 
 def encode(x: np.ndarray, qw: np.ndarray | None, type_name: str = "IQ2_XXS") -> native.EncodedBlocks:
     x = np.ascontiguousarray(x, dtype=np.float32)
-    return native.encode_gguf(type_name, x.tobytes(), "F32", x.shape[0], x.shape[1], None if qw is None else np.ascontiguousarray(qw, "<f4").tobytes())
+    return native.encode_gguf(
+        type_name,
+        x.tobytes(),
+        "F32",
+        x.shape[0],
+        x.shape[1],
+        None if qw is None else np.ascontiguousarray(qw, "<f4").tobytes(),
+    )
 
 
-@pytest.mark.parametrize("type_name, importance", [(t, i) for t in TYPES for i in ["uniform", "activations"]] + [("IQ2_S", None)])
+@pytest.mark.parametrize(
+    "type_name, importance", [(t, i) for t in TYPES for i in ["uniform", "activations"]] + [("IQ2_S", None)]
+)
 def test_every_fixture_row_is_llama_cpp_s_bytes(type_name, importance):
     m = json.loads((FIXTURE / "manifest.json").read_text())
     x = np.fromfile(FIXTURE / "inputs.f32", dtype="<f4").reshape(-1, 256)
@@ -41,7 +50,11 @@ def test_every_fixture_row_is_llama_cpp_s_bytes(type_name, importance):
     aborted = set(m["aborts"].get(file, []))
     assert len(aborted) <= 10
     want, got = (FIXTURE / file).read_bytes(), bytes(encode(x, qw, type_name).data)
-    wrong = [m["labels"][r] for r in range(x.shape[0]) if m["labels"][r] not in aborted and got[size * r : size * (r + 1)] != want[size * r : size * (r + 1)]]
+    wrong = [
+        m["labels"][r]
+        for r in range(x.shape[0])
+        if m["labels"][r] not in aborted and got[size * r : size * (r + 1)] != want[size * r : size * (r + 1)]
+    ]
     assert not wrong
 
 
@@ -75,7 +88,9 @@ def test_decoding_is_gguf_py_s(type_name):
     rng = np.random.default_rng(5)
     x = rng.normal(0, 0.03, (8, 512)).astype(np.float32)
     got = encode(x, rng.uniform(0, 1, 512).astype(np.float32), type_name)
-    theirs = gguf.quants.dequantize(np.frombuffer(got.data, dtype=np.uint8).reshape(8, -1), gguf.GGMLQuantizationType[type_name])
+    theirs = gguf.quants.dequantize(
+        np.frombuffer(got.data, dtype=np.uint8).reshape(8, -1), gguf.GGMLQuantizationType[type_name]
+    )
     ours = np.frombuffer(native.decode_gguf(type_name, got.data, 16, 256, "F32"), np.float32).reshape(8, 512)
     assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
     assert np.sqrt(((x - ours) ** 2).sum() / (x**2).sum()) < 0.6

@@ -37,11 +37,21 @@ def fixture_rows() -> np.ndarray:
 
 def encode(x: np.ndarray, qw: np.ndarray | None = None, type_name: str = "IQ3_S") -> native.EncodedBlocks:
     x = np.ascontiguousarray(x, dtype=np.float32)
-    return native.encode_gguf(type_name, x.tobytes(), "F32", x.shape[0], x.shape[1], None if qw is None else np.ascontiguousarray(qw, "<f4").tobytes())
+    return native.encode_gguf(
+        type_name,
+        x.tobytes(),
+        "F32",
+        x.shape[0],
+        x.shape[1],
+        None if qw is None else np.ascontiguousarray(qw, "<f4").tobytes(),
+    )
 
 
 @pytest.mark.parametrize("type_name", TYPES)
-@pytest.mark.parametrize("suffix, importance", [(".bin", None), (".imatrix-uniform.bin", "uniform"), (".imatrix-activations.bin", "activations")])
+@pytest.mark.parametrize(
+    "suffix, importance",
+    [(".bin", None), (".imatrix-uniform.bin", "uniform"), (".imatrix-activations.bin", "activations")],
+)
 def test_every_fixture_row_is_llama_cpp_s_bytes(type_name, suffix, importance):
     m, file, size = manifest(), type_name + suffix, ROW_BYTES[type_name]
     x, labels = fixture_rows(), m["labels"]
@@ -50,7 +60,11 @@ def test_every_fixture_row_is_llama_cpp_s_bytes(type_name, suffix, importance):
     aborted = set(m["aborts"].get(file, []))
     assert len(aborted) <= 10 and "sub-blocks zero but one" not in aborted
     got = bytes(encode(x, qw, type_name).data)
-    wrong = [labels[r] for r in range(x.shape[0]) if labels[r] not in aborted and got[r * size : (r + 1) * size] != want[r * size : (r + 1) * size]]
+    wrong = [
+        labels[r]
+        for r in range(x.shape[0])
+        if labels[r] not in aborted and got[r * size : (r + 1) * size] != want[r * size : (r + 1) * size]
+    ]
     assert not wrong
     assert sum(label.startswith("minilm") for label in labels if label not in aborted) >= 30
 
@@ -112,13 +126,18 @@ def test_threads_give_the_same_bytes(type_name):
 
 # -- against llama.cpp compiled here ----------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def reference():
     with compiled_llama_cpp() as (make_reference, lib):
 
         def run(x, qw, type_name):
             aborted: list[int] = []
-            data = make_reference.quantize(lib, type_name, x, aborted) if qw is None else make_reference.quantize_weighted(lib, type_name, x, qw, aborted)
+            data = (
+                make_reference.quantize(lib, type_name, x, aborted)
+                if qw is None
+                else make_reference.quantize_weighted(lib, type_name, x, qw, aborted)
+            )
             return None if aborted else data
 
         yield run

@@ -30,7 +30,14 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="qtool.native._ke
 FIXTURE = Path(__file__).parent / "fixtures" / "gguf_kquants"
 KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"]
 LEGACY = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
-SIZES = {"Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_NL": (32, 18)}
+SIZES = {
+    "Q2_K": (256, 84),
+    "Q3_K": (256, 110),
+    "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
+    "IQ4_NL": (32, 18),
+}
 # worst |x - decoded| over a block, as a fraction of the block's largest |x|, on the smooth
 # distributions of test_round_trip_error (measured 0.54, 0.26, 0.10, 0.065, 0.021, 0.13), and the
 # relative RMS error (measured 0.44, 0.18, 0.084, 0.043, 0.022, 0.088)
@@ -161,7 +168,9 @@ def test_rows_are_encoded_one_by_one_and_blocks_alone(type_name):
     """llama.cpp quantizes each block on its own values only: a row's bytes are its blocks' bytes."""
     x = _matrix(rows=5, cols=1024, seed=3)
     whole = bytes(encode(type_name, x).data)
-    parts = b"".join(bytes(encode(type_name, x[r : r + 1, c : c + 256]).data) for r in range(5) for c in range(0, 1024, 256))
+    parts = b"".join(
+        bytes(encode(type_name, x[r : r + 1, c : c + 256]).data) for r in range(5) for c in range(0, 1024, 256)
+    )
     assert whole == parts
 
 
@@ -187,7 +196,13 @@ def test_round_trip_error(type_name):
     rng = np.random.default_rng(11)
     shape = (64, 1024)
     block = SIZES[type_name][0]
-    for x in [rng.normal(0, 1, shape), rng.uniform(-1, 1, shape), rng.laplace(0, 1, shape), rng.uniform(0, 1, shape), rng.normal(0, 1, shape) * (rng.uniform(size=shape) < 0.1)]:
+    for x in [
+        rng.normal(0, 1, shape),
+        rng.uniform(-1, 1, shape),
+        rng.laplace(0, 1, shape),
+        rng.uniform(0, 1, shape),
+        rng.normal(0, 1, shape) * (rng.uniform(size=shape) < 0.1),
+    ]:
         x = (x * 0.05).astype(np.float32)
         got = encode(type_name, x)
         y = decode(type_name, got.data, x.size).reshape(-1, block)
@@ -214,7 +229,9 @@ def test_rows_with_inf_or_nan_are_encoded_without_error_measures(type_name):
     bad = [r for r, label in enumerate(labels) if not np.isfinite(x[r]).all()]
     assert len(bad) >= 4
     got = encode(type_name, x[bad])
-    assert got.errors is None  # every row written: llama.cpp's types (gguf-py's leave such rows to gguf-py: test_ggml_types.py)
+    assert (
+        got.errors is None
+    )  # every row written: llama.cpp's types (gguf-py's leave such rows to gguf-py: test_ggml_types.py)
     assert ggml_type_named(type_name).quantizer == LLAMA_CPP
     want = expected(type_name)
     assert bytes(got.data) == b"".join(want[r] for r in bad)
@@ -230,7 +247,24 @@ def test_zero_rows_decode_to_zero():
 
 # -- hypothesis: random rows, specials included ------------------------------------------------------
 
-SPECIALS = [0.0, -0.0, 1e-30, -1e-30, 1e30, 1e-40, -6e-8, 65504.0, 1e-15, 2e-15, 0.5, -0.5, 1.5, np.inf, -np.inf, np.nan]
+SPECIALS = [
+    0.0,
+    -0.0,
+    1e-30,
+    -1e-30,
+    1e30,
+    1e-40,
+    -6e-8,
+    65504.0,
+    1e-15,
+    2e-15,
+    0.5,
+    -0.5,
+    1.5,
+    np.inf,
+    -np.inf,
+    np.nan,
+]
 
 
 @st.composite
@@ -286,6 +320,7 @@ def test_decoded_values_stay_near_the_block(x, type_name):
 
 # -- against llama.cpp compiled here, when its sources are on the machine --------------------------
 
+
 @pytest.fixture(scope="module")
 def reference():
     with compiled_llama_cpp() as (make_reference, lib):
@@ -318,7 +353,15 @@ def test_llama_quantize_s_own_library_gives_these_bytes():
     if not Path(GGML_BASE).is_file():
         pytest.skip(f"no libggml-base at {GGML_BASE} (LLAMA_GGML_BASE)")
     chunk = ctypes.CDLL(GGML_BASE).ggml_quantize_chunk
-    chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    chunk.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+    ]
     chunk.restype = ctypes.c_size_t
     for x in [fixture_rows(), _matrix(rows=48, cols=4096, seed=13)]:
         rows, cols = x.shape

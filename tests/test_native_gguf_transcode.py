@@ -26,7 +26,11 @@ ROWS, COLS = 40, 512  # 40 rows: split over two threads (16 rows a part at least
 
 def blocks_of(type_name: str, values: np.ndarray) -> bytes:
     rows, cols = values.shape
-    return bytes(native.encode_gguf(type_name, memoryview(np.ascontiguousarray(values, np.float32)).cast("B"), "F32", rows, cols).data)
+    return bytes(
+        native.encode_gguf(
+            type_name, memoryview(np.ascontiguousarray(values, np.float32)).cast("B"), "F32", rows, cols
+        ).data
+    )
 
 
 def source_blocks(type_name: str, seed: int = 0) -> bytes:
@@ -118,7 +122,10 @@ def _requantize(source, out, scheme: str):
 
     from qtool.cli import app
 
-    result = CliRunner().invoke(app, ["quantize", str(source), "-o", str(out), "--scheme", scheme, "--allow-requantize", "--threads", "2", "--json"])
+    result = CliRunner().invoke(
+        app,
+        ["quantize", str(source), "-o", str(out), "--scheme", scheme, "--allow-requantize", "--threads", "2", "--json"],
+    )
     assert result.exit_code == 0, result.output
     document = json.loads(result.stdout)
     return out.read_bytes(), document["summary"], {w["name"]: w.get("sqnr_db") for w in document["weights"]}

@@ -36,7 +36,13 @@ def gguf_holding(path, value) -> None:
 def quantize(*args) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("QTOOL_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "qtool", "quantize", *map(str, args)], capture_output=True, text=True, env=env, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "qtool", "quantize", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
 
 
 def needs(gtype: str) -> None:
@@ -74,7 +80,10 @@ def test_a_finite_weight_whose_scale_overflows_is_refused_in_one_line(tmp_path, 
     done = quantize(source, "-o", out, "--scheme", scheme, "-q")
     assert done.returncode == 2, done.stderr
     lines = done.stderr.splitlines()
-    assert lines[0] == f"error: {NAME}: its values are finite but too large for {gtype}: a scale overflows its type, and the output would hold inf or NaN"
+    assert (
+        lines[0]
+        == f"error: {NAME}: its values are finite but too large for {gtype}: a scale overflows its type, and the output would hold inf or NaN"
+    )
     assert all(line.startswith("hint: ") for line in lines[1:]) and "Traceback" not in done.stderr
     assert not out.exists()
 
@@ -89,7 +98,9 @@ def test_a_weight_holding_inf_or_nan_is_reported_by_name_once(tmp_path, value, w
     gguf_holding(source, value)
     done = quantize(source, "-o", out, "--scheme", scheme, "--json")
     assert done.returncode == 0, done.stderr
-    assert done.stderr.splitlines() == [f"warning: {NAME} holds {word} values: encoded as its toolchain does, no error figure (see `qtool check --no-nan`)"]
+    assert done.stderr.splitlines() == [
+        f"warning: {NAME} holds {word} values: encoded as its toolchain does, no error figure (see `qtool check --no-nan`)"
+    ]
     document = json.loads(done.stdout)
     assert document["summary"]["non_finite_weights"] == [NAME]
     assert [w["non_finite_input"] for w in document["weights"]] == [word]
@@ -115,7 +126,10 @@ def safetensors_holding(folder, value) -> None:
     folder.mkdir()
     weight = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
     weight[3, 5] = value
-    save_file({"model.layers.0.self_attn.q_proj.weight": weight, "model.norm.weight": torch.ones(256)}, str(folder / "model.safetensors"))
+    save_file(
+        {"model.layers.0.self_attn.q_proj.weight": weight, "model.norm.weight": torch.ones(256)},
+        str(folder / "model.safetensors"),
+    )
     shutil.copy(SAMPLES / "tiny-llama" / "config.json", folder / "config.json")
 
 
@@ -132,7 +146,9 @@ def test_the_rule_holds_for_the_safetensors_encoders_too(tmp_path):
     assert not (tmp_path / "big-out").exists()
     done = quantize(odd, "-o", tmp_path / "odd-out", "--scheme", "W4A16", "-q")
     assert done.returncode == 0, done.stderr
-    assert done.stderr.splitlines() == ["warning: model.layers.0.self_attn.q_proj.weight holds NaN values: encoded as its toolchain does, no error figure (see `qtool check --no-nan`)"]
+    assert done.stderr.splitlines() == [
+        "warning: model.layers.0.self_attn.q_proj.weight holds NaN values: encoded as its toolchain does, no error figure (see `qtool check --no-nan`)"
+    ]
 
 
 @pytest.mark.parametrize("scheme", ["Q8_0", "Q4_0"])
@@ -159,7 +175,13 @@ def test_the_overflow_check_holds_without_measuring(tmp_path, scheme):
 def dequantize(*args) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("QTOOL_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "qtool", "dequantize", *map(str, args)], capture_output=True, text=True, env=env, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "qtool", "dequantize", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
 
 
 def _word(path) -> str | None:
@@ -182,7 +204,9 @@ def test_a_decoded_block_with_a_non_finite_scale_is_reported_by_name(tmp_path, t
     assert done.returncode == 0, done.stderr
     word = _word(out)
     assert word is not None  # the decoder writes what the block says, as llama.cpp does
-    assert done.stderr.splitlines() == [f"warning: {NAME} decodes to {word} values: written as they decode (see `qtool check --no-nan`)"]
+    assert done.stderr.splitlines() == [
+        f"warning: {NAME} decodes to {word} values: written as they decode (see `qtool check --no-nan`)"
+    ]
     document = json.loads(done.stdout)
     assert document["summary"]["non_finite_weights"] == [NAME]
     assert [w["non_finite_decoded"] for w in document["weights"]] == [word]
@@ -196,8 +220,13 @@ def test_bf16_output_and_spread_runs_report_it_too(tmp_path, extra):
     gguf_iq_scaled(source, "IQ4_NL", math.nan)
     done = dequantize(source, "-o", out, "--json", "-q", *extra)
     assert done.returncode == 0, done.stderr
-    capped = ["warning: --workers 2: starting 1 worker process, one per shard job"] if extra else []  # one weight, one shard job
-    assert done.stderr.splitlines() == [*capped, f"warning: {NAME} decodes to NaN values: written as they decode (see `qtool check --no-nan`)"]
+    capped = (
+        ["warning: --workers 2: starting 1 worker process, one per shard job"] if extra else []
+    )  # one weight, one shard job
+    assert done.stderr.splitlines() == [
+        *capped,
+        f"warning: {NAME} decodes to NaN values: written as they decode (see `qtool check --no-nan`)",
+    ]
     assert json.loads(done.stdout)["summary"]["non_finite_weights"] == [NAME]
 
 
@@ -212,7 +241,10 @@ def test_finite_decoded_weights_report_nothing(tmp_path):
     assert document["summary"]["non_finite_weights"] == [] and document["weights"][0]["non_finite_decoded"] is None
 
 
-@given(st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), max_size=64), st.sampled_from(["F32", "F16", "BF16"]))
+@given(
+    st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), max_size=64),
+    st.sampled_from(["F32", "F16", "BF16"]),
+)
 def test_counting_non_finite_bits_agrees_with_torch(values, dtype):
     """The numpy count of a decoded weight's NaN and inf (a native decode imports no torch) is
     torch's count of the same bytes."""

@@ -40,7 +40,14 @@ U8_4 = [OutTensor("a", "U8", (4,))]
 
 def python(code: str, *args, **kwargs) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *map(str, args)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
 
 
 def finished(process: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
@@ -102,7 +109,10 @@ def test_laid_out_file_refuses_bad_layouts_overruns_and_short_tensors(tmp_path):
 def test_safetensors_layout_is_what_shard_writer_writes(tmp_path):
     tensors = [OutTensor("w", "F32", (2, 3)), OutTensor("s", "U8", (5,))]
     header, ranges, size = safetensors_layout(tensors, {"k": "v"})
-    assert ranges == {"w": (len(header), len(header) + 24), "s": (len(header) + 24, len(header) + 29)} and size == len(header) + 29
+    assert (
+        ranges == {"w": (len(header), len(header) + 24), "s": (len(header) + 24, len(header) + 29)}
+        and size == len(header) + 29
+    )
     for cls, args in ((ShardWriter, (tensors, {"k": "v"})), (LaidOutFile, (header, ranges, size))):
         writer = cls(str(tmp_path / f"{cls.__name__}.safetensors"), *args)
         writer.write("w", bytes(range(24)))
@@ -260,20 +270,33 @@ def test_overwrite_refuses_a_folder_of_other_files(tmp_path):
         (target / name).write_text("x")
     with pytest.raises(UsageError) as caught:
         Output(str(target), single_file=False, overwrite=True)
-    assert str(caught.value) == f"output {target} holds code/, thesis.tex, which are not checkpoint files; refusing to replace it"
+    assert (
+        str(caught.value)
+        == f"output {target} holds code/, thesis.tex, which are not checkpoint files; refusing to replace it"
+    )
     assert sorted(os.listdir(tmp_path)) == ["work"]  # nothing was written
     for index in range(6):
         (target / f"notes{index}.txt").write_text("x")
-    with pytest.raises(UsageError, match=r"holds code/, notes0.txt, notes1.txt, notes2.txt, notes3.txt and 3 more, which"):
+    with pytest.raises(
+        UsageError, match=r"holds code/, notes0.txt, notes1.txt, notes2.txt, notes3.txt and 3 more, which"
+    ):
         Output(str(target), single_file=False, overwrite=True)
 
 
 def test_overwrite_accepts_a_hugging_face_model_folder(tmp_path):
     target = tmp_path / "model"
     target.mkdir()
-    names = ["config.json", "generation_config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json",
-             "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-             "chat_template.jinja"]  # a model card, licence or code may be hand-written: refused (test_write_safety)
+    names = [
+        "config.json",
+        "generation_config.json",
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "tokenizer.model",
+        "chat_template.jinja",
+    ]  # a model card, licence or code may be hand-written: refused (test_write_safety)
     for name in names:
         (target / name).write_text("x")
     small_output(target, overwrite=True).commit()
@@ -307,7 +330,10 @@ def test_the_cli_refuses_to_overwrite_a_folder_of_other_files(tmp_path):
     (tmp_path / "thesis.tex").write_text("x")
     result = CliRunner().invoke(app, ["quantize", str(TINY), "-o", str(tmp_path), "--overwrite", "-q"])
     assert result.exit_code == EXIT_USAGE
-    assert result.stderr.splitlines()[0] == f"error: output {tmp_path} holds thesis.tex, which are not checkpoint files; refusing to replace it"
+    assert (
+        result.stderr.splitlines()[0]
+        == f"error: output {tmp_path} holds thesis.tex, which are not checkpoint files; refusing to replace it"
+    )
     assert os.listdir(tmp_path) == ["thesis.tex"]
 
 
@@ -330,7 +356,11 @@ def test_a_file_in_the_way_of_the_output_folder_is_named(tmp_path):
     assert str(caught.value) == f"cannot create output {tmp_path}/a/b/out: {tmp_path}/a is a file"
     assert caught.value.exit_code == EXIT_USAGE
     result = CliRunner().invoke(app, ["quantize", str(TINY), "-o", str(tmp_path / "a" / "out"), "-q"])
-    assert result.exit_code == EXIT_USAGE and f"{tmp_path}/a is a file" in result.stderr and "does not exist" not in result.stderr
+    assert (
+        result.exit_code == EXIT_USAGE
+        and f"{tmp_path}/a is a file" in result.stderr
+        and "does not exist" not in result.stderr
+    )
 
 
 # -- 5. the umask --------------------------------------------------------------------------------
@@ -369,8 +399,13 @@ def test_outputs_follow_the_umask(tmp_path, umask):
     mask = int(umask, 8)
     folder, file = 0o777 & ~mask, 0o666 & ~mask
     assert json.loads(out) == {
-        "new": folder, "new/out": folder, "new/out/model.safetensors": file, "new/out/config.json": file,
-        "new/out/tokenizer.json": file, "one.safetensors": file, "report.json": file,
+        "new": folder,
+        "new/out": folder,
+        "new/out/model.safetensors": file,
+        "new/out/config.json": file,
+        "new/out/tokenizer.json": file,
+        "one.safetensors": file,
+        "report.json": file,
     }
 
 
@@ -629,7 +664,9 @@ def tiny_disk(tmp_path):
     """A real 64 KiB tmpfs, where this test may mount one (root with CAP_SYS_ADMIN)."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True, check=False).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True, check=False
+    ).returncode:
         pytest.skip("cannot mount a tmpfs here")
     try:
         yield mount

@@ -30,10 +30,16 @@ def test_one_tagged_calibration_value_carries_what_its_stage_needs():
     assert request().calibration is None
     assert request(calibrate="t.txt") == request(calibrate="t.txt", algorithm="gptq")
     assert request(calibrate="t.txt").calibration == Gptq("t.txt", 128, 512, 0, "static", False)
-    assert request(calibrate="t.txt", actorder="none", true_sequential=True).calibration == Gptq("t.txt", 128, 512, 0, None, True)
-    assert request(calibrate="t.txt", algorithm="awq", samples=8, seq_len=64, seed=3).calibration == Awq("t.txt", 8, 64, 3)
+    assert request(calibrate="t.txt", actorder="none", true_sequential=True).calibration == Gptq(
+        "t.txt", 128, 512, 0, None, True
+    )
+    assert request(calibrate="t.txt", algorithm="awq", samples=8, seq_len=64, seed=3).calibration == Awq(
+        "t.txt", 8, 64, 3
+    )
     assert request(calibrate="t.txt", algorithm="rtn").calibration == Rtn("t.txt", 128, 512, 0)
-    assert request("o.gguf", "Q4_K_M", calibrate="t.txt", samples=4, seq_len=64).calibration == ImatrixText("t.txt", 4, 64, "Q4_K_M")
+    assert request("o.gguf", "Q4_K_M", calibrate="t.txt", samples=4, seq_len=64).calibration == ImatrixText(
+        "t.txt", 4, 64, "Q4_K_M"
+    )
     assert request("o.gguf", "q4_k", imatrix="m.gguf").calibration == ImatrixFile("m.gguf", None)
     assert request("o.gguf", "IQ2_XS", imatrix="m.gguf").calibration == ImatrixFile("m.gguf", "IQ2_XS")
 
@@ -44,7 +50,10 @@ def test_one_tagged_calibration_value_carries_what_its_stage_needs():
         ({"algorithm": "awq"}, "an algorithm needs calibration text"),
         ({"calibrate": "t.txt", "imatrix": "m.gguf"}, "give either an importance matrix or calibration text"),
         ({"calibrate": "t.txt", "algorithm": "nosuch"}, "algorithm 'nosuch' is not one of gptq, awq, rtn"),
-        ({"calibrate": "t.txt", "algorithm": "awq", "actorder": "static"}, "--actorder orders GPTQ's columns; awq has none to order"),
+        (
+            {"calibrate": "t.txt", "algorithm": "awq", "actorder": "static"},
+            "--actorder orders GPTQ's columns; awq has none to order",
+        ),
         ({"calibrate": "t.txt", "algorithm": "rtn", "true_sequential": True}, "true sequential orders GPTQ's Linears"),
         ({"calibrate": "t.txt", "actorder": "group"}, "is gone from compressed-tensors"),
     ],

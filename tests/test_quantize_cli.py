@@ -20,8 +20,19 @@ from tests.conftest import REPO, SAMPLES
 runner = CliRunner()
 TINY = SAMPLES / "tiny-llama"
 SHARDED = SAMPLES / "tiny-llama-sharded"
-LINEAR = [f"model.layers.{i}.{m}.weight" for i in range(2) for m in (
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+LINEAR = [
+    f"model.layers.{i}.{m}.weight"
+    for i in range(2)
+    for m in (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    )
+]
 
 
 def run(*args):
@@ -119,7 +130,9 @@ def test_summary_table_shows_worst_ten_and_model_sqnr(tmp_path):
 
 def test_dry_run_writes_nothing_and_plans_exact_sizes(tmp_path):
     out = tmp_path / "out"
-    result = ok("quantize", TINY, "-o", out, "--scheme", "fp8:block128x128", "--ignore", "re:.*lm_head", "--dry-run", "--json")
+    result = ok(
+        "quantize", TINY, "-o", out, "--scheme", "fp8:block128x128", "--ignore", "re:.*lm_head", "--dry-run", "--json"
+    )
     assert not out.exists() and os.listdir(tmp_path) == []
     plan = json.loads(result.stdout)
     ok("quantize", TINY, "-o", out, "--scheme", "fp8:block128x128", "-q")
@@ -136,10 +149,17 @@ def test_dry_run_writes_nothing_and_plans_exact_sizes(tmp_path):
 def test_ignore_include_and_tensor_scheme(tmp_path):
     ok("quantize", TINY, "-o", tmp_path / "a", "--ignore", "*.mlp.*", "-q")
     weights = weights_of(tmp_path / "a")
-    assert not weights["model.layers.0.mlp.up_proj.weight"].quantized and weights["model.layers.0.self_attn.q_proj.weight"].quantized
+    assert (
+        not weights["model.layers.0.mlp.up_proj.weight"].quantized
+        and weights["model.layers.0.self_attn.q_proj.weight"].quantized
+    )
     ok("quantize", TINY, "-o", tmp_path / "b", "--include", "re:.*q_proj", "--include", "lm_head.weight", "-q")
     quantized = {n for n, w in weights_of(tmp_path / "b").items() if w.quantized}
-    assert quantized == {"model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight", "lm_head.weight"}
+    assert quantized == {
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.q_proj.weight",
+        "lm_head.weight",
+    }
     ok("quantize", TINY, "-o", tmp_path / "c", "--tensor-scheme", "re:.*down_proj=W8A16", "-q")
     weights = weights_of(tmp_path / "c")
     assert weights["model.layers.0.mlp.down_proj.weight"].scheme.label == "int8 sym g128"
@@ -160,7 +180,14 @@ def test_dtype_casts_the_unquantized_float_tensors(tmp_path):
 def test_output_follows_input_sharding_or_max_shard_size(tmp_path):
     ok("quantize", SHARDED, "-o", tmp_path / "a", "-q")
     names = sorted(os.listdir(tmp_path / "a"))
-    assert names == ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"]
+    assert names == [
+        "config.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     index = json.loads((tmp_path / "a" / "model.safetensors.index.json").read_text())
     checkpoint = qtool.open_checkpoint(tmp_path / "a")
     assert set(index["weight_map"]) == set(checkpoint.tensors)
@@ -205,7 +232,17 @@ def test_already_quantized_input_needs_allow_requantize(tmp_path):
         (["--layout", "bitsandbytes"], "cannot store"),
         (["--include", "nothing-matches"], "matches the selection"),
     ],
-    ids=["bad-scheme", "group-does-not-divide", "no-cuda", "bad-size", "bad-dtype", "bad-override", "bad-regex", "bad-format", "empty-selection"],
+    ids=[
+        "bad-scheme",
+        "group-does-not-divide",
+        "no-cuda",
+        "bad-size",
+        "bad-dtype",
+        "bad-override",
+        "bad-regex",
+        "bad-format",
+        "empty-selection",
+    ],
 )
 def test_bad_options_give_one_line_and_leave_nothing(tmp_path, args, message):
     result = run("quantize", TINY, "-o", tmp_path / "out", *args)
@@ -288,7 +325,9 @@ def test_a_disk_too_small_for_the_output_fails_before_any_data_is_written(tmp_pa
     monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: writes.append(offset) or real_pwrite(fd, data, offset))
     result = run("quantize", TINY, "-o", tmp_path / "out", "-q")
     assert result.exit_code == 2, result.output
-    assert result.stderr.startswith("error: ") and "cannot write: No space left on device" in result.stderr.splitlines()[0]
+    assert (
+        result.stderr.startswith("error: ") and "cannot write: No space left on device" in result.stderr.splitlines()[0]
+    )
     assert writes == [] and os.listdir(tmp_path) == []
 
 
@@ -320,8 +359,25 @@ def test_dequantize_defaults_to_the_recorded_dtype(tmp_path):
 def test_schemes_lists_every_name_with_bits_and_layout():
     document = json.loads(ok("schemes", "--json").stdout)
     by_name = {s["name"]: s for s in document["schemes"]}
-    for name in ("W8A16", "W4A16", "W4A16_ASYM", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16", "MXFP4A16",
-                 "int8", "int4:g128", "int4:g64:asym", "int2:g64", "fp8_e4m3:channel", "fp8:block128x128", "nf4:g64", "mxfp4", "nvfp4"):
+    for name in (
+        "W8A16",
+        "W4A16",
+        "W4A16_ASYM",
+        "FP8",
+        "FP8_DYNAMIC",
+        "FP8_BLOCK",
+        "NVFP4A16",
+        "MXFP4A16",
+        "int8",
+        "int4:g128",
+        "int4:g64:asym",
+        "int2:g64",
+        "fp8_e4m3:channel",
+        "fp8:block128x128",
+        "nf4:g64",
+        "mxfp4",
+        "nvfp4",
+    ):
         assert name in by_name
     assert by_name["W4A16"]["bits_per_weight"] == pytest.approx(4 + 16 / 128)
     assert by_name["W4A16"]["layout"] == "compressed-tensors"
@@ -331,8 +387,22 @@ def test_schemes_lists_every_name_with_bits_and_layout():
 
 def test_quantize_in_a_real_process(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "qtool", "quantize", str(TINY), "-o", str(tmp_path / "out"), "--scheme", "int8", "--report", str(tmp_path / "r.json")],
-        capture_output=True, text=True, cwd=REPO,
+        [
+            sys.executable,
+            "-m",
+            "qtool",
+            "quantize",
+            str(TINY),
+            "-o",
+            str(tmp_path / "out"),
+            "--scheme",
+            "int8",
+            "--report",
+            str(tmp_path / "r.json"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("weight\tscheme\tSQNR dB")  # not a terminal: TSV
@@ -350,13 +420,18 @@ def test_row_chunked_encoding_is_identical_to_whole_weights(tmp_path, monkeypatc
     weight = next(w for w in qtool.inspect(TINY).weights if w.name.endswith("q_proj.weight"))  # 256 rows
     assert ct.CompressedTensors().row_chunk(weight, qtool.scheme_strings.parse_scheme(scheme)) is not None
     ok("quantize", TINY, "-o", tmp_path / "chunked", "--scheme", scheme, "--report", tmp_path / "chunked.json", "-q")
-    assert (tmp_path / "whole" / "model.safetensors").read_bytes() == (tmp_path / "chunked" / "model.safetensors").read_bytes()
+    assert (tmp_path / "whole" / "model.safetensors").read_bytes() == (
+        tmp_path / "chunked" / "model.safetensors"
+    ).read_bytes()
     whole, chunked = (json.loads((tmp_path / f"{n}.json").read_text())["weights"] for n in ("whole", "chunked"))
     for a, b in zip(sorted(whole, key=lambda w: w["name"]), sorted(chunked, key=lambda w: w["name"])):
         assert a["sqnr_db"] == b["sqnr_db"]  # float64 sums over other slices: the same 9 digits
 
 
-@pytest.mark.parametrize("scheme, gguf_type", [("q8_0", "Q8_0"), ("q4_0", "Q4_0"), ("q4_1", "Q4_1"), ("q5_0", "Q5_0"), ("q5_1", "Q5_1"), ("mxfp4", "MXFP4")])
+@pytest.mark.parametrize(
+    "scheme, gguf_type",
+    [("q8_0", "Q8_0"), ("q4_0", "Q4_0"), ("q4_1", "Q4_1"), ("q5_0", "Q5_0"), ("q5_1", "Q5_1"), ("mxfp4", "MXFP4")],
+)
 def test_quantize_to_gguf_through_the_cli(tmp_path, scheme, gguf_type):
     import gguf
 
@@ -371,9 +446,15 @@ def test_quantize_to_gguf_through_the_cli(tmp_path, scheme, gguf_type):
     assert json.loads((tmp_path / "r.json").read_text())["summary"]["sqnr_db"] > 15
     ok("dequantize", out, "-o", tmp_path / "back.safetensors", "-q")
     restored = load_file(str(tmp_path / "back.safetensors"))
-    reference = gguf.quants.dequantize(next(t for t in reader.tensors if t.name == "blk.0.attn_v.weight").data, reader.tensors[0].tensor_type.__class__[gguf_type])
+    reference = gguf.quants.dequantize(
+        next(t for t in reader.tensors if t.name == "blk.0.attn_v.weight").data,
+        reader.tensors[0].tensor_type.__class__[gguf_type],
+    )
     # written back under its Hugging Face name (v_proj's rows are not permuted)
-    assert torch.equal(restored["model.layers.0.self_attn.v_proj.weight"].float(), torch.from_numpy(reference.copy()).bfloat16().float())
+    assert torch.equal(
+        restored["model.layers.0.self_attn.v_proj.weight"].float(),
+        torch.from_numpy(reference.copy()).bfloat16().float(),
+    )
 
 
 def test_gguf_output_errors(tmp_path):

@@ -82,7 +82,10 @@ def test_inspect_reports_logical_shape_scheme_and_true_bits(fixture):
         if "shift" not in spec:  # made by a QModule, which saves its activation scales too
             expected_roles |= {"input_scale", "output_scale"}
         assert roles == expected_roles, name
-        stored = sum(math.prod(t["shape"]) * (4 if t["dtype"] == "F32" else 2 if t["dtype"] == "BF16" else 1) for t in w["tensors"])
+        stored = sum(
+            math.prod(t["shape"]) * (4 if t["dtype"] == "F32" else 2 if t["dtype"] == "BF16" else 1)
+            for t in w["tensors"]
+        )
         assert w["bits_per_weight"] == pytest.approx(stored * 8 / w["parameters"], abs=1e-4)
         if (fixture, name) not in AMBIGUOUS:
             assert w["notes"] == [], (name, w["notes"])
@@ -141,7 +144,11 @@ def test_a_map_that_disagrees_with_the_tensors_gets_a_note(tmp_path):
 
 def _tiny_packed(make_safetensors, rows: int, packed_rows: int, columns: int, side: dict | None = None):
     path = make_safetensors(
-        {"m.weight._data._data": ("U8", [packed_rows, columns]), "m.weight._scale": ("F32", [rows, 1]), "m.weight._shift": ("F32", [rows, 1])},
+        {
+            "m.weight._data._data": ("U8", [packed_rows, columns]),
+            "m.weight._scale": ("F32", [rows, 1]),
+            "m.weight._shift": ("F32", [rows, 1]),
+        },
         data={
             "m.weight._data._data": bytes(range(packed_rows * columns)),
             "m.weight._scale": struct.pack(f"<{rows}f", *[0.5 * (r + 1) for r in range(rows)]),
@@ -173,7 +180,13 @@ def test_two_or_four_bits_without_a_map_is_left_plain(make_safetensors, tmp_path
     assert weights[0].notes == [
         "looks like an optimum-quanto weight, but 2 rows pack into 1 bytes at 2 and at 4 bits, and no quantization map says which; left plain"
     ]
-    path = _tiny_packed(make_safetensors, rows=2, packed_rows=1, columns=4, side={"quantization_map.json": {"m": {"weights": "qint2", "activations": "none"}}})
+    path = _tiny_packed(
+        make_safetensors,
+        rows=2,
+        packed_rows=1,
+        columns=4,
+        side={"quantization_map.json": {"m": {"weights": "qint2", "activations": "none"}}},
+    )
     [weight] = resolve(qtool.open_checkpoint(path), REGISTRY)
     assert weight.scheme.label == "uint2 asym channel" and weight.notes == []
 

@@ -68,7 +68,7 @@ class FakeRay:
                 def remote():
                     instance = target()
                     return types.SimpleNamespace(**{
-                        name: types.SimpleNamespace(remote=lambda *a, m=getattr(instance, name): _Ref(m(*a)))
+                        name: types.SimpleNamespace(remote=lambda *a, m=getattr(instance, name): _Ref(m(*a)))  # noqa: B008 - bound per name, on purpose
                         for name in ("start", "count")
                     })  # fmt: skip
 
@@ -125,7 +125,9 @@ def fake_jobs(monkeypatch):
 
     monkeypatch.setattr(ray_executor, "run", run)
     monkeypatch.setattr(ray_executor, "_run_task", task)
-    return [types.SimpleNamespace(index=i, label=f"shard {i}", options=types.SimpleNamespace(threads=1)) for i in range(3)]
+    return [
+        types.SimpleNamespace(index=i, label=f"shard {i}", options=types.SimpleNamespace(threads=1)) for i in range(3)
+    ]
 
 
 def _cluster(monkeypatch, fake):

@@ -25,7 +25,15 @@ from pathlib import Path
 import pytest
 
 from tests.signal_helpers import signal_when, wait_for_qtool_handlers
-from tests.scale_helpers import assert_same_output, kill_a_writer, processes_writing, qtool, report_less_timings, staging_left, start_qtool
+from tests.scale_helpers import (
+    assert_same_output,
+    kill_a_writer,
+    processes_writing,
+    qtool,
+    report_less_timings,
+    staging_left,
+    start_qtool,
+)
 from tests.scale_models import llama_shaped, reshard
 
 ray = pytest.importorskip("ray")
@@ -47,8 +55,27 @@ def _free_ports(count: int) -> list[int]:
 def _start_node(args: list[str], env: dict, timeout: float = 240) -> subprocess.Popen:
     """`ray start ... --block`, returned once it says the runtime started."""
     agent, grpc, runtime_env, metrics = _free_ports(4)
-    command = [str(RAY), "start", *args, "--block", "--num-cpus", "1", "--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
-    command += ["--dashboard-agent-listen-port", str(agent), "--dashboard-agent-grpc-port", str(grpc), "--runtime-env-agent-port", str(runtime_env), "--metrics-export-port", str(metrics)]
+    command = [
+        str(RAY),
+        "start",
+        *args,
+        "--block",
+        "--num-cpus",
+        "1",
+        "--node-ip-address",
+        "127.0.0.1",
+        "--disable-usage-stats",
+    ]
+    command += [
+        "--dashboard-agent-listen-port",
+        str(agent),
+        "--dashboard-agent-grpc-port",
+        str(grpc),
+        "--runtime-env-agent-port",
+        str(runtime_env),
+        "--metrics-export-port",
+        str(metrics),
+    ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     # os.read, not readline: Ray writes its banner in one go, and lines that the file object has
     # buffered are invisible to select(), which then waited out the whole timeout.
@@ -82,8 +109,20 @@ def cluster():
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     temp = tempfile.mkdtemp(prefix="qr", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     gcs, client, dashboard = _free_ports(3)
-    head_args = ["--head", "--port", str(gcs), "--include-dashboard", "false", "--dashboard-port", str(dashboard), "--temp-dir", temp]
-    if importlib.util.find_spec("grpc") is not None:  # `ray[client]`: its server's port too, off the default; plain `ray` refuses the flag
+    head_args = [
+        "--head",
+        "--port",
+        str(gcs),
+        "--include-dashboard",
+        "false",
+        "--dashboard-port",
+        str(dashboard),
+        "--temp-dir",
+        temp,
+    ]
+    if (
+        importlib.util.find_spec("grpc") is not None
+    ):  # `ray[client]`: its server's port too, off the default; plain `ray` refuses the flag
         head_args += ["--ray-client-server-port", str(client)]
     head = _start_node(head_args, env)
     nodes = [head]
@@ -103,14 +142,20 @@ def four_shards(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def slow_four_shards(tmp_path_factory) -> Path:
-    return llama_shaped(tmp_path_factory.mktemp("model") / "llama-60mb", hidden=512, intermediate=1536, layers=8, vocab=4096, shards=4)
+    return llama_shaped(
+        tmp_path_factory.mktemp("model") / "llama-60mb", hidden=512, intermediate=1536, layers=8, vocab=4096, shards=4
+    )
 
 
-@pytest.mark.parametrize("scheme, name", [("W4A16", "out"), ("Q4_K_M", "out.gguf")], ids=["compressed-tensors", "gguf-mix"])
+@pytest.mark.parametrize(
+    "scheme, name", [("W4A16", "out"), ("Q4_K_M", "out.gguf")], ids=["compressed-tensors", "gguf-mix"]
+)
 def test_ray_writes_the_bytes_and_report_of_one_process(cluster, four_shards, tmp_path, scheme, name):
     one, spread = tmp_path / "one" / name, tmp_path / "ray" / name
     first = qtool("quantize", four_shards, "-o", one, "--scheme", scheme, "--json", "-q")
-    second = qtool("quantize", four_shards, "-o", spread, "--scheme", scheme, "--executor", "ray", "--json", "-q", env=cluster)
+    second = qtool(
+        "quantize", four_shards, "-o", spread, "--scheme", scheme, "--executor", "ray", "--json", "-q", env=cluster
+    )
     assert first.returncode == 0, first.stderr
     assert second.returncode == 0, second.stderr
     assert_same_output(one, spread)
@@ -126,7 +171,9 @@ def test_a_ray_worker_killed_mid_task_is_retried_and_the_output_is_the_same(clus
     assert qtool("quantize", slow_four_shards, "-o", reference, "--scheme", "W4A16", "-q").returncode == 0
     (tmp_path / "ray").mkdir()
     out = tmp_path / "ray" / "out"
-    process = start_qtool("quantize", slow_four_shards, "-o", out, "--scheme", "W4A16", "--executor", "ray", "-q", env=cluster)
+    process = start_qtool(
+        "quantize", slow_four_shards, "-o", out, "--scheme", "W4A16", "--executor", "ray", "-q", env=cluster
+    )
     assert kill_a_writer(tmp_path / "ray", process) is not None, "no Ray worker was seen writing"
     _, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stderr
@@ -137,7 +184,19 @@ def test_a_ray_worker_killed_mid_task_is_retried_and_the_output_is_the_same(clus
 def test_retries_exhausted_is_exit_2_naming_the_shard_and_nothing_is_committed(cluster, slow_four_shards, tmp_path):
     (tmp_path / "ray").mkdir()
     out = tmp_path / "ray" / "out"
-    process = start_qtool("quantize", slow_four_shards, "-o", out, "--scheme", "W4A16", "--executor", "ray", "--max-retries", "0", env=cluster)
+    process = start_qtool(
+        "quantize",
+        slow_four_shards,
+        "-o",
+        out,
+        "--scheme",
+        "W4A16",
+        "--executor",
+        "ray",
+        "--max-retries",
+        "0",
+        env=cluster,
+    )
     assert kill_a_writer(tmp_path / "ray", process) is not None, "no Ray worker was seen writing"
     _, stderr = process.communicate(timeout=600)
     assert process.returncode == 2, stderr
@@ -151,7 +210,9 @@ def test_retries_exhausted_is_exit_2_naming_the_shard_and_nothing_is_committed(c
 def test_sigterm_to_the_ray_driver_commits_nothing_and_leaves_no_task_writing(cluster, slow_four_shards, tmp_path):
     (tmp_path / "ray").mkdir()
     out = tmp_path / "ray" / "out"
-    process = start_qtool("quantize", slow_four_shards, "-o", out, "--scheme", "W4A16", "--executor", "ray", "-q", env=cluster)
+    process = start_qtool(
+        "quantize", slow_four_shards, "-o", out, "--scheme", "W4A16", "--executor", "ray", "-q", env=cluster
+    )
     wait_for_qtool_handlers(process)
     writing = lambda: bool(processes_writing(tmp_path / "ray", {process.pid}))  # noqa: E731 - checked again with the driver frozen
     assert signal_when(process, signal.SIGTERM, writing), "no Ray worker was seen writing"
@@ -167,10 +228,22 @@ def test_sigterm_to_the_ray_driver_commits_nothing_and_leaves_no_task_writing(cl
 
 
 def test_a_task_no_node_can_hold_is_refused_not_left_waiting(cluster, four_shards, tmp_path):
-    result = qtool("quantize", four_shards, "-o", tmp_path / "out", "--executor", "ray", "--threads", "4", env=cluster, timeout=300)
+    result = qtool(
+        "quantize", four_shards, "-o", tmp_path / "out", "--executor", "ray", "--threads", "4", env=cluster, timeout=300
+    )
     assert result.returncode == 2, result.stderr
-    assert result.stderr.splitlines()[0] == "error: each shard job asks for 4 CPUs, and no node of the Ray cluster has more than 1"
+    assert (
+        result.stderr.splitlines()[0]
+        == "error: each shard job asks for 4 CPUs, and no node of the Ray cluster has more than 1"
+    )
     assert not (tmp_path / "out").exists() and staging_left(tmp_path) == []
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except (OSError, IndexError):
+        return False
 
 
 @pytest.mark.parametrize("moment", ["gcs", "raylet"])
@@ -189,14 +262,21 @@ def test_sigterm_while_the_driver_starts_its_own_ray_is_one_line_and_stops_that_
     def ray_starting() -> bool:
         below = descendants(process.pid)
         started.update(below)
-        names = " ".join(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace") for pid in below if Path(f"/proc/{pid}/cmdline").exists())
+        names = " ".join(
+            Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            for pid in below
+            if Path(f"/proc/{pid}/cmdline").exists()
+        )
         return moment in names
 
     assert signal_when(process, signal.SIGTERM, ray_starting), "the run ended before Ray started"
     _, stderr = process.communicate(timeout=120)
     assert (process.returncode, stderr.splitlines()) == (143, ["error: terminated"]), stderr
     deadline = time.monotonic() + 30
-    alive = lambda: [pid for pid in started if Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"]  # noqa: E731
+
+    def alive() -> list[int]:
+        return [pid for pid in started if _running(pid)]
+
     while alive() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert alive() == [], "Ray processes qtool started outlived it"

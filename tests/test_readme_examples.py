@@ -111,7 +111,9 @@ def _f16_gguf(target: Path) -> None:
     converter would lay it out (tests/fixtures/gguf_mix/make_reference.py)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("make_reference", Path(__file__).parent / "fixtures" / "gguf_mix" / "make_reference.py")
+    spec = importlib.util.spec_from_file_location(
+        "make_reference", Path(__file__).parent / "fixtures" / "gguf_mix" / "make_reference.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -155,7 +157,9 @@ def _shim(bin_dir: Path) -> None:
 
 
 def _bash(script: str, cwd: Path, bin_dir: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-c", script], cwd=cwd, env=_env(bin_dir, cwd), capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        ["bash", "-c", script], cwd=cwd, env=_env(bin_dir, cwd), capture_output=True, text=True, timeout=600
+    )
 
 
 class Placeholders:
@@ -175,7 +179,9 @@ class Placeholders:
             # written by the README's own commands (the CI workflow's, the quantize section's)
             "model-w4": lambda: self._qtool("quantize model/ -o model-w4/ --scheme W4A16 -q", "model"),
             "model-w4-asym": lambda: self._qtool("quantize model/ -o model-w4-asym/ --scheme W4A16_ASYM -q", "model"),
-            "tiny-w4": lambda: self._qtool("quantize sample_models/tiny-llama -o tiny-w4 --scheme W4A16", "sample_models/tiny-llama"),
+            "tiny-w4": lambda: self._qtool(
+                "quantize sample_models/tiny-llama -o tiny-w4 --scheme W4A16", "sample_models/tiny-llama"
+            ),
             # the layouts other examples read
             "model-fp8": lambda: self._qtool("quantize model/ -o model-fp8/ --scheme FP8 -q", "model"),
             "model.gguf": lambda: self._qtool("quantize model/ -o model.gguf --scheme q4_0 -q", "model"),
@@ -183,11 +189,20 @@ class Placeholders:
             "model-f16.gguf": lambda: _f16_gguf(store / "model-f16.gguf"),
             # the calibration section's AWQ line, quiet: the CI section gates its output
             "model-awq": lambda: self._qtool(
-                "quantize model/ -o model-awq/ --scheme int4:g64 --calibrate calibration.txt --samples 8 --seq-len 128 --algorithm awq -q", "model", "calibration.txt"
+                "quantize model/ -o model-awq/ --scheme int4:g64 --calibrate calibration.txt --samples 8 --seq-len 128 --algorithm awq -q",
+                "model",
+                "calibration.txt",
             ),
-            "imatrix.gguf": lambda: self._qtool("imatrix model/ --calibrate calibration.txt -o imatrix.gguf --chunks 16 --chunk-size 128 -q", "model", "calibration.txt"),
+            "imatrix.gguf": lambda: self._qtool(
+                "imatrix model/ --calibrate calibration.txt -o imatrix.gguf --chunks 16 --chunk-size 128 -q",
+                "model",
+                "calibration.txt",
+            ),
             # `--calibrate calibration.txt`: English prose, CPython's language reference topics
-            "calibration.txt": lambda: (store.mkdir(parents=True, exist_ok=True), (store / "calibration.txt").write_text(_prose())),
+            "calibration.txt": lambda: (
+                store.mkdir(parents=True, exist_ok=True),
+                (store / "calibration.txt").write_text(_prose()),
+            ),
             # `compare a/ b/ --map 're:^transformer\.h\.=model.layers.'`: GPT-2 style names in A
             "a": lambda: _renamed(TINY, store / "a", "model.layers.", "transformer.h."),
             "b": lambda: self._qtool("quantize model/ -o b/ --scheme W8A16 -q", "model"),
@@ -250,13 +265,21 @@ def _cases():
     for example in EXAMPLES:
         marks = []
         if REMOTE.search(example.command):
-            marks.append(pytest.mark.skip(reason="a remote location: no network in tests (tests/test_remote.py covers it on loopback)"))
+            marks.append(
+                pytest.mark.skip(
+                    reason="a remote location: no network in tests (tests/test_remote.py covers it on loopback)"
+                )
+            )
         if example.line in KNOWN_FAILURES:
             marks.append(pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[example.line]))
         if "--device cuda" in example.command:
-            cuda_marks = marks + [pytest.mark.skipif(not _cuda(), reason="needs CUDA (torch.cuda.is_available() is False)")]
+            cuda_marks = marks + [
+                pytest.mark.skipif(not _cuda(), reason="needs CUDA (torch.cuda.is_available() is False)")
+            ]
             yield pytest.param(example, "cuda", marks=cuda_marks, id=example.id)
-            yield pytest.param(example, "cpu", marks=marks, id=example.id.replace("--device cuda", "--device cpu") + " [cpu twin]")
+            yield pytest.param(
+                example, "cpu", marks=marks, id=example.id.replace("--device cuda", "--device cpu") + " [cpu twin]"
+            )
         else:
             yield pytest.param(example, None, marks=marks, id=example.id)
 
@@ -311,7 +334,10 @@ def test_the_python_api_example_runs_as_written(tmp_path):
     env["TMPDIR"] = str(scratch)
     done = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["sample_models", "scratch"]  # nothing left in the current folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "sample_models",
+        "scratch",
+    ]  # nothing left in the current folder
     (out,) = scratch.iterdir()
     assert (out / "tiny-w4" / "model.safetensors").is_file() and (out / "tiny-back.safetensors").is_file()
     # the dequantize result prints as one short line, not its whole plan (40 KB)

@@ -86,8 +86,14 @@ class Server:
             time.sleep(0.01)
 
     def handle(self, h: BaseHTTPRequestHandler, head: bool) -> None:
-        entry = {"method": h.command, "path": h.path, "range": h.headers.get("Range"), "status": None, "sent": 0,
-                 "auth": h.headers.get("Authorization")}
+        entry = {
+            "method": h.command,
+            "path": h.path,
+            "range": h.headers.get("Range"),
+            "status": None,
+            "sent": 0,
+            "auth": h.headers.get("Authorization"),
+        }
         with self.lock:
             self.answering += 1
         try:
@@ -124,7 +130,9 @@ class Server:
             if repo is None or resolve.group(2) not in ("main", COMMIT) or not self._authorized(h, repo):
                 return self._send(h, entry, 401 if repo and repo["private"] else 404, b"{}")
             if repo.get("cdn") is not None:  # large files live elsewhere, as on the Hub
-                return self._send(h, entry, 302, b"", {"Location": f"{repo['cdn'].url}/{resolve.group(3)}", "X-Repo-Commit": COMMIT})
+                return self._send(
+                    h, entry, 302, b"", {"Location": f"{repo['cdn'].url}/{resolve.group(3)}", "X-Repo-Commit": COMMIT}
+                )
             return self._file(h, entry, repo["folder"] / resolve.group(3))
         return self._file(h, entry, self.root / unquote(path).lstrip("/"))  # as a real server decodes it
 
@@ -134,11 +142,31 @@ class Server:
     def _listing(self, h, entry, repo_id: str, revision: str) -> None:
         repo = self.repos.get(repo_id)
         if repo is None or not self._authorized(h, repo):
-            return self._send(h, entry, 401, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound", "Content-Type": "application/json"})
+            return self._send(
+                h,
+                entry,
+                401,
+                b'{"error": "Repository not found"}',
+                {"X-Error-Code": "RepoNotFound", "Content-Type": "application/json"},
+            )
         if revision not in ("main", COMMIT):
-            return self._send(h, entry, 404, b'{"error": "Invalid rev id"}', {"X-Error-Code": "RevisionNotFound", "Content-Type": "application/json"})
+            return self._send(
+                h,
+                entry,
+                404,
+                b'{"error": "Invalid rev id"}',
+                {"X-Error-Code": "RevisionNotFound", "Content-Type": "application/json"},
+            )
         files = sorted(str(p.relative_to(repo["folder"])) for p in repo["folder"].rglob("*") if p.is_file())
-        body = json.dumps({"id": repo_id, "modelId": repo_id, "sha": COMMIT, "private": repo["private"], "siblings": [{"rfilename": f} for f in files]})
+        body = json.dumps(
+            {
+                "id": repo_id,
+                "modelId": repo_id,
+                "sha": COMMIT,
+                "private": repo["private"],
+                "siblings": [{"rfilename": f} for f in files],
+            }
+        )
         self._send(h, entry, 200, body.encode(), {"Content-Type": "application/json"})
 
     def _file(self, h, entry, file: Path) -> None:
@@ -204,7 +232,9 @@ class Server:
             except BlockingIOError:
                 pass
 
-    def _stream(self, h, entry, status: int, file: Path, start: int, end: int, headers: dict, pace: bool = True) -> None:
+    def _stream(
+        self, h, entry, status: int, file: Path, start: int, end: int, headers: dict, pace: bool = True
+    ) -> None:
         """Send bytes [start, end) of `file` in chunks, as a real server does, until the client
         goes away (paced, for the misbehaving modes, so the log shows what it read)."""
         entry["status"] = status
@@ -237,7 +267,11 @@ def served(tmp_path_factory):
     _write_gguf(root / "gguf" / "model.gguf")
     _write_big(root / "big" / "model.safetensors")
     _write_many(root / "many" / "model.safetensors")
-    shutil.copytree(SAMPLES.parent / "tests" / "fixtures" / "bnb" / "nf4_nested", root / "bnb-nf4", ignore=shutil.ignore_patterns("reference"))
+    shutil.copytree(
+        SAMPLES.parent / "tests" / "fixtures" / "bnb" / "nf4_nested",
+        root / "bnb-nf4",
+        ignore=shutil.ignore_patterns("reference"),
+    )
     (root / "over").mkdir()
     (root / "over" / "model.safetensors").write_bytes((200_000_000).to_bytes(8, "little") + b"{}" + bytes(100_000))
     server = Server(root)
@@ -261,7 +295,9 @@ def _write_many(path: Path) -> None:
     """A header over 64 KiB: its second part needs a second request."""
     from tests.conftest import write_safetensors
 
-    write_safetensors(path, {f"model.layers.{i}.mlp.experts.{j}.weight": ("BF16", (4, 4)) for i in range(40) for j in range(40)})
+    write_safetensors(
+        path, {f"model.layers.{i}.mlp.experts.{j}.weight": ("BF16", (4, 4)) for i in range(40) for j in range(40)}
+    )
 
 
 def _write_gguf(path: Path) -> None:
@@ -288,9 +324,18 @@ def _write_big(path: Path) -> None:
 
 def qtool(*args: str, cache: Path, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("QTOOL_", "HF_"))}
-    environment.update(PYTHONPATH=str(REPO), QTOOL_CACHE=str(cache), HF_HOME=str(cache / "hf-home"), HF_HUB_DISABLE_TELEMETRY="1")
+    environment.update(
+        PYTHONPATH=str(REPO), QTOOL_CACHE=str(cache), HF_HOME=str(cache / "hf-home"), HF_HUB_DISABLE_TELEMETRY="1"
+    )
     environment.update(env or {})
-    return subprocess.run([sys.executable, "-m", "qtool", *args], capture_output=True, text=True, env=environment, cwd=REPO, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "qtool", *args],
+        capture_output=True,
+        text=True,
+        env=environment,
+        cwd=REPO,
+        timeout=timeout,
+    )
 
 
 def local_json(path: Path) -> dict:
@@ -300,7 +345,9 @@ def local_json(path: Path) -> dict:
 
 
 def same_but_location(remote: dict, local: dict) -> bool:
-    strip = lambda d: {k: v for k, v in d.items() if k not in ("path", "files")}
+    def strip(d: dict) -> dict:
+        return {k: v for k, v in d.items() if k not in ("path", "files")}
+
     return strip(remote) == strip(local)
 
 
@@ -400,7 +447,9 @@ def test_gguf_header_grows_by_ranges(served, tmp_path):
 
 def test_check_reads_headers_remotely(served, tmp_path):
     served.mode = "ok"
-    result = qtool("check", f"{served.url}/ct-w4a16/model.safetensors", "--expect-scheme", "W4A16", "--json", cache=tmp_path)
+    result = qtool(
+        "check", f"{served.url}/ct-w4a16/model.safetensors", "--expect-scheme", "W4A16", "--json", cache=tmp_path
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -419,7 +468,9 @@ def test_commands_that_read_data_say_download_first(served, tmp_path, args):
     served.mode = "ok"
     url = f"{served.url}/tiny-llama/model.safetensors"
     command, *rest = args
-    rest = [str(tmp_path / "out") if a == "OUT" else str(served.root / "tiny-llama") if a == "LOCAL" else a for a in rest]
+    rest = [
+        str(tmp_path / "out") if a == "OUT" else str(served.root / "tiny-llama") if a == "LOCAL" else a for a in rest
+    ]
     argv = [command, str(served.root / "tiny-llama"), url] if command == "compare" else [command, url, *rest]
     line = one_error(qtool(*argv, cache=tmp_path))
     assert "download it first" in line and "curl -LO" in line
@@ -519,7 +570,13 @@ def test_hf_location_at_main_then_pinned_commit(served, tmp_path):
     assert same_but_location(json.loads(pinned.stdout), local)
     assert served.log == []  # a commit's listing and headers come from the cache
     served.log[:] = []
-    fresh = qtool("inspect", f"hf://org/public@{COMMIT}/model.safetensors", "--json", cache=tmp_path / "fresh", env=hub_env(served))
+    fresh = qtool(
+        "inspect",
+        f"hf://org/public@{COMMIT}/model.safetensors",
+        "--json",
+        cache=tmp_path / "fresh",
+        env=hub_env(served),
+    )
     assert fresh.returncode == 0 and same_but_location(json.loads(fresh.stdout), local)
 
 
@@ -540,10 +597,21 @@ def test_hf_private_repo_needs_the_token_and_never_shows_it(served, tmp_path):
     served.log[:] = []
     ok = qtool("inspect", "hf://org/private", "--json", cache=tmp_path, env=hub_env(served, token=TOKEN))
     assert ok.returncode == 0, ok.stderr
-    assert TOKEN not in ok.stdout + ok.stderr and not any(TOKEN.encode() in p.read_bytes() for p in tmp_path.rglob("*") if p.is_file())
+    assert TOKEN not in ok.stdout + ok.stderr and not any(
+        TOKEN.encode() in p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()
+    )
     assert same_but_location(json.loads(ok.stdout), local_json(served.root / "ct-w4a16"))
     assert all(r["auth"] == f"Bearer {TOKEN}" for r in served.log)
-    line = one_error(qtool("dequantize", "hf://org/private", "-o", str(tmp_path / "out"), cache=tmp_path, env=hub_env(served, token=TOKEN)))
+    line = one_error(
+        qtool(
+            "dequantize",
+            "hf://org/private",
+            "-o",
+            str(tmp_path / "out"),
+            cache=tmp_path,
+            env=hub_env(served, token=TOKEN),
+        )
+    )
     assert "huggingface-cli download org/private" in line
 
 
@@ -576,7 +644,11 @@ def test_hf_without_huggingface_hub_says_how_to_install(served, tmp_path):
     env = {**hub_env(served), "PYTHONPATH": f"{blocker}{os.pathsep}{REPO}"}
     result = subprocess.run(
         [sys.executable, "-m", "qtool", "inspect", "hf://org/public"],
-        capture_output=True, text=True, env={**os.environ, **env, "QTOOL_CACHE": str(tmp_path)}, cwd=REPO, timeout=60,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env, "QTOOL_CACHE": str(tmp_path)},
+        cwd=REPO,
+        timeout=60,
     )
     assert result.returncode == 2, result.stderr
     assert 'pip install "qtool[hub]"' in result.stderr and "Traceback" not in result.stderr
@@ -586,7 +658,12 @@ def test_a_repository_is_resolved_in_transformers_order_like_a_local_folder():
     """model.safetensors before an index (as loader._open_directory does), then the index."""
     from qtool.formats.remote_loader import _choose
 
-    both = ["model.safetensors", "model.safetensors.index.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    both = [
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
     assert _choose("hf://o/r", both, "") == "model.safetensors"
     assert _choose("hf://o/r", both[1:], "") == "model.safetensors.index.json"
     assert _choose("hf://o/r", ["adapter_model.safetensors"], "") == "adapter_model.safetensors"
@@ -618,7 +695,9 @@ def test_a_trickling_or_stalled_server_ends_at_the_request_deadline(served, tmp_
     # A request past its deadline is not retried: one range request. Counted once the server has
     # answered (on a loaded machine its handler may still be starting when qtool gives up).
     served.settle()
-    assert [entry["range"] is not None for entry in served.requests("tiny-llama/model.safetensors")] == [True], served.log
+    assert [entry["range"] is not None for entry in served.requests("tiny-llama/model.safetensors")] == [True], (
+        served.log
+    )
 
 
 def test_a_request_past_its_deadline_is_not_retried_even_before_its_timer_fires(served, monkeypatch):
@@ -634,7 +713,9 @@ def test_a_request_past_its_deadline_is_not_retried_even_before_its_timer_fires(
     served.mode, served.log[:] = "stall", []
     try:
         with pytest.raises(CheckpointError) as caught:
-            RemoteFile(f"{served.url}/tiny-llama/model.safetensors", deadlines=http_opener.Deadlines(1.0, 60.0)).read(0, 100)
+            RemoteFile(f"{served.url}/tiny-llama/model.safetensors", deadlines=http_opener.Deadlines(1.0, 60.0)).read(
+                0, 100
+            )
     finally:
         served.mode = "ok"
     assert "no complete answer within 1 s (QTOOL_HTTP_TIMEOUT" in str(caught.value)
@@ -646,7 +727,9 @@ def test_the_command_deadline_bounds_all_requests_together(served, tmp_path):
     served.mode, served.log[:] = "trickle", []
     try:
         url = f"{served.url}/tiny-llama-sharded/model.safetensors.index.json"
-        result, seconds = _timed("inspect", url, cache=tmp_path, env={"QTOOL_HTTP_TIMEOUT": "30", "QTOOL_HTTP_DEADLINE": "2"})
+        result, seconds = _timed(
+            "inspect", url, cache=tmp_path, env={"QTOOL_HTTP_TIMEOUT": "30", "QTOOL_HTTP_DEADLINE": "2"}
+        )
     finally:
         served.mode = "ok"
     line = one_error(result)
@@ -658,12 +741,18 @@ def test_the_command_deadline_bounds_all_requests_together(served, tmp_path):
 @pytest.mark.parametrize("variable", ["QTOOL_HTTP_TIMEOUT", "QTOOL_HTTP_DEADLINE"])
 @pytest.mark.parametrize("value", ["soon", "0", "-1", "nan", "inf"])
 def test_a_bad_timeout_setting_is_one_line(served, tmp_path, variable, value):
-    line = one_error(qtool("inspect", f"{served.url}/tiny-llama/model.safetensors", cache=tmp_path, env={variable: value}))
+    line = one_error(
+        qtool("inspect", f"{served.url}/tiny-llama/model.safetensors", cache=tmp_path, env={variable: value})
+    )
     assert line == f"error: {variable}={value!r} is not a number of seconds"
 
 
 @pytest.mark.skipif(os.name != "posix", reason="POSIX signals")
-@pytest.mark.parametrize(("signum", "code", "says"), [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(
+    ("signum", "code", "says"),
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
+    ids=["SIGINT", "SIGTERM"],
+)
 def test_a_signal_ends_a_stalled_remote_read_at_once(served, tmp_path, signum, code, says):
     """The read runs in a worker thread: the signal must end the command at once, not when the
     worker's request ends (here: in 10 minutes, the deadlines set below; 91 hours without one).
@@ -676,7 +765,9 @@ def test_a_signal_ends_a_stalled_remote_read_at_once(served, tmp_path, signum, c
 
     served.mode, served.log[:], served.trickling = "trickle", [], 0
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("QTOOL_", "HF_"))}
-    environment.update(PYTHONPATH=str(REPO), QTOOL_CACHE=str(tmp_path), QTOOL_HTTP_TIMEOUT="600", QTOOL_HTTP_DEADLINE="600")
+    environment.update(
+        PYTHONPATH=str(REPO), QTOOL_CACHE=str(tmp_path), QTOOL_HTTP_TIMEOUT="600", QTOOL_HTTP_DEADLINE="600"
+    )
     url = f"{served.url}/tiny-llama/model.safetensors"
     process = subprocess.Popen(
         [sys.executable, "-m", "qtool", "inspect", url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment, cwd=REPO,
@@ -706,9 +797,18 @@ def test_the_opener_carries_http_and_https_handlers_only():
     from qtool.formats.http_opener import OPENER
 
     kinds = {type(h) for h in OPENER.handlers}
-    for handler in (urllib.request.FileHandler, urllib.request.FTPHandler, urllib.request.DataHandler, urllib.request.CacheFTPHandler):
+    for handler in (
+        urllib.request.FileHandler,
+        urllib.request.FTPHandler,
+        urllib.request.DataHandler,
+        urllib.request.CacheFTPHandler,
+    ):
         assert not any(issubclass(k, handler) for k in kinds), handler
-    assert set(OPENER.handle_open) - {"no"} == {"http", "https", "unknown"}  # "no": a no_proxy setting's entry, never a scheme
+    assert set(OPENER.handle_open) - {"no"} == {
+        "http",
+        "https",
+        "unknown",
+    }  # "no": a no_proxy setting's entry, never a scheme
 
 
 @pytest.mark.parametrize("scheme", ["file", "ftp", "data"])
@@ -728,7 +828,11 @@ def test_a_non_http_url_is_never_opened(tmp_path, scheme):
 @pytest.mark.parametrize("target", ["ftp", "file"])
 def test_a_redirect_to_a_non_http_url_is_not_followed(served, tmp_path, target):
     local = served.root / "tiny-llama" / "model.safetensors"
-    served.redirects["/elsewhere/model.safetensors"] = f"ftp://127.0.0.1:{served.url.rsplit(':', 1)[1]}/tiny-llama/model.safetensors" if target == "ftp" else f"file://{local}"
+    served.redirects["/elsewhere/model.safetensors"] = (
+        f"ftp://127.0.0.1:{served.url.rsplit(':', 1)[1]}/tiny-llama/model.safetensors"
+        if target == "ftp"
+        else f"file://{local}"
+    )
     try:
         line = one_error(qtool("inspect", f"{served.url}/elsewhere/model.safetensors", cache=tmp_path, timeout=30))
     finally:
@@ -763,8 +867,12 @@ def test_a_remote_index_cannot_send_qtool_to_another_url(served, tmp_path, kind)
         shard_dir = served.root / "tiny-llama-sharded"
         name_for = {
             "absolute": lambda shard: f"{elsewhere.url}/tiny-llama-sharded/{shard}",
-            "absolute-upper": lambda shard: f"HTTP://127.0.0.1:{elsewhere.url.rsplit(':', 1)[1]}/tiny-llama-sharded/{shard}",
-            "scheme-relative": lambda shard: f"//127.0.0.1:{elsewhere.url.rsplit(':', 1)[1]}/tiny-llama-sharded/{shard}",
+            "absolute-upper": lambda shard: (
+                f"HTTP://127.0.0.1:{elsewhere.url.rsplit(':', 1)[1]}/tiny-llama-sharded/{shard}"
+            ),
+            "scheme-relative": lambda shard: (
+                f"//127.0.0.1:{elsewhere.url.rsplit(':', 1)[1]}/tiny-llama-sharded/{shard}"
+            ),
             "file": lambda shard: f"file://{shard_dir / shard}",
             "double-slash": lambda shard: f"sub//{shard}",
         }[kind]
@@ -790,13 +898,17 @@ def test_shard_names_are_file_names_not_url_syntax(served, tmp_path):
     odd = "model 1%2e?x#y.safetensors"
     (folder / "model-00001-of-00002.safetensors").rename(folder / odd)
     index = json.loads((folder / "model.safetensors.index.json").read_text())
-    index["weight_map"] = {k: odd if v == "model-00001-of-00002.safetensors" else v for k, v in index["weight_map"].items()}
+    index["weight_map"] = {
+        k: odd if v == "model-00001-of-00002.safetensors" else v for k, v in index["weight_map"].items()
+    }
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     served.mode, served.log[:] = "ok", []
     result = qtool("inspect", f"{served.url}/odd-names/model.safetensors.index.json", "--json", cache=tmp_path)
     assert result.returncode == 0, result.stderr
     assert same_but_location(json.loads(result.stdout), local_json(folder))
-    assert any(r["path"] == "/odd-names/model%201%252e%3Fx%23y.safetensors" for r in served.log), [r["path"] for r in served.log]
+    assert any(r["path"] == "/odd-names/model%201%252e%3Fx%23y.safetensors" for r in served.log), [
+        r["path"] for r in served.log
+    ]
 
 
 # -- offline, the documented refusal (issue 18, item 16) ------------------------------------------------
@@ -818,7 +930,16 @@ def test_offline_commands_that_read_data_give_the_documented_refusal(tmp_path, a
     """README: commands that read tensor data refuse a remote checkpoint with exit 2 and the
     command that downloads it. That needs no network: not "cannot reach the Hub"."""
     offline = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1"}
-    argv = [location if a == "REMOTE" else str(tmp_path / "out") if a == "OUT" else str(SAMPLES / "tiny-llama") if a == "LOCAL" else a for a in args]
+    argv = [
+        location
+        if a == "REMOTE"
+        else str(tmp_path / "out")
+        if a == "OUT"
+        else str(SAMPLES / "tiny-llama")
+        if a == "LOCAL"
+        else a
+        for a in args
+    ]
     line = one_error(qtool(*argv, cache=tmp_path, env=offline, timeout=60))
     download = "huggingface-cli download org/repo" + (" --revision v1.0" if "@" in location else "")
     assert line == f"error: {location}: tensor data of a remote checkpoint is not read; download it first: {download}"

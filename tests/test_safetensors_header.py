@@ -97,7 +97,7 @@ def names(draw) -> str:
         st.one_of(
             st.from_regex(r"[a-z_][a-z0-9_]{0,5}(\.[a-z0-9_]{1,6}){0,4}", fullmatch=True),  # model.layers.0.mlp
             st.text(st.characters(codec="utf-8"), max_size=10),  # any unicode, no surrogates; may be ""
-            st.text(st.sampled_from(".é日\u200b\U0001f600 \"\\/\t\n\x1b"), min_size=1, max_size=6),
+            st.text(st.sampled_from('.é日\u200b\U0001f600 "\\/\t\n\x1b'), min_size=1, max_size=6),
         )
     )
     return name + "_" if name == "__metadata__" else name
@@ -113,7 +113,14 @@ def shapes_for(draw, dtype: str) -> list[int]:
 
 @st.composite
 def valid_specs(draw, min_tensors: int = 0) -> Spec:
-    raw = draw(st.lists(st.tuples(names(), st.sampled_from(list(DTYPES))), min_size=min_tensors, max_size=6, unique_by=lambda t: t[0]))
+    raw = draw(
+        st.lists(
+            st.tuples(names(), st.sampled_from(list(DTYPES))),
+            min_size=min_tensors,
+            max_size=6,
+            unique_by=lambda t: t[0],
+        )
+    )
     tensors = [(name, dtype, draw(shapes_for(dtype))) for name, dtype in raw]
     data_order = draw(st.permutations(range(len(tensors))))  # data order differs from header order
     offsets = {}
@@ -127,7 +134,12 @@ def valid_specs(draw, min_tensors: int = 0) -> Spec:
         (name, {"dtype": dtype, "shape": shape, "data_offsets": offsets[name]}) for name, dtype, shape in tensors
     ]
     metadata = draw(
-        st.none() | st.dictionaries(st.text(st.characters(codec="utf-8"), max_size=8), st.text(st.characters(codec="utf-8"), max_size=16), max_size=4)
+        st.none()
+        | st.dictionaries(
+            st.text(st.characters(codec="utf-8"), max_size=8),
+            st.text(st.characters(codec="utf-8"), max_size=16),
+            max_size=4,
+        )
     )
     if metadata is not None:
         entries.insert(draw(st.integers(0, len(entries))), ("__metadata__", metadata))
@@ -173,7 +185,7 @@ def cleanup(path: str) -> None:
 def ref_dtypes(workdir) -> frozenset[str]:
     """The dtypes the installed `safetensors` can open a header with."""
     supported = set()
-    for name, dtype in DTYPES.items():
+    for name in DTYPES:
         path = write(workdir, b"")
         tiny_safetensors(path, {"t": (name, [8])})
         try:
@@ -208,7 +220,7 @@ def qtool_read(path: str):
     for reader in (read_safetensors_file, _via_parse_header, _via_open_checkpoint):
         try:
             results.append(reader(path))
-        except Exception as exc:  # noqa: BLE001 - the point is to see every exception type
+        except Exception as exc:
             results.append(exc)
     kinds = [type(r).__name__ if isinstance(r, BaseException) else "ok" for r in results]
     assert len(set(kinds)) == 1, f"entry points disagree: {kinds} {results}"
@@ -262,7 +274,12 @@ def test_valid_files_round_trip(workdir, ref_dtypes, spec: Spec):
         header_len = len(spec.header())
         assert header_len == struct.unpack("<Q", blob[:8])[0]
         expected = {
-            name: (info["dtype"], tuple(info["shape"]), 8 + header_len + info["data_offsets"][0], 8 + header_len + info["data_offsets"][1])
+            name: (
+                info["dtype"],
+                tuple(info["shape"]),
+                8 + header_len + info["data_offsets"][0],
+                8 + header_len + info["data_offsets"][1],
+            )
             for name, info in spec.tensors.items()
         }
         assert len(tensors) == len(expected)
@@ -360,15 +377,19 @@ def corrupted(draw, kind: str) -> tuple[bytes, str, bool, str | None]:
         return blob[:cut], f"truncated to {cut} of {len(blob)} bytes", True, None
     if kind == "header_len":
         new = draw(
-            st.integers(0, len(blob) + 8)
-            | st.sampled_from([MAX_HEADER_SIZE, MAX_HEADER_SIZE + 1, 2**63, 2**64 - 1])
+            st.integers(0, len(blob) + 8) | st.sampled_from([MAX_HEADER_SIZE, MAX_HEADER_SIZE + 1, 2**63, 2**64 - 1])
         )
         if new == n:
             new = n + 1
         return _splice(blob, 0, struct.pack("<Q", new), 8), f"header length {n} -> {new}", True, None
     if kind == "flip_len":
         at = draw(st.integers(0, 7))
-        return _splice(blob, at, bytes([blob[at] ^ draw(st.integers(1, 255))]), 1), f"length byte {at} flipped", True, None
+        return (
+            _splice(blob, at, bytes([blob[at] ^ draw(st.integers(1, 255))]), 1),
+            f"length byte {at} flipped",
+            True,
+            None,
+        )
     if kind == "flip_header":
         flipped = bytearray(blob)
         for at in draw(st.lists(st.integers(8, 8 + n - 1), min_size=1, max_size=3, unique=True)):
@@ -389,7 +410,11 @@ def corrupted(draw, kind: str) -> tuple[bytes, str, bool, str | None]:
         at = draw(st.integers(8 + n, len(blob)))
         return _splice(blob, at, junk), f"junk {junk!r} in the data at byte {at}", True, None
     if kind == "non_utf8":
-        bad = draw(st.sampled_from([b"\xff", b"\xfe", b"\x80", b"\xc0\x80", b"\xc3", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80", b"\xe2\x82"]))
+        bad = draw(
+            st.sampled_from(
+                [b"\xff", b"\xfe", b"\x80", b"\xc0\x80", b"\xc3", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80", b"\xe2\x82"]
+            )
+        )
         at = draw(st.integers(0, n))
         return _with_header(spec, _splice(header, at, bad)), f"{bad!r} at header byte {at}", True, None
     if kind == "top_level":
@@ -397,7 +422,11 @@ def corrupted(draw, kind: str) -> tuple[bytes, str, bool, str | None]:
         return _with_header(spec, json.dumps(value).encode()), f"header is {value!r}", True, None
     if kind == "bad_metadata":
         # falsy non-objects ([], 0, "", false) are tested below; these must all be refused
-        value = draw(st.sampled_from([{"k": 1}, {"k": None}, {"k": ["v"]}, {"k": {}}, {"k": True}, {"a": "b", "k": 2.5}, ["k"], 1, "x", True]))
+        value = draw(
+            st.sampled_from(
+                [{"k": 1}, {"k": None}, {"k": ["v"]}, {"k": {}}, {"k": True}, {"a": "b", "k": 2.5}, ["k"], 1, "x", True]
+            )
+        )
         entries = [e for e in spec.entries if e[0] != "__metadata__"]
         entries.insert(draw(st.integers(0, len(entries))), ("__metadata__", value))
         return replace(spec, entries=entries).blob(), f"__metadata__ = {value!r}", True, "__metadata__"
@@ -416,7 +445,23 @@ def corrupted(draw, kind: str) -> tuple[bytes, str, bool, str | None]:
     if kind == "bad_dtype":
         info["dtype"] = draw(
             st.text(max_size=8).filter(lambda s: s not in DTYPES)
-            | st.sampled_from(["f32", "FP32", "float32", "F8_E4M3FN", "I4", "U4", "Q4_0", "F32 ", " BF16", None, 32, ["F32"], {"F32": 1}])
+            | st.sampled_from(
+                [
+                    "f32",
+                    "FP32",
+                    "float32",
+                    "F8_E4M3FN",
+                    "I4",
+                    "U4",
+                    "Q4_0",
+                    "F32 ",
+                    " BF16",
+                    None,
+                    32,
+                    ["F32"],
+                    {"F32": 1},
+                ]
+            )
         )
         substring = "unknown dtype"
     elif kind == "shift_offsets":  # a non-empty tensor moved: overlap, gap, negative or out of range
@@ -433,7 +478,18 @@ def corrupted(draw, kind: str) -> tuple[bytes, str, bool, str | None]:
     elif kind == "bad_offsets":
         info["data_offsets"] = draw(
             st.sampled_from(
-                [[float(begin), end], [begin, float(end)], [begin], [begin, end, end], [], None, f"{begin},{end}", {"begin": begin}, [str(begin), end], [begin, None]]
+                [
+                    [float(begin), end],
+                    [begin, float(end)],
+                    [begin],
+                    [begin, end, end],
+                    [],
+                    None,
+                    f"{begin},{end}",
+                    {"begin": begin},
+                    [str(begin), end],
+                    [begin, None],
+                ]
             )
             | st.just([True, end] if begin == 1 else [False, end] if begin == 0 else [begin, -end - 1])
         )
@@ -469,7 +525,9 @@ def test_corrupted_files_raise_checkpoint_error_only(workdir, kind, data):
                 assert substring in str(error), str(error)
 
         reference = reference_read(path)
-        event(f"qtool {'rejects' if isinstance(result, BaseException) else 'accepts'}, reference {'rejects' if reference is None else 'accepts'}")
+        event(
+            f"qtool {'rejects' if isinstance(result, BaseException) else 'accepts'}, reference {'rejects' if reference is None else 'accepts'}"
+        )
         if reference is not None and "written twice" not in what:
             # the reference accepts it, so qtool must too, and read the same thing
             assert not isinstance(result, BaseException), f"reference accepts, qtool says: {result}"
@@ -566,7 +624,8 @@ def test_huge_integer_literal_is_a_checkpoint_error(workdir, where):
     "header",
     [
         '{"a":{"dtype":"U8","shape":[1],"data\\u005foffsets":[0,1]},"a":{%s}}' % _ENTRY,
-        '{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"\\u0061":{%s}}' % _ENTRY.replace("data_offsets", "data\\u005foffsets"),
+        '{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"\\u0061":{%s}}'
+        % _ENTRY.replace("data_offsets", "data\\u005foffsets"),
         '{"a":5,"a":{%s}}' % _ENTRY,
         '{"a":{},"a":{%s}}' % _ENTRY,
     ],

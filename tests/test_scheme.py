@@ -98,9 +98,16 @@ def test_impossible_schemes_say_what_is_allowed(kwargs, says):
 
 
 def test_scale_spellings_fold_into_one_family():
-    kinds = {spelling: QScheme(qtype("fp4_e2m1"), group(32), scale_dtype=spelling).scale_kind for spelling in ("E8M0", "F8_E8M0", "e8m0")}
+    kinds = {
+        spelling: QScheme(qtype("fp4_e2m1"), group(32), scale_dtype=spelling).scale_kind
+        for spelling in ("E8M0", "F8_E8M0", "e8m0")
+    }
     assert set(kinds.values()) == {"e8m0"}
-    assert QScheme(qtype("fp4_e2m1"), group(16), scale_dtype="UE4M3").scale_kind == QScheme(qtype("fp4_e2m1"), group(16), scale_dtype="F8_E4M3").scale_kind == "e4m3"
+    assert (
+        QScheme(qtype("fp4_e2m1"), group(16), scale_dtype="UE4M3").scale_kind
+        == QScheme(qtype("fp4_e2m1"), group(16), scale_dtype="F8_E4M3").scale_kind
+        == "e4m3"
+    )
     assert QScheme(qtype("int4"), group(128), scale_dtype="auto").scale_kind == "auto"
     assert QScheme(qtype("int4"), group(128), scale_dtype="BF16").scale_kind == "float"
 
@@ -123,7 +130,12 @@ def test_infer_block_size_recovers_power_of_two_blocks(dim, size):
     assert unhinted is not None and math.ceil(dim / unhinted) == count
 
 
-@given(rows=st.integers(1, 600), cols=st.integers(1, 600), bh=st.sampled_from([1, 64, 128]), bw=st.sampled_from([16, 32, 128]))
+@given(
+    rows=st.integers(1, 600),
+    cols=st.integers(1, 600),
+    bh=st.sampled_from([1, 64, 128]),
+    bw=st.sampled_from([16, 32, 128]),
+)
 def test_block_from_scale_round_trips_the_scale_grid(rows, cols, bh, bw):
     grid = (math.ceil(rows / bh), math.ceil(cols / bw))
     block = block_from_scale((rows, cols), grid, hint=(bh, bw))

@@ -24,7 +24,14 @@ TIMEOUT = 120  # a hang is a timeout; the refusals take seconds (the imports)
 def run_qtool(*args) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "QTOOL_DEBUG"}
     try:
-        return subprocess.run([sys.executable, "-m", "qtool", *map(str, args)], capture_output=True, text=True, env=env, cwd=REPO, timeout=TIMEOUT)
+        return subprocess.run(
+            [sys.executable, "-m", "qtool", *map(str, args)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=REPO,
+            timeout=TIMEOUT,
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"qtool {' '.join(map(str, args))} hung for {TIMEOUT} s")
 
@@ -59,7 +66,9 @@ def test_a_special_file_in_a_calibration_folder_is_refused_at_once(tmp_path, mak
     (folder / "0.txt").write_text(TEXT)
     make(folder / "a.txt")
     out = tmp_path / "out"
-    result = run_qtool("quantize", TINY, "-o", out, "--calibrate", folder, "--samples", "4", "--seq-len", "32", "--threads", "1")
+    result = run_qtool(
+        "quantize", TINY, "-o", out, "--calibrate", folder, "--samples", "4", "--seq-len", "32", "--threads", "1"
+    )
     one_error(result, "a.txt", "not a regular file")
     assert not out.exists()
 
@@ -141,7 +150,12 @@ def test_the_revision_is_read_before_the_output_is_committed(tmp_path, monkeypat
 
     monkeypatch.setattr(revision, "_read", spy)
     document = qtool.quantize(model, out, "W8A16").to_json()  # no report: the document is made after the run
-    assert document["models"]["input"]["revision"] == {"source": "git", "repo": None, "commit": commit, "ref": "refs/heads/main"}
+    assert document["models"]["input"]["revision"] == {
+        "source": "git",
+        "repo": None,
+        "commit": commit,
+        "ref": "refs/heads/main",
+    }
     assert seen and not any(seen), "the revision was read after the output was committed"
 
 
@@ -165,4 +179,3 @@ def test_a_fifo_among_the_ref_files_leaves_the_revision_unknown(tmp_path, fifo):
 def test_a_fifo_named_as_the_checkpoint_is_refused_at_once(tmp_path, name):
     path = _fifo(tmp_path / name)
     one_error(run_qtool("inspect", path), name, "not a regular file")
-

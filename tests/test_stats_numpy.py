@@ -83,5 +83,10 @@ def test_stats_and_no_nan_import_no_torch(command, sample):
         "try:\n    main()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
-    result = subprocess.run([sys.executable, "-c", code, command[0], str(SAMPLES / sample), *command[1:]], capture_output=True, text=True, cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, "-c", code, command[0], str(SAMPLES / sample), *command[1:]],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr[-2000:]

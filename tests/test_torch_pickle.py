@@ -97,7 +97,11 @@ def loaded(path, key=None) -> dict[str, torch.Tensor]:
 
 
 def test_every_tensor_reads_back_the_values_torch_load_gives():
-    for path, key in ((FIXTURES / "native.pt", "state_dict"), (FIXTURES / "dynamic.pth", "model"), (FIXTURES / "hf" / "pytorch_model.bin", None)):
+    for path, key in (
+        (FIXTURES / "native.pt", "state_dict"),
+        (FIXTURES / "dynamic.pth", "model"),
+        (FIXTURES / "hf" / "pytorch_model.bin", None),
+    ):
         checkpoint = qtool.open_checkpoint(path)
         assert isinstance(checkpoint, TorchCheckpoint)
         reference = loaded(path, key)
@@ -108,7 +112,10 @@ def test_every_tensor_reads_back_the_values_torch_load_gives():
                 live = live.to(stored.dtype.torch_dtype())
             expected = live.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
             assert bytes(checkpoint.read_bytes(stored)) == expected, stored.name
-            assert torch.equal(checkpoint.load(stored).reshape(-1).view(torch.uint8), torch.frombuffer(bytearray(expected), dtype=torch.uint8))
+            assert torch.equal(
+                checkpoint.load(stored).reshape(-1).view(torch.uint8),
+                torch.frombuffer(bytearray(expected), dtype=torch.uint8),
+            )
             if stored.in_file:  # the range is the archive's own bytes
                 with open(path, "rb") as handle:
                     handle.seek(stored.begin)
@@ -309,6 +316,7 @@ def test_a_folder_of_unrelated_pickles_asks_which(tmp_path):
 
 
 # -- qtool dequantize ---------------------------------------------------------------------------------
+
 
 def test_dequantize_writes_pytorchs_values(tmp_path):
     qtool.dequantize(FIXTURES / "native.pt", tmp_path / "out.safetensors", dtype="f32")

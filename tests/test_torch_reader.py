@@ -68,7 +68,10 @@ def assert_reads_as_torch_does(path: Path, key: str | None = None) -> TorchCheck
         assert stored.shape == tuple(expected.shape), name
         got = checkpoint.load(stored)
         assert got.dtype == expected.dtype and torch.equal(got, expected), name
-        assert bytes(checkpoint.read_bytes(stored)) == expected.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), name
+        assert (
+            bytes(checkpoint.read_bytes(stored))
+            == expected.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        ), name
         if stored.in_file:
             with open(path, "rb") as handle:
                 handle.seek(stored.begin)
@@ -189,7 +192,10 @@ def test_a_truncated_legacy_file_is_refused(tmp_path):
 
 
 def test_a_zero_byte_zero_point_record_is_refused_before_any_read():
-    exit_2(BAD / "zero_byte_zero_point.pt", "storage '6' is declared as 8 int64 elements (64 bytes), but its record holds 0 bytes")
+    exit_2(
+        BAD / "zero_byte_zero_point.pt",
+        "storage '6' is declared as 8 int64 elements (64 bytes), but its record holds 0 bytes",
+    )
 
 
 def test_a_record_too_small_for_its_view_is_refused(tmp_path):
@@ -198,7 +204,10 @@ def test_a_record_too_small_for_its_view_is_refused(tmp_path):
         pickle = archive.read("archive/data.pkl")
     pickle = pickle.replace(b"K\x00K\x04\x85K\x01\x85", b"K\x00K\x02K\x03\x86K\x03K\x01\x86", 1)
     write_zip(tmp_path / "short.pt", {"archive/data.pkl": pickle, "archive/data/0": struct.pack("<4f", 1, 2, 3, 4)})
-    exit_2(tmp_path / "short.pt", "tensor 'weight' (float32 [2, 3], offset 0, strides [3, 1]) needs 24 bytes of storage '0', which holds 16")
+    exit_2(
+        tmp_path / "short.pt",
+        "tensor 'weight' (float32 [2, 3], offset 0, strides [3, 1]) needs 24 bytes of storage '0', which holds 16",
+    )
 
 
 def test_a_bit_flipped_torchao_pickle_reads_or_fails_in_one_line():
@@ -240,10 +249,38 @@ def write_zip(path: Path, members: dict[str, bytes], raw: dict[str, tuple[bytes,
     for name, method, data, size, crc in entries:
         encoded = name.encode()
         offset = len(out)
-        out += struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 20, 0, method, 0, 0, crc, len(data), size, len(encoded), 0) + encoded + data
-        central += struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 20, 20, 0, method, 0, 0, crc, len(data), size, len(encoded), 0, 0, 0, 0, 0, offset) + encoded
+        out += (
+            struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 20, 0, method, 0, 0, crc, len(data), size, len(encoded), 0)
+            + encoded
+            + data
+        )
+        central += (
+            struct.pack(
+                "<4sHHHHHHIIIHHHHHII",
+                b"PK\x01\x02",
+                20,
+                20,
+                0,
+                method,
+                0,
+                0,
+                crc,
+                len(data),
+                size,
+                len(encoded),
+                0,
+                0,
+                0,
+                0,
+                0,
+                offset,
+            )
+            + encoded
+        )
     cd_offset = len(out)
-    out += central + struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, len(entries), len(entries), len(central), cd_offset, 0)
+    out += central + struct.pack(
+        "<4sHHHHIIH", b"PK\x05\x06", 0, 0, len(entries), len(entries), len(central), cd_offset, 0
+    )
     path.write_bytes(bytes(out))
 
 
@@ -326,7 +363,19 @@ def test_every_single_byte_change_is_data_or_a_pickle_error():
 
 
 OPCODES = b"(.012FIJKLMNPQRSTUVXabcdeghijlopqrstu}])G\x80\x81\x85\x86\x87\x88\x89\x8a\x8b\x8c\x8d\x8e\x8f\x90\x91\x92\x93\x94\x95\x96BC"
-_ARGS = st.one_of(st.binary(max_size=6), st.sampled_from([b"torch\nFloatStorage\n", b"collections\nOrderedDict\n", b"torch._utils\n_rebuild_tensor_v2\n", b"0\n", b"\x01\x00\x00\x00", b"\xff\xff\xff\x7f"]))
+_ARGS = st.one_of(
+    st.binary(max_size=6),
+    st.sampled_from(
+        [
+            b"torch\nFloatStorage\n",
+            b"collections\nOrderedDict\n",
+            b"torch._utils\n_rebuild_tensor_v2\n",
+            b"0\n",
+            b"\x01\x00\x00\x00",
+            b"\xff\xff\xff\x7f",
+        ]
+    ),
+)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -409,7 +458,12 @@ def test_a_big_endian_archive_reads_the_values_torch_does(tmp_path):
     """byteorder "big" (torch.save on a big-endian machine): every tensor is gathered and
     byte-swapped, and matches what torch.load makes of the same file."""
     base = torch.arange(12, dtype=torch.float32).reshape(3, 4) / 7
-    state = {"a": base, "b": torch.linspace(-2, 2, 5).to(torch.bfloat16), "c": base.t(), "d": torch.arange(6, dtype=torch.int64) * 1000003}
+    state = {
+        "a": base,
+        "b": torch.linspace(-2, 2, 5).to(torch.bfloat16),
+        "c": base.t(),
+        "d": torch.arange(6, dtype=torch.int64) * 1000003,
+    }
     source = tmp_path / "little.pt"
     torch.save(state, source)
     widths = {"0": 4, "1": 2, "2": 8}  # storages in order of first use: a (and c), b, d
@@ -488,7 +542,9 @@ def test_many_dtypes_and_views_read_as_torch_load_reads_them(tmp_path, legacy, p
         tensors = {k: v for k, v in tensors.items() if k not in ("u16", "e4m3", "e5m2")}
     torch.save(tensors, path, _use_new_zipfile_serialization=not legacy, pickle_protocol=protocol)
     checkpoint = qtool.open_checkpoint(path)
-    state = torch.load(path, weights_only=protocol == 2)  # torch's weights-only unpickler has no FRAME (protocol 4); our own file
+    state = torch.load(
+        path, weights_only=protocol == 2
+    )  # torch's weights-only unpickler has no FRAME (protocol 4); our own file
     reference = flatten(state)
     reference.update({f"list.{i}": t for i, t in enumerate(state["list"])})
     assert set(checkpoint.tensors) == set(reference)
@@ -502,7 +558,9 @@ def test_many_dtypes_and_views_read_as_torch_load_reads_them(tmp_path, legacy, p
 def test_a_legacy_file_saved_from_a_gpu_reads_on_the_cpu(tmp_path):
     """Before 1.6, CUDA tensors were pickled with torch.cuda.<Name>Storage and location "cuda:0"."""
     data = (LEGACY / "simple_legacy.pt").read_bytes()
-    gpu = data.replace(b"ctorch\nFloatStorage\n", b"ctorch.cuda\nFloatStorage\n").replace(b"X\x03\x00\x00\x00cpu", b"X\x06\x00\x00\x00cuda:0")
+    gpu = data.replace(b"ctorch\nFloatStorage\n", b"ctorch.cuda\nFloatStorage\n").replace(
+        b"X\x03\x00\x00\x00cpu", b"X\x06\x00\x00\x00cuda:0"
+    )
     assert gpu != data
     (tmp_path / "gpu.pt").write_bytes(gpu)
     expected = torch.load(LEGACY / "simple_legacy.pt", weights_only=True)

@@ -56,7 +56,10 @@ def decode_all(path) -> dict[str, torch.Tensor]:
     return {w.name: decoder_for(w).decode(inspection.checkpoint, w, "cpu") for w in inspection.weights if w.quantized}
 
 
-CONTAINERS = [pytest.param("model.safetensors", id="safetensors"), pytest.param("model.pt", id="pickle", marks=needs_torchao)]
+CONTAINERS = [
+    pytest.param("model.safetensors", id="safetensors"),
+    pytest.param("model.pt", id="pickle", marks=needs_torchao),
+]
 
 
 @pytest.mark.parametrize("fixture", CONTAINERS)
@@ -84,7 +87,10 @@ def test_decoding_matches_torchao_bit_for_bit(fixture):
         assert out.dtype == torch.bfloat16 and out.shape == expected[name].shape
         assert torch.equal(float_bits(out), float_bits(expected[name])), name
     # Int4Tensor's reference is mslk's formula; it stays within half a step of the original
-    step = (expected["int4.original"].float().reshape(32, 2, 32).amax(-1) - expected["int4.original"].float().reshape(32, 2, 32).amin(-1)) / 15
+    step = (
+        expected["int4.original"].float().reshape(32, 2, 32).amax(-1)
+        - expected["int4.original"].float().reshape(32, 2, 32).amin(-1)
+    ) / 15
     error = (expected["int4.weight"].float() - expected["int4.original"].float()).abs().reshape(32, 2, 32)
     assert bool((error <= step.unsqueeze(-1) * 0.5 + 0.02).all())
 
@@ -117,13 +123,22 @@ def test_live_torchao_round_trip(tmp_path, kind, dtype):
 
     logging.getLogger("torchao").setLevel(logging.ERROR)
     from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
-    from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig, MappingType, PerGroup, quantize_
+    from torchao.quantization import (
+        Float8WeightOnlyConfig,
+        Int8WeightOnlyConfig,
+        IntxWeightOnlyConfig,
+        MappingType,
+        PerGroup,
+        quantize_,
+    )
 
     configs = {
         "int8": Int8WeightOnlyConfig(),
         "fp8": Float8WeightOnlyConfig(),
         "intx4": IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(16)),
-        "intx2_asym": IntxWeightOnlyConfig(weight_dtype=torch.int2, granularity=PerGroup(16), mapping_type=MappingType.ASYMMETRIC),
+        "intx2_asym": IntxWeightOnlyConfig(
+            weight_dtype=torch.int2, granularity=PerGroup(16), mapping_type=MappingType.ASYMMETRIC
+        ),
     }
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(48, 24)).to(dtype)
@@ -163,7 +178,9 @@ def test_without_torchao_the_pickle_reads_and_imports_nothing(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(REPO)])}
     env.pop("QTOOL_DEBUG", None)
     code = "import sys, json, qtool\nprint(json.dumps({w.name: w.scheme.label for w in qtool.inspect(sys.argv[1]).weights if w.scheme}), 'torch' in sys.modules)"
-    done = subprocess.run([sys.executable, "-c", code, str(FIXTURES / "model.pt")], capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(FIXTURES / "model.pt")], capture_output=True, text=True, env=env, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     labels, torch_imported = done.stdout.rsplit(" ", 1)
     assert json.loads(labels) == {name: label for name, (label, _, _) in EXPECTED.items()}
@@ -180,7 +197,11 @@ def test_qdata_without_torchao_metadata_stays_plain(make_safetensors):
 
 
 def test_a_block_size_the_scale_contradicts_is_read_as_the_scale_shows(tmp_path):
-    info = {"_type": "Int8Tensor", "_data": {"block_size": [1, 8], "dtype": {"_type": "torch.dtype", "_data": "float32"}}, "_tensor_data_names": ["qdata", "scale"]}
+    info = {
+        "_type": "Int8Tensor",
+        "_data": {"block_size": [1, 8], "dtype": {"_type": "torch.dtype", "_data": "float32"}},
+        "_tensor_data_names": ["qdata", "scale"],
+    }
     path = write_safetensors(
         tmp_path / "model.safetensors",
         {"0._weight_qdata": ("I8", [4, 8]), "0._weight_scale": ("F32", [4, 2])},
@@ -274,10 +295,20 @@ def test_a_hostile_torchao_pickle_is_refused_without_importing_torch(tmp_path, c
     path = hostile_torchao_pickle(tmp_path / "model.pt", replacement)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("QTOOL_DEBUG", None)
-    done = subprocess.run([sys.executable, "-c", _REFUSE_AND_REPORT, str(path)], capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
+    done = subprocess.run(
+        [sys.executable, "-c", _REFUSE_AND_REPORT, str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=REPO,
+    )
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
-    assert lines[0] == f"error: {path}: refused: the pickle calls {named}, which is not tensor data; qtool never runs code from a checkpoint", lines
+    assert (
+        lines[0]
+        == f"error: {path}: refused: the pickle calls {named}, which is not tensor data; qtool never runs code from a checkpoint"
+    ), lines
     assert all(line.startswith("hint:") for line in lines[1:]), lines
     torch_imported, torchao_imported, seconds = done.stdout.split()
     assert (torch_imported, torchao_imported) == ("False", "False"), "refusing the pickle imported torch or torchao"
@@ -288,11 +319,15 @@ def test_python_m_qtool_refuses_a_hostile_torchao_pickle_in_one_line(tmp_path):
     path = hostile_torchao_pickle(tmp_path / "model.pt", HOSTILE_GLOBALS["flipped-class"][0])
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("QTOOL_DEBUG", None)
-    done = subprocess.run([sys.executable, "-m", "qtool", "inspect", str(path)], capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "qtool", "inspect", str(path)], capture_output=True, text=True, env=env, timeout=120
+    )
     assert done.returncode == 2, done.stderr
     assert done.stdout == ""
     errors = [line for line in done.stderr.splitlines() if not line.startswith("hint:")]
-    assert errors == [f"error: {path}: refused: the pickle calls torchao.quantization.Int8Tensoq, which is not tensor data; qtool never runs code from a checkpoint"]
+    assert errors == [
+        f"error: {path}: refused: the pickle calls torchao.quantization.Int8Tensoq, which is not tensor data; qtool never runs code from a checkpoint"
+    ]
 
 
 # -- the table of torchao's classes ----------------------------------------------------------------
@@ -326,7 +361,10 @@ def test_the_torchao_table_matches_the_installed_torchao():
     exported = {
         (value.__module__, value.__qualname__)
         for value in vars(quantization).values()
-        if isinstance(value, type) and issubclass(value, torch.Tensor) and value.__module__.startswith("torchao") and value.__name__ != "TorchAOBaseTensor"
+        if isinstance(value, type)
+        and issubclass(value, torch.Tensor)
+        and value.__module__.startswith("torchao")
+        and value.__name__ != "TorchAOBaseTensor"
     }
     assert exported <= {key for key, row in TORCHAO_CLASSES.items() if row.kind == TENSOR}, exported
 
@@ -353,4 +391,7 @@ def test_an_enum_value_torchao_does_not_have_is_a_malformed_pickle(tmp_path):
             out.writestr(info, data)
     result = runner.invoke(app, ["inspect", str(path)])
     assert result.exit_code == 2, result.output
-    assert result.stderr.splitlines()[0] == f"error: {path}: has a malformed pickle: torchao.quantization.quantize_.common.kernel_preference.KernelPreference has no member 'autx'"
+    assert (
+        result.stderr.splitlines()[0]
+        == f"error: {path}: has a malformed pickle: torchao.quantization.quantize_.common.kernel_preference.KernelPreference has no member 'autx'"
+    )

@@ -67,7 +67,9 @@ def test_each_linear_is_quantized_on_the_inputs_its_quantized_predecessors_give(
         after_a = [x @ a.T for x in inputs]
         after_b = [after_a[i] @ b.T if i in routed else after_a[i] for i in range(4)]
         torch.testing.assert_close(torch.cat(seen[0][1]), inputs)  # a: the layer's inputs
-        torch.testing.assert_close(torch.cat(seen[1][1]), torch.stack([after_a[i] for i in routed]))  # b: the routed samples only, through a as quantized
+        torch.testing.assert_close(
+            torch.cat(seen[1][1]), torch.stack([after_a[i] for i in routed])
+        )  # b: the routed samples only, through a as quantized
         torch.testing.assert_close(torch.cat(seen[2][1]), torch.stack(after_b))  # c: through a and b as quantized
         torch.testing.assert_close(hidden, torch.stack([x @ c.T for x in after_b]))  # the outputs over the inputs
 
@@ -216,7 +218,9 @@ def test_a_linear_on_the_input_of_the_one_before_is_quantized_with_it_without_wa
     follower; b and c are quantized together on the one set of inputs, and no pass waits at c."""
     toy, hidden = Fork(), samples()
     expected_toy = Fork()
-    assert true_sequential.order(toy, hidden, {}, linears(toy, "abcd"), torch.empty_like(hidden)) == true_sequential.Order(list("abcd"), frozenset("c"))
+    assert true_sequential.order(
+        toy, hidden, {}, linears(toy, "abcd"), torch.empty_like(hidden)
+    ) == true_sequential.Order(list("abcd"), frozenset("c"))
     groups, inputs = [], hidden.clone()
 
     def quantize(names, xs):
@@ -232,10 +236,15 @@ def test_a_linear_on_the_input_of_the_one_before_is_quantized_with_it_without_wa
         torch.testing.assert_close(hidden, torch.stack([expected_toy(x.unsqueeze(0))[0][0] for x in inputs]))
 
 
-@pytest.mark.parametrize("toy, message", [(Fork(apart=True), "called c where c was to follow b"), (Fork(skip=True), "called d where c was to follow b")])
+@pytest.mark.parametrize(
+    "toy, message",
+    [(Fork(apart=True), "called c where c was to follow b"), (Fork(skip=True), "called d where c was to follow b")],
+)
 def test_a_follower_called_on_another_input_or_not_at_all_is_refused(toy, message):
     """Found on one sample, broken by another: c was quantized on b's inputs, which it did not read."""
-    assert true_sequential.order(toy, samples()[2:3], {}, linears(toy, "abcd"), torch.empty(1, 3, 4)).followers == (frozenset() if toy.apart else frozenset("c"))
+    assert true_sequential.order(toy, samples()[2:3], {}, linears(toy, "abcd"), torch.empty(1, 3, 4)).followers == (
+        frozenset() if toy.apart else frozenset("c")
+    )
     with pytest.raises(true_sequential.OutOfOrder, match=message):
         true_sequential.run(toy, samples(), {}, linears(toy, "abcd"), halve(toy, []), followers=frozenset("c"))
     assert not any(getattr(toy, name)._forward_pre_hooks for name in "abcd")

@@ -46,7 +46,11 @@ HARNESS = textwrap.dedent(
 
 def _run(victims: list, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", HARNESS, ",".join(str(v) for v in victims), *args], capture_output=True, text=True, cwd=REPO, timeout=300
+        [sys.executable, "-c", HARNESS, ",".join(str(v) for v in victims), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
     )
 
 
@@ -84,5 +88,7 @@ def test_dequantize_of_a_truncated_input(tmp_path):
     [weights] = list(model.glob("*.safetensors"))
     result = _run([weights], "dequantize", str(model), "-o", str(tmp_path / "out.safetensors"), "-q")
     assert result.returncode == 2, (result.returncode, result.stderr)
-    assert "is cut short" in result.stderr.splitlines()[0] or "changed while it was read" in result.stderr.splitlines()[0]
+    assert (
+        "is cut short" in result.stderr.splitlines()[0] or "changed while it was read" in result.stderr.splitlines()[0]
+    )
     assert not (tmp_path / "out.safetensors").exists()

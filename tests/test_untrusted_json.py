@@ -68,7 +68,11 @@ def test_integer_size_is_limited(digits, negative):
 def test_floats_nan_and_infinity():
     assert math.isnan(parse_json("NaN", "x.json"))
     assert parse_json("[Infinity, -Infinity, 1.5e300]", "x.json") == [math.inf, -math.inf, 1.5e300]
-    for text, why in (("1e400", "overflows a double"), ("-1e400", "overflows a double"), ("0." + "1" * 200, "number literal of 202")):
+    for text, why in (
+        ("1e400", "overflows a double"),
+        ("-1e400", "overflows a double"),
+        ("0." + "1" * 200, "number literal of 202"),
+    ):
         with pytest.raises(CheckpointError, match=why):
             parse_json(text, "x.json")
 
@@ -78,7 +82,9 @@ def test_size_and_encoding():
         parse_json(b'"123456789"', "x.json", max_bytes=10)
     with pytest.raises(CheckpointError, match=r"^x.json: is not UTF-8 \(byte 1\)$"):
         parse_json(b'"\xff"', "x.json")
-    with pytest.raises(CheckpointError, match=r'^m.safetensors: __metadata__\["k"\] is not valid JSON at line 1 column 2$'):
+    with pytest.raises(
+        CheckpointError, match=r'^m.safetensors: __metadata__\["k"\] is not valid JSON at line 1 column 2$'
+    ):
         parse_json("{", "m.safetensors", where='__metadata__["k"]')
 
 
@@ -121,8 +127,18 @@ def test_any_bytes_parse_or_fail_with_one_line(raw):
 
 
 def test_specs_name_the_field_and_what_it_holds():
-    spec = Record({"n": Integer(min=1, max=8), "xs": ListOf(String(), length=2), "m": AnyOf(Record({"a": Boolean()}), Constant(False))})
-    assert spec.check({"n": 8, "xs": ["a", "b"], "m": False, "other": {}, "none": None}, "q") == {"n": 8, "xs": ["a", "b"], "m": False}
+    spec = Record(
+        {
+            "n": Integer(min=1, max=8),
+            "xs": ListOf(String(), length=2),
+            "m": AnyOf(Record({"a": Boolean()}), Constant(False)),
+        }
+    )
+    assert spec.check({"n": 8, "xs": ["a", "b"], "m": False, "other": {}, "none": None}, "q") == {
+        "n": 8,
+        "xs": ["a", "b"],
+        "m": False,
+    }
     assert spec.check({"n": None}, "q") == {}  # null reads as absent
     cases = {
         '{"n": true}': "q.n is true, expected an integer from 1 to 8",
@@ -200,7 +216,9 @@ def configs(draw):
         config["quant_method"] = method
     if draw(st.booleans()):
         weights = {k: draw(json_values) for k in draw(st.lists(st.sampled_from(FIELDS), max_size=4, unique=True))}
-        config["config_groups"] = {"g": {"targets": draw(st.sampled_from([["Linear"], ["re:.*"]]) | json_values), "weights": weights}}
+        config["config_groups"] = {
+            "g": {"targets": draw(st.sampled_from([["Linear"], ["re:.*"]]) | json_values), "weights": weights}
+        }
     return config
 
 
@@ -210,14 +228,24 @@ def base(tmp_path_factory):
 
 
 def with_json(base: Checkpoint, side_files: dict, metadata: dict) -> Checkpoint:
-    return Checkpoint(path=base.path, format="safetensors", files=base.files, tensors=base.tensors, metadata=metadata, side_files=side_files)
+    return Checkpoint(
+        path=base.path,
+        format="safetensors",
+        files=base.files,
+        tensors=base.tensors,
+        metadata=metadata,
+        side_files=side_files,
+    )
 
 
 @given(config=configs(), mlx=json_values, qmap=json_values, quantize_config=json_values)
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_conventions_given_random_configs_raise_only_checkpoint_errors(base, config, mlx, qmap, quantize_config):
     side_files = {
-        "config.json": {"quantization_config": config, "quantization": mlx if not isinstance(mlx, dict) else {"bits": 4, **mlx}},
+        "config.json": {
+            "quantization_config": config,
+            "quantization": mlx if not isinstance(mlx, dict) else {"bits": 4, **mlx},
+        },
         "quanto_qmap.json": qmap,
         "quantize_config.json": quantize_config,
     }
@@ -232,11 +260,21 @@ def maybe(good, bad=json_values):
 
 
 records = st.fixed_dictionaries(
-    {"_type": maybe("IntxUnpackedToInt8Tensor", st.sampled_from(["Int8Tensor", "Float8Tensor", "Int4Tensor"]) | json_values)},
+    {
+        "_type": maybe(
+            "IntxUnpackedToInt8Tensor", st.sampled_from(["Int8Tensor", "Float8Tensor", "Int4Tensor"]) | json_values
+        )
+    },
     optional={
         "_tensor_data_names": maybe(["qdata", "scale"]),
         "_data": st.fixed_dictionaries(
-            {}, optional={"shape": maybe([4, 8]), "block_size": maybe([1, 8]), "dtype": maybe("float32"), "target_dtype": maybe("int4")}
+            {},
+            optional={
+                "shape": maybe([4, 8]),
+                "block_size": maybe([1, 8]),
+                "dtype": maybe("float32"),
+                "target_dtype": maybe("int4"),
+            },
         )
         | json_values,
     },

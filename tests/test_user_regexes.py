@@ -21,12 +21,16 @@ DEADLINE = 60  # seconds; the bounded match is refused in about one
 
 
 def _qtool(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "qtool", *argv], capture_output=True, text=True, cwd=REPO, timeout=DEADLINE)
+    return subprocess.run(
+        [sys.executable, "-m", "qtool", *argv], capture_output=True, text=True, cwd=REPO, timeout=DEADLINE
+    )
 
 
 @pytest.fixture
 def evil_model(tmp_path):
-    return write_safetensors(tmp_path / "model.safetensors", {EVIL_NAME: ("F32", [8, 128]), "b.weight": ("F32", [8, 128])})
+    return write_safetensors(
+        tmp_path / "model.safetensors", {EVIL_NAME: ("F32", [8, 128]), "b.weight": ("F32", [8, 128])}
+    )
 
 
 def _refused(result: subprocess.CompletedProcess, pattern: str) -> None:
@@ -55,14 +59,34 @@ def test_the_library_refuses_a_match_past_the_bound():
 def test_the_issues_tensor_scheme_finishes(evil_model, tmp_path):
     """`.*(a+)+$` is what the issue ran: the regex module matches it at once, so it just works."""
     out = tmp_path / "out"
-    result = _qtool("quantize", str(evil_model), "-o", str(out), "--scheme", "W4A16", "--tensor-scheme", "re:.*(a+)+$=W8A16", "--dry-run")
+    result = _qtool(
+        "quantize",
+        str(evil_model),
+        "-o",
+        str(out),
+        "--scheme",
+        "W4A16",
+        "--tensor-scheme",
+        "re:.*(a+)+$=W8A16",
+        "--dry-run",
+    )
     assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.parametrize(
     "argv",
     [
-        ["quantize", "{model}", "-o", "{out}", "--scheme", "W4A16", "--tensor-scheme", "re:(a|aa)+$=W8A16", "--dry-run"],
+        [
+            "quantize",
+            "{model}",
+            "-o",
+            "{out}",
+            "--scheme",
+            "W4A16",
+            "--tensor-scheme",
+            "re:(a|aa)+$=W8A16",
+            "--dry-run",
+        ],
         ["quantize", "{model}", "-o", "{out}", "--scheme", "W4A16", "--ignore", "re:(a|aa)+$", "--dry-run"],
         ["inspect", "{model}", "-k", "re:(a|aa)+$"],
         ["check", "{model}", "--allow-plain", "re:(a|aa)+$"],
@@ -76,6 +100,11 @@ def test_every_option_that_takes_a_pattern_refuses_a_runaway_one(evil_model, tmp
 
 
 def test_help_says_patterns_are_bounded():
-    for command, flag in (("quantize", "--tensor-scheme"), ("inspect", "--filter"), ("check", "--allow-plain"), ("compare", "--map")):
+    for command, flag in (
+        ("quantize", "--tensor-scheme"),
+        ("inspect", "--filter"),
+        ("check", "--allow-plain"),
+        ("compare", "--map"),
+    ):
         text = " ".join(_qtool(command, "--help").stdout.replace("│", " ").split())
         assert "a regex match over 0.25 s on one name is refused" in text, (command, flag)

@@ -56,18 +56,11 @@ CASES = [  # (command, scheme or None, output name, the layout it writes)
 
 
 @pytest.mark.parametrize("command, scheme, name", CASES)
-def test_two_workers_write_the_bytes_and_report_of_one(
-    four_shards, tmp_path, command, scheme, name
-):
+def test_two_workers_write_the_bytes_and_report_of_one(four_shards, tmp_path, command, scheme, name):
     source = four_shards
     if command == "dequantize":  # a quantized 4-shard input, decoded
         source = tmp_path / "w4"
-        assert (
-            qtool(
-                "quantize", four_shards, "-o", source, "--scheme", "W4A16", "-q"
-            ).returncode
-            == 0
-        )
+        assert qtool("quantize", four_shards, "-o", source, "--scheme", "W4A16", "-q").returncode == 0
     extra = ["--scheme", scheme] if scheme else []
     one, two = tmp_path / "one" / name, tmp_path / "two" / name
     first = qtool(command, source, "-o", one, *extra, "--json", "-q")
@@ -94,29 +87,19 @@ def test_two_workers_write_the_bytes_and_report_of_one(
     assert execution["executor"] == "local" and execution["workers"] == 2
     assert execution["threads_per_worker"] == 1  # --threads 2 divided, not multiplied
     assert sum(s["bytes_out"] for s in execution["shards"]) <= sum(
-        os.path.getsize(p)
-        for p in ([two] if two.is_file() else two.glob("*.safetensors"))
+        os.path.getsize(p) for p in ([two] if two.is_file() else two.glob("*.safetensors"))
     )
     assert {s["attempts"] for s in execution["shards"]} == {1}
     assert len({s["worker"] for s in execution["shards"]}) >= 1
     if name.endswith(".gguf"):  # one output file, cut into parts written in place
-        assert len(execution["shards"]) >= 2 and all(
-            "part" in s["shard"] for s in execution["shards"]
-        )
+        assert len(execution["shards"]) >= 2 and all("part" in s["shard"] for s in execution["shards"])
     else:
         assert len(execution["shards"]) == 4
 
 
-def test_a_worker_killed_mid_job_is_retried_and_the_output_is_the_same(
-    slow_four_shards, tmp_path
-):
+def test_a_worker_killed_mid_job_is_retried_and_the_output_is_the_same(slow_four_shards, tmp_path):
     reference = tmp_path / "reference"
-    assert (
-        qtool(
-            "quantize", slow_four_shards, "-o", reference, "--scheme", "W4A16", "-q"
-        ).returncode
-        == 0
-    )
+    assert qtool("quantize", slow_four_shards, "-o", reference, "--scheme", "W4A16", "-q").returncode == 0
     (tmp_path / "spread").mkdir()
     out = tmp_path / "spread" / "out"
     process = start_qtool(
@@ -144,9 +127,7 @@ def test_a_worker_killed_mid_job_is_retried_and_the_output_is_the_same(
 
 
 @pytest.mark.parametrize("started_as", ["python -m qtool", "the console script"])
-def test_sigterm_to_the_driver_commits_nothing_and_leaves_no_worker(
-    slow_four_shards, tmp_path, started_as
-):
+def test_sigterm_to_the_driver_commits_nothing_and_leaves_no_worker(slow_four_shards, tmp_path, started_as):
     """One line for the one signal: the workers of a driver started as the console script
     (`qtool`, which they are told is their main module) once installed the command's handlers
     too, and each printed `error: terminated` when the driver stopped it (issue 42, item 10)."""
@@ -184,10 +165,7 @@ def test_sigterm_to_the_driver_commits_nothing_and_leaves_no_worker(
     assert not out.exists()
     assert staging_left(tmp_path / "spread") == []
     assert processes_writing(tmp_path / "spread") == []
-    assert (
-        not Path(f"/proc/{writer}").exists()
-        or Path(f"/proc/{writer}/status").read_text().find("State:\tZ") >= 0
-    )
+    assert not Path(f"/proc/{writer}").exists() or Path(f"/proc/{writer}/status").read_text().find("State:\tZ") >= 0
 
 
 _POOL_LEFT_BY_A_SIGNAL = """
@@ -238,9 +216,7 @@ def test_a_signalled_driver_leaves_no_semaphore_for_the_resource_tracker_to_repo
     assert result.stderr == ""
 
 
-def test_without_ray_the_ray_executor_is_one_line_naming_the_extra(
-    four_shards, tmp_path
-):
+def test_without_ray_the_ray_executor_is_one_line_naming_the_extra(four_shards, tmp_path):
     script = "import sys; sys.modules['ray'] = None; from qtool.cli import main; sys.argv[0] = 'qtool'; main()"
     import subprocess
     import sys
@@ -263,10 +239,7 @@ def test_without_ray_the_ray_executor_is_one_line_naming_the_extra(
         timeout=300,
     )
     assert result.returncode == 2
-    assert (
-        result.stderr.splitlines()[0]
-        == "error: --executor ray needs Ray, which is not installed"
-    )
+    assert result.stderr.splitlines()[0] == "error: --executor ray needs Ray, which is not installed"
     assert "qtool[ray]" in result.stderr
     assert not (tmp_path / "out").exists() and staging_left(tmp_path) == []
 
@@ -289,11 +262,7 @@ def test_workers_and_a_gpu_do_not_mix(four_shards, tmp_path):
 def test_a_qtool_error_crosses_processes_whole():
     from qtool.errors import CheckpointError, ShardJobError
 
-    error = pickle.loads(
-        pickle.dumps(
-            CheckpointError("cut short", path="/m/a.safetensors", hint="fix it")
-        )
-    )
+    error = pickle.loads(pickle.dumps(CheckpointError("cut short", path="/m/a.safetensors", hint="fix it")))
     assert (type(error), str(error), error.hint, error.path) == (
         CheckpointError,
         "/m/a.safetensors: cut short",
@@ -327,8 +296,12 @@ def test_the_driver_refuses_a_staged_range_that_does_not_hold_what_its_job_wrote
 
     staged = tmp_path / "staged.bin"
     staged.write_bytes(b"H" * 8 + b"a" * 100 + b"b" * 50)
-    job = ShardJob(0, "model.gguf (part 1 of 2)", str(staged), [], None, None, {"x": (8, 108), "y": (108, 158)}, ExecOptions())
-    result = ShardResult(0, {"x": (100, hashlib.sha256(b"a" * 100).hexdigest()), "y": (50, hashlib.sha256(b"b" * 50).hexdigest())})
+    job = ShardJob(
+        0, "model.gguf (part 1 of 2)", str(staged), [], None, None, {"x": (8, 108), "y": (108, 158)}, ExecOptions()
+    )
+    result = ShardResult(
+        0, {"x": (100, hashlib.sha256(b"a" * 100).hexdigest()), "y": (50, hashlib.sha256(b"b" * 50).hexdigest())}
+    )
     assert verify(job, result) is None
     with open(staged, "r+b") as handle:  # a late write of a lost attempt, a storage fault
         handle.seek(120)
@@ -358,9 +331,22 @@ def test_a_ray_address_that_does_not_answer_is_one_line_in_seconds(four_shards, 
     with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    result = qtool("quantize", four_shards, "-o", tmp_path / "out", "--executor", "ray", "--ray-address", f"127.0.0.1:{port}", timeout=120)
+    result = qtool(
+        "quantize",
+        four_shards,
+        "-o",
+        tmp_path / "out",
+        "--executor",
+        "ray",
+        "--ray-address",
+        f"127.0.0.1:{port}",
+        timeout=120,
+    )
     assert result.returncode == 2
-    assert result.stderr.splitlines()[0] == f"error: cannot connect to the Ray cluster at 127.0.0.1:{port}: Connection refused"
+    assert (
+        result.stderr.splitlines()[0]
+        == f"error: cannot connect to the Ray cluster at 127.0.0.1:{port}: Connection refused"
+    )
     assert not (tmp_path / "out").exists() and staging_left(tmp_path) == []
 
 
@@ -389,7 +375,11 @@ def test_the_progress_bar_counts_shard_jobs_beside_bytes(monkeypatch):
     with output.progress("quantizing", 300, count="shard jobs") as advance:
         for _ in range(3):
             advance(100)
-    assert descriptions == ["quantizing (1 shard jobs done)", "quantizing (2 shard jobs done)", "quantizing (3 shard jobs done)"]
+    assert descriptions == [
+        "quantizing (1 shard jobs done)",
+        "quantizing (2 shard jobs done)",
+        "quantizing (3 shard jobs done)",
+    ]
     descriptions.clear()
     with output.progress("quantizing", 300) as advance:
         advance(300)
@@ -413,7 +403,7 @@ def test_the_pool_is_capped_at_the_shard_jobs_and_at_memory(four_shards, tmp_pat
     assert tight.workers == 3 and tight.by_memory
     from qtool.cli.plans import _pool_warning
 
-    assert _pool_warning(tight).startswith(f"--workers 1000000: starting 3 worker processes: memory for 3 at about ")
+    assert _pool_warning(tight).startswith("--workers 1000000: starting 3 worker processes: memory for 3 at about ")
     assert _pool_warning(tight).endswith(f"available; {jobs} shard jobs)")
     assert worker_pool(plan, 10**6, available=1).workers == 1  # never none
     assert not worker_pool(plan, 2, available=1 << 50).capped  # nothing capped: nothing to say
@@ -442,7 +432,9 @@ def test_a_run_whose_output_folder_is_renamed_leaves_no_staged_file_where_it_wen
     commit (exit 2), and its staging, tracked by a descriptor of the folder it is in, is removed
     in the folder's new place, not looked for under the old name (242 MB were left there)."""
     (tmp_path / "spread").mkdir()
-    process = start_qtool("quantize", slow_four_shards, "-o", tmp_path / "spread" / "out", "--scheme", "W4A16", "--workers", "2", "-q")
+    process = start_qtool(
+        "quantize", slow_four_shards, "-o", tmp_path / "spread" / "out", "--scheme", "W4A16", "--workers", "2", "-q"
+    )
     wait_for_qtool_handlers(process)
     moved = tmp_path / "moved"
 

@@ -80,7 +80,9 @@ def test_an_output_onto_a_side_file_of_a_file_input_is_refused(tmp_path, model):
     assert (model / "config.json").read_bytes() == config
 
 
-@pytest.mark.parametrize("command, source", [("quantize", "model.safetensors"), ("dequantize", "model.safetensors"), ("quantize", ".")])
+@pytest.mark.parametrize(
+    "command, source", [("quantize", "model.safetensors"), ("dequantize", "model.safetensors"), ("quantize", ".")]
+)
 def test_an_output_that_holds_the_input_is_refused_even_with_overwrite(tmp_path, model, command, source):
     before = digest(model)
     result = run(command, model / source, "-o", model, "--overwrite", "-q")
@@ -94,7 +96,9 @@ def test_a_config_linking_out_of_the_model_is_never_published(tmp_path, model):
     (model / "config.json").symlink_to(tmp_path / "private.json")
     one_error_line(run("quantize", model, "-o", tmp_path / "out"), "config.json", "links out of the model folder")
     assert not (tmp_path / "out").exists()
-    one_error_line(run("dequantize", model, "-o", tmp_path / "out-folder"), "config.json", "links out of the model folder")
+    one_error_line(
+        run("dequantize", model, "-o", tmp_path / "out-folder"), "config.json", "links out of the model folder"
+    )
 
 
 def test_a_linked_config_does_not_stop_a_single_file_output(tmp_path, model):
@@ -104,9 +108,19 @@ def test_a_linked_config_does_not_stop_a_single_file_output(tmp_path, model):
     (shared / "config.json").write_bytes((model / "config.json").read_bytes())
     (model / "config.json").unlink()
     (model / "config.json").symlink_to(shared / "config.json")
-    result = subprocess.run([sys.executable, "-m", "qtool", "dequantize", str(model), "-o", str(tmp_path / "back.safetensors"), "-q"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "qtool", "dequantize", str(model), "-o", str(tmp_path / "back.safetensors"), "-q"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
-    assert (tmp_path / "back.safetensors").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["back.safetensors", "m", "shared"]
+    assert (tmp_path / "back.safetensors").is_file() and sorted(p.name for p in tmp_path.iterdir()) == [
+        "back.safetensors",
+        "m",
+        "shared",
+    ]
 
 
 def test_an_input_rewritten_in_place_with_its_mtime_restored_is_caught(tmp_path, model, monkeypatch):
@@ -159,12 +173,25 @@ def test_missing_parents_are_created_and_a_file_in_the_way_is_named(tmp_path, mo
 def _cli(*args, cwd: Path, **env) -> subprocess.CompletedProcess:
     environment = {**os.environ, "PYTHONPATH": str(REPO), **env}
     environment.pop("QTOOL_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "qtool", *map(str, args)], cwd=cwd, capture_output=True, text=True, env=environment)
+    return subprocess.run(
+        [sys.executable, "-m", "qtool", *map(str, args)], cwd=cwd, capture_output=True, text=True, env=environment
+    )
 
 
 def test_bare_file_names_from_the_models_folder(tmp_path, model):
     (model / "notes.txt").write_text("private notes")
-    done = _cli("quantize", "model.safetensors", "-o", tmp_path / "out", "--scheme", "int8", "--report", "report.json", "-q", cwd=model)
+    done = _cli(
+        "quantize",
+        "model.safetensors",
+        "-o",
+        tmp_path / "out",
+        "--scheme",
+        "int8",
+        "--report",
+        "report.json",
+        "-q",
+        cwd=model,
+    )
     assert done.returncode == 0, done.stderr
     # a file input carries config.json over to a folder output, and nothing else beside it
     assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
@@ -202,7 +229,12 @@ def test_links_inside_the_model_and_a_hugging_face_cache_repo_are_followed(tmp_p
     (snapshot / "notes.txt").write_text("not the model's")
     result = run("quantize", snapshot, "-o", tmp_path / "out", "-q")
     assert result.exit_code == 0, result.output
-    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(os.listdir(tmp_path / "out")) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
     assert not (tmp_path / "out" / "tokenizer.json").is_symlink()
 
 
@@ -239,10 +271,14 @@ def test_a_side_file_swapped_during_the_copy_is_never_published_nor_waited_on(tm
     (model / "vocab.json").write_text('{"a": 0}')
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     args = [model, tmp_path / "out", tmp_path / "outside.txt", how]
-    done = subprocess.run([sys.executable, "-c", SWAP_DURING_COPY, *map(str, args)], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", SWAP_DURING_COPY, *map(str, args)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2, done.stderr
     lines = done.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: {model}/vocab.json: side file changed while qtool ran"), done.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"error: {model}/vocab.json: side file changed while qtool ran"), (
+        done.stderr
+    )
     assert not (tmp_path / "out").exists()
     assert sorted(os.listdir(tmp_path)) == ["m", "outside.txt"]  # no staging folder left either
 
@@ -324,7 +360,9 @@ def test_outputs_follow_the_umask(tmp_path, scheme, out):
         "import os, sys; os.umask(0o027); from qtool.cli import main; "
         f"sys.argv = ['qtool', 'quantize', {str(TINY)!r}, '-o', {str(tmp_path / out)!r}, '--scheme', {scheme!r}, '-q']; main()"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
     assert done.returncode == 0, done.stderr
     target = tmp_path / out
     files = [target] if target.is_file() else [target, *target.iterdir()]

@@ -16,7 +16,8 @@ quantizes nothing and reports sums, not codes.)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from qtool.errors import UsageError
 
@@ -42,26 +43,35 @@ class RunnerOptions:
     true_sequential: bool = False  # GPTQ: each Linear on its quantized predecessors' outputs, one run a layer
 
 
-def _gptq(options: RunnerOptions, skeleton, schemes, by_name, result, on_statistics) -> "LayerStep":
+def _gptq(options: RunnerOptions, skeleton, schemes, by_name, result, on_statistics) -> LayerStep:
     from qtool.calibration.gptq_step import GptqStep
 
-    return GptqStep(schemes, by_name, result, dampening=options.dampening, block=options.block, actorder=options.actorder, true_sequential=options.true_sequential, on_statistics=on_statistics)
+    return GptqStep(
+        schemes,
+        by_name,
+        result,
+        dampening=options.dampening,
+        block=options.block,
+        actorder=options.actorder,
+        true_sequential=options.true_sequential,
+        on_statistics=on_statistics,
+    )
 
 
-def _awq(options: RunnerOptions, skeleton, schemes, by_name, result, on_statistics) -> "LayerStep":
+def _awq(options: RunnerOptions, skeleton, schemes, by_name, result, on_statistics) -> LayerStep:
     from qtool.calibration.awq_step import AwqStep
 
     return AwqStep(skeleton.config.model_type, schemes, by_name, result)
 
 
-def _rtn(options: RunnerOptions, skeleton, schemes, by_name, result, on_statistics) -> "LayerStep":
+def _rtn(options: RunnerOptions, skeleton, schemes, by_name, result, on_statistics) -> LayerStep:
     from qtool.calibration.awq_step import RtnStep
 
     return RtnStep(schemes, by_name, result)
 
 
 # each algorithm's step, made from (options, skeleton, schemes, weights by name, result, on_statistics)
-STEPS: dict[str, Callable[..., "LayerStep"]] = {"gptq": _gptq, "awq": _awq, "rtn": _rtn}
+STEPS: dict[str, Callable[..., LayerStep]] = {"gptq": _gptq, "awq": _awq, "rtn": _rtn}
 ALGORITHMS = tuple(STEPS)
 
 
@@ -73,12 +83,12 @@ def check_algorithm(algorithm: str) -> None:
 
 def layer_step(
     options: RunnerOptions,
-    skeleton: "Skeleton",
-    schemes: dict[str, "QScheme"],
-    by_name: dict[str, "Weight"],
-    result: "Calibration",
-    on_statistics: Callable[[int, str, "torch.Tensor"], None] | None = None,
-) -> "LayerStep":
+    skeleton: Skeleton,
+    schemes: dict[str, QScheme],
+    by_name: dict[str, Weight],
+    result: Calibration,
+    on_statistics: Callable[[int, str, torch.Tensor], None] | None = None,
+) -> LayerStep:
     """The step of `options.algorithm` that quantizes the weights of `schemes` (each checked:
     int2..int8 per channel or group) into `result`; `on_statistics(layer, weight, Hessian)`
     where the algorithm has Hessians (GPTQ; for tests)."""

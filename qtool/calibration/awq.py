@@ -40,7 +40,8 @@ that rounds with the least output error on the Linear's (smoothed) inputs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
 from qtool.errors import KernelError
 
@@ -49,7 +50,18 @@ if TYPE_CHECKING:
 
     from qtool.calibration.gptq import GptqResult
 
-__all__ = ["Mapping", "layer_mappings", "grid", "candidate_scales", "weight_means", "rtn", "fold", "search", "clip", "clipped"]
+__all__ = [
+    "Mapping",
+    "layer_mappings",
+    "grid",
+    "candidate_scales",
+    "weight_means",
+    "rtn",
+    "fold",
+    "search",
+    "clip",
+    "clipped",
+]
 
 N_GRID = 20  # llm-compressor's n_grid
 CLIP_GRID = 20  # llm-awq's auto_clip: n_grid ...
@@ -89,7 +101,10 @@ def layer_mappings(layer, model_type: str, quantized: Callable[[str], bool]) -> 
     if "self_attn.qkv_proj" in modules:
         candidates = [("input_layernorm", ("self_attn.qkv_proj",)), ("self_attn.qkv_proj", ("self_attn.o_proj",))]
     else:
-        candidates = [("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")), ("self_attn.v_proj", ("self_attn.o_proj",))]
+        candidates = [
+            ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+            ("self_attn.v_proj", ("self_attn.o_proj",)),
+        ]
     if model_type.startswith("gemma3"):
         candidates = candidates[1:]
     if "mlp.gate_up_proj" in modules:
@@ -98,7 +113,11 @@ def layer_mappings(layer, model_type: str, quantized: Callable[[str], bool]) -> 
         candidates += [(mlp_norm, ("mlp.gate_proj", "mlp.up_proj")), ("mlp.up_proj", ("mlp.down_proj",))]
     for name, module in modules.items():  # each unfused expert (qtool.calibration.experts): its up -> its down
         names = getattr(module, "names", None)
-        if isinstance(names, tuple) and len(names) == 3 and all(isinstance(module._modules.get(n), torch.nn.Linear) for n in names):
+        if (
+            isinstance(names, tuple)
+            and len(names) == 3
+            and all(isinstance(module._modules.get(n), torch.nn.Linear) for n in names)
+        ):
             candidates.append((f"{name}.{names[1]}", (f"{name}.{names[2]}",)))
     found = []
     for smooth, balance in candidates:
@@ -108,7 +127,9 @@ def layer_mappings(layer, model_type: str, quantized: Callable[[str], bool]) -> 
         if isinstance(smooth_module, torch.nn.Linear):
             width = modules[balance[0]].in_features
             fused = smooth.endswith("qkv_proj")
-            if (fused and smooth_module.out_features != 3 * width) or (not fused and smooth_module.out_features < width):
+            if (fused and smooth_module.out_features != 3 * width) or (
+                not fused and smooth_module.out_features < width
+            ):
                 continue  # grouped-query attention: v_proj's outputs are not o_proj's inputs
         elif getattr(smooth_module, "weight", None) is None or smooth_module.weight.dim() != 1:
             continue
@@ -123,7 +144,7 @@ def grid(points: int = N_GRID) -> list[tuple[float, bool]]:
     return [(0.0, False)] + [(index / (points - 2), True) for index in range(points - 1)]
 
 
-def weight_means(weights: list["torch.Tensor"], groups: list[int]) -> "torch.Tensor":
+def weight_means(weights: list[torch.Tensor], groups: list[int]) -> torch.Tensor:
     """[in] mean over the balance layers' rows of |W| normalized by each quantization group's
     max (a group of `in` columns: per channel)."""
     import torch
@@ -139,7 +160,7 @@ def weight_means(weights: list["torch.Tensor"], groups: list[int]) -> "torch.Ten
     return (total / rows).float()
 
 
-def candidate_scales(x_mean: "torch.Tensor", w_mean: "torch.Tensor", ratio: float, duo: bool) -> "torch.Tensor":
+def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor, ratio: float, duo: bool) -> torch.Tensor:
     import torch
 
     if duo:
@@ -151,7 +172,15 @@ def candidate_scales(x_mean: "torch.Tensor", w_mean: "torch.Tensor", ratio: floa
     return scales
 
 
-def rtn(weight: "torch.Tensor", *, bits: int, group_size: int | None, symmetric: bool, scale_dtype: "torch.dtype", observer: str = "minmax") -> "GptqResult":
+def rtn(
+    weight: torch.Tensor,
+    *,
+    bits: int,
+    group_size: int | None,
+    symmetric: bool,
+    scale_dtype: torch.dtype,
+    observer: str = "minmax",
+) -> GptqResult:
     """Round to nearest with min-max scales per group (or row), as compressed-tensors does:
     GPTQ's observer (`observer` "mse": its search) and rounding, without the error feedback."""
     import torch
@@ -180,7 +209,9 @@ def clipped(name: str) -> bool:
     return name.removesuffix(".weight").rpartition(".")[2] not in CLIP_SKIPPED
 
 
-def clip(weight: "torch.Tensor", hessian: "torch.Tensor", quantize: Callable[["torch.Tensor"], "torch.Tensor"], group: int) -> "torch.Tensor":
+def clip(
+    weight: torch.Tensor, hessian: torch.Tensor, quantize: Callable[[torch.Tensor], torch.Tensor], group: int
+) -> torch.Tensor:
     """`weight` [out, in] with each group clamped to +-r max|w| of that group, r on llm-awq's
     clipping grid (1, 0.95, ..., 0.55: `CLIP_GRID`, `CLIP_MAX_SHRINK`), the r whose rounding
     (`quantize`: the rounded values of a whole weight) gives the group's smallest output error
@@ -192,15 +223,21 @@ def clip(weight: "torch.Tensor", hessian: "torch.Tensor", quantize: Callable[["t
 
     rows, cols = weight.shape
     if cols % group or tuple(hessian.shape) != (cols, cols):
-        raise KernelError(f"awq: clipping {list(weight.shape)} in groups of {group} needs a hessian [{cols}, {cols}], got {list(hessian.shape)}")
+        raise KernelError(
+            f"awq: clipping {list(weight.shape)} in groups of {group} needs a hessian [{cols}, {cols}], got {list(hessian.shape)}"
+        )
     groups = cols // group
-    blocks = torch.stack([hessian[g * group : (g + 1) * group, g * group : (g + 1) * group] for g in range(groups)]).to(weight.dtype)
+    blocks = torch.stack([hessian[g * group : (g + 1) * group, g * group : (g + 1) * group] for g in range(groups)]).to(
+        weight.dtype
+    )
     grouped = weight.reshape(rows, groups, group)
     peak = grouped.abs().amax(dim=2, keepdim=True)
     best = best_error = None
     for step in range(int(CLIP_MAX_SHRINK * CLIP_GRID)):
         limit = peak * (1 - step / CLIP_GRID)
-        difference = (quantize(torch.clamp(grouped, -limit, limit).reshape(rows, cols)).reshape(rows, groups, group) - grouped).transpose(0, 1)
+        difference = (
+            quantize(torch.clamp(grouped, -limit, limit).reshape(rows, cols)).reshape(rows, groups, group) - grouped
+        ).transpose(0, 1)
         error = (torch.bmm(difference, blocks) * difference).sum(dim=2).T  # [rows, groups]
         if best is None:
             best, best_error = limit, error
@@ -225,7 +262,7 @@ def _is_offset_norm(module) -> bool:
     return bool(probe.abs().sum() > 0)
 
 
-def fold(smooth, balance: list, scales: "torch.Tensor") -> None:
+def fold(smooth, balance: list, scales: torch.Tensor) -> None:
     """W s into each balance Linear (its input channels), and 1/s into the smooth module's
     outputs: a norm's weight, or a Linear's last rows (and bias) where it feeds more rows than
     the balance layers take (Phi-3's fused qkv and gate_up)."""
@@ -250,7 +287,7 @@ def fold(smooth, balance: list, scales: "torch.Tensor") -> None:
 
 @dataclass
 class SearchResult:
-    scales: "torch.Tensor"
+    scales: torch.Tensor
     ratio: float
     duo: bool
     error: float  # the parent's output mean squared error with the chosen scales
@@ -261,13 +298,13 @@ def search(
     parent,
     inputs: list[tuple[tuple, dict[str, Any]]],
     balance: list,
-    quantizers: list[Callable[["torch.Tensor"], "torch.Tensor"]],
-    x_mean: "torch.Tensor",
+    quantizers: list[Callable[[torch.Tensor], torch.Tensor]],
+    x_mean: torch.Tensor,
     groups: list[int],
     points: int = N_GRID,
     *,
-    gram: "tuple[torch.Tensor, int] | None" = None,
-    reference: "list[torch.Tensor] | None" = None,
+    gram: tuple[torch.Tensor, int] | None = None,
+    reference: list[torch.Tensor] | None = None,
 ) -> SearchResult:
     """The grid's best scales for one mapping: `parent` run on each cached (args, kwargs) with
     every balance Linear's weight set to quantizer(W s) / s, against its float outputs, the
@@ -291,7 +328,7 @@ def search(
     points_ = grid(points)
     candidates = [candidate_scales(x_mean, w_mean, ratio, duo) for ratio, duo in points_]
 
-    def set_weights(scales: "torch.Tensor") -> None:
+    def set_weights(scales: torch.Tensor) -> None:
         for module, original, quantize in zip(balance, originals, quantizers):
             scaled = original * scales.to(original.dtype).unsqueeze(0)
             module.weight.data = quantize(scaled) / scales.to(original.dtype).unsqueeze(0)
@@ -328,7 +365,7 @@ RACE_SHARE = 8  # every grid point is first run on this share of the samples (at
 RACE_FINALISTS = 5  # ... and the best this many of them, with s = 1, on all of them
 
 
-def _raced_errors(parent, inputs, reference, set_weights, candidates) -> "list[float | None]":
+def _raced_errors(parent, inputs, reference, set_weights, candidates) -> list[float | None]:
     """Each grid point's mean squared error of the parent's outputs over the samples, or None for
     a point that did not reach the final: every point is run on the first 1/`RACE_SHARE` of the
     samples; the `RACE_FINALISTS` with the least error there, and point 0 (s = 1, the reported
@@ -344,7 +381,7 @@ def _raced_errors(parent, inputs, reference, set_weights, candidates) -> "list[f
     Point 0 is summed in full, then the others by increasing first-share error."""
     import torch
 
-    def outputs(index: int) -> "torch.Tensor":
+    def outputs(index: int) -> torch.Tensor:
         args, kwargs = inputs[index]
         with torch.no_grad():
             out = parent(*args, **kwargs)

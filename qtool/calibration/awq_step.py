@@ -35,11 +35,13 @@ __all__ = ["AwqStep", "RtnStep"]
 class AwqStep:
     """AWQ of the weights of `schemes` in a `model_type` model, one layer at a time, into `result`."""
 
-    def __init__(self, model_type: str, schemes: dict[str, "QScheme"], by_name: dict[str, "Weight"], result: "Calibration") -> None:
+    def __init__(
+        self, model_type: str, schemes: dict[str, QScheme], by_name: dict[str, Weight], result: Calibration
+    ) -> None:
         self.model_type, self.schemes, self.by_name, self.result = model_type, schemes, by_name, result
-        self.spare: "torch.Tensor | None" = None  # the buffer the float outputs go to
+        self.spare: torch.Tensor | None = None  # the buffer the float outputs go to
 
-    def layer(self, caught: "CaughtLayer") -> "LayerMade":
+    def layer(self, caught: CaughtLayer) -> LayerMade:
         import torch
 
         from qtool.calibration.layers import LayerMade, error_on_a_share
@@ -47,7 +49,18 @@ class AwqStep:
         linears = {name: module for name, module in caught.linears.items() if name in self.schemes}
         hidden = caught.hidden
         outputs = self.spare if self.spare is not None else torch.empty_like(hidden)
-        _awq_layer(self.model_type, caught.module, caught.prefix, linears, self.schemes, self.by_name, hidden, caught.kwargs, outputs, self.result)
+        _awq_layer(
+            self.model_type,
+            caught.module,
+            caught.prefix,
+            linears,
+            self.schemes,
+            self.by_name,
+            hidden,
+            caught.kwargs,
+            outputs,
+            self.result,
+        )
         error = error_on_a_share(caught.module, hidden, caught.kwargs, outputs)
         self.spare = hidden  # the float layer's outputs feed the next (AWQ as published)
         return LayerMade(outputs, sorted(linears), error)
@@ -59,11 +72,11 @@ class AwqStep:
 class RtnStep:
     """Round to nearest of the weights of `schemes`, one layer at a time, into `result`."""
 
-    def __init__(self, schemes: dict[str, "QScheme"], by_name: dict[str, "Weight"], result: "Calibration") -> None:
+    def __init__(self, schemes: dict[str, QScheme], by_name: dict[str, Weight], result: Calibration) -> None:
         self.schemes, self.by_name, self.result = schemes, by_name, result
-        self.reference: "torch.Tensor | None" = None  # the buffer the float outputs go to
+        self.reference: torch.Tensor | None = None  # the buffer the float outputs go to
 
-    def layer(self, caught: "CaughtLayer") -> "LayerMade":
+    def layer(self, caught: CaughtLayer) -> LayerMade:
         import torch
 
         from qtool.calibration.codes import round_to_nearest
@@ -84,7 +97,9 @@ class RtnStep:
         self.reference = None
 
 
-def _awq_layer(model_type: str, layer, prefix: str, linears, schemes, by_name, hidden, kwargs, outputs, result: "Calibration") -> None:
+def _awq_layer(
+    model_type: str, layer, prefix: str, linears, schemes, by_name, hidden, kwargs, outputs, result: Calibration
+) -> None:
     """AWQ of one decoder layer (of a `model_type` model): over the float layer's run (its
     outputs into `outputs`), the mean |x| of each mapping's inputs and its parent's inputs are
     kept; each mapping's scales are searched and folded in turn (the float function unchanged,
@@ -117,7 +132,7 @@ def _awq_layer(model_type: str, layer, prefix: str, linears, schemes, by_name, h
     gram_of = {name: shared.get(name, name) for name in to_clip | lone}
     inputs: dict[str, list] = {m.parent: [] for m in mappings if m.parent not in lone}
     grams: dict[str, list] = {source: [None, 0] for source in gram_of.values()}
-    input_scales: dict[str, "torch.Tensor"] = {}  # each smoothed balance Linear's s: its inputs are now x / s
+    input_scales: dict[str, torch.Tensor] = {}  # each smoothed balance Linear's s: its inputs are now x / s
     hooks = []
 
     def statistics(module, args, smooth):
@@ -141,15 +156,21 @@ def _awq_layer(model_type: str, layer, prefix: str, linears, schemes, by_name, h
         entry[1] += x.shape[0]
 
     for mapping in mappings:
-        hooks.append(modules[mapping.balance[0]].register_forward_pre_hook(functools.partial(statistics, smooth=mapping.smooth)))
+        hooks.append(
+            modules[mapping.balance[0]].register_forward_pre_hook(functools.partial(statistics, smooth=mapping.smooth))
+        )
     # the parents' float outputs: each mapping's search runs before any fold touches its parent
     # (the mappings' parents come in the layer's order, each folding only into its own
     # balance Linears and the module before them), so these are the outputs its search would
     # compute first
     references: dict[str, list] = {parent: [] for parent in inputs}
     for parent in inputs:
-        hooks.append(modules[parent].register_forward_pre_hook(functools.partial(keep, parent=parent), with_kwargs=True))
-        hooks.append(modules[parent].register_forward_hook(functools.partial(keep_output, parent=parent), with_kwargs=True))
+        hooks.append(
+            modules[parent].register_forward_pre_hook(functools.partial(keep, parent=parent), with_kwargs=True)
+        )
+        hooks.append(
+            modules[parent].register_forward_hook(functools.partial(keep_output, parent=parent), with_kwargs=True)
+        )
     for source in grams:
         hooks.append(modules[source].register_forward_pre_hook(functools.partial(gram, source=source)))
     try:
@@ -179,9 +200,19 @@ def _awq_layer(model_type: str, layer, prefix: str, linears, schemes, by_name, h
             groups.append(group_of(scheme) or module.in_features)
         if mapping.parent in lone:
             hessian, tokens = grams[gram_of[mapping.parent]][:2]
-            found = awq.search(modules[mapping.parent], [], balance, quantizers, total / count, groups, gram=(hessian, tokens))
+            found = awq.search(
+                modules[mapping.parent], [], balance, quantizers, total / count, groups, gram=(hessian, tokens)
+            )
         else:
-            found = awq.search(modules[mapping.parent], inputs[mapping.parent], balance, quantizers, total / count, groups, reference=references.pop(mapping.parent, None))
+            found = awq.search(
+                modules[mapping.parent],
+                inputs[mapping.parent],
+                balance,
+                quantizers,
+                total / count,
+                groups,
+                reference=references.pop(mapping.parent, None),
+            )
         awq.fold(modules[mapping.smooth], balance, found.scales)
         changed.add(mapping.smooth)
         for name in mapping.balance:
@@ -203,7 +234,11 @@ def _awq_layer(model_type: str, layer, prefix: str, linears, schemes, by_name, h
                 inverse = 1 / scales.to(hessian.dtype)
                 hessian = hessian * inverse.unsqueeze(0) * inverse.unsqueeze(1)
             rounded = rounding(schemes[name], by_name[name].dtype)
-            module.weight.data = awq.clip(module.weight.data, hessian, functools.partial(rtn_values, **rounded), group_of(schemes[name]) or module.in_features)
+            module.weight.data = awq.clip(
+                module.weight.data,
+                hessian,
+                functools.partial(rtn_values, **rounded),
+                group_of(schemes[name]) or module.in_features,
+            )
         round_to_nearest(name, module, schemes[name], by_name[name].dtype, result)
     grams.clear()
-

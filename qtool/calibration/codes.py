@@ -16,7 +16,17 @@ if TYPE_CHECKING:
 
     from qtool.scheme import QScheme
 
-__all__ = ["Calibration", "LayerResult", "check_scheme", "new_spill", "store", "round_to_nearest", "rounding", "group_of", "rtn_values"]
+__all__ = [
+    "Calibration",
+    "LayerResult",
+    "check_scheme",
+    "new_spill",
+    "store",
+    "round_to_nearest",
+    "rounding",
+    "group_of",
+    "rtn_values",
+]
 
 
 @dataclass
@@ -45,7 +55,7 @@ class Calibration:
     seed: int
     encoded: dict[str, dict[str, Any]] = field(default_factory=dict)
     # float tensors the calibration changed but does not quantize (AWQ's smoothed norms), float32 on the CPU
-    replaced: dict[str, "torch.Tensor"] = field(default_factory=dict)
+    replaced: dict[str, torch.Tensor] = field(default_factory=dict)
     layers: list[LayerResult] = field(default_factory=list)
     seconds: float = 0.0
     spill: Any = None  # qtool.calibration.spill.Spill: where `encoded`'s tensors wait, on disk; None: in memory
@@ -61,10 +71,13 @@ class Calibration:
         }
 
 
-def check_scheme(name: str, scheme: "QScheme") -> None:
+def check_scheme(name: str, scheme: QScheme) -> None:
     """GPTQ and AWQ here write int2..int8 per channel or per group."""
     if scheme.qtype.kind != "int" or not 2 <= scheme.qtype.bits <= 8 or scheme.granularity not in ("channel", "group"):
-        raise SchemeError(f"GPTQ and AWQ calibrate int2..int8 per channel or per group, not {scheme.label} ({name})", hint="use e.g. W4A16, int4:g64:asym or int8:channel")
+        raise SchemeError(
+            f"GPTQ and AWQ calibrate int2..int8 per channel or per group, not {scheme.label} ({name})",
+            hint="use e.g. W4A16, int4:g64:asym or int8:channel",
+        )
 
 
 def new_spill():
@@ -77,14 +90,14 @@ def new_spill():
         return None
 
 
-def _scale_dtype(scheme: "QScheme", dtype: str):
+def _scale_dtype(scheme: QScheme, dtype: str):
     from qtool.dtypes import storage_dtype
     from qtool.layouts.compressed_tensors import scale_storage
 
     return storage_dtype(scale_storage(scheme, dtype)).torch_dtype()
 
 
-def store(name: str, module, codes, scheme: "QScheme", dtype: str, result: Calibration) -> None:
+def store(name: str, module, codes, scheme: QScheme, dtype: str, result: Calibration) -> None:
     """The codes into the layer (the next layer sees the quantized outputs) and the layout's tensors."""
     from qtool.layouts.compressed_tensors import pack_int_codes
 
@@ -99,19 +112,19 @@ def store(name: str, module, codes, scheme: "QScheme", dtype: str, result: Calib
     result.encoded[name] = {k: v.cpu() for k, v in packed.items()}
 
 
-def round_to_nearest(name: str, module, scheme: "QScheme", dtype: str, result: Calibration) -> None:
+def round_to_nearest(name: str, module, scheme: QScheme, dtype: str, result: Calibration) -> None:
     """The weight rounded to nearest (`awq.rtn`), stored as `store` stores codes."""
     from qtool.calibration import awq
 
     store(name, module, awq.rtn(module.weight.data, **rounding(scheme, dtype)), scheme, dtype, result)
 
 
-def group_of(scheme: "QScheme") -> int | None:
+def group_of(scheme: QScheme) -> int | None:
     """The scheme's quantization group (columns), None per channel."""
     return scheme.group_size if scheme.granularity == "group" else None
 
 
-def rounding(scheme: "QScheme", dtype: str) -> dict[str, Any]:
+def rounding(scheme: QScheme, dtype: str) -> dict[str, Any]:
     """What GPTQ and round to nearest take of `scheme` (a weight of `dtype`): the integer
     width, the group, symmetry, the stored scale dtype and the observer that chooses the scales."""
     return {

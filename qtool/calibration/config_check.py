@@ -21,7 +21,8 @@ checkpoint holds by that name has it. Each refusal is one CheckpointError naming
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
 
 from qtool.errors import CheckpointError
 
@@ -40,12 +41,12 @@ _ACTIVATIONS = ("hidden_act", "hidden_activation", "activation_function")
 _HINT = "fix config.json: it must describe the weights beside it"
 
 
-def _config_file(checkpoint: "Checkpoint") -> str:
+def _config_file(checkpoint: Checkpoint) -> str:
     folder = checkpoint.path if os.path.isdir(checkpoint.path) else os.path.dirname(os.path.abspath(checkpoint.path))
     return os.path.join(folder, "config.json")
 
 
-def _refuse(checkpoint: "Checkpoint", message: str) -> CheckpointError:
+def _refuse(checkpoint: Checkpoint, message: str) -> CheckpointError:
     return CheckpointError(message, path=_config_file(checkpoint), hint=_HINT)
 
 
@@ -70,7 +71,7 @@ def _layer_count(names) -> int:
     return highest + 1
 
 
-def check_config(checkpoint: "Checkpoint", raw: Mapping[str, Any]) -> None:
+def check_config(checkpoint: Checkpoint, raw: Mapping[str, Any]) -> None:
     """The checks above, on config.json's fields `raw` (model_type and quantization_config
     aside), before transformers sees them."""
     tensors = checkpoint.tensors.values()
@@ -80,15 +81,20 @@ def check_config(checkpoint: "Checkpoint", raw: Mapping[str, Any]) -> None:
         if value is None:
             continue
         if not _whole(value) or not 1 <= value <= widest:
-            raise _refuse(checkpoint, f"{field} is {_shown(value)}, not a whole number from 1 to {widest} (the largest dimension of any weight in the checkpoint)")
+            raise _refuse(
+                checkpoint,
+                f"{field} is {_shown(value)}, not a whole number from 1 to {widest} (the largest dimension of any weight in the checkpoint)",
+            )
     layers = raw.get("num_hidden_layers")
     present = _layer_count(checkpoint.tensors)
     if layers is not None and (not _whole(layers) or not 1 <= layers <= max(present, 1)):
-        raise _refuse(checkpoint, f"num_hidden_layers is {_shown(layers)}, but the checkpoint holds {present} decoder layers")
+        raise _refuse(
+            checkpoint, f"num_hidden_layers is {_shown(layers)}, but the checkpoint holds {present} decoder layers"
+        )
     _check_names(checkpoint, raw)
 
 
-def _check_names(checkpoint: "Checkpoint", raw: Mapping[str, Any]) -> None:
+def _check_names(checkpoint: Checkpoint, raw: Mapping[str, Any]) -> None:
     from transformers.activations import ACT2FN
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -107,10 +113,12 @@ def _check_names(checkpoint: "Checkpoint", raw: Mapping[str, Any]) -> None:
         for entry in nested if nested and len(nested) == len(value) else [value]:
             kind = entry.get("rope_type", entry.get("type"))
             if kind is not None and (not isinstance(kind, str) or kind not in known):
-                raise _refuse(checkpoint, f"{field} names rope_type {_shown(kind)}, not one of {', '.join(sorted(known))}")
+                raise _refuse(
+                    checkpoint, f"{field} names rope_type {_shown(kind)}, not one of {', '.join(sorted(known))}"
+                )
 
 
-def check_shapes(checkpoint: "Checkpoint", model: Any, layers_prefix: str, model_type: str) -> None:
+def check_shapes(checkpoint: Checkpoint, model: Any, layers_prefix: str, model_type: str) -> None:
     """The skeleton (on meta) against the checkpoint: each decoder layer parameter present with
     its shape, any other parameter the checkpoint names with its shape."""
     stored = checkpoint.tensors
@@ -119,7 +127,12 @@ def check_shapes(checkpoint: "Checkpoint", model: Any, layers_prefix: str, model
         tensor = stored.get(name)
         if tensor is None:
             if name.startswith(layers):
-                raise _refuse(checkpoint, f"the {model_type} architecture it describes has {name}, which the checkpoint lacks")
+                raise _refuse(
+                    checkpoint, f"the {model_type} architecture it describes has {name}, which the checkpoint lacks"
+                )
             continue
         if tuple(int(d) for d in tensor.shape) != tuple(param.shape):
-            raise _refuse(checkpoint, f"the {model_type} architecture it describes has {name} of shape {list(param.shape)}, the checkpoint {list(tensor.shape)}")
+            raise _refuse(
+                checkpoint,
+                f"the {model_type} architecture it describes has {name} of shape {list(param.shape)}, the checkpoint {list(tensor.shape)}",
+            )

@@ -46,7 +46,11 @@ class MoeBlock:
 
 def fused_experts(layer) -> list[tuple[str, Any]]:
     """(relative path, module) of each module of `layer` that holds 3-D expert weights."""
-    return [(name, module) for name, module in layer.named_modules() if any(p.dim() > 2 for p in module.parameters(recurse=False))]
+    return [
+        (name, module)
+        for name, module in layer.named_modules()
+        if any(p.dim() > 2 for p in module.parameters(recurse=False))
+    ]
 
 
 def _make_classes():
@@ -64,7 +68,7 @@ def _make_classes():
             self.add_module(down, torch.nn.Linear(intermediate, hidden, bias=False))
             self.act = act
 
-        def forward(self, x: "torch.Tensor") -> "torch.Tensor":
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
             gate, up, down = (self._modules[name] for name in self.names)
             return down(self.act(gate(x)) * up(x))
 
@@ -115,7 +119,11 @@ def unfuse(layer, layer_prefix: str, names, where: str) -> list[MoeBlock]:
         parent_path, _, attribute = path.rpartition(".")
         shapes = {name: tuple(p.shape) for name, p in module.named_parameters(recurse=False)}
         if attribute != "experts" or set(shapes) != {"gate_up_proj", "down_proj"} or not hasattr(module, "act_fn"):
-            raise UsageError(f"{where}: {type(module).__name__} ({path}) holds its experts in a layout qtool does not unfuse", hint="quantize it without --calibrate (round to nearest)", option="calibrate")
+            raise UsageError(
+                f"{where}: {type(module).__name__} ({path}) holds its experts in a layout qtool does not unfuse",
+                hint="quantize it without --calibrate (round to nearest)",
+                option="calibrate",
+            )
         count, double, hidden = shapes["gate_up_proj"]
         block_path = parent_path if parent_path in stored else (next(iter(stored)) if len(stored) == 1 else None)
         projections = next((p for p in PROJECTIONS if block_path is not None and set(p) == stored[block_path]), None)
@@ -159,7 +167,10 @@ def _rename(layer, old: str, new: str) -> None:
     `layer.<old>` by the layer's forward: the module stays in the instance's attributes, which
     Python looks up before nn.Module's registry. Only a direct child is renamed."""
     if "." in old or "." in new:
-        raise UsageError(f"the checkpoint names the experts' block {new!r}, the architecture {old!r}; qtool renames a direct child of the layer only", option="calibrate")
+        raise UsageError(
+            f"the checkpoint names the experts' block {new!r}, the architecture {old!r}; qtool renames a direct child of the layer only",
+            option="calibrate",
+        )
     module = layer._modules.pop(old)
     layer._modules[new] = module
     object.__setattr__(layer, old, module)

@@ -53,12 +53,12 @@ MSE_CHUNK = 1 << 16  # values per call of the mse observer's search
 
 @dataclass
 class GptqResult:
-    codes: "torch.Tensor"  # [out, in] int8, qmin..qmax
-    scale: "torch.Tensor"  # [out, groups]
-    zero_point: "torch.Tensor | None"  # [out, groups] int8, or None (symmetric)
+    codes: torch.Tensor  # [out, in] int8, qmin..qmax
+    scale: torch.Tensor  # [out, groups]
+    zero_point: torch.Tensor | None  # [out, groups] int8, or None (symmetric)
     loss: float  # the paper's sum of err^2 / [H^-1]_qq / 2, the objective's estimate
 
-    def dequantized(self, dtype=None) -> "torch.Tensor":
+    def dequantized(self, dtype=None) -> torch.Tensor:
         """(codes - zero_point) * scale, as compressed-tensors decompresses, [out, in]."""
         import torch
 
@@ -70,7 +70,7 @@ class GptqResult:
         return codes * scale
 
 
-def observe(columns: "torch.Tensor", bits: int, symmetric: bool, scale_dtype: "torch.dtype", observer: str = "minmax"):
+def observe(columns: torch.Tensor, bits: int, symmetric: bool, scale_dtype: torch.dtype, observer: str = "minmax"):
     """Min-max scale (and zero point) of each row of `columns` [out, g], 0 included, as
     compressed-tensors' observer chooses them, the scale rounded to its stored dtype:
     (scale [out], zero_point [out] int8 or None). `observer` "mse": the scale (and zero point)
@@ -86,7 +86,9 @@ def observe(columns: "torch.Tensor", bits: int, symmetric: bool, scale_dtype: "t
         step = max(1, MSE_CHUNK // max(1, columns.shape[1]))
         scales, zeros = [], []
         for start in range(0, max(1, columns.shape[0]), step):  # one call at least: no rows, empty results
-            scale, zero_point = choose_qparams_mse(columns[start : start + step], (1, columns.shape[1]), f"int{bits}", symmetric, scale_dtype)
+            scale, zero_point = choose_qparams_mse(
+                columns[start : start + step], (1, columns.shape[1]), f"int{bits}", symmetric, scale_dtype
+            )
             scales.append(scale.reshape(-1))
             zeros.append(None if zero_point is None else zero_point.reshape(-1).to(torch.int8))
         return torch.cat(scales), None if symmetric else torch.cat(zeros)
@@ -106,7 +108,7 @@ def observe(columns: "torch.Tensor", bits: int, symmetric: bool, scale_dtype: "t
     return torch.where(scale == 0, torch.full_like(scale, eps), scale), zero_point
 
 
-def quantize_column(column: "torch.Tensor", scale: "torch.Tensor", zero_point: "torch.Tensor | None", bits: int):
+def quantize_column(column: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, bits: int):
     """(codes int8, dequantized values) of one column [out] with per-row scale and zero point:
     clamp(w / scale + zp) rounded half to even, the order compressed-tensors uses."""
     import torch
@@ -127,14 +129,16 @@ class Factor:
     the dead inputs (never seen) in that order, and U, the upper Cholesky factor of the damped
     H^-1 in that order. Linears that read the same input (q/k/v, gate/up) share one."""
 
-    order: "torch.Tensor | None"
-    dead: "torch.Tensor"
-    U: "torch.Tensor"
+    order: torch.Tensor | None
+    dead: torch.Tensor
+    U: torch.Tensor
     dampening: float
     actorder: str | None
 
 
-def factor(hessian: "torch.Tensor", *, dtype: "torch.dtype", dampening: float = DAMPENING, actorder: str | None = None) -> Factor:
+def factor(
+    hessian: torch.Tensor, *, dtype: torch.dtype, dampening: float = DAMPENING, actorder: str | None = None
+) -> Factor:
     """The `Factor` of `hessian` [in, in] for weights of `dtype`."""
     import torch
 
@@ -172,7 +176,7 @@ def _half(size: int) -> int:
     return -(-size // 2 // 64) * 64
 
 
-def _cholesky(H: "torch.Tensor") -> "torch.Tensor":
+def _cholesky(H: torch.Tensor) -> torch.Tensor:
     """The lower Cholesky factor of H, by halves: [[A, B^T], [B, C]] = L L^T with L11 = chol(A),
     L21 = B L11^-T and L22 = chol(C - L21 L21^T), so most of the work is matrix products. One
     thread of MKL's potrf ran at a third of the core's matmul speed: 1536 columns 32 -> 15 ms.
@@ -193,7 +197,7 @@ def _cholesky(H: "torch.Tensor") -> "torch.Tensor":
 INVERSE_BASE = 128  # a triangle this wide or narrower is inverted by one triangular solve
 
 
-def _lower_inverse(L: "torch.Tensor") -> "torch.Tensor":
+def _lower_inverse(L: torch.Tensor) -> torch.Tensor:
     """L^-1 of a lower-triangular L, by halves: [[A, 0], [B, C]]^-1 is [[A^-1, 0], [-C^-1 B A^-1, C^-1]],
     so a third of the cube's multiply-adds, nearly all in matrix products (one triangular
     solve against the identity would take them all: llm-compressor's inverse and second
@@ -212,13 +216,13 @@ def _lower_inverse(L: "torch.Tensor") -> "torch.Tensor":
 
 
 def gptq(
-    weight: "torch.Tensor",
-    hessian: "torch.Tensor | None",
+    weight: torch.Tensor,
+    hessian: torch.Tensor | None,
     *,
     bits: int,
     group_size: int | None,
     symmetric: bool,
-    scale_dtype: "torch.dtype",
+    scale_dtype: torch.dtype,
     dampening: float = DAMPENING,
     block: int = BLOCK,
     actorder: str | None = None,
@@ -235,9 +239,17 @@ def gptq(
 
     cols_expected = weight.shape[1] if weight.dim() == 2 else -1
     if prepared is None and (hessian is None or hessian.shape != (cols_expected, cols_expected)):
-        raise KernelError(f"gptq needs weight [out, in] and hessian [in, in], got {list(weight.shape)} and {None if hessian is None else list(hessian.shape)}")
-    if prepared is not None and (tuple(prepared.U.shape) != (cols_expected, cols_expected) or prepared.dampening != dampening or prepared.actorder != actorder):
-        raise KernelError(f"gptq: the prepared factor ({list(prepared.U.shape)}, dampening {prepared.dampening}, order {prepared.actorder}) does not fit weight {list(weight.shape)} (dampening {dampening}, order {actorder})")
+        raise KernelError(
+            f"gptq needs weight [out, in] and hessian [in, in], got {list(weight.shape)} and {None if hessian is None else list(hessian.shape)}"
+        )
+    if prepared is not None and (
+        tuple(prepared.U.shape) != (cols_expected, cols_expected)
+        or prepared.dampening != dampening
+        or prepared.actorder != actorder
+    ):
+        raise KernelError(
+            f"gptq: the prepared factor ({list(prepared.U.shape)}, dampening {prepared.dampening}, order {prepared.actorder}) does not fit weight {list(weight.shape)} (dampening {dampening}, order {actorder})"
+        )
     if not 2 <= bits <= 8:
         raise KernelError(f"gptq quantizes to int2..int8, not int{bits}")
     rows, cols = weight.shape
@@ -262,7 +274,9 @@ def gptq(
     scale_values = torch.empty((rows, cols // group), dtype=dtype, device=W.device)
     zero_values = None if symmetric else torch.empty_like(scale_values)
     if order is not None:  # each group's scale chosen up front on the original weight (llm-compressor's observer)
-        scale_all, zero_all = observe(weight.reshape(rows * (cols // group), group), bits, symmetric, scale_dtype, observer)
+        scale_all, zero_all = observe(
+            weight.reshape(rows * (cols // group), group), bits, symmetric, scale_dtype, observer
+        )
         scales.copy_(scale_all.reshape(rows, cols // group))
         scale_values.copy_(scales)
         if zero_points is not None:
@@ -317,20 +331,26 @@ def _native_sweep(W) -> bool:
     return W.dtype == torch.float32 and W.device.type == "cpu" and native.available()
 
 
-def _sweep_native(W_block, U_block, scale_values, zero_values, groups, bits, codes, errors, col0: int, col1: int) -> None:
+def _sweep_native(
+    W_block, U_block, scale_values, zero_values, groups, bits, codes, errors, col0: int, col1: int
+) -> None:
     from qtool import native
 
     native.gptq_sweep(W_block, U_block, scale_values, zero_values, groups, bits, codes, errors, col0, col1)
 
 
-def _sweep_torch(W_block, U_block, scale_values, zero_values, groups, bits, codes, errors, col0: int, col1: int) -> None:
+def _sweep_torch(
+    W_block, U_block, scale_values, zero_values, groups, bits, codes, errors, col0: int, col1: int
+) -> None:
     """GPTQ's sweep of block columns [col0, col1), in place: each column rounded with its group's
     scale and zero point, its error (scaled by the factor's diagonal) spread over the block's
     later columns. The reference the C sweep reproduces bit for bit."""
     for i in range(col0, col1):
         index = int(groups[i])
         w = W_block[:, i]
-        q, values = quantize_column(w, scale_values[:, index], None if zero_values is None else zero_values[:, index], bits)
+        q, values = quantize_column(
+            w, scale_values[:, index], None if zero_values is None else zero_values[:, index], bits
+        )
         codes[:, i] = q
         error = (w - values) / U_block[i, i]
         W_block[:, i:] -= error.unsqueeze(1) * U_block[i, i:].unsqueeze(0)

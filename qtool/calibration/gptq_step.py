@@ -20,7 +20,8 @@ every column of a weight whose inputs it never saw.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
 from qtool.libc import trim_heap
 
@@ -40,24 +41,26 @@ class GptqStep:
 
     def __init__(
         self,
-        schemes: dict[str, "QScheme"],
-        by_name: dict[str, "Weight"],
-        result: "Calibration",
+        schemes: dict[str, QScheme],
+        by_name: dict[str, Weight],
+        result: Calibration,
         *,
         dampening: float,
         block: int,
         actorder: str | None,
         true_sequential: bool,
-        on_statistics: Callable[[int, str, "torch.Tensor"], None] | None = None,
+        on_statistics: Callable[[int, str, torch.Tensor], None] | None = None,
     ) -> None:
         from qtool.calibration.spill import Parking
 
         self.schemes, self.by_name, self.result = schemes, by_name, result
         self.dampening, self.block, self.actorder, self.true_sequential = dampening, block, actorder, true_sequential
         self.on_statistics = on_statistics
-        self.parking = Parking() if true_sequential else None  # where true sequential's waiting passes park what they hold
+        self.parking = (
+            Parking() if true_sequential else None
+        )  # where true sequential's waiting passes park what they hold
 
-    def layer(self, caught: "CaughtLayer") -> "LayerMade":
+    def layer(self, caught: CaughtLayer) -> LayerMade:
         from qtool.calibration.layers import LayerKwargs, LayerMade
 
         linears = {name: module for name, module in caught.linears.items() if name in self.schemes}
@@ -73,7 +76,7 @@ class GptqStep:
         if self.parking is not None:
             self.parking.close()
 
-    def quantize(self, name: str, module, hessian: "torch.Tensor", prepared) -> None:
+    def quantize(self, name: str, module, hessian: torch.Tensor, prepared) -> None:
         """GPTQ of one weight on `hessian` (or its `prepared` factor), stored."""
         from qtool.calibration.codes import rounding, store
         from qtool.calibration.gptq import gptq
@@ -91,13 +94,15 @@ class GptqStep:
 
         round_to_nearest(name, module, self.schemes[name], self.by_name[name].dtype, self.result)
 
-    def factor(self, hessian: "torch.Tensor", dtype: "torch.dtype"):
+    def factor(self, hessian: torch.Tensor, dtype: torch.dtype):
         from qtool.calibration.gptq import factor
 
         return factor(hessian, dtype=dtype, dampening=self.dampening, actorder=self.actorder)
 
 
-def _gptq_layer_in_one_run(index: int, layer, linears: dict[str, Any], hidden: "torch.Tensor", kwargs: dict[str, Any], step: GptqStep) -> tuple[list[str], float]:
+def _gptq_layer_in_one_run(
+    index: int, layer, linears: dict[str, Any], hidden: torch.Tensor, kwargs: dict[str, Any], step: GptqStep
+) -> tuple[list[str], float]:
     """True sequential GPTQ of the layer: the names no token reached and the output error on
     the first samples; the quantized layer's outputs written over `hidden`."""
     import torch
@@ -112,10 +117,10 @@ def _gptq_layer_in_one_run(index: int, layer, linears: dict[str, Any], hidden: "
     found = true_sequential.order(layer, hidden[:measured], kwargs, linears, reference)
     if found is None:
         return _gptq_layer_in_two_passes(index, layer, linears, hidden, kwargs, step)
-    sums: dict[str, "torch.Tensor"] = {}  # Linear: the upper blocks of the Grams taken as passes arrived
+    sums: dict[str, torch.Tensor] = {}  # Linear: the upper blocks of the Grams taken as passes arrived
     sample_size = hidden[0].numel()
 
-    def take(name: str, x: "torch.Tensor") -> bool:
+    def take(name: str, x: torch.Tensor) -> bool:
         """An input as large as a sample's hidden states or larger (a dense layer's, each
         Linear's): its Gram now, so the input waits on disk; a smaller one's (an expert's
         few routed tokens, whose Gram can outweigh them) at quantize time."""
@@ -127,7 +132,7 @@ def _gptq_layer_in_one_run(index: int, layer, linears: dict[str, Any], hidden: "
         upper_gram(flat, sums[name], add=True)
         return True
 
-    def quantize(group: list[str], inputs: list["torch.Tensor"]) -> None:
+    def quantize(group: list[str], inputs: list[torch.Tensor]) -> None:
         trim_heap()  # the passes' freed temporaries, not resident beside every pass's kept tensors
         hessian = gram_hessian(inputs, sums.pop(group[0], None))
         prepared = None
@@ -145,14 +150,18 @@ def _gptq_layer_in_one_run(index: int, layer, linears: dict[str, Any], hidden: "
     if parking is not None:
         parking.reset()
     chosen = {name: linears[name] for name in found.names}
-    done = true_sequential.run(layer, hidden, kwargs, chosen, quantize, followers=found.followers, take=take, parking=parking)
+    done = true_sequential.run(
+        layer, hidden, kwargs, chosen, quantize, followers=found.followers, take=take, parking=parking
+    )
     unrouted = [name for name in linears if name not in done]
     for name in unrouted:
         step.round(name, linears[name])
     return unrouted, relative_error(hidden[:measured], reference)
 
 
-def _gptq_layer_in_two_passes(index: int, layer, linears: dict[str, Any], hidden: "torch.Tensor", kwargs: dict[str, Any], step: GptqStep) -> tuple[list[str], float]:
+def _gptq_layer_in_two_passes(
+    index: int, layer, linears: dict[str, Any], hidden: torch.Tensor, kwargs: dict[str, Any], step: GptqStep
+) -> tuple[list[str], float]:
     """GPTQ of the layer as llm-compressor does it: Hessians X^T X of each Linear's inputs over
     the float layer's run, GPTQ per Linear, then the quantized layer's run for the next layer's
     inputs, written over `hidden` (the float outputs kept for the error, over every sample)."""
@@ -162,8 +171,11 @@ def _gptq_layer_in_two_passes(index: int, layer, linears: dict[str, Any], hidden
     from qtool.calibration.layers import relative_error, run
 
     device = hidden.device
-    hessians = {name: torch.zeros((m.weight.shape[1], m.weight.shape[1]), dtype=torch.float32, device=device) for name, m in linears.items()}
-    grams: dict[int, "torch.Tensor"] = {}  # by width: the upper block triangle of one sample's X^T X
+    hessians = {
+        name: torch.zeros((m.weight.shape[1], m.weight.shape[1]), dtype=torch.float32, device=device)
+        for name, m in linears.items()
+    }
+    grams: dict[int, torch.Tensor] = {}  # by width: the upper block triangle of one sample's X^T X
     last: list = [None, None]  # the input tensor the last hook saw, and its X^T X
     hooks = []
     for name, module in linears.items():

@@ -12,12 +12,16 @@ if TYPE_CHECKING:
 
 __all__ = ["upper_gram", "mirror", "hessian", "GRAM_STEP", "NARROW_GRAM_STEP", "NARROW", "MIRROR_STEP"]
 
-GRAM_STEP = 192  # columns per block of X^T X: small enough to skip most of the lower half, large enough for a fast matmul
-NARROW_GRAM_STEP = 64  # ... and for inputs this narrow or narrower: 0.92x the time of 192 at 576 columns, one thread (BENCHMARKS.md)
+GRAM_STEP = (
+    192  # columns per block of X^T X: small enough to skip most of the lower half, large enough for a fast matmul
+)
+NARROW_GRAM_STEP = (
+    64  # ... and for inputs this narrow or narrower: 0.92x the time of 192 at 576 columns, one thread (BENCHMARKS.md)
+)
 NARROW = 768  # columns: at 576 the step of 64 wins, at 1536 192 does
 
 
-def upper_gram(x: "torch.Tensor", out: "torch.Tensor", *, add: bool = False) -> "torch.Tensor":
+def upper_gram(x: torch.Tensor, out: torch.Tensor, *, add: bool = False) -> torch.Tensor:
     """X^T X's blocks on and above the diagonal (of `GRAM_STEP` columns) into `out` [in, in]
     (`add`: added to it), each block's matmul written in place; the blocks below stay as they
     are (zeros): X^T X is symmetric, so they are never computed (at 1536 columns, 36 of 64
@@ -32,7 +36,7 @@ def upper_gram(x: "torch.Tensor", out: "torch.Tensor", *, add: bool = False) -> 
 MIRROR_STEP = 64  # columns per band: a band's transpose stays in cache
 
 
-def mirror(total: "torch.Tensor") -> None:
+def mirror(total: torch.Tensor) -> None:
     """A sum of `upper_gram`s made symmetric: its upper triangle mirrored below the diagonal, a
     band of `MIRROR_STEP` columns at a time (one whole transpose at 1536 columns: 21 -> 1.5 ms)."""
     import torch
@@ -45,7 +49,7 @@ def mirror(total: "torch.Tensor") -> None:
         total[end:, start:end].copy_(total[start:end, end:].T)
 
 
-def hessian(inputs: list["torch.Tensor"], taken: "torch.Tensor | None" = None) -> "torch.Tensor":
+def hessian(inputs: list[torch.Tensor], taken: torch.Tensor | None = None) -> torch.Tensor:
     """X^T X in float32 of the inputs' rows, summed in their order (after `taken`'s, the upper
     blocks of a sum begun before), made symmetric."""
     import torch

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
 from qtool.errors import UsageError
 
@@ -33,7 +34,15 @@ if TYPE_CHECKING:
     from qtool.plan import Calibrated, Plan
     from qtool.weight import Weight
 
-__all__ = ["ImatrixLayer", "ImatrixStatistics", "ImatrixStep", "chunk_tokens", "collect_imatrix", "ImatrixRequest", "apply_request"]
+__all__ = [
+    "ImatrixLayer",
+    "ImatrixStatistics",
+    "ImatrixStep",
+    "chunk_tokens",
+    "collect_imatrix",
+    "ImatrixRequest",
+    "apply_request",
+]
 
 
 @dataclass
@@ -58,7 +67,7 @@ class ImatrixStatistics:
     seconds: float = 0.0
 
 
-def chunk_tokens(text: "CalibrationText", tokenizer, chunk_size: int, chunks: int | None, where: str) -> "torch.Tensor":
+def chunk_tokens(text: CalibrationText, tokenizer, chunk_size: int, chunks: int | None, where: str) -> torch.Tensor:
     """[chunks, chunk_size] int64: the text tokenized a piece at a time (BOS first where the
     tokenizer adds one) and joined, cut into consecutive chunks from the start, each chunk's
     first token BOS where the tokenizer adds one (llama-imatrix's `compute_imatrix`); all of
@@ -70,7 +79,9 @@ def chunk_tokens(text: "CalibrationText", tokenizer, chunk_size: int, chunks: in
     from qtool.calibration.samples import token_pieces, tokenized
 
     if chunk_size < 16:
-        raise UsageError(f"chunk size {chunk_size}: llama-imatrix ignores batches of fewer than 16 tokens", option="chunk_size")
+        raise UsageError(
+            f"chunk size {chunk_size}: llama-imatrix ignores batches of fewer than 16 tokens", option="chunk_size"
+        )
     if chunks is not None and chunks < 1:
         raise UsageError(f"chunks {chunks} must be at least 1", option="chunks")
     tokenizer.model_max_length = 1 << 62
@@ -85,7 +96,11 @@ def chunk_tokens(text: "CalibrationText", tokenizer, chunk_size: int, chunks: in
             break
     available = len(ids) // chunk_size
     if available < 1:
-        raise UsageError(f"{where}: the calibration text has {len(ids)} tokens, fewer than one chunk of {chunk_size}", hint="give more text, or a smaller chunk size", option="calibrate")
+        raise UsageError(
+            f"{where}: the calibration text has {len(ids)} tokens, fewer than one chunk of {chunk_size}",
+            hint="give more text, or a smaller chunk size",
+            option="calibrate",
+        )
     count = available if chunks is None else min(chunks, available)
     tokens = torch.frombuffer(ids, dtype=torch.int64)[: count * chunk_size].clone().view(count, chunk_size)
     if add_bos:
@@ -101,9 +116,9 @@ class ImatrixStep:
 
     def __init__(self, gguf_name: Callable[[str], str | None], result: ImatrixStatistics) -> None:
         self.gguf_name, self.result = gguf_name, result
-        self.spare: "torch.Tensor | None" = None  # the buffer the float outputs go to
+        self.spare: torch.Tensor | None = None  # the buffer the float outputs go to
 
-    def layer(self, caught: "CaughtLayer") -> "LayerMade":
+    def layer(self, caught: CaughtLayer) -> LayerMade:
         import torch
 
         from qtool.calibration.layers import LayerMade, run
@@ -115,7 +130,9 @@ class ImatrixStep:
                 out_name = self.gguf_name(weight_name)
                 if out_name is not None:
                     linears[out_name] = module
-        sums = {name: torch.zeros(m.in_features, dtype=torch.float64, device=hidden.device) for name, m in linears.items()}
+        sums = {
+            name: torch.zeros(m.in_features, dtype=torch.float64, device=hidden.device) for name, m in linears.items()
+        }
         seen = dict.fromkeys(linears, 0)
         hooks = []
         last: list[Any] = [None, None, 0]  # q, k and v (gate and up) see one input tensor: squared once
@@ -141,7 +158,9 @@ class ImatrixStep:
         for name in linears:
             values = sums[name].float().cpu().numpy()
             if not (values == values).all() or (abs(values) == float("inf")).any():
-                raise UsageError(f"{name}: its inputs hold NaN or inf on this text (llama-imatrix stops too)", option="calibrate")
+                raise UsageError(
+                    f"{name}: its inputs hold NaN or inf on this text (llama-imatrix stops too)", option="calibrate"
+                )
             self.result.sums[name], self.result.counts[name] = values, seen[name]
         self.spare = hidden  # the float layer's outputs feed the next
         return LayerMade(outputs, sorted(linears))
@@ -151,14 +170,14 @@ class ImatrixStep:
 
 
 def collect_imatrix(
-    checkpoint: "Checkpoint",
-    weights: list["Weight"],
+    checkpoint: Checkpoint,
+    weights: list[Weight],
     gguf_name: Callable[[str], str | None],
-    tokens: "torch.Tensor",
+    tokens: torch.Tensor,
     device: str = "cpu",
     on_layer: Callable[[ImatrixLayer, int], None] | None = None,
     *,
-    skeleton: "Skeleton | None" = None,
+    skeleton: Skeleton | None = None,
 ) -> ImatrixStatistics:
     """Run the model layer by layer over `tokens` (the runner, `ImatrixStep`) and sum each
     decoder Linear's squared inputs per column. `gguf_name` maps a weight's name to its GGUF
@@ -174,7 +193,7 @@ def collect_imatrix(
     result = ImatrixStatistics(int(tokens.shape[0]), int(tokens.shape[1]))
     step = ImatrixStep(gguf_name, result)
 
-    def done(index: int, seconds: float, made: "LayerMade", count: int) -> None:
+    def done(index: int, seconds: float, made: LayerMade, count: int) -> None:
         layer_result = ImatrixLayer(index, seconds, made.weights)
         result.layers.append(layer_result)
         if on_layer is not None:
@@ -216,16 +235,23 @@ class ImatrixRequest:
     llama-quantize does, which types need it). Made by `qtool.planning.calibration`."""
 
     text: str
-    tokens: "torch.Tensor"  # [chunks, chunk_size]
+    tokens: torch.Tensor  # [chunks, chunk_size]
     notes: tuple[str, ...] = ()  # what transformers said while the model and tokenizer were read, for the warnings
     mix: str | None = None  # the llama.cpp file type the plan follows, if any
-    skeleton: "Skeleton | None" = field(default=None, compare=False, repr=False)  # planning's, built once
+    skeleton: Skeleton | None = field(default=None, compare=False, repr=False)  # planning's, built once
 
     def to_json(self) -> dict[str, Any]:
-        return {"text": self.text, "algorithm": "imatrix", "chunks": int(self.tokens.shape[0]), "chunk_size": int(self.tokens.shape[1])}
+        return {
+            "text": self.text,
+            "algorithm": "imatrix",
+            "chunks": int(self.tokens.shape[0]),
+            "chunk_size": int(self.tokens.shape[1]),
+        }
 
 
-def apply_request(plan: "Plan", request: ImatrixRequest, device: str, on_layer: Callable[[Any, int], None] | None = None) -> "Calibrated":
+def apply_request(
+    plan: Plan, request: ImatrixRequest, device: str, on_layer: Callable[[Any, int], None] | None = None
+) -> Calibrated:
     """Compute the importance matrix; what it makes for the plan: each GGUF job's importance
     rows, and the plan's metadata with it recorded (`quantize.imatrix.*`, the text as the file
     and the dataset); with the calibration document for the report. The caller sets the
@@ -238,11 +264,29 @@ def apply_request(plan: "Plan", request: ImatrixRequest, device: str, on_layer: 
     said: list[str] = []
     names = tensor_names(plan.source, True)
     with collected(said, "calibration: "):
-        stats = collect_imatrix(plan.source, [job.weight for job in plan.jobs], names.tensor_name, request.tokens, device, on_layer, skeleton=request.skeleton)
+        stats = collect_imatrix(
+            plan.source,
+            [job.weight for job in plan.jobs],
+            names.tensor_name,
+            request.tokens,
+            device,
+            on_layer,
+            skeleton=request.skeleton,
+        )
     imatrix = as_imatrix(stats, request.text, request.text)
     weighted, notes = attach_importance(plan.jobs, imatrix, request.mix)
-    encodings = {new.weight.name: new.encoding for old, new in zip(plan.jobs, weighted) if new is not old and new.encoding is not None}
+    encodings = {
+        new.weight.name: new.encoding
+        for old, new in zip(plan.jobs, weighted)
+        if new is not old and new.encoding is not None
+    }
     arch, entries = plan.metadata
     metadata = (arch, [e for e in entries if e[0] not in IMATRIX_KEYS] + imatrix_metadata(imatrix, request.text))
-    document = {**request.to_json(), "seconds": round(stats.seconds, 3), "entries": len(imatrix.entries), "notes": notes, "layers": [layer.to_json() for layer in stats.layers]}
+    document = {
+        **request.to_json(),
+        "seconds": round(stats.seconds, 3),
+        "entries": len(imatrix.entries),
+        "notes": notes,
+        "layers": [layer.to_json() for layer in stats.layers],
+    }
     return Calibrated(document | ({"warnings": said} if said else {}), encodings, metadata=metadata)

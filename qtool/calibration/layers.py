@@ -20,7 +20,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["LayerKwargs", "CaughtLayer", "LayerMade", "LayerStep", "forward", "run", "relative_error", "error_on_a_share", "ERROR_SHARE"]
+__all__ = [
+    "LayerKwargs",
+    "CaughtLayer",
+    "LayerMade",
+    "LayerStep",
+    "forward",
+    "run",
+    "relative_error",
+    "error_on_a_share",
+    "ERROR_SHARE",
+]
 
 
 class LayerKwargs(dict):
@@ -46,7 +56,7 @@ class CaughtLayer:
     prefix: str  # "model.layers.3"
     module: Any  # the decoder layer (torch.nn.Module), its weights real
     linears: dict[str, Any]  # "model.layers.3.mlp.up_proj.weight": its module, every Linear and router in module order
-    hidden: "torch.Tensor"  # [samples, seq_len, hidden] float32: the layer's inputs (a step may write over them)
+    hidden: torch.Tensor  # [samples, seq_len, hidden] float32: the layer's inputs (a step may write over them)
     kwargs: dict[str, Any]  # the layer keyword arguments (`LayerKwargs`: each layer's own by `for_layer`)
 
 
@@ -56,7 +66,7 @@ class LayerMade:
     step's own names for them), and, where it quantizes, the layer's output error and the
     weights no calibration token reached (rounded to nearest)."""
 
-    outputs: "torch.Tensor"  # [samples, seq_len, hidden]: the next layer's inputs
+    outputs: torch.Tensor  # [samples, seq_len, hidden]: the next layer's inputs
     weights: list[str]
     error: float = 0.0  # sum (y_quantized - y_float)^2 / sum y_float^2 over the samples measured
     unrouted: list[str] = field(default_factory=list)
@@ -75,13 +85,13 @@ class LayerStep(Protocol):
         ...
 
 
-def forward(layer, sample: "torch.Tensor", kwargs: dict[str, Any]) -> "torch.Tensor":
+def forward(layer, sample: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
     """The layer's output for one sample [1, seq, hidden], [seq, hidden]."""
     result = layer(sample, **kwargs)
     return (result[0] if isinstance(result, tuple) else result)[0]
 
 
-def run(layer, hidden: "torch.Tensor", kwargs: dict[str, Any], out: "torch.Tensor") -> None:
+def run(layer, hidden: torch.Tensor, kwargs: dict[str, Any], out: torch.Tensor) -> None:
     """The layer over each sample into `out` (which may be `hidden`); with `LayerKwargs`, the
     layer's own arguments."""
     import torch
@@ -93,7 +103,7 @@ def run(layer, hidden: "torch.Tensor", kwargs: dict[str, Any], out: "torch.Tenso
             out[index] = forward(layer, hidden[index : index + 1], kwargs)
 
 
-def relative_error(quantized: "torch.Tensor", reference: "torch.Tensor") -> float:
+def relative_error(quantized: torch.Tensor, reference: torch.Tensor) -> float:
     """sum (quantized - reference)^2 / sum reference^2 over the samples [samples, ...], in
     float64 one sample at a time."""
     error = total = 0.0
@@ -106,7 +116,7 @@ def relative_error(quantized: "torch.Tensor", reference: "torch.Tensor") -> floa
 ERROR_SHARE = 16  # a step that keeps the float outputs for the next layer measures the quantized layer on one sample in 16 (at least one)
 
 
-def error_on_a_share(layer, hidden: "torch.Tensor", kwargs, reference: "torch.Tensor") -> float:
+def error_on_a_share(layer, hidden: torch.Tensor, kwargs, reference: torch.Tensor) -> float:
     """The quantized layer's output error against `reference` (the float layer's outputs) on
     the first samples (`ERROR_SHARE`)."""
     import torch

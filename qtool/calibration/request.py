@@ -7,7 +7,8 @@ executor applies beside the plan (`qtool.plan.Calibrated`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
 
 if TYPE_CHECKING:
@@ -38,15 +39,21 @@ class Replaced:
 class CalibrationRequest:
     text: str
     algorithm: str
-    tokens: "torch.Tensor"  # [samples, seq_len]
+    tokens: torch.Tensor  # [samples, seq_len]
     seed: int
     actorder: str | None = None  # GPTQ's column order: "weight" / "static", or None
     true_sequential: bool = False  # GPTQ: each layer's Linears on their quantized predecessors' outputs, in one run
     notes: tuple[str, ...] = ()  # what transformers said while the model and tokenizer were read, for the warnings
-    skeleton: "Skeleton | None" = field(default=None, compare=False, repr=False)  # planning's, built once
+    skeleton: Skeleton | None = field(default=None, compare=False, repr=False)  # planning's, built once
 
     def to_json(self) -> dict[str, Any]:
-        document = {"text": self.text, "algorithm": self.algorithm, "samples": int(self.tokens.shape[0]), "seq_len": int(self.tokens.shape[1]), "seed": self.seed}
+        document = {
+            "text": self.text,
+            "algorithm": self.algorithm,
+            "samples": int(self.tokens.shape[0]),
+            "seq_len": int(self.tokens.shape[1]),
+            "seed": self.seed,
+        }
         if self.actorder:
             document["actorder"] = self.actorder
         if self.true_sequential:
@@ -54,7 +61,9 @@ class CalibrationRequest:
         return document
 
 
-def apply(plan: "Plan", request: CalibrationRequest, device: str, on_layer: Callable[[Any, int], None] | None = None) -> "Calibrated":
+def apply(
+    plan: Plan, request: CalibrationRequest, device: str, on_layer: Callable[[Any, int], None] | None = None
+) -> Calibrated:
     """Calibrate; what it made for the plan's jobs (each calibrated weight's codes, AWQ's
     smoothed norms) and the calibration document for the report. RTN ("rtn") makes nothing:
     the text only checked. The caller sets the threads (`qtool.pipeline.kernel_threads`)."""

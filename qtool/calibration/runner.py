@@ -23,7 +23,8 @@ the layers done so far (spilled to disk).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
 from qtool.calibration.algorithms import ALGORITHMS, RunnerOptions
 from qtool.calibration.codes import Calibration, LayerResult, check_scheme
@@ -42,7 +43,16 @@ if TYPE_CHECKING:
 
 # ALGORITHMS, RunnerOptions, Calibration, LayerResult, check_scheme, LayerKwargs: where the
 # calibration request and its callers have always found them
-__all__ = ["ALGORITHMS", "RunnerOptions", "LayerResult", "Calibration", "LayerKwargs", "calibrate", "check_scheme", "run_layers"]
+__all__ = [
+    "ALGORITHMS",
+    "RunnerOptions",
+    "LayerResult",
+    "Calibration",
+    "LayerKwargs",
+    "calibrate",
+    "check_scheme",
+    "run_layers",
+]
 
 
 class _Stop(Exception):
@@ -57,7 +67,7 @@ class _Catcher:
     hidden states through; the last stops the forward."""
 
     def __init__(self, count: int) -> None:
-        self.hidden: "torch.Tensor | None" = None
+        self.hidden: torch.Tensor | None = None
         self.kwargs: list[dict[str, Any] | None] = [None] * count
 
     def module(self, index: int):
@@ -69,7 +79,10 @@ class _Catcher:
         class LayerInputs(torch.nn.Module):
             def forward(self, hidden_states, *args, **kwargs):
                 if args:
-                    raise UsageError("the architecture's layers take positional arguments besides the hidden states; qtool cannot calibrate it", option="calibrate")
+                    raise UsageError(
+                        "the architecture's layers take positional arguments besides the hidden states; qtool cannot calibrate it",
+                        option="calibrate",
+                    )
                 if index == 0:
                     catcher.hidden = hidden_states
                 catcher.kwargs[index] = {key: value for key, value in kwargs.items() if key not in _DROPPED}
@@ -80,7 +93,7 @@ class _Catcher:
         return LayerInputs()
 
 
-def _embed(skeleton, tokens: "torch.Tensor", weights, checkpoint, device: str):
+def _embed(skeleton, tokens: torch.Tensor, weights, checkpoint, device: str):
     """[samples, seq_len, hidden] float32 hidden states and the layers' kwargs (`LayerKwargs`:
     the first layer's, each layer's by `for_layer`), from the base model's forward with every
     part but the layers materialized."""
@@ -97,7 +110,14 @@ def _embed(skeleton, tokens: "torch.Tensor", weights, checkpoint, device: str):
     skeleton.materialize(skeleton.base, skeleton.base_prefix, weights, checkpoint, device, skip=skip)
     if embedding is not None:  # only the rows of the tokens the samples use; ids renumbered into them
         rows, tokens = torch.unique(tokens, return_inverse=True)
-        restore = skeleton.materialize_rows(embedding[1], f"{skeleton.base_prefix}.{embedding[0]}" if skeleton.base_prefix else embedding[0], rows, weights, checkpoint, device)
+        restore = skeleton.materialize_rows(
+            embedding[1],
+            f"{skeleton.base_prefix}.{embedding[0]}" if skeleton.base_prefix else embedding[0],
+            rows,
+            weights,
+            checkpoint,
+            device,
+        )
     hidden = None
     try:
         with torch.no_grad():
@@ -110,9 +130,14 @@ def _embed(skeleton, tokens: "torch.Tensor", weights, checkpoint, device: str):
                 except _Stop:
                     pass
                 if catcher.hidden is None:
-                    raise UsageError(f"the {skeleton.config.model_type} model's forward never reached its first layer", option="calibrate")
+                    raise UsageError(
+                        f"the {skeleton.config.model_type} model's forward never reached its first layer",
+                        option="calibrate",
+                    )
                 if hidden is None:
-                    hidden = torch.empty((tokens.shape[0], *catcher.hidden.shape[1:]), dtype=torch.float32, device=device)
+                    hidden = torch.empty(
+                        (tokens.shape[0], *catcher.hidden.shape[1:]), dtype=torch.float32, device=device
+                    )
                 hidden[index] = catcher.hidden[0].float()
     finally:
         if embedding is not None:
@@ -123,19 +148,22 @@ def _embed(skeleton, tokens: "torch.Tensor", weights, checkpoint, device: str):
             if name != layers_name:
                 skeleton.release(child)
     if any(kwargs is None for kwargs in catcher.kwargs):
-        raise UsageError(f"the {skeleton.config.model_type} model's forward does not call each of its layers once in order; qtool cannot calibrate it", option="calibrate")
+        raise UsageError(
+            f"the {skeleton.config.model_type} model's forward does not call each of its layers once in order; qtool cannot calibrate it",
+            option="calibrate",
+        )
     by_layer = {id(layer): kwargs for layer, kwargs in zip(originals, catcher.kwargs)}
     return hidden, LayerKwargs(catcher.kwargs[0], by_layer)
 
 
 def run_layers(
-    skeleton: "Skeleton",
-    checkpoint: "Checkpoint",
-    by_name: dict[str, "Weight"],
-    tokens: "torch.Tensor",
+    skeleton: Skeleton,
+    checkpoint: Checkpoint,
+    by_name: dict[str, Weight],
+    tokens: torch.Tensor,
     device: str,
-    step: "LayerStep",
-    done: Callable[[int, float, "LayerMade", int], None] | None = None,
+    step: LayerStep,
+    done: Callable[[int, float, LayerMade, int], None] | None = None,
 ) -> None:
     """`tokens` embedded, then each decoder layer materialized, handed to `step` with its
     inputs, its outputs the next layer's inputs, and released; `done(layer index, seconds,
@@ -153,7 +181,11 @@ def run_layers(
         layer = skeleton.layers[index]
         skeleton.materialize(layer, prefix, by_name, checkpoint, device)
         routers = {block.router for block in skeleton.moe[index] if block.router is not None}
-        linears = {f"{prefix}.{name}.weight": module for name, module in layer.named_modules() if isinstance(module, torch.nn.Linear) or name in routers}
+        linears = {
+            f"{prefix}.{name}.weight": module
+            for name, module in layer.named_modules()
+            if isinstance(module, torch.nn.Linear) or name in routers
+        }
         made = step.layer(CaughtLayer(index, prefix, layer, linears, hidden, kwargs))
         hidden = made.outputs
         skeleton.release(layer)
@@ -163,17 +195,17 @@ def run_layers(
 
 
 def calibrate(
-    checkpoint: "Checkpoint",
-    weights: list["Weight"],
-    schemes: dict[str, "QScheme"],
+    checkpoint: Checkpoint,
+    weights: list[Weight],
+    schemes: dict[str, QScheme],
     layout,
-    tokens: "torch.Tensor",
+    tokens: torch.Tensor,
     options: RunnerOptions,
     *,
     seed: int = 0,
     on_layer: Callable[[LayerResult, int], None] | None = None,
-    on_statistics: Callable[[int, str, "torch.Tensor"], None] | None = None,
-    skeleton: "Skeleton | None" = None,
+    on_statistics: Callable[[int, str, torch.Tensor], None] | None = None,
+    skeleton: Skeleton | None = None,
 ) -> Calibration:
     """`options.algorithm`'s codes (`algorithms.layer_step`) for every weight in `schemes` that
     is a Linear of a decoder layer, encoded in compressed-tensors' tensors (AWQ's smoothed float
@@ -193,7 +225,7 @@ def calibrate(
     step = layer_step(options, skeleton, schemes, by_name, result, on_statistics)
     result.spill = new_spill()
 
-    def done(index: int, seconds: float, made: "LayerMade", count: int) -> None:
+    def done(index: int, seconds: float, made: LayerMade, count: int) -> None:
         layer_result = LayerResult(index, seconds, made.error, made.weights, made.unrouted)
         result.layers.append(layer_result)
         if on_layer is not None:

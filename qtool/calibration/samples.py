@@ -23,7 +23,8 @@ import os
 import random
 import stat
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
+from collections.abc import Iterator
 
 from qtool.errors import CheckpointError, UsageError
 from qtool.message_text import excerpt
@@ -31,7 +32,15 @@ from qtool.message_text import excerpt
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SampleOptions", "CalibrationText", "read_text", "draw_samples", "token_pieces", "load_tokenizer", "tokenized"]
+__all__ = [
+    "SampleOptions",
+    "CalibrationText",
+    "read_text",
+    "draw_samples",
+    "token_pieces",
+    "load_tokenizer",
+    "tokenized",
+]
 
 MAX_TEXT_BYTES = 1 << 30  # a calibration text larger than this is surely a mistake
 PIECE_CHARS = 1 << 20  # the most characters the tokenizer is handed at once (~300 MB while it works)
@@ -62,7 +71,9 @@ def _files(path: str) -> list[str]:
     if not os.path.lexists(path):
         raise UsageError(f"{path}: no such calibration text", option="calibrate")
     if not path.endswith((".txt", ".jsonl")):
-        raise UsageError(f"{path}: a calibration text is a .txt or .jsonl file, or a folder of them", option="calibrate")
+        raise UsageError(
+            f"{path}: a calibration text is a .txt or .jsonl file, or a folder of them", option="calibrate"
+        )
     return [path]
 
 
@@ -75,7 +86,11 @@ def _checked(path: str) -> os.stat_result:
     except OSError as exc:
         raise CheckpointError(f"cannot be read: {exc.strerror}", path=path) from None
     if not stat.S_ISREG(info.st_mode):
-        raise CheckpointError("cannot be read: it is not a regular file", path=path, hint="a calibration text is a .txt or .jsonl file, or a folder of them")
+        raise CheckpointError(
+            "cannot be read: it is not a regular file",
+            path=path,
+            hint="a calibration text is a .txt or .jsonl file, or a folder of them",
+        )
     if info.st_size > MAX_TEXT_BYTES:
         raise CheckpointError(f"is {info.st_size} bytes, more than a calibration text's {MAX_TEXT_BYTES}", path=path)
     return info
@@ -98,7 +113,9 @@ def _chunks(path: str, info: os.stat_result) -> Iterator[str]:
             except OSError as exc:
                 raise CheckpointError(f"cannot be read: {exc.strerror}", path=path) from None
             if done + len(raw) > MAX_TEXT_BYTES:
-                raise CheckpointError(f"grew past a calibration text's {MAX_TEXT_BYTES} bytes while it was read", path=path)
+                raise CheckpointError(
+                    f"grew past a calibration text's {MAX_TEXT_BYTES} bytes while it was read", path=path
+                )
             try:
                 text = decoder.decode(raw, final=not raw)
             except UnicodeDecodeError as exc:
@@ -172,7 +189,7 @@ def _jsonl_pieces(path: str, info: os.stat_result, limit: int) -> Iterator[str]:
             value = parse_json(line, path, where=f"line {number}")
             document = value.get("text") if isinstance(value, dict) else None
             if not isinstance(document, str):
-                raise CheckpointError(f"line {number} has no string field \"text\"", path=path)
+                raise CheckpointError(f'line {number} has no string field "text"', path=path)
             yield from _split(document, limit)
         if text is None:
             return
@@ -222,14 +239,24 @@ def load_tokenizer(model_folder: str, notes: list[str] | None = None):
 
     if not model_folder or not os.path.isdir(model_folder):
         raise UsageError(f"{model_folder}: calibration needs a model folder with its tokenizer", option="calibrate")
-    if not any(os.path.isfile(os.path.join(model_folder, n)) for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")):
-        raise UsageError(f"{model_folder} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)", hint="calibration tokenizes the text with the model's own tokenizer", option="calibrate")
+    if not any(
+        os.path.isfile(os.path.join(model_folder, n))
+        for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    ):
+        raise UsageError(
+            f"{model_folder} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)",
+            hint="calibration tokenizes the text with the model's own tokenizer",
+            option="calibrate",
+        )
     try:
         return auto_tokenizer(model_folder, model_folder, [] if notes is None else notes)
     except (CheckpointError, UsageError):
         raise
     except Exception as exc:  # transformers raises anything from OSError to ValueError here
-        raise UsageError(f"{model_folder}: its tokenizer cannot be loaded ({type(exc).__name__}: {excerpt(str(exc).splitlines()[0]) if str(exc) else ''})", option="calibrate") from None
+        raise UsageError(
+            f"{model_folder}: its tokenizer cannot be loaded ({type(exc).__name__}: {excerpt(str(exc).splitlines()[0]) if str(exc) else ''})",
+            option="calibrate",
+        ) from None
 
 
 def tokenized(tokenizer, text: str, **options) -> list[int]:
@@ -241,7 +268,7 @@ def tokenized(tokenizer, text: str, **options) -> list[int]:
         return tokenizer(text, **options)["input_ids"]
 
 
-def draw_samples(text: CalibrationText, tokenizer, options: SampleOptions, where: str) -> "torch.Tensor":
+def draw_samples(text: CalibrationText, tokenizer, options: SampleOptions, where: str) -> torch.Tensor:
     """[samples, seq_len] int64 token ids: the text tokenized a piece at a time and joined into
     a pool of its first max(samples x seq_len, MIN_POOL_TOKENS) tokens (reading stops there),
     cut into non-overlapping windows, `samples` of them drawn with `seed` (the same every run)."""

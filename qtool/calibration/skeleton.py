@@ -57,7 +57,7 @@ def import_transformers_lean() -> None:
                 del sys.modules[name]
 
 
-def _config(checkpoint: "Checkpoint", notes: list[str]):
+def _config(checkpoint: Checkpoint, notes: list[str]):
     """transformers' config of the checkpoint, from config.json checked first
     (`qtool.calibration.config_check`): a folder that names its own code for an architecture
     transformers lacks is refused (`qtool.formats.transformers_boundary`), never run."""
@@ -72,9 +72,14 @@ def _config(checkpoint: "Checkpoint", notes: list[str]):
     folder = checkpoint.path if os.path.isdir(checkpoint.path) else os.path.dirname(os.path.abspath(checkpoint.path))
     refuse_folder_code(folder, raw, known_model_type=isinstance(model_type, str) and model_type in CONFIG_MAPPING)
     if not isinstance(model_type, str):
-        raise UsageError(f"{checkpoint.path}: config.json names no model_type, so transformers cannot build the model", option="calibrate")
+        raise UsageError(
+            f"{checkpoint.path}: config.json names no model_type, so transformers cannot build the model",
+            option="calibrate",
+        )
     if model_type not in CONFIG_MAPPING:
-        raise UsageError(f"{checkpoint.path}: architecture {model_type!r} is not known to this transformers", option="calibrate")
+        raise UsageError(
+            f"{checkpoint.path}: architecture {model_type!r} is not known to this transformers", option="calibrate"
+        )
     raw.pop("quantization_config", None)
     raw.pop("auto_map", None)  # a known architecture: transformers' own classes, never the folder's
     check_config(checkpoint, raw)
@@ -87,9 +92,12 @@ def _config(checkpoint: "Checkpoint", notes: list[str]):
     return config
 
 
-def _refused(checkpoint: "Checkpoint", by: str, exc: BaseException) -> CheckpointError:
+def _refused(checkpoint: Checkpoint, by: str, exc: BaseException) -> CheckpointError:
     """config.json refused `by` transformers' config or model classes, in one line."""
-    return CheckpointError(f"config.json is refused by {by}: {type(exc).__name__}: {excerpt(' '.join(str(exc).split()))}", path=checkpoint.path)
+    return CheckpointError(
+        f"config.json is refused by {by}: {type(exc).__name__}: {excerpt(' '.join(str(exc).split()))}",
+        path=checkpoint.path,
+    )
 
 
 @dataclass
@@ -102,10 +110,12 @@ class Skeleton:
     layers_prefix: str  # "model.layers"
     moe: list  # per layer, its mixture-of-experts blocks (qtool.calibration.experts.MoeBlock), unfused
 
-    notes: list = field(default_factory=list)  # transformers' and torch's talk while it was built, for the user's warnings
+    notes: list = field(
+        default_factory=list
+    )  # transformers' and torch's talk while it was built, for the user's warnings
 
     @classmethod
-    def build(cls, checkpoint: "Checkpoint") -> "Skeleton":
+    def build(cls, checkpoint: Checkpoint) -> Skeleton:
         """The skeleton, config.json checked against the checkpoint before and after it is built
         (`qtool.calibration.config_check`), remote code never trusted, whatever transformers
         logs or warns kept in `notes`."""
@@ -129,7 +139,10 @@ class Skeleton:
             except Exception as exc:  # a value transformers' modules cannot be built from
                 raise _refused(checkpoint, f"transformers' {config.model_type} model", exc) from None
         if model is None:
-            raise UsageError(f"{checkpoint.path}: transformers has no causal LM for architecture {config.model_type!r}", option="calibrate")
+            raise UsageError(
+                f"{checkpoint.path}: transformers has no causal LM for architecture {config.model_type!r}",
+                option="calibrate",
+            )
         count = getattr(config, "num_hidden_layers", None)
         found = None
         for name, module in model.named_modules():
@@ -137,7 +150,10 @@ class Skeleton:
                 found = (name, module)
                 break
         if found is None:
-            raise UsageError(f"{checkpoint.path}: architecture {config.model_type!r} is not a stack of {count} decoder layers of one class", option="calibrate")
+            raise UsageError(
+                f"{checkpoint.path}: architecture {config.model_type!r} is not a stack of {count} decoder layers of one class",
+                option="calibrate",
+            )
         layers_prefix, layers = found
         from qtool.calibration.experts import unfuse
 
@@ -148,7 +164,16 @@ class Skeleton:
         base = model.get_submodule(base_prefix) if base_prefix else model
         return cls(model, config, base, base_prefix, layers, layers_prefix, moe, notes)
 
-    def materialize(self, module, prefix: str, weights: dict[str, "Weight"], checkpoint: "Checkpoint", device: str, *, skip: tuple[str, ...] = ()) -> None:
+    def materialize(
+        self,
+        module,
+        prefix: str,
+        weights: dict[str, Weight],
+        checkpoint: Checkpoint,
+        device: str,
+        *,
+        skip: tuple[str, ...] = (),
+    ) -> None:
         """Give `module` (named `prefix` in the checkpoint) real float32 tensors on `device`,
         read by name; the submodules named in `skip` stay on meta. A parameter the checkpoint
         lacks is a one-line error."""
@@ -156,10 +181,10 @@ class Skeleton:
             if name in skip:
                 continue
             self._materialize_tree(child, f"{prefix}.{name}" if prefix else name, weights, checkpoint, device)
-        for name, param in list(module.named_parameters(recurse=False)):
+        for name, _ in list(module.named_parameters(recurse=False)):
             self._load(module, name, f"{prefix}.{name}" if prefix else name, weights, checkpoint, device)
 
-    def input_embedding(self) -> "tuple[str, Any] | None":
+    def input_embedding(self) -> tuple[str, Any] | None:
         """(its name in the base, the module) of the token embedding, when it is an
         `nn.Embedding` (or a subclass, such as Gemma 3's scaled one) directly under the base
         model with a 2-D weight and nothing else to read; else None (read whole)."""
@@ -169,11 +194,17 @@ class Skeleton:
             embedding = self.base.get_input_embeddings()
         except (AttributeError, NotImplementedError):
             return None
-        if not isinstance(embedding, torch.nn.Embedding) or [n for n, _ in embedding.named_parameters()] != ["weight"] or any(True for _ in embedding.children()):
+        if (
+            not isinstance(embedding, torch.nn.Embedding)
+            or [n for n, _ in embedding.named_parameters()] != ["weight"]
+            or any(True for _ in embedding.children())
+        ):
             return None
         return next(((name, child) for name, child in self.base.named_children() if child is embedding), None)
 
-    def materialize_rows(self, module, prefix: str, rows: "torch.Tensor", weights: dict[str, "Weight"], checkpoint: "Checkpoint", device: str):
+    def materialize_rows(
+        self, module, prefix: str, rows: torch.Tensor, weights: dict[str, Weight], checkpoint: Checkpoint, device: str
+    ):
         """The embedding `module` with only the rows `rows` (sorted distinct token ids) of its
         weight, float32, read row range by row range: row i of the result is token rows[i], so
         the caller renumbers its ids with `torch.unique(..., return_inverse=True)`. A whole
@@ -187,12 +218,19 @@ class Skeleton:
         full = f"{prefix}.weight"
         weight = weights.get(full)
         if weight is None:
-            raise CheckpointError(f"has no tensor {full}, which the {self.config.model_type} architecture needs", path=checkpoint.path)
+            raise CheckpointError(
+                f"has no tensor {full}, which the {self.config.model_type} architecture needs", path=checkpoint.path
+            )
         param = module._parameters["weight"]
         if tuple(weight.shape) != tuple(param.shape):
-            raise CheckpointError(f"{full} has shape {list(weight.shape)}, the {self.config.model_type} architecture expects {list(param.shape)}", path=checkpoint.path)
+            raise CheckpointError(
+                f"{full} has shape {list(weight.shape)}, the {self.config.model_type} architecture expects {list(param.shape)}",
+                path=checkpoint.path,
+            )
         if weight.quantized:
-            raise UsageError(f"{checkpoint.path} is already quantized ({full}); calibration needs float weights", option="calibrate")
+            raise UsageError(
+                f"{checkpoint.path} is already quantized ({full}); calibration needs float weights", option="calibrate"
+            )
         buffers = dict(module.named_buffers(recurse=False))
         if any(b.is_meta for b in buffers.values()):
             self._initialize_buffers(module, device)
@@ -206,7 +244,9 @@ class Skeleton:
             while end < len(ids) and ids[end] == ids[end - 1] + 1:
                 end += 1
             raw = checkpoint.read_bytes(weight.data, ids[start] * row_bytes, (end - start) * row_bytes)
-            values[start:end] = tensor_from_bytes(raw, weight.data.dtype, (end - start, width)).to(device=device, dtype=torch.float32)
+            values[start:end] = tensor_from_bytes(raw, weight.data.dtype, (end - start, width)).to(
+                device=device, dtype=torch.float32
+            )
             start = end
         module._parameters["weight"] = torch.nn.Parameter(values, requires_grad=False)
         padding_idx = module.padding_idx
@@ -238,7 +278,10 @@ class Skeleton:
             with torch.device(device):
                 fresh = type(module)(config=self.config)
         except TypeError:
-            raise UsageError(f"{prefix}: qtool cannot rebuild {type(module).__name__} outside transformers' loader", option="calibrate") from None
+            raise UsageError(
+                f"{prefix}: qtool cannot rebuild {type(module).__name__} outside transformers' loader",
+                option="calibrate",
+            ) from None
         for name, buffer in fresh.named_buffers(recurse=False):
             module._buffers[name] = buffer
 
@@ -254,21 +297,32 @@ class Skeleton:
         with torch.no_grad():
             self.model._init_weights(module)
 
-    def _load(self, module, name: str, full: str, weights: dict[str, "Weight"], checkpoint: "Checkpoint", device: str) -> None:
+    def _load(
+        self, module, name: str, full: str, weights: dict[str, Weight], checkpoint: Checkpoint, device: str
+    ) -> None:
         import torch
 
         from qtool.buffers import tensor_from_bytes
 
         weight = weights.get(full)
         if weight is None:
-            raise CheckpointError(f"has no tensor {full}, which the {self.config.model_type} architecture needs", path=checkpoint.path)
+            raise CheckpointError(
+                f"has no tensor {full}, which the {self.config.model_type} architecture needs", path=checkpoint.path
+            )
         param = module._parameters[name]
         if tuple(weight.shape) != tuple(param.shape):
-            raise CheckpointError(f"{full} has shape {list(weight.shape)}, the {self.config.model_type} architecture expects {list(param.shape)}", path=checkpoint.path)
+            raise CheckpointError(
+                f"{full} has shape {list(weight.shape)}, the {self.config.model_type} architecture expects {list(param.shape)}",
+                path=checkpoint.path,
+            )
         if weight.quantized:
-            raise UsageError(f"{checkpoint.path} is already quantized ({full}); calibration needs float weights", option="calibrate")
+            raise UsageError(
+                f"{checkpoint.path} is already quantized ({full}); calibration needs float weights", option="calibrate"
+            )
         values = tensor_from_bytes(checkpoint.read_bytes(weight.data), weight.data.dtype, tuple(weight.data.shape))
-        module._parameters[name] = torch.nn.Parameter(values.to(device=device, dtype=torch.float32), requires_grad=False)
+        module._parameters[name] = torch.nn.Parameter(
+            values.to(device=device, dtype=torch.float32), requires_grad=False
+        )
 
     @staticmethod
     def release(module) -> None:

@@ -18,7 +18,8 @@ import os
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
 
 if TYPE_CHECKING:
     import torch
@@ -33,7 +34,7 @@ class Spill:
         self._file = tempfile.TemporaryFile(prefix="qtool-calibration-")
         self._end = 0
 
-    def store(self, tensors: dict[str, "torch.Tensor"]) -> "SpilledTensors":
+    def store(self, tensors: dict[str, torch.Tensor]) -> SpilledTensors:
         from qtool.buffers import tensor_bytes
 
         where: dict[str, tuple[int, int, Any, tuple[int, ...]]] = {}
@@ -52,7 +53,7 @@ class SpilledTensors(Mapping):
     def __init__(self, file, where: dict[str, tuple[int, int, Any, tuple[int, ...]]]) -> None:
         self._file, self._where = file, where  # the file: open as long as a mapping needs it
 
-    def __getitem__(self, name: str) -> "torch.Tensor":
+    def __getitem__(self, name: str) -> torch.Tensor:
         import torch
 
         offset, size, dtype, shape = self._where[name]
@@ -92,7 +93,7 @@ class Parking:
     def reset(self) -> None:
         self._end = 0
 
-    def park(self, tensor: "torch.Tensor") -> Parked | None:
+    def park(self, tensor: torch.Tensor) -> Parked | None:
         """`tensor`'s whole storage written out and freed; None (nothing done) where torch
         cannot free it (a storage it does not own, not resizable), it is empty, or the
         temporary directory cannot take it (full: the tensor stays in memory, as without)."""
@@ -131,14 +132,14 @@ class Parking:
             self._file = None
 
 
-def _bytes_of(storage) -> "torch.Tensor":
+def _bytes_of(storage) -> torch.Tensor:
     """A uint8 tensor over the whole storage."""
     import torch
 
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-def _buffer(host: "torch.Tensor") -> memoryview:
+def _buffer(host: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU uint8 tensor as a writable buffer, without the numpy view
     that would leave its storage unresizable."""
     return memoryview((ctypes.c_char * host.numel()).from_address(host.data_ptr())).cast("B")

@@ -31,7 +31,8 @@ anyway raises `OutOfOrder`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
 from qtool.calibration.layers import forward
 from qtool.errors import InternalError, UsageError
@@ -58,7 +59,9 @@ class Order:
     followers: frozenset[str] = frozenset()
 
 
-def order(layer, hidden: "torch.Tensor", kwargs: dict[str, Any], linears: dict[str, Any], out: "torch.Tensor") -> Order | None:
+def order(
+    layer, hidden: torch.Tensor, kwargs: dict[str, Any], linears: dict[str, Any], out: torch.Tensor
+) -> Order | None:
     """The float layer over `hidden`'s samples into `out`, and the `Order` `run` can take the
     Linears of `linears` in: their modules' order where each sample called them, each at most
     once, in it (an MoE expert is called by some samples only); else the one order in which
@@ -70,13 +73,18 @@ def order(layer, hidden: "torch.Tensor", kwargs: dict[str, Any], linears: dict[s
     rank = {id(module): position for position, module in enumerate(linears.values())}
     calls: list[tuple[int, Any]] = []
     sequences = []  # per sample: (position, whether its input was the call before's) in call order
-    hooks = [module.register_forward_pre_hook(lambda module, args: calls.append((rank[id(module)], args[0]))) for module in linears.values()]
+    hooks = [
+        module.register_forward_pre_hook(lambda module, args: calls.append((rank[id(module)], args[0])))
+        for module in linears.values()
+    ]
     try:
         with torch.no_grad():
             for index in range(hidden.shape[0]):
                 calls.clear()
                 out[index] = forward(layer, hidden[index : index + 1], kwargs)
-                sequences.append(tuple((position, i > 0 and x is calls[i - 1][1]) for i, (position, x) in enumerate(calls)))
+                sequences.append(
+                    tuple((position, i > 0 and x is calls[i - 1][1]) for i, (position, x) in enumerate(calls))
+                )
                 calls.clear()
     finally:
         for hook in hooks:
@@ -110,14 +118,14 @@ def _follows(calls_at: list[dict[int, tuple[int, bool]]], before: int, after: in
 
 def run(
     layer,
-    hidden: "torch.Tensor",
+    hidden: torch.Tensor,
     kwargs: dict[str, Any],
     linears: dict[str, Any],
-    quantize: Callable[[list[str], list["torch.Tensor"]], None],
+    quantize: Callable[[list[str], list[torch.Tensor]], None],
     *,
     followers: frozenset[str] = frozenset(),
-    take: Callable[[str, "torch.Tensor"], bool] | None = None,
-    parking: "Parking | None" = None,
+    take: Callable[[str, torch.Tensor], bool] | None = None,
+    parking: Parking | None = None,
 ) -> list[str]:
     """Every sample of `hidden` [samples, seq, hidden] through `layer`, each Linear of
     `linears` (name: module, in the layer's order) quantized by `quantize(names, the inputs of
@@ -135,7 +143,11 @@ def run(
     try:
         from greenlet import getcurrent, greenlet
     except ImportError:
-        raise UsageError("GPTQ calibration needs the greenlet package, which is not installed", hint="pip install 'qtool[calibrate]'", option="calibrate") from None
+        raise UsageError(
+            "GPTQ calibration needs the greenlet package, which is not installed",
+            hint="pip install 'qtool[calibrate]'",
+            option="calibrate",
+        ) from None
     names = list(linears)
     rank = {id(module): position for position, module in enumerate(linears.values())}
     group_of: dict[int, list[int]] = {}  # a Linear's position: the positions quantized with it (it, then its followers)
@@ -148,12 +160,16 @@ def run(
         group_of[position] = groups[-1]
     quantized: set[int] = set()
     scheduler = getcurrent()
-    expected: dict[int, tuple[list[int], "torch.Tensor"]] = {}  # sample: the followers its pass is to call next, and their input
+    expected: dict[
+        int, tuple[list[int], torch.Tensor]
+    ] = {}  # sample: the followers its pass is to call next, and their input
 
     def broken(position: int | None, index: int) -> OutOfOrder:
         following = expected[index][0][0]
         called = "did not call it" if position is None else f"called {names[position]}"
-        return OutOfOrder(f"the layer {called} where {names[following]} was to follow {names[following - 1]} on its input")
+        return OutOfOrder(
+            f"the layer {called} where {names[following]} was to follow {names[following - 1]} on its input"
+        )
 
     def wait(module, args):
         position, index = rank[id(module)], current[getcurrent()]
@@ -174,7 +190,9 @@ def run(
 
     passes = [greenlet(lambda index=index: one(index), parent=scheduler) for index in range(hidden.shape[0])]
     current = {g: index for index, g in enumerate(passes)}
-    waiting: dict[int, list[tuple[int, "torch.Tensor", bool]]] = {}  # Linear's position: (sample, its input, whether taken)
+    waiting: dict[
+        int, list[tuple[int, torch.Tensor, bool]]
+    ] = {}  # Linear's position: (sample, its input, whether taken)
     parked: dict[int, list] = {}  # sample: its pass's parked storages
 
     def advance(index: int) -> None:
@@ -235,7 +253,7 @@ def run(
 PARK_AT_LEAST = 1 << 16  # bytes: smaller storages (routing indices, scalars) stay
 
 
-def _held(frame, kept: set[int]) -> list["torch.Tensor"]:
+def _held(frame, kept: set[int]) -> list[torch.Tensor]:
     """One tensor for each storage of at least `PARK_AT_LEAST` bytes that the suspended pass's
     frames hold (their locals, and the tuples, lists and dicts in them, a level deep), other
     than the `kept` ones (by data pointer): what the pass needs again only once it goes on. The
@@ -243,13 +261,15 @@ def _held(frame, kept: set[int]) -> list["torch.Tensor"]:
     closures hold the scheduler's state, other passes' inputs among it."""
     import torch
 
-    found: dict[int, "torch.Tensor"] = {}
+    found: dict[int, torch.Tensor] = {}
     while frame is not None:
         if frame.f_code.co_filename == __file__:
             frame = frame.f_back
             continue
         for value in list(frame.f_locals.values()):
-            inner = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else (value,)
+            inner = (
+                value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else (value,)
+            )
             for tensor in inner:
                 if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
                     storage = tensor.untyped_storage()
@@ -260,7 +280,7 @@ def _held(frame, kept: set[int]) -> list["torch.Tensor"]:
     return list(found.values())
 
 
-def _shared_storages(hidden: "torch.Tensor", kwargs: dict[str, Any], layer) -> set[int]:
+def _shared_storages(hidden: torch.Tensor, kwargs: dict[str, Any], layer) -> set[int]:
     """The data pointers of the storages every pass reads, now: the samples' buffer, the tensors
     in the layer's arguments (masks, rotary tables; in tuples and lists), its weights and
     buffers (each quantized weight a new one, the float one's address free for another tensor)."""

@@ -149,7 +149,7 @@ def _abort_outputs() -> None:
     if callable(abort_all):
         try:
             abort_all()
-        except Exception as failure:  # noqa: BLE001 - the signal's exit code still stands
+        except Exception as failure:
             from qtool.cli.output import print_warning
 
             print_warning(f"cleaning up the outputs failed: {type(failure).__name__}: {failure}")
@@ -255,7 +255,7 @@ def main() -> NoReturn:
             code = _run(sys.argv[1:])
         finally:
             _disarm()  # from here on a signal is counted, never raised
-    except BaseException as exc:  # noqa: BLE001 - the one place every exception ends
+    except BaseException as exc:
         code = _exit_code(exc)
     if _Signals.raised is not None:
         # Typer turns a KeyboardInterrupt during parsing into a silent exit 130, and a command
@@ -300,7 +300,7 @@ def _release_named_semaphores() -> None:
     if callable(run_finalizers):
         try:
             run_finalizers(0)
-        except Exception:  # noqa: BLE001 - the signal's exit code still stands; the tracker cleans up
+        except Exception:
             pass
 
 

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, List, Optional
+from typing import Annotated
 
 import typer
 
-from qtool.cli.options import CheckpointArg, DeviceOpt, FormatOpt, HtmlOpt, JsonOpt, OutputFormat, QuietOpt, ReportOpt, ReportOverwriteOpt
+from qtool.cli.options import (
+    CheckpointArg,
+    DeviceOpt,
+    FormatOpt,
+    HtmlOpt,
+    JsonOpt,
+    OutputFormat,
+    QuietOpt,
+    ReportOpt,
+    ReportOverwriteOpt,
+)
 from qtool.cli.output import Column, Output, Rows, Section, print_warning, progress
 from qtool.message_text import counted
 from qtool.patterns import REGEX_HELP
@@ -33,27 +43,48 @@ Examples:
 """
 
 PolicyOpt = Annotated[
-    Optional[Path],
-    typer.Option("--policy", help="A qtool-policy.toml with the same rules; options given here add to it.", show_default=False),
+    Path | None,
+    typer.Option(
+        "--policy", help="A qtool-policy.toml with the same rules; options given here add to it.", show_default=False
+    ),
 ]
 
 
 def check_command(
     path: CheckpointArg,
     expect_scheme: Annotated[
-        Optional[str], typer.Option("--expect-scheme", help="Every quantized and every selected weight has this scheme (W4A16, int8, ...).")
+        str | None,
+        typer.Option(
+            "--expect-scheme", help="Every quantized and every selected weight has this scheme (W4A16, int8, ...)."
+        ),
     ] = None,
     require_quantized: Annotated[
-        Optional[List[str]], typer.Option("--require-quantized", help=f"Weights matching (glob, or re:regex; {REGEX_HELP}) must be quantized. Repeatable.")
+        list[str] | None,
+        typer.Option(
+            "--require-quantized",
+            help=f"Weights matching (glob, or re:regex; {REGEX_HELP}) must be quantized. Repeatable.",
+        ),
     ] = None,
     allow_plain: Annotated[
-        Optional[List[str]], typer.Option("--allow-plain", help=f"Weights matching (glob, or re:regex; {REGEX_HELP}) may stay plain. Repeatable.")
+        list[str] | None,
+        typer.Option(
+            "--allow-plain", help=f"Weights matching (glob, or re:regex; {REGEX_HELP}) may stay plain. Repeatable."
+        ),
     ] = None,
     max_bits_per_weight: Annotated[
-        Optional[float], typer.Option("--max-bits-per-weight", help="All stored bits / all parameters, as inspect reports it, at most this.", min=0)
+        float | None,
+        typer.Option(
+            "--max-bits-per-weight",
+            help="All stored bits / all parameters, as inspect reports it, at most this.",
+            min=0,
+        ),
     ] = None,
-    fail_on_unknown: Annotated[bool, typer.Option("--fail-on-unknown", help="A weight qtool can't classify, or any note, is a finding.")] = False,
-    no_nan: Annotated[bool, typer.Option("--no-nan", help="Read every weight (dequantized first) and fail on NaN or Inf.")] = False,
+    fail_on_unknown: Annotated[
+        bool, typer.Option("--fail-on-unknown", help="A weight qtool can't classify, or any note, is a finding.")
+    ] = False,
+    no_nan: Annotated[
+        bool, typer.Option("--no-nan", help="Read every weight (dequantized first) and fail on NaN or Inf.")
+    ] = False,
     policy: PolicyOpt = None,
     device: DeviceOpt = "cpu",
     html: HtmlOpt = None,
@@ -68,21 +99,27 @@ def check_command(
 
     sink = Output("json" if json_ else fmt.value)
     reports = (report, html)
-    rules = load_policy(policy).with_check_options(
-        expect_scheme=expect_scheme,
-        require_quantized=tuple(require_quantized or ()),
-        allow_plain=tuple(allow_plain or ()),
-        max_bits_per_weight=max_bits_per_weight,
-        fail_on_unknown=fail_on_unknown,
-        no_nan=no_nan,
-    ).check
+    rules = (
+        load_policy(policy)
+        .with_check_options(
+            expect_scheme=expect_scheme,
+            require_quantized=tuple(require_quantized or ()),
+            allow_plain=tuple(allow_plain or ()),
+            max_bits_per_weight=max_bits_per_weight,
+            fail_on_unknown=fail_on_unknown,
+            no_nan=no_nan,
+        )
+        .check
+    )
     rules.validate()
     if rules.no_nan:
         api.refuse_remote_data(path)  # before the open below, which would need the network
         with api.open_checkpoint(path) as checkpoint:  # headers only: the progress bar's total
             total = sum(t.nbytes for t in checkpoint.tensors.values())
         with progress("checking", total, quiet) as advance:
-            result = api.check(path, rules, device=device, on_progress=advance, report_paths=reports, overwrite_reports=overwrite)
+            result = api.check(
+                path, rules, device=device, on_progress=advance, report_paths=reports, overwrite_reports=overwrite
+            )
     else:
         result = api.check(path, rules, device=device, report_paths=reports, overwrite_reports=overwrite)
     for note in result.notes:

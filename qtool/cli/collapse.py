@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 __all__ = ["collapse_rows", "format_indices"]
 

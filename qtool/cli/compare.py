@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated, List, Optional
+from typing import Annotated
 
 import typer
 
 from qtool.cli.check import PolicyOpt
-from qtool.cli.options import DeviceOpt, FormatOpt, HtmlOpt, JsonOpt, OutputFormat, QuietOpt, ReportOpt, ReportOverwriteOpt
+from qtool.cli.options import (
+    DeviceOpt,
+    FormatOpt,
+    HtmlOpt,
+    JsonOpt,
+    OutputFormat,
+    QuietOpt,
+    ReportOpt,
+    ReportOverwriteOpt,
+)
 from qtool.cli.output import Column, Output, Rows, Section, print_error, print_warning, progress
 from qtool.errors import UsageError, ViolationError
 from qtool.message_text import counted
@@ -43,12 +52,17 @@ Examples:
 """
 
 MapOpt = Annotated[
-    Optional[List[str]],
-    typer.Option("--map", help=f"Rename OLD=NEW before matching: re:REGEX (anchored; {REGEX_HELP}) or a literal prefix; \\1 in NEW. Repeatable, applied in order."),
+    list[str] | None,
+    typer.Option(
+        "--map",
+        help=f"Rename OLD=NEW before matching: re:REGEX (anchored; {REGEX_HELP}) or a literal prefix; \\1 in NEW. Repeatable, applied in order.",
+    ),
 ]
 
 
-NOTHING_HINT = "pair the names with --map OLD=NEW (a GGUF dequantized back keeps GGUF names), or compare two versions of one model"
+NOTHING_HINT = (
+    "pair the names with --map OLD=NEW (a GGUF dequantized back keeps GGUF names), or compare two versions of one model"
+)
 
 
 def _number(value, digits: str) -> str:
@@ -74,15 +88,29 @@ def _sqnr_cell(weight: dict):
 
 
 def compare_command(
-    a: Annotated[str, typer.Argument(metavar="A", help="The reference checkpoint (a file, an index, a folder, a .gguf).", show_default=False)],
+    a: Annotated[
+        str,
+        typer.Argument(
+            metavar="A", help="The reference checkpoint (a file, an index, a folder, a .gguf).", show_default=False
+        ),
+    ],
     b: Annotated[str, typer.Argument(metavar="B", help="The checkpoint measured against A.", show_default=False)],
     more: Annotated[
-        Optional[List[str]], typer.Argument(metavar="[C ...]", help="More candidates, each measured against A (overlaid in --html).", show_default=False)
+        list[str] | None,
+        typer.Argument(
+            metavar="[C ...]", help="More candidates, each measured against A (overlaid in --html).", show_default=False
+        ),
     ] = None,
     maps: MapOpt = None,
-    min_sqnr: Annotated[Optional[float], typer.Option("--min-sqnr", help="Fail when a weight's SQNR is below this many dB.")] = None,
-    max_rel_rmse: Annotated[Optional[float], typer.Option("--max-rel-rmse", help="Fail when a weight's relative RMSE is above this.", min=0)] = None,
-    max_missing: Annotated[Optional[int], typer.Option("--max-missing", help="Fail when more weights than this have no counterpart.", min=0)] = None,
+    min_sqnr: Annotated[
+        float | None, typer.Option("--min-sqnr", help="Fail when a weight's SQNR is below this many dB.")
+    ] = None,
+    max_rel_rmse: Annotated[
+        float | None, typer.Option("--max-rel-rmse", help="Fail when a weight's relative RMSE is above this.", min=0)
+    ] = None,
+    max_missing: Annotated[
+        int | None, typer.Option("--max-missing", help="Fail when more weights than this have no counterpart.", min=0)
+    ] = None,
     policy: PolicyOpt = None,
     device: DeviceOpt = "cpu",
     html: HtmlOpt = None,
@@ -105,7 +133,9 @@ def compare_command(
         if reason and not chosen.gates.any_set:
             raise UsageError(f"{comparison.b.path}: {reason}", hint=NOTHING_HINT)
     if report is not None or html is not None:  # before the measuring, which may take long
-        api.refuse_report_paths([c for comparison in comparisons for c in (comparison.a, comparison.b)], [report, html], overwrite=overwrite)
+        api.refuse_report_paths(
+            [c for comparison in comparisons for c in (comparison.a, comparison.b)], [report, html], overwrite=overwrite
+        )
     for note in dict.fromkeys(note for c in comparisons for note in (*c.a.notes, *c.b.notes)):
         print_warning(note)
     with progress("comparing", sum(c.total_bytes for c in comparisons), quiet) as advance:
@@ -146,7 +176,9 @@ def _show_overlay(documents: list[dict], sink: Output) -> None:
     for index in range(len(documents)):
         columns += [
             Column(f"B{index + 1} scheme", human=lambda v: v or "plain"),
-            Column(f"B{index + 1} SQNR dB", human=lambda v: v if isinstance(v, str) else _number(v, ".2f"), justify="right"),
+            Column(
+                f"B{index + 1} SQNR dB", human=lambda v: v if isinstance(v, str) else _number(v, ".2f"), justify="right"
+            ),
         ]
     rows = []
     for w in documents[0]["weights"]:
@@ -168,11 +200,17 @@ def _show_overlay(documents: list[dict], sink: Output) -> None:
                 f"B{index + 1}",
                 d["b"],
                 _model_sqnr(s),
-                "—" if worst is None else f"{worst['name']} ({worst['finding'] or ('exact' if worst['exact'] else _number(worst['sqnr_db'], '.2f') + ' dB')})",
-                "OK" if d["ok"] else counted(len(d['violations']), "violation"),
+                "—"
+                if worst is None
+                else f"{worst['name']} ({worst['finding'] or ('exact' if worst['exact'] else _number(worst['sqnr_db'], '.2f') + ' dB')})",
+                "OK" if d["ok"] else counted(len(d["violations"]), "violation"),
             ]
         )
-    summary = Section("Candidates", [Column("B"), Column("path"), Column("model SQNR", justify="right"), Column("worst weight"), Column("result")], facts)
+    summary = Section(
+        "Candidates",
+        [Column("B"), Column("path"), Column("model SQNR", justify="right"), Column("worst weight"), Column("result")],
+        facts,
+    )
     sink.emit(overlay_document(documents), table, [summary])
 
 
@@ -199,7 +237,18 @@ def _show(document: dict, sink: Output) -> None:
     rows = []
     for w in weights:
         sqnr = _sqnr_cell(w)
-        row = [w["name"], *([w["name_b"]] if renamed else []), w["shape"], w["scheme_a"], w["scheme_b"], sqnr, w["rel_rmse"], w["max_abs_err"], w["cosine"], w["finding"]]
+        row = [
+            w["name"],
+            *([w["name_b"]] if renamed else []),
+            w["shape"],
+            w["scheme_a"],
+            w["scheme_b"],
+            sqnr,
+            w["rel_rmse"],
+            w["max_abs_err"],
+            w["cosine"],
+            w["finding"],
+        ]
         rows.append(row)
     table = Rows(columns, rows, title=f"{document['a']} vs {document['b']}, worst first")
     summary = document["summary"]
@@ -214,10 +263,18 @@ def _show(document: dict, sink: Output) -> None:
             ["only in A / only in B", f"{summary['only_in_a']} / {summary['only_in_b']}"],
             ["model SQNR", _model_sqnr(summary)],
             *([["smoothed (AWQ)", _smoothed(summary["smoothing"])]] if summary.get("smoothing") else []),
-            ["model rel RMSE", _number(summary["rel_rmse"], ".4f") if summary["measured"] else "n/a (nothing measured)"],
-            ["worst weight", "—" if worst is None else f"{worst['name']} ({worst['finding'] or ('exact' if worst['exact'] else _number(worst['sqnr_db'], '.2f') + ' dB')})"],
+            [
+                "model rel RMSE",
+                _number(summary["rel_rmse"], ".4f") if summary["measured"] else "n/a (nothing measured)",
+            ],
+            [
+                "worst weight",
+                "—"
+                if worst is None
+                else f"{worst['name']} ({worst['finding'] or ('exact' if worst['exact'] else _number(worst['sqnr_db'], '.2f') + ' dB')})",
+            ],
             ["time", f"{document['seconds']:.1f} s on {document['device']}"],
-            ["result", "OK" if document["ok"] else counted(len(document['violations']), "violation")],
+            ["result", "OK" if document["ok"] else counted(len(document["violations"]), "violation")],
         ],
         show_header=False,
     )
@@ -234,6 +291,8 @@ def _show(document: dict, sink: Output) -> None:
         Section("Only in A", [Column("weight")], [[name] for name in document["only_in_a"]], show_header=False),
         Section("Only in B", [Column("weight")], [[name] for name in document["only_in_b"]], show_header=False),
         facts,
-        Section("Per-weight SQNR", [Column("SQNR"), Column("weights", justify="right"), Column("")], bins, show_header=False),
+        Section(
+            "Per-weight SQNR", [Column("SQNR"), Column("weights", justify="right"), Column("")], bins, show_header=False
+        ),
     ]
     sink.emit(document, table, sections)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -43,7 +43,9 @@ Examples:
 def dequantize_command(
     path: CheckpointArg,
     output_path: OutputPathOpt,
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="bf16, f16 or f32 (default: as the input records, else bf16).")] = None,
+    dtype: Annotated[
+        str | None, typer.Option("--dtype", help="bf16, f16 or f32 (default: as the input records, else bf16).")
+    ] = None,
     dry_run: DryRunOpt = False,
     max_shard_size: MaxShardOpt = None,
     overwrite: OverwriteOpt = False,
@@ -64,7 +66,15 @@ def dequantize_command(
     if dry_run:
         show_plan(plan, sink)
         return
-    document = run_plan(plan, device=device, threads=threads, overwrite=overwrite, quiet=quiet, spread=(workers, executor, ray_address, max_retries), measure=False).to_json()
+    document = run_plan(
+        plan,
+        device=device,
+        threads=threads,
+        overwrite=overwrite,
+        quiet=quiet,
+        spread=(workers, executor, ray_address, max_retries),
+        measure=False,
+    ).to_json()
     decoded, summary = document["weights"], document["summary"]
     rows = Rows(
         [Column("weight"), Column("from"), Column("shape"), Column("dtype")],

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from qtool.cli.options import CheckpointArg, DeviceOpt, FormatOpt, JsonOpt, OutputFormat, OverwriteOpt, QuietOpt, ThreadsOpt
+from qtool.cli.options import (
+    CheckpointArg,
+    DeviceOpt,
+    FormatOpt,
+    JsonOpt,
+    OutputFormat,
+    OverwriteOpt,
+    QuietOpt,
+    ThreadsOpt,
+)
 from qtool.cli.output import Column, Output, Rows, Section, print_status, print_warning, progress
 
 HELP = """Compute llama.cpp's importance matrix of a model on a calibration text.
@@ -31,12 +40,32 @@ Examples:
 
 def imatrix_command(
     path: CheckpointArg,
-    output_path: Annotated[str, typer.Option("--output", "-o", help="The importance matrix to write (.gguf).", show_default=False)],
-    calibrate: Annotated[str, typer.Option("--calibrate", help="The calibration text: a .txt, a .jsonl with a \"text\" field, or a folder of them.", show_default=False)],
-    chunks: Annotated[Optional[int], typer.Option("--chunks", help="At most this many chunks (default: all the text holds), as llama-imatrix --chunks.", min=1)] = None,
-    chunk_size: Annotated[int, typer.Option("--chunk-size", help="Tokens per chunk, as llama-imatrix -c.", min=16)] = 512,
+    output_path: Annotated[
+        str, typer.Option("--output", "-o", help="The importance matrix to write (.gguf).", show_default=False)
+    ],
+    calibrate: Annotated[
+        str,
+        typer.Option(
+            "--calibrate",
+            help='The calibration text: a .txt, a .jsonl with a "text" field, or a folder of them.',
+            show_default=False,
+        ),
+    ],
+    chunks: Annotated[
+        int | None,
+        typer.Option(
+            "--chunks", help="At most this many chunks (default: all the text holds), as llama-imatrix --chunks.", min=1
+        ),
+    ] = None,
+    chunk_size: Annotated[
+        int, typer.Option("--chunk-size", help="Tokens per chunk, as llama-imatrix -c.", min=16)
+    ] = 512,
     allow_incomplete_gguf: Annotated[
-        bool, typer.Option("--allow-incomplete-gguf", help="Name the tensors as qtool's GGUF conversion does even for a model it cannot describe to llama.cpp.")
+        bool,
+        typer.Option(
+            "--allow-incomplete-gguf",
+            help="Name the tensors as qtool's GGUF conversion does even for a model it cannot describe to llama.cpp.",
+        ),
     ] = False,
     overwrite: OverwriteOpt = False,
     device: DeviceOpt = "cpu",
@@ -54,7 +83,10 @@ def imatrix_command(
     advance = [lambda _step: None]
 
     def started(count: int, size: int, layers: int) -> None:  # the work ahead, before the first layer runs
-        print_status(f"imatrix: {count} chunk{'s' if count != 1 else ''} of {size} tokens, through {layers} decoder layer{'s' if layers != 1 else ''}", quiet)
+        print_status(
+            f"imatrix: {count} chunk{'s' if count != 1 else ''} of {size} tokens, through {layers} decoder layer{'s' if layers != 1 else ''}",
+            quiet,
+        )
         advance[0] = bars.enter_context(progress("imatrix layers", layers, quiet, bytes_=False))
 
     def layer_done(layer, layers: int) -> None:

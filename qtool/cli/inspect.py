@@ -39,11 +39,15 @@ def inspect_command(
     fmt: FormatOpt = OutputFormat.auto,
     json_: JsonOpt = False,
     filter_: FilterOpt = None,
-    raw: Annotated[bool, typer.Option("--raw", help="List the stored tensors of the weights reported instead of the weights.")] = False,
+    raw: Annotated[
+        bool, typer.Option("--raw", help="List the stored tensors of the weights reported instead of the weights.")
+    ] = False,
     collapse: Annotated[
         bool, typer.Option("--collapse/--no-collapse", help="Fold repeated layers into one row (human table only).")
     ] = True,
-    stats: Annotated[bool, typer.Option("--stats", help="Read the data and add value statistics per plain weight.")] = False,
+    stats: Annotated[
+        bool, typer.Option("--stats", help="Read the data and add value statistics per plain weight.")
+    ] = False,
     quiet: QuietOpt = False,
 ) -> None:
     from qtool import api
@@ -72,12 +76,23 @@ def inspect_command(
         if raw:  # the stored tensors of the weights reported, so they add up to the summary
             tensors = report.tensors
             document["tensors"] = [
-                {"name": t.name, "dtype": t.dtype.name, "shape": list(t.shape), "bytes": t.nbytes, "file": t.file, "offset": t.begin}
+                {
+                    "name": t.name,
+                    "dtype": t.dtype.name,
+                    "shape": list(t.shape),
+                    "bytes": t.nbytes,
+                    "file": t.file,
+                    "offset": t.begin,
+                }
                 for t in tensors
             ]
             output.emit(document, None if as_json else _tensor_rows(tensors))
         else:
-            output.emit(document, None if as_json else _weight_rows(document["weights"], stats), () if as_json else _summary_sections(document))
+            output.emit(
+                document,
+                None if as_json else _weight_rows(document["weights"], stats),
+                () if as_json else _summary_sections(document),
+            )
 
 
 def _show_imatrix(output: Output, imatrix: Any, filter_: str | None) -> None:
@@ -93,7 +108,12 @@ def _show_imatrix(output: Output, imatrix: Any, filter_: str | None) -> None:
     if output.format == "json":
         return output.emit(document, None)
     counted = "tokens" if document["format"] == "gguf" else "chunks"  # a legacy file keeps ncall: chunks, rounded up
-    columns = [Column("name"), Column("columns", justify="right"), Column("experts", justify="right"), Column(counted, justify="right")]
+    columns = [
+        Column("name"),
+        Column("columns", justify="right"),
+        Column("experts", justify="right"),
+        Column(counted, justify="right"),
+    ]
     rows = [[t["name"], t["columns"], t["matrices"], _tokens(t["counts"])] for t in document["tensors"]]
     key, value = Column("fact"), Column("value", justify="right")
     facts = [
@@ -103,7 +123,11 @@ def _show_imatrix(output: Output, imatrix: Any, filter_: str | None) -> None:
         ["chunk size", document["chunk_size"] or "not recorded"],
         ["datasets", ", ".join(document["datasets"]) or NO_SCHEME],
     ]
-    output.emit(document, Rows(columns, rows, collapse_keys=(1, 2, 3), title="Importance matrix"), [Section("Summary", [key, value], facts, show_header=False)])
+    output.emit(
+        document,
+        Rows(columns, rows, collapse_keys=(1, 2, 3), title="Importance matrix"),
+        [Section("Summary", [key, value], facts, show_header=False)],
+    )
 
 
 def _tokens(counts: list[int]) -> str:
@@ -135,7 +159,9 @@ def _weight_rows(weights: list[dict[str, Any]], stats: bool) -> Rows:
         for row, w in zip(rows, weights):
             row.append("; ".join(w["notes"]))
     keys_for_collapse = [i for i in range(1, len(columns)) if columns[i].header not in ("parameters", "size")]
-    return Rows(columns, rows, collapse_keys=keys_for_collapse if not stats else (), collapse_sums=(4, 5), title="Weights")
+    return Rows(
+        columns, rows, collapse_keys=keys_for_collapse if not stats else (), collapse_sums=(4, 5), title="Weights"
+    )
 
 
 def _stat(value: Any) -> str:
@@ -179,13 +205,26 @@ def _summary_sections(document: dict[str, Any]) -> list[Section]:
     )
     by_dtype = Section(
         "Bytes by dtype",
-        [Column("dtype"), Column("tensors", justify="right"), Column("bytes", human=human_bytes, justify="right"), Column("share", justify="right")],
+        [
+            Column("dtype"),
+            Column("tensors", justify="right"),
+            Column("bytes", human=human_bytes, justify="right"),
+            Column("share", justify="right"),
+        ],
         [[d, v["tensors"], v["bytes"], _share(v["bytes"], summary["bytes"])] for d, v in summary["by_dtype"].items()],
     )
     by_scheme = Section(
         "Parameters by scheme",
-        [Column("scheme"), Column("weights", justify="right"), Column("parameters", human=human_count, justify="right"), Column("share", justify="right")],
-        [[s, v["weights"], v["parameters"], _share(v["parameters"], summary["parameters"])] for s, v in summary["by_scheme"].items()],
+        [
+            Column("scheme"),
+            Column("weights", justify="right"),
+            Column("parameters", human=human_count, justify="right"),
+            Column("share", justify="right"),
+        ],
+        [
+            [s, v["weights"], v["parameters"], _share(v["parameters"], summary["parameters"])]
+            for s, v in summary["by_scheme"].items()
+        ],
     )
     metadata = Section(
         "Metadata",

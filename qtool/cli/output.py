@@ -11,7 +11,8 @@ import itertools
 import json
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
+from collections.abc import Callable, Iterator, Sequence
 
 from qtool.cli.collapse import collapse_rows
 from qtool.cli.text import escape
@@ -186,7 +187,9 @@ def print_status(message: str, quiet: bool = False) -> None:
 
 
 @contextlib.contextmanager
-def progress(description: str, total: int, quiet: bool = False, count: str | None = None, bytes_: bool = True) -> Iterator[Callable[[int], None]]:
+def progress(
+    description: str, total: int, quiet: bool = False, count: str | None = None, bytes_: bool = True
+) -> Iterator[Callable[[int], None]]:
     """A Rich progress bar on stderr, advanced by the callback it yields. Silent when stderr is
     not a terminal, or when quiet. With `count` ("shard jobs"), each call is also one of those
     done, counted in the description. `bytes_` False: `total` counts steps (layers), shown as
@@ -195,7 +198,15 @@ def progress(description: str, total: int, quiet: bool = False, count: str | Non
         yield lambda _advance: None
         return
     from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
 
     amounts = (DownloadColumn(), TransferSpeedColumn()) if bytes_ else (MofNCompleteColumn(),)
     bar = Progress(

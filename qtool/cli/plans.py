@@ -28,7 +28,16 @@ def show_plan(plan, output: Output) -> None:
             Column("bits/weight", human=lambda v: f"{v:.3f}", justify="right"),
         ],
         [
-            [w["name"], w["action"], w["scheme"], w["from"], w["shape"], w["bytes_before"], w["bytes_after"], w["bits_per_weight"]]
+            [
+                w["name"],
+                w["action"],
+                w["scheme"],
+                w["from"],
+                w["shape"],
+                w["bytes_before"],
+                w["bytes_after"],
+                w["bits_per_weight"],
+            ]
             for w in document["weights"]
         ],
         collapse_keys=(1, 2, 3, 4, 7),
@@ -68,7 +77,9 @@ def _show_gguf_plan(plan, document: dict, output: Output) -> None:
             [
                 w["tensors"][0]["name"],
                 w["shape"],
-                w["stored_as"] if w["stored_as"] == w["tensors"][0]["dtype"] else f"{w['stored_as']} -> {w['tensors'][0]['dtype']}",
+                w["stored_as"]
+                if w["stored_as"] == w["tensors"][0]["dtype"]
+                else f"{w['stored_as']} -> {w['tensors'][0]['dtype']}",
                 w["bytes_before"],
                 w["bytes_after"],
                 w["bits_per_weight"],
@@ -91,7 +102,9 @@ def _show_gguf_plan(plan, document: dict, output: Output) -> None:
     ]
     sections = [Section("Total", [Column("fact"), Column("value", justify="right")], facts, show_header=False)]
     if document["notes"]:
-        sections.append(Section("Fallbacks", [Column("note")], [[note] for note in document["notes"]], show_header=False))
+        sections.append(
+            Section("Fallbacks", [Column("note")], [[note] for note in document["notes"]], show_header=False)
+        )
     output.emit(document, rows, sections)
 
 
@@ -127,7 +140,16 @@ def _pool_warning(pool) -> str:
     return f"{said}, one per shard job"
 
 
-def run_plan(plan, *, device: str, threads: int | None, overwrite: bool, quiet: bool, measure: bool, spread: tuple = (1, "local", None, None)):
+def run_plan(
+    plan,
+    *,
+    device: str,
+    threads: int | None,
+    overwrite: bool,
+    quiet: bool,
+    measure: bool,
+    spread: tuple = (1, "local", None, None),
+):
     """`spread`: (workers, executor, ray address, max retries), as `api.run` takes them."""
     from qtool import api
 
@@ -146,10 +168,16 @@ def run_plan(plan, *, device: str, threads: int | None, overwrite: bool, quiet: 
 
     def layer_done(layer, layers: int) -> None:
         error = getattr(layer, "output_error", None)  # an importance matrix quantizes nothing while it runs
-        print_status(f"calibrated layer {layer.index + 1}/{layers} in {layer.seconds:.1f} s" + (f", output relative MSE {error:.3g}" if error is not None else ""), quiet)
+        print_status(
+            f"calibrated layer {layer.index + 1}/{layers} in {layer.seconds:.1f} s"
+            + (f", output relative MSE {error:.3g}" if error is not None else ""),
+            quiet,
+        )
 
     spread_out = workers > 1 or executor != "local"  # then each progress call is one shard job done
-    with progress("writing" if not measure else "quantizing", total, quiet, count="shard jobs" if spread_out else None) as advance:
+    with progress(
+        "writing" if not measure else "quantizing", total, quiet, count="shard jobs" if spread_out else None
+    ) as advance:
         outcome = api.run(
             plan,
             device=device,
@@ -171,5 +199,7 @@ def run_plan(plan, *, device: str, threads: int | None, overwrite: bool, quiet: 
         if name in decoded:  # the read side's rule is the write side's: said, by name, never silent
             print_warning(f"{name} decodes to {value} values: written as they decode (see `qtool check --no-nan`)")
         else:
-            print_warning(f"{name} holds {value} values: encoded as its toolchain does, no error figure (see `qtool check --no-nan`)")
+            print_warning(
+                f"{name} holds {value} values: encoded as its toolchain does, no error figure (see `qtool check --no-nan`)"
+            )
     return outcome

@@ -1,6 +1,6 @@
 """`qtool quantize`: a float checkpoint in, a quantized one out, with each weight's error."""
 
-from typing import Annotated, List, Optional
+from typing import Annotated
 
 import typer
 
@@ -83,49 +83,101 @@ weights belie (checked in --dry-run too).
 def quantize_command(
     path: CheckpointArg,
     output_path: QuantizeOutputOpt,
-    scheme: Annotated[str, typer.Option("--scheme", "-s", help="A preset (W4A16, FP8_BLOCK, ...), a short form (int4:g64:asym, q4_k) or a llama.cpp file type (Q4_K_M).")] = "W4A16",
-    include: Annotated[Optional[List[str]], typer.Option("--include", help=f"Quantize only names matching (glob, or re:regex; {REGEX_HELP}). Repeatable.")] = None,
-    ignore: Annotated[Optional[List[str]], typer.Option("--ignore", help=f"Never quantize names matching (glob, or re:regex; {REGEX_HELP}). Repeatable.")] = None,
+    scheme: Annotated[
+        str,
+        typer.Option(
+            "--scheme",
+            "-s",
+            help="A preset (W4A16, FP8_BLOCK, ...), a short form (int4:g64:asym, q4_k) or a llama.cpp file type (Q4_K_M).",
+        ),
+    ] = "W4A16",
+    include: Annotated[
+        list[str] | None,
+        typer.Option("--include", help=f"Quantize only names matching (glob, or re:regex; {REGEX_HELP}). Repeatable."),
+    ] = None,
+    ignore: Annotated[
+        list[str] | None,
+        typer.Option("--ignore", help=f"Never quantize names matching (glob, or re:regex; {REGEX_HELP}). Repeatable."),
+    ] = None,
     tensor_scheme: Annotated[
-        Optional[List[str]], typer.Option("--tensor-scheme", help=f"PATTERN=SCHEME: another scheme for weights matching PATTERN (glob, or re:regex; {REGEX_HELP}). Repeatable.")
+        list[str] | None,
+        typer.Option(
+            "--tensor-scheme",
+            help=f"PATTERN=SCHEME: another scheme for weights matching PATTERN (glob, or re:regex; {REGEX_HELP}). Repeatable.",
+        ),
     ] = None,
     observer: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(
             "--observer",
             help="How int scales are chosen: minmax (the block's range, the default) or mse (a search for the scale and zero "
             "point of least squared error, never worse than minmax on any group: on MiniLM +0.82 dB SQNR for W4A16, +2.3 dB "
             "for int2:g64:asym, only +0.1 dB for int8 per channel; a whole bf16 W4A16 quantize takes 1.5-2x as long). "
-            "Applies to --scheme and to every --tensor-scheme naming none (or write int4:g128:mse)."),
+            "Applies to --scheme and to every --tensor-scheme naming none (or write int4:g128:mse).",
+        ),
     ] = None,
     layout: Annotated[
-        str, typer.Option("--layout", help="Output layout: auto, compressed-tensors, bitsandbytes, or gguf (one .gguf file).")
+        str,
+        typer.Option(
+            "--layout", help="Output layout: auto, compressed-tensors, bitsandbytes, or gguf (one .gguf file)."
+        ),
     ] = "auto",
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Cast the float tensors that stay unquantized: bf16, f16 or f32.")] = None,
-    allow_requantize: Annotated[bool, typer.Option("--allow-requantize", help="Accept an already-quantized input: dequantize it first.")] = False,
+    dtype: Annotated[
+        str | None, typer.Option("--dtype", help="Cast the float tensors that stay unquantized: bf16, f16 or f32.")
+    ] = None,
+    allow_requantize: Annotated[
+        bool, typer.Option("--allow-requantize", help="Accept an already-quantized input: dequantize it first.")
+    ] = False,
     allow_incomplete_gguf: Annotated[
-        bool, typer.Option("--allow-incomplete-gguf", help="Write a GGUF even for a model qtool cannot describe to llama.cpp (not llama/mistral/qwen2, or no tokenizer): no runtime will load it.")
+        bool,
+        typer.Option(
+            "--allow-incomplete-gguf",
+            help="Write a GGUF even for a model qtool cannot describe to llama.cpp (not llama/mistral/qwen2, or no tokenizer): no runtime will load it.",
+        ),
     ] = False,
     pure: Annotated[
-        bool, typer.Option("--pure", help="With a llama.cpp file type: its default type on every tensor llama.cpp quantizes, with the row fallbacks and no promotions (llama-quantize --pure).")
+        bool,
+        typer.Option(
+            "--pure",
+            help="With a llama.cpp file type: its default type on every tensor llama.cpp quantizes, with the row fallbacks and no promotions (llama-quantize --pure).",
+        ),
     ] = False,
     report: Annotated[
-        Optional[str], typer.Option("--report", help="Also write the summary document (every quantized weight's error) to this JSON file; HTML when it ends in .html.")
+        str | None,
+        typer.Option(
+            "--report",
+            help="Also write the summary document (every quantized weight's error) to this JSON file; HTML when it ends in .html.",
+        ),
     ] = None,
     html: HtmlOpt = None,
     calibrate: Annotated[
-        Optional[str], typer.Option("--calibrate", help="Calibrate on this text (.txt, .jsonl with a \"text\" field, or a folder of them): GPTQ by default, compressed-tensors int schemes.")
+        str | None,
+        typer.Option(
+            "--calibrate",
+            help='Calibrate on this text (.txt, .jsonl with a "text" field, or a folder of them): GPTQ by default, compressed-tensors int schemes.',
+        ),
     ] = None,
-    algorithm: Annotated[Optional[str], typer.Option("--algorithm", help="With --calibrate: gptq (default), awq or rtn.")] = None,
+    algorithm: Annotated[
+        str | None, typer.Option("--algorithm", help="With --calibrate: gptq (default), awq or rtn.")
+    ] = None,
     imatrix: Annotated[
-        Optional[str],
-        typer.Option("--imatrix", help="GGUF output: weigh llama.cpp's quantizers with this importance matrix (llama-imatrix's .gguf or legacy .dat), as llama-quantize --imatrix does."),
+        str | None,
+        typer.Option(
+            "--imatrix",
+            help="GGUF output: weigh llama.cpp's quantizers with this importance matrix (llama-imatrix's .gguf or legacy .dat), as llama-quantize --imatrix does.",
+        ),
     ] = None,
-    samples: Annotated[int, typer.Option("--samples", help="With --calibrate: how many token windows to calibrate on.")] = 128,
+    samples: Annotated[
+        int, typer.Option("--samples", help="With --calibrate: how many token windows to calibrate on.")
+    ] = 128,
     seq_len: Annotated[int, typer.Option("--seq-len", help="With --calibrate: tokens per window.")] = 512,
     seed: Annotated[int, typer.Option("--seed", help="With --calibrate: which windows are drawn.")] = 0,
     actorder: Annotated[
-        Optional[str], typer.Option("--actorder", help="With --calibrate (GPTQ): static (the default, as llm-compressor's) or weight (its alias): quantize columns by decreasing activation, groups unchanged; none: in their stored order.")
+        str | None,
+        typer.Option(
+            "--actorder",
+            help="With --calibrate (GPTQ): static (the default, as llm-compressor's) or weight (its alias): quantize columns by decreasing activation, groups unchanged; none: in their stored order.",
+        ),
     ] = None,
     true_sequential: Annotated[
         bool,
@@ -181,7 +233,15 @@ def quantize_command(
     if dry_run:
         show_plan(plan, sink)
         return
-    outcome = run_plan(plan, device=device, threads=threads, overwrite=overwrite, quiet=quiet, spread=(workers, executor, ray_address, max_retries), measure=True)
+    outcome = run_plan(
+        plan,
+        device=device,
+        threads=threads,
+        overwrite=overwrite,
+        quiet=quiet,
+        spread=(workers, executor, ray_address, max_retries),
+        measure=True,
+    )
     _show_summary(outcome.to_json(), sink)
 
 
@@ -199,7 +259,10 @@ def _show_summary(document: dict, sink: Output) -> None:
             Column("max abs err", human=lambda v: "0" if v is None else f"{v:.4g}", justify="right"),
             Column("cosine", human=lambda v: "1" if v is None else f"{v:.6f}", justify="right"),
         ],
-        [[w["name"], w["scheme"], w["sqnr_db"], w["rel_rmse"], w["max_abs_err"], w["cosine"]] for w in document["weights"][:10]],
+        [
+            [w["name"], w["scheme"], w["sqnr_db"], w["rel_rmse"], w["max_abs_err"], w["cosine"]]
+            for w in document["weights"][:10]
+        ],
         title="Worst weights by SQNR",
     )
     summary = document["summary"]
@@ -211,8 +274,16 @@ def _show_summary(document: dict, sink: Output) -> None:
             ["weights quantized", f"{summary['quantized_weights']} of {summary['weights']}"],
             ["size", f"{human_bytes(summary['bytes_before'])} -> {human_bytes(summary['bytes_after'])}"],
             ["bits per weight", f"{summary['bits_per_weight']:.3f}"],
-            *([["SQNR, quantized weights", f"{_db(summary['quantized']['sqnr_db'])} dB"]] if "quantized" in summary else []),  # a mix may quantize nothing
-            *([["SQNR, all weights", f"{_db(summary['all_weights']['sqnr_db'])} dB"]] if "all_weights" in summary else []),
+            *(
+                [["SQNR, quantized weights", f"{_db(summary['quantized']['sqnr_db'])} dB"]]
+                if "quantized" in summary
+                else []
+            ),  # a mix may quantize nothing
+            *(
+                [["SQNR, all weights", f"{_db(summary['all_weights']['sqnr_db'])} dB"]]
+                if "all_weights" in summary
+                else []
+            ),
             ["time", f"{document['seconds']:.1f} s on {document['device']}"],
         ],
         show_header=False,

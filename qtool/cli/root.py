@@ -38,7 +38,7 @@ class _ErrorBoundary(TyperGroup):
             ctx.exit(0)
         except (KeyboardInterrupt, Terminated) as exc:
             ctx.exit(stopped(exc))
-        except Exception as exc:  # noqa: BLE001 - the boundary
+        except Exception as exc:
             if _is_click_exception(exc) or debug():
                 raise
             ctx.exit(report(exc))

@@ -6,6 +6,7 @@ from qtool.message_text import escape  # the one escape, shared with the HTML re
 
 __all__ = ["escape", "human_bytes", "human_count"]
 
+
 def human_bytes(count: int) -> str:
     value = float(count)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

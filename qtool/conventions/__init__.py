@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from qtool.conventions.base import Convention, Pool
 from qtool.conventions.plain import Plain
@@ -64,7 +65,12 @@ def _format(name: str) -> ClaimSignal:
 _ENTRIES: tuple[_Entry, ...] = (
     _Entry("compressed-tensors", "compressed_tensors", "CompressedTensors", lambda c, n: n.has_leaf("weight_scale")),
     _Entry("fp8", "fp8", "Fp8", lambda c, n: n.has_leaf("weight_scale", "weight_scale_inv")),
-    _Entry("bitsandbytes", "bitsandbytes", "Bitsandbytes", lambda c, n: n.has_leaf("SCB") or n.has(".quant_state.bitsandbytes__")),
+    _Entry(
+        "bitsandbytes",
+        "bitsandbytes",
+        "Bitsandbytes",
+        lambda c, n: n.has_leaf("SCB") or n.has(".quant_state.bitsandbytes__"),
+    ),
     _Entry("gguf", "gguf", "Gguf", _format("gguf")),
     _Entry("gptq", "gptq", "Gptq", lambda c, n: n.has_leaf("qweight")),
     _Entry("awq", "awq", "Awq", lambda c, n: n.has_leaf("qweight")),

@@ -90,12 +90,18 @@ def _gemm(shapes: dict[str, tuple[int, ...]]) -> _Layout | None:
 def _gemv_sizes(in_features: int, width: int) -> list[int]:
     """Every group size AutoAWQ accepts that gives qzeros `width` columns for `in_features`."""
     sizes = [32, 64] + [1 << k for k in range(7, max(7, in_features.bit_length()) + 1)] + [in_features]
-    return sorted({s for s in sizes if s <= in_features and in_features % s == 0 and zeros_width(in_features, s) == width})
+    return sorted(
+        {s for s in sizes if s <= in_features and in_features % s == 0 and zeros_width(in_features, s) == width}
+    )
 
 
 def _gemv(shapes: dict[str, tuple[int, ...]], group_hint: int | None) -> _Layout | list[int] | None:
     """The GEMV layout; a list of sizes when several fit and no hint picks one."""
-    (out_features, packed), (zero_rows, width), (scale_rows, scale_columns) = shapes["qweight"], shapes["qzeros"], shapes["scales"]
+    (out_features, packed), (zero_rows, width), (scale_rows, scale_columns) = (
+        shapes["qweight"],
+        shapes["qzeros"],
+        shapes["scales"],
+    )
     if not (out_features == zero_rows == scale_rows) or scale_columns != 8 * width:
         return None
     in_features = 8 * packed
@@ -133,7 +139,9 @@ def read_layout(shapes: dict[str, tuple[int, ...]], version: str | None, group_h
     for candidate in order:
         layout = found[candidate]
         if isinstance(layout, list):
-            raise _Unfit(f"a GEMV layout whose group size could be any of {layout} (the zero padding hides it); a config must say")
+            raise _Unfit(
+                f"a GEMV layout whose group size could be any of {layout} (the zero padding hides it); a config must say"
+            )
         if layout is not None:
             return layout
     raise _Unfit(
@@ -170,7 +178,13 @@ class Awq:
                     weights.append(_unreadable(name, members, settings, note))
         return weights
 
-    def decode(self, checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
+    def decode(
+        self,
+        checkpoint: Checkpoint,
+        weight: Weight,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
         return decode(checkpoint, weight, device, dtype)
 
 
@@ -202,7 +216,9 @@ class _Settings:
 def _scheme(group_size: int | None, in_features: int, scale_dtype: str, source: str) -> QScheme:
     return QScheme(
         qtype=qtype("uint4"),
-        block=CHANNEL if group_size is None or (group_size >= in_features and source == "shapes") else group(group_size),
+        block=CHANNEL
+        if group_size is None or (group_size >= in_features and source == "shapes")
+        else group(group_size),
         symmetric=False,
         scale_dtype=scale_dtype,
         zero_point=True,
@@ -221,7 +237,9 @@ def _provenance(layout_version: str, source: str, unfit: bool = False) -> Proven
 def _resolve(name: str, members: dict[str, StoredTensor], settings: _Settings) -> Weight:
     for role, expected in ((DATA, ("I32",)), ("zero_point", ("I32",)), ("scale", _FLOATS)):
         if members[role].dtype.name not in expected:
-            raise _Unfit(f"{members[role].name.rpartition('.')[2]} is {members[role].dtype.name}, expected {' or '.join(expected)}")
+            raise _Unfit(
+                f"{members[role].name.rpartition('.')[2]} is {members[role].dtype.name}, expected {' or '.join(expected)}"
+            )
     layout = read_layout(_shapes(members), settings.version, settings.group_size)
     notes = []
     source = "config.json" if settings.present else "shapes"
@@ -237,7 +255,15 @@ def _resolve(name: str, members: dict[str, StoredTensor], settings: _Settings) -
             notes.append("config.json says zero_point false, but qzeros are stored; they are applied")
     group_size = None if settings.group_size == -1 else layout.group_size
     scheme = _scheme(group_size, layout.in_features, members["scale"].dtype.name, source)
-    return Weight(name, (layout.out_features, layout.in_features), members["scale"].dtype.name, members, scheme, _provenance(layout.version, source), notes)
+    return Weight(
+        name,
+        (layout.out_features, layout.in_features),
+        members["scale"].dtype.name,
+        members,
+        scheme,
+        _provenance(layout.version, source),
+        notes,
+    )
 
 
 def _unreadable(name: str, members: dict[str, StoredTensor], settings: _Settings, note: str) -> Weight:
@@ -258,7 +284,9 @@ def _unreadable(name: str, members: dict[str, StoredTensor], settings: _Settings
 # -- decode ---------------------------------------------------------------------------------------
 
 
-def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
+def decode(
+    checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """The float weight [O, I] in the scales' dtype unless `dtype` says otherwise; bit for bit
     AutoAWQ's `dequantize_gemm` (GEMM) and its GEMV kernel's float32 products (GEMV)."""
     import torch
@@ -271,13 +299,19 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
     require_convention(weight, NAME)
     version = weight.provenance.detail("version")
     if weight.provenance.detail(UNFIT) is not None:
-        raise CheckpointError(f"{weight.name}: {weight.notes[-1] if weight.notes else 'not an AWQ layout qtool reads'}", path=weight.data.file)
+        raise CheckpointError(
+            f"{weight.name}: {weight.notes[-1] if weight.notes else 'not an AWQ layout qtool reads'}",
+            path=weight.data.file,
+        )
     try:
         layout = read_layout(_shapes(weight.members), version, scheme.group_size or -1)
     except _Unfit as exc:
         raise CheckpointError(f"{weight.name}: AWQ tensors do not fit: {exc}", path=weight.data.file) from None
     if (layout.out_features, layout.in_features) != tuple(weight.shape) or layout.version != version:
-        raise CheckpointError(f"{weight.name}: AWQ tensors hold a {layout.version} [{layout.out_features}, {layout.in_features}] weight, not {list(weight.shape)}", path=weight.data.file)
+        raise CheckpointError(
+            f"{weight.name}: AWQ tensors hold a {layout.version} [{layout.out_features}, {layout.in_features}] weight, not {list(weight.shape)}",
+            path=weight.data.file,
+        )
     out_features, in_features, groups, size = layout.out_features, layout.in_features, layout.groups, layout.group_size
 
     def load(role: str) -> torch.Tensor:
@@ -302,7 +336,12 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
             packed = qweight[:, start // 8 : stop // 8]  # [I, n/8]
             nibbles = kernels.unpack_int32(packed, 4, stop - start, dim=-1)  # [I, n] in nibble order
             # [n/8, 8, I] in output order: one gather does the de-interleave and the transpose
-            values = nibbles.view(in_features, -1, 8).permute(1, 2, 0).index_select(1, reverse).reshape(stop - start, in_features)
+            values = (
+                nibbles.view(in_features, -1, 8)
+                .permute(1, 2, 0)
+                .index_select(1, reverse)
+                .reshape(stop - start, in_features)
+            )
         dequantize_grouped(
             values, scales[start:stop], zeros[start:stop], group_size=size, bits=4, dtype=out.dtype, out=out[start:stop],
         )  # fmt: skip

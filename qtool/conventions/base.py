@@ -52,7 +52,12 @@ def metadata_json(checkpoint: Checkpoint, key: str) -> Any:
     raw = checkpoint.metadata.get(key)
     if not isinstance(raw, str):
         return None
-    return parse_json(raw, checkpoint.path, where=f"__metadata__[{describe(key, 80)}]", hint="the file's metadata is damaged; re-save the checkpoint")
+    return parse_json(
+        raw,
+        checkpoint.path,
+        where=f"__metadata__[{describe(key, 80)}]",
+        hint="the file's metadata is damaged; re-save the checkpoint",
+    )
 
 
 def unusable_scale(tensor: StoredTensor, label: str) -> str | None:

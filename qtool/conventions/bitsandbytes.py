@@ -65,8 +65,12 @@ BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # what bitsandbytes 0.50
 _STATE = ".quant_state.bitsandbytes__"
 _QUANT_TYPES = {"nf4": "nf4", "fp4": "fp4_bnb"}  # JSON quant_type -> qtool value type
 _PACKING = "uint8, two per byte, high nibble first, over the flattened weight"
-_STATE_KEYS = {"quant_type": (str, "a string"), "blocksize": (int, "an integer"), "dtype": (str, "a string"),
-               "shape": (list, "a list")}  # what QuantState.from_dict reads; fmt: skip
+_STATE_KEYS = {
+    "quant_type": (str, "a string"),
+    "blocksize": (int, "an integer"),
+    "dtype": (str, "a string"),
+    "shape": (list, "a list"),
+}  # what QuantState.from_dict reads; fmt: skip
 _MAX_DIMS = 8  # a weight's shape; bounds the element count's size arithmetic
 _INV_127 = 7.874015718698502e-3  # bitsandbytes multiplies by this (float32 1/127), not / 127
 _WEIGHT_FORMATS = {0: "row", 1: "col32", 2: "col_turing", 3: "col_ampere"}  # bitsandbytes.utils
@@ -164,7 +168,9 @@ def _resolve_8bit(checkpoint: Checkpoint, module: str, members: dict[str, Stored
         symmetric=True,
         scale_dtype=scb.dtype.name,
     )
-    provenance = Provenance(NAME, details=(("layout", "LLM.int8 row-wise absmax (SCB), w = q * SCB / 127"), ("weight_format", layout)))
+    provenance = Provenance(
+        NAME, details=(("layout", "LLM.int8 row-wise absmax (SCB), w = q * SCB / 127"), ("weight_format", layout))
+    )
     config = checkpoint.config
     logical = str(config.get("torch_dtype") or config.get("dtype") or "float32")
     return Weight(data.name, data.shape, float_dtype_named(logical) or "F32", members, scheme, provenance)
@@ -180,7 +186,11 @@ def _resolve(checkpoint: Checkpoint, base: str, quant_type: str, members: dict[s
     shape, blocksize, dtype = state.get("shape"), state.get("blocksize"), state.get("dtype")
     if state.get("quant_type") != quant_type:
         raise _Unfit(f"the quant state says {state.get('quant_type')!r}, its name says {quant_type!r}")
-    if not (shape and len(shape) <= _MAX_DIMS and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63 for d in shape)):
+    if not (
+        shape
+        and len(shape) <= _MAX_DIMS
+        and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63 for d in shape)
+    ):
         raise _malformed(members["quant_state"], f"'shape' is {json.dumps(shape)[:40]}, not a list of sizes")
     if blocksize not in BLOCKSIZES:
         raise _Unfit(f"blocksize {blocksize!r} is not one of {list(BLOCKSIZES)}")
@@ -193,22 +203,32 @@ def _resolve(checkpoint: Checkpoint, base: str, quant_type: str, members: dict[s
     nested = "nested_absmax" in members
     blocks = math.ceil(numel / blocksize)
     if absmax.shape != (blocks,) or absmax.dtype.name != ("U8" if nested else "F32"):
-        raise _Unfit(f"absmax is {absmax.dtype.name} {list(absmax.shape)}, expected {'U8' if nested else 'F32'} [{blocks}]")
+        raise _Unfit(
+            f"absmax is {absmax.dtype.name} {list(absmax.shape)}, expected {'U8' if nested else 'F32'} [{blocks}]"
+        )
     if quant_map.dtype.name != "F32" or quant_map.shape != (16,):
         raise _Unfit(f"quant_map is {quant_map.dtype.name} {list(quant_map.shape)}, expected F32 [16]")
     notes = []
     if nested:
-        if "nested_quant_map" not in members or not isinstance(state.get("nested_blocksize"), int) or state["nested_blocksize"] < 1:
+        if (
+            "nested_quant_map" not in members
+            or not isinstance(state.get("nested_blocksize"), int)
+            or state["nested_blocksize"] < 1
+        ):
             raise _Unfit("double quantization needs nested_quant_map and a nested_blocksize")
         if not isinstance(state.get("nested_offset"), (int, float)):
             raise _Unfit("double quantization needs a numeric nested_offset")
         nested_blocks = math.ceil(blocks / state["nested_blocksize"])
         if members["nested_absmax"].shape != (nested_blocks,) or members["nested_quant_map"].shape != (256,):
-            raise _Unfit(f"nested_absmax {list(members['nested_absmax'].shape)} / nested_quant_map do not fit {blocks} blocks")
+            raise _Unfit(
+                f"nested_absmax {list(members['nested_absmax'].shape)} / nested_quant_map do not fit {blocks} blocks"
+            )
     value_type = qtype(_QUANT_TYPES[quant_type])
     expected_map = struct.pack("<16f", *_codebook_values(value_type.name))
     if checkpoint.read_small(quant_map) != expected_map:
-        notes.append(f"quant_map differs from bitsandbytes' {quant_type} table; bitsandbytes decodes with its table, so does qtool")
+        notes.append(
+            f"quant_map differs from bitsandbytes' {quant_type} table; bitsandbytes decodes with its table, so does qtool"
+        )
     if len(shape) >= 2 and shape[-1] % blocksize:
         notes.append(f"blocks of {blocksize} run across rows of {shape[-1]} (bitsandbytes blocks the flattened weight)")
     extra = [("blocks", "over the flattened weight"), ("double_quant", "yes" if nested else "no")]

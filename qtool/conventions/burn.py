@@ -69,7 +69,13 @@ VALUES: dict[str, tuple[str, int, str]] = {
     "E2M1": ("fp4_e2m1", 4, "±6"),
 }
 # burn ScaleDtype (QuantParam before 0.22) -> (qtool scale dtype name, bytes)
-SCALES: dict[str, tuple[str, int]] = {"F32": ("F32", 4), "F16": ("F16", 2), "BF16": ("BF16", 2), "UE8M0": ("E8M0", 1), "UE4M3": ("UE4M3", 1)}
+SCALES: dict[str, tuple[str, int]] = {
+    "F32": ("F32", 4),
+    "F16": ("F16", 2),
+    "BF16": ("BF16", 2),
+    "UE8M0": ("E8M0", 1),
+    "UE4M3": ("UE4M3", 1),
+}
 
 
 class UnreadableQFloat(ValueError):
@@ -213,7 +219,10 @@ def _weight(tensor: StoredTensor, raw: dict[str, Any]) -> Weight:
     except UnreadableQFloat as exc:
         return plain_weight(tensor, f"burn QFloat tensor: {exc}; left plain")
     if burn.mode == "Lookup":
-        return plain_weight(tensor, "burn QFloat in Lookup mode: its lookup table is not in the tensor's bytes, so qtool cannot decode it; left plain")
+        return plain_weight(
+            tensor,
+            "burn QFloat in Lookup mode: its lookup table is not in the tensor's bytes, so qtool cannot decode it; left plain",
+        )
     expected = burn.total_bytes(shape)
     if expected != tensor.nbytes:
         return plain_weight(
@@ -232,7 +241,9 @@ def _weight(tensor: StoredTensor, raw: dict[str, Any]) -> Weight:
     )
     provenance = Provenance(
         NAME,
-        None if burn.store == "Native" else f"{burn.store_label}: {burn.per_word} a {'u32' if burn.store == 'PackedU32' else 'byte'}, LSB first",
+        None
+        if burn.store == "Native"
+        else f"{burn.store_label}: {burn.per_word} a {'u32' if burn.store == 'PackedU32' else 'byte'}, LSB first",
         (("burn_value", burn.value), ("store", burn.store_label), ("mode", burn.mode), ("scale", burn.scale_dtype)),
     )
     level = f"block {list(burn.full_block(shape))}" if burn.block else "per tensor"

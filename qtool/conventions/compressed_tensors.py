@@ -39,7 +39,17 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from qtool.conventions.base import Pool, block_from_scale, by_module, metadata_json, plain_weights, require_convention, side_file, unusable_scale, unusable_zero_point
+from qtool.conventions.base import (
+    Pool,
+    block_from_scale,
+    by_module,
+    metadata_json,
+    plain_weights,
+    require_convention,
+    side_file,
+    unusable_scale,
+    unusable_zero_point,
+)
 from qtool.dtypes import WEIGHT_FLOATS
 from qtool.errors import JsonTypeError
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
@@ -79,7 +89,7 @@ _ROLES = {
 _E8M0 = ("U8", "F8_E8M0")
 
 
-def config_rules(checkpoint: Checkpoint) -> "_Config":
+def config_rules(checkpoint: Checkpoint) -> _Config:
     """The checkpoint's `quantization_config` as the matching rules detection itself uses:
     `.ignored_by(module)`, `.group_for(module)` and `.args_for(module)`, with `re:` targets and
     ignore entries matched as compressed-tensors matches them (re.match, else the exact name)."""
@@ -89,21 +99,25 @@ def config_rules(checkpoint: Checkpoint) -> "_Config":
 # The fields of a quantization_config qtool reads, typed as compressed-tensors' pydantic models
 # declare them (QuantizationConfig, QuantizationScheme, QuantizationArgs); a config that breaks
 # them is one the package refuses to load too, so qtool refuses it (exit 2) naming the field.
-_WEIGHT_ARGS = Record({
-    "num_bits": Integer(min=1, max=64),
-    "type": String(),
-    "symmetric": Boolean(),
-    "strategy": String(),
-    "group_size": Integer(),
-    "block_structure": AnyOf(ListOf(Integer(min=1), length=2), String()),  # [rows, cols], or old "RxC"
-})
+_WEIGHT_ARGS = Record(
+    {
+        "num_bits": Integer(min=1, max=64),
+        "type": String(),
+        "symmetric": Boolean(),
+        "strategy": String(),
+        "group_size": Integer(),
+        "block_structure": AnyOf(ListOf(Integer(min=1), length=2), String()),  # [rows, cols], or old "RxC"
+    }
+)
 _SCHEME = Record({"targets": ListOf(String()), "weights": _WEIGHT_ARGS, "format": String()})
-_CONFIG = Record({
-    "quant_method": String(),
-    "format": String(),
-    "ignore": ListOf(String()),
-    "config_groups": MapOf(AnyOf(_SCHEME, ListOf(String()))),  # a scheme, or a preset's targets
-})
+_CONFIG = Record(
+    {
+        "quant_method": String(),
+        "format": String(),
+        "ignore": ListOf(String()),
+        "config_groups": MapOf(AnyOf(_SCHEME, ListOf(String()))),  # a scheme, or a preset's targets
+    }
+)
 _CONFIG_HINT = "compressed-tensors would refuse this config too; fix the field, or re-save the model"
 
 
@@ -129,8 +143,12 @@ def quantization_config(checkpoint: Checkpoint) -> dict[str, Any] | None:
 def _block_from_text(text: str, where: str, path: str) -> list[int]:
     """compressed-tensors' old block_structure spelling, "128x128"."""
     rows, _, cols = text.partition("x")
-    if not (rows.isdecimal() and cols.isdecimal() and len(rows) < 10 and len(cols) < 10 and int(rows) > 0 and int(cols) > 0):
-        raise JsonTypeError(where, describe(text), 'a list of 2 integers ≥ 1, or "<rows>x<cols>"', path=path, hint=_CONFIG_HINT)
+    if not (
+        rows.isdecimal() and cols.isdecimal() and len(rows) < 10 and len(cols) < 10 and int(rows) > 0 and int(cols) > 0
+    ):
+        raise JsonTypeError(
+            where, describe(text), 'a list of 2 integers ≥ 1, or "<rows>x<cols>"', path=path, hint=_CONFIG_HINT
+        )
     return [int(rows), int(cols)]
 
 
@@ -230,7 +248,12 @@ class CompressedTensors:
             data = leaves[data_leaf]
             # A float8 weight with a scale and no compressed-tensors config is the plain fp8
             # convention's (same math, different toolchain); leave it for that one.
-            if raw_config is None and data_leaf == "weight" and data.dtype.name.startswith("F8_") and leaves["weight_scale"].dtype.name not in _E8M0:
+            if (
+                raw_config is None
+                and data_leaf == "weight"
+                and data.dtype.name.startswith("F8_")
+                and leaves["weight_scale"].dtype.name not in _E8M0
+            ):
                 continue
             if data_leaf == "weight" and not (data.dtype.name == "I8" or data.dtype.name.startswith("F8_")):
                 continue
@@ -317,13 +340,20 @@ def _int_packed(checkpoint: Checkpoint, members: dict[str, StoredTensor], args: 
             raise _Unfit(f"weight_shape {list(stored_shape)} does not match weight_packed rows {rows}")
         fits = [b for b in range(1, 9) if math.ceil(in_features * b / 32) == words]
         if not fits:
-            raise _Unfit(f"weight_packed has {words} int32 words per row, which no bit width fits for {in_features} inputs")
+            raise _Unfit(
+                f"weight_packed has {words} int32 words per row, which no bit width fits for {in_features} inputs"
+            )
         bits = config_bits if config_bits in fits else fits[0]
     else:
         bits = config_bits or 4
         in_features = words * 32 // bits
         notes.append(f"no weight_shape tensor: in_features taken as {in_features} from the packed width")
-    return (rows, in_features), qtype(f"int{bits}"), "int32 along in, LSB first, stored as q + 2^(b-1)", "pack-quantized"
+    return (
+        (rows, in_features),
+        qtype(f"int{bits}"),
+        "int32 along in, LSB first, stored as q + 2^(b-1)",
+        "pack-quantized",
+    )
 
 
 def _fp_packed(members: dict[str, StoredTensor], args: _Args | None):
@@ -381,14 +411,17 @@ def _disagreements(args: _Args | None, scheme: QScheme, fmt: str) -> list[str]:
         notes.append(f"config says strategy {args.strategy}, tensors show {scheme.granularity}")
     if args.group_size and args.group_size > 0 and scheme.group_size and args.group_size != scheme.group_size:
         notes.append(f"config says group_size {args.group_size}, tensors show {scheme.group_size}")
-    if args.format and args.format not in (fmt, "mixed-precision") and not (
-        {args.format, fmt} <= {"int-quantized", "naive-quantized", "float-quantized"}
+    if (
+        args.format
+        and args.format not in (fmt, "mixed-precision")
+        and not ({args.format, fmt} <= {"int-quantized", "naive-quantized", "float-quantized"})
     ):
         notes.append(f"config says format {args.format}, tensors look like {fmt}")
     return notes
 
 
 # -- reading values back ----------------------------------------------------------------------
+
 
 def _usage(message: str, hint: str | None = None) -> Exception:
     """A UsageError, imported late (inspect imports this module and must stay light)."""
@@ -482,7 +515,9 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
         end = min(rows, begin + step)
         values = values_of(begin, end)
         if tuple(values.shape) != (end - begin, cols):
-            raise CheckpointError(f"{weight.name}: data unpacks to {list(values.shape)} rows, not {[end - begin, cols]}", path=data.file)
+            raise CheckpointError(
+                f"{weight.name}: data unpacks to {list(values.shape)} rows, not {[end - begin, cols]}", path=data.file
+            )
         if block_rows:
             grid_rows = math.ceil(rows / block_rows)
             first, last = begin // block_rows, math.ceil(end / block_rows)
@@ -491,7 +526,9 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
             chunk_block = block
         else:
             chunk_scale, chunk_zero, chunk_block = scale, zero_point, (end - begin, block[1])
-        piece = kernels.dequantize(values, chunk_scale, chunk_zero, chunk_block, dtype, qtype=codes_type, global_scale=global_scale)
+        piece = kernels.dequantize(
+            values, chunk_scale, chunk_zero, chunk_block, dtype, qtype=codes_type, global_scale=global_scale
+        )
         if step >= rows:
             return piece
         if out is None:

@@ -21,7 +21,15 @@ from __future__ import annotations
 import fnmatch
 from typing import TYPE_CHECKING
 
-from qtool.conventions.base import Pool, block_from_scale, by_module, plain_weights, require_convention, side_file, unusable_scale
+from qtool.conventions.base import (
+    Pool,
+    block_from_scale,
+    by_module,
+    plain_weights,
+    require_convention,
+    side_file,
+    unusable_scale,
+)
 from qtool.dtypes import decoded_dtype, float_dtype_named
 from qtool.formats.checkpoint import Checkpoint
 from qtool.formats.untrusted_json import Integer, ListOf, Record, String
@@ -35,13 +43,24 @@ if TYPE_CHECKING:  # torch is imported where data is touched, never at import ti
 __all__ = ["Fp8", "decode", "GptOssMxfp4", "GPT_OSS", "decode_mxfp4"]
 
 NAME = "fp8"
-_VALUE_TYPES = {"F8_E4M3": "fp8_e4m3", "F8_E5M2": "fp8_e5m2", "F8_E4M3FNUZ": "fp8_e4m3fnuz", "F8_E5M2FNUZ": "fp8_e5m2fnuz"}
+_VALUE_TYPES = {
+    "F8_E4M3": "fp8_e4m3",
+    "F8_E5M2": "fp8_e5m2",
+    "F8_E4M3FNUZ": "fp8_e4m3fnuz",
+    "F8_E5M2FNUZ": "fp8_e5m2fnuz",
+}
 
 # What qtool reads of an fp8 or mxfp4 quantization_config (transformers' FineGrainedFP8Config,
 # Mxfp4Config). Checked only where quant_method names that toolchain: another toolchain's
 # config is not held to these types, and its fields are not read.
 _FP8_METHODS = ("fp8", "fbgemm_fp8")
-_FP8_CONFIG = Record({"weight_block_size": ListOf(Integer(min=1), length=2), "torch_dtype": String(), "modules_to_not_convert": ListOf(String())})
+_FP8_CONFIG = Record(
+    {
+        "weight_block_size": ListOf(Integer(min=1), length=2),
+        "torch_dtype": String(),
+        "modules_to_not_convert": ListOf(String()),
+    }
+)
 _MXFP4_CONFIG = Record({"modules_to_not_convert": ListOf(String())})
 _HINT = "transformers would refuse this config too; fix the field"
 
@@ -66,11 +85,17 @@ class Fp8:
         block_hint = config.get("weight_block_size")  # [rows, cols], each ≥ 1
         hint = (block_hint[0], block_hint[1]) if block_hint else None
         weights: list[Weight] = []
-        for module, leaves in by_module(pool).items():
+        for leaves in by_module(pool).values():
             data = leaves.get("weight")
             if data is None or data.dtype.name not in _VALUE_TYPES:
                 continue
-            scale_leaf = "weight_scale_inv" if "weight_scale_inv" in leaves else "weight_scale" if "weight_scale" in leaves else None
+            scale_leaf = (
+                "weight_scale_inv"
+                if "weight_scale_inv" in leaves
+                else "weight_scale"
+                if "weight_scale" in leaves
+                else None
+            )
             if scale_leaf is None:
                 continue
             scale = leaves[scale_leaf]
@@ -144,9 +169,18 @@ class GptOssMxfp4:
             if scales is None:
                 continue
             members = {DATA: blocks, "scale": scales}
-            if blocks.dtype.name != "U8" or scales.dtype.name != "U8" or len(blocks.shape) < 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+            if (
+                blocks.dtype.name != "U8"
+                or scales.dtype.name != "U8"
+                or len(blocks.shape) < 2
+                or tuple(blocks.shape[:-1]) != tuple(scales.shape)
+            ):
                 why = f"{name} {blocks.dtype.name} {list(blocks.shape)} and {prefix + _SCALES} {scales.dtype.name} {list(scales.shape)}"
-                weights.extend(plain_weights(members, f"looks like gpt-oss MXFP4, but {why} are not U8 (..., G, B) and (..., G); left plain"))
+                weights.extend(
+                    plain_weights(
+                        members, f"looks like gpt-oss MXFP4, but {why} are not U8 (..., G, B) and (..., G); left plain"
+                    )
+                )
                 continue
             if any(fnmatch.fnmatchcase(prefix, m) or prefix.startswith(m + ".") for m in ignored):
                 continue  # listed as not converted: the plain convention takes both tensors
@@ -162,10 +196,14 @@ class GptOssMxfp4:
                 symmetric=True,
                 scale_dtype="E8M0",
             )
-            provenance = Provenance(GPT_OSS, "u8, element 2k in the low nibble", (("blocks", f"{groups} x {width} bytes"),))
+            provenance = Provenance(
+                GPT_OSS, "u8, element 2k in the low nibble", (("blocks", f"{groups} x {width} bytes"),)
+            )
             notes = []
             if len(stored) >= 3:
-                notes.append(f"stored as {list(stored)}; dims 1 and 2 swapped into the model's layout, as transformers' convert_moe_packed_tensors does")
+                notes.append(
+                    f"stored as {list(stored)}; dims 1 and 2 swapped into the model's layout, as transformers' convert_moe_packed_tensors does"
+                )
             weights.append(Weight(prefix, shape, dtype, members, scheme, provenance, notes))
         return weights
 

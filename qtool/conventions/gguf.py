@@ -36,7 +36,11 @@ def scheme_for_type(gtype: GgmlType) -> tuple[QScheme, Provenance, str | None]:
     if gtype.scheme is not None:
         return gtype.scheme, provenance, None
     scheme = QScheme(unknown_qtype(gtype.name), group(gtype.block_size), True, "F16", rule=gtype.name)
-    return scheme, provenance, f"GGUF type {gtype.name} (id {gtype.id}): qtool knows its block size ({gtype.block_size} in {gtype.type_size} bytes) but not its layout"
+    return (
+        scheme,
+        provenance,
+        f"GGUF type {gtype.name} (id {gtype.id}): qtool knows its block size ({gtype.block_size} in {gtype.type_size} bytes) but not its layout",
+    )
 
 
 class Gguf:

@@ -198,7 +198,11 @@ def _check_dtypes(members: dict[str, StoredTensor]) -> None:
         tensor = members.get(role)
         if tensor is not None and tensor.dtype.name not in expected:
             leaf = tensor.name.rpartition(".")[2]
-            packing = " (GPTQModel's pack_dtype other than int32 is not read)" if role in (DATA, "zero_point") and tensor.dtype.is_integer else ""
+            packing = (
+                " (GPTQModel's pack_dtype other than int32 is not read)"
+                if role in (DATA, "zero_point") and tensor.dtype.is_integer
+                else ""
+            )
             raise _Unfit(f"{leaf} is {tensor.dtype.name}, expected {' or '.join(expected)}{packing}")
 
 
@@ -257,7 +261,11 @@ class Gptq:
             members = {role: leaves[leaf] for leaf, role in _ROLES.items() if leaf in leaves}
             prefix = f"{module}." if module else ""
             if "qzeros" not in leaves:
-                weights.extend(plain_weights(members, "qweight and scales without qzeros: not a GPTQ or AWQ layout qtool reads; left plain"))
+                weights.extend(
+                    plain_weights(
+                        members, "qweight and scales without qzeros: not a GPTQ or AWQ layout qtool reads; left plain"
+                    )
+                )
                 continue
             if config is None and "g_idx" not in leaves and awq_layout_fits(_shapes(members)):
                 continue  # shapes that read as AWQ and carry no g_idx: AWQ's
@@ -275,7 +283,13 @@ class Gptq:
                     weights.append(_broken(prefix + "weight", members, settings, note))
         return weights
 
-    def decode(self, checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
+    def decode(
+        self,
+        checkpoint: Checkpoint,
+        weight: Weight,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
         return decode(checkpoint, weight, device, dtype)
 
 
@@ -321,16 +335,22 @@ def _resolve(checkpoint: Checkpoint, name: str, members: dict[str, StoredTensor]
         symmetric_read = _symmetric(checkpoint, members["zero_point"], layout, fmt)
         if symmetric_read is None:
             symmetric = False
-            notes.append("no GPTQ config; qzeros too large to read at inspect: labelled asym (zero points are applied either way)")
+            notes.append(
+                "no GPTQ config; qzeros too large to read at inspect: labelled asym (zero points are applied either way)"
+            )
         else:
             symmetric = symmetric_read
             if not symmetric and _symmetric(checkpoint, members["zero_point"], layout, "gptq_v2"):
-                notes.append("no GPTQ config: every zero point stores the gptq_v2 midpoint; decoded as gptq (v1), the default")
+                notes.append(
+                    "no GPTQ config: every zero point stores the gptq_v2 midpoint; decoded as gptq (v1), the default"
+                )
         desc_act = _desc_act(checkpoint, members.get("g_idx"), layout)
         said = "shapes"
     scheme = _scheme(layout.bits, layout.group_size, symmetric, members["scale"].dtype.name)
     provenance = _provenance(layout.bits, fmt, desc_act, said)
-    return Weight(name, (layout.out_features, layout.in_features), members["scale"].dtype.name, members, scheme, provenance, notes)
+    return Weight(
+        name, (layout.out_features, layout.in_features), members["scale"].dtype.name, members, scheme, provenance, notes
+    )
 
 
 def _broken(name: str, members: dict[str, StoredTensor], settings: _Settings, note: str) -> Weight:
@@ -338,11 +358,17 @@ def _broken(name: str, members: dict[str, StoredTensor], settings: _Settings, no
     qweight, scales = members[DATA], members["scale"]
     bits = settings.bits or 4
     out_features = qweight.shape[-1] if qweight.shape else 0
-    in_features = members["g_idx"].shape[0] if "g_idx" in members and members["g_idx"].shape else (qweight.shape[0] * 32 // bits if qweight.shape else 0)
+    in_features = (
+        members["g_idx"].shape[0]
+        if "g_idx" in members and members["g_idx"].shape
+        else (qweight.shape[0] * 32 // bits if qweight.shape else 0)
+    )
     group_size = settings.group_size if settings.group_size and settings.group_size > 0 else None
     scale_dtype = scales.dtype.name if scales.dtype.name in _FLOATS else "F16"
     scheme = _scheme(bits, group_size, bool(settings.sym), scale_dtype)
-    provenance = _provenance(bits, settings.format or "gptq", settings.desc_act, settings.source or "shapes", unfit=True)
+    provenance = _provenance(
+        bits, settings.format or "gptq", settings.desc_act, settings.source or "shapes", unfit=True
+    )
     return Weight(name, (out_features, in_features), scale_dtype, members, scheme, provenance, [*settings.notes, note])
 
 
@@ -363,11 +389,15 @@ def _decode_layout(weight: Weight) -> _Layout:
         if layout.bits != scheme.bits or (layout.out_features, layout.in_features) != tuple(weight.shape):
             raise _Unfit(f"the tensors hold a {layout.bits}-bit [{layout.out_features}, {layout.in_features}] weight")
     except _Unfit as exc:
-        raise CheckpointError(f"{weight.name}: GPTQ tensors do not fit their config: {exc}", path=weight.data.file) from None
+        raise CheckpointError(
+            f"{weight.name}: GPTQ tensors do not fit their config: {exc}", path=weight.data.file
+        ) from None
     return layout
 
 
-def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
+def decode(
+    checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """The float weight [O, I], in the scales' dtype unless `dtype` says otherwise, always
     indexing through g_idx. Bit for bit AutoGPTQ's torch dequantization (see kernels/grouped.py
     for the precision), for every width, v1 and v2, with and without desc_act."""

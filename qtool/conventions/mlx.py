@@ -93,7 +93,9 @@ def _config(checkpoint: Checkpoint) -> dict[str, Any] | None:
     for key in ("quantization", "quantization_config"):
         value = config.get(key)
         if isinstance(value, dict) and "quant_method" not in value and ("bits" in value or "group_size" in value):
-            return _CONFIG.check(value, key, side_file(checkpoint), "mlx-lm would refuse this config too; fix the field")
+            return _CONFIG.check(
+                value, key, side_file(checkpoint), "mlx-lm would refuse this config too; fix the field"
+            )
     return None
 
 
@@ -175,12 +177,16 @@ def _settings_from_shapes(members: dict[str, StoredTensor], hinted: Settings | N
     return Settings("affine", *pairs[0]), [Settings("affine", *pair) for pair in pairs[1:]]
 
 
-def _resolve(checkpoint: Checkpoint, module: str, members: dict[str, StoredTensor], said: Settings | None | bool) -> Weight:
+def _resolve(
+    checkpoint: Checkpoint, module: str, members: dict[str, StoredTensor], said: Settings | None | bool
+) -> Weight:
     data, scales, biases = members[DATA], members["scale"], members.get("bias")
     if len(data.shape) < 2 or data.shape[:-1] != scales.shape[:-1]:
         raise _Unfit(f"scales {list(scales.shape)} do not fit weight {list(data.shape)}")
     if biases is not None and (biases.shape != scales.shape or biases.dtype != scales.dtype):
-        raise _Unfit(f"biases {biases.dtype.name} {list(biases.shape)} differ from scales {scales.dtype.name} {list(scales.shape)}")
+        raise _Unfit(
+            f"biases {biases.dtype.name} {list(biases.shape)} differ from scales {scales.dtype.name} {list(scales.shape)}"
+        )
     hinted = said if isinstance(said, Settings) else None
     settings, alternatives = _settings_from_shapes(members, hinted)
     notes = []
@@ -220,7 +226,15 @@ def _resolve(checkpoint: Checkpoint, module: str, members: dict[str, StoredTenso
     else:  # U8 scales record no dtype: the config's, else what mx.dequantize returns (bfloat16)
         recorded = str(checkpoint.config.get("torch_dtype") or checkpoint.config.get("dtype") or "bfloat16")
         dtype = float_dtype_named(recorded) or "BF16"
-    return Weight(f"{module}.weight" if module else "weight", shape, dtype, members, scheme, Provenance(NAME, _PACKING, details), notes)
+    return Weight(
+        f"{module}.weight" if module else "weight",
+        shape,
+        dtype,
+        members,
+        scheme,
+        Provenance(NAME, _PACKING, details),
+        notes,
+    )
 
 
 def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -228,6 +242,7 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
     import torch
 
     from qtool import kernels
+
     scheme = weight.require_scheme()
     require_convention(weight, NAME)
     mode = weight.provenance.detail("mode")

@@ -55,7 +55,12 @@ __all__ = ["MAP_FILES", "Quanto", "decode", "group_size_for", "logical_shapes"]
 NAME = "quanto"
 MAP_FILES = ("quanto_qmap.json", "quantization_map.json")
 _BYTES_TYPES = {"I8": "int8", "F8_E4M3": "fp8_e4m3", "F8_E5M2": "fp8_e5m2", "F8_E4M3FNUZ": "fp8_e4m3fnuz"}
-_QUANTO_NAMES = {"int8": "qint8", "fp8_e4m3": "qfloat8_e4m3fn", "fp8_e5m2": "qfloat8_e5m2", "fp8_e4m3fnuz": "qfloat8_e4m3fnuz"}
+_QUANTO_NAMES = {
+    "int8": "qint8",
+    "fp8_e4m3": "qfloat8_e4m3fn",
+    "fp8_e5m2": "qfloat8_e5m2",
+    "fp8_e4m3fnuz": "qfloat8_e4m3fnuz",
+}
 _FLOAT_SCALES = ("F16", "BF16", "F32")
 _PACKED, _BYTES = "._data._data", "._data"
 
@@ -95,7 +100,9 @@ def _quantization_map(checkpoint: Checkpoint) -> tuple[dict[str, Any], str | Non
     for name in MAP_FILES:
         value = checkpoint.side_files.get(name)
         if value is not None:
-            return _MAP.check(value, "", side_file(checkpoint, name), "quanto could not load this map either; fix or remove it"), name
+            return _MAP.check(
+                value, "", side_file(checkpoint, name), "quanto could not load this map either; fix or remove it"
+            ), name
     return {}, None
 
 
@@ -145,7 +152,9 @@ def _check_scale(members: dict[str, StoredTensor], rows: int, ndim: int) -> Stor
         raise _Unfit(f"{members[DATA].name} has no _scale")
     if scale.dtype.name not in _FLOAT_SCALES:
         raise _Unfit(f"_scale is {scale.dtype.name}, expected F16, BF16 or F32")
-    if math.prod(scale.shape) != rows or (scale.shape and (scale.shape[0] != rows or len(scale.shape) not in (1, ndim))):
+    if math.prod(scale.shape) != rows or (
+        scale.shape and (scale.shape[0] != rows or len(scale.shape) not in (1, ndim))
+    ):
         raise _Unfit(f"_scale {list(scale.shape)} does not fit {rows} rows")
     return scale
 
@@ -189,12 +198,16 @@ def _bits(stored_rows: int, rows: int, said: str | None) -> int:
     if len(fits) == 2:
         hinted = {"qint4": 4, "qint2": 2}.get(str(said))
         if hinted is None:
-            raise _Unfit(f"{rows} rows pack into {stored_rows} bytes at 2 and at 4 bits, and no quantization map says which")
+            raise _Unfit(
+                f"{rows} rows pack into {stored_rows} bytes at 2 and at 4 bits, and no quantization map says which"
+            )
         return hinted
     return fits[0]
 
 
-def _resolve_packed(checkpoint: Checkpoint, base: str, members: dict[str, StoredTensor], said: str | None, map_name: str | None) -> Weight:
+def _resolve_packed(
+    checkpoint: Checkpoint, base: str, members: dict[str, StoredTensor], said: str | None, map_name: str | None
+) -> Weight:
     data, shift = members[DATA], members.get("shift")
     if data.dtype.name != "U8" or len(data.shape) < 2:
         raise _Unfit(f"_data._data is {data.dtype.name} {list(data.shape)}, expected U8 [rows, columns]")
@@ -204,7 +217,9 @@ def _resolve_packed(checkpoint: Checkpoint, base: str, members: dict[str, Stored
     rows = math.prod(scale.shape)
     _check_scale(members, rows, len(data.shape))
     if shift.shape != scale.shape or not (shift.dtype == scale.dtype or shift.dtype.name in ("U8", "I8")):
-        raise _Unfit(f"_shift {shift.dtype.name} {list(shift.shape)} does not match _scale {scale.dtype.name} {list(scale.shape)}")
+        raise _Unfit(
+            f"_shift {shift.dtype.name} {list(shift.shape)} does not match _scale {scale.dtype.name} {list(scale.shape)}"
+        )
     bits = _bits(data.shape[0], rows, said)
     notes = _disagreement(said, f"qint{bits}", map_name)
     columns = data.shape[1]
@@ -232,7 +247,9 @@ def _resolve_packed(checkpoint: Checkpoint, base: str, members: dict[str, Stored
     return Weight(base, shape, scale.dtype.name, members, scheme, provenance, notes)
 
 
-def _shape_2d(checkpoint: Checkpoint, base: str, rows: int, columns: int, notes: list[str]) -> tuple[tuple[int, int], Any]:
+def _shape_2d(
+    checkpoint: Checkpoint, base: str, rows: int, columns: int, notes: list[str]
+) -> tuple[tuple[int, int], Any]:
     """The [O, I] of a stored [rows, columns] grouped weight, and its block."""
     candidates = logical_shapes(rows, columns)
     bias = checkpoint.tensors.get(base.rpartition(".")[0] + ".bias") if base.endswith(".weight") else None
@@ -242,7 +259,9 @@ def _shape_2d(checkpoint: Checkpoint, base: str, rows: int, columns: int, notes:
             in_features = rows * columns // bias.shape[0]
             if in_features % columns == 0:  # not quanto's own rule: a custom group size
                 fitting = [(bias.shape[0], in_features)]
-                notes.append(f"groups of {columns} over in_features {in_features} do not follow quanto 0.2.7's group rule")
+                notes.append(
+                    f"groups of {columns} over in_features {in_features} do not follow quanto 0.2.7's group rule"
+                )
         candidates = fitting or candidates
     if not candidates:
         notes.append(f"[{rows}, {columns}] fits no in_features under quanto's group rule; shown as stored")

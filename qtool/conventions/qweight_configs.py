@@ -56,5 +56,10 @@ def awq_config(checkpoint: Checkpoint) -> dict[str, Any] | None:
     type-checked (a JsonTypeError names config.json, exit 2); else None."""
     config = checkpoint.config.get("quantization_config")
     if isinstance(config, dict) and str(config.get("quant_method") or "").lower() == "awq":
-        return _AWQ.check(config, "quantization_config", side_file(checkpoint), "transformers would refuse this config too; fix the field")
+        return _AWQ.check(
+            config,
+            "quantization_config",
+            side_file(checkpoint),
+            "transformers would refuse this config too; fix the field",
+        )
     return None

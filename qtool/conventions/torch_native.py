@@ -81,7 +81,11 @@ def _weights(checkpoint, pool: Pool, tensor: StoredTensor) -> list[Weight]:
         zero_points = [info.zero_point]
         details += [("scale", repr(info.scale)), ("zero_point", str(info.zero_point))]
         notes.append(f"scale {info.scale!r} and zero point {info.zero_point} are pickled inline")
-    elif qscheme in ("per_channel_affine", "per_channel_affine_float_qparams") and info.axis is not None and "zero_point" in members:
+    elif (
+        qscheme in ("per_channel_affine", "per_channel_affine_float_qparams")
+        and info.axis is not None
+        and "zero_point" in members
+    ):
         axis = info.axis
         block = tuple(1 if dim == axis else None for dim in range(len(shape)))
         scale_dtype = members["scale"].dtype.name if "scale" in members else "F64"
@@ -126,11 +130,15 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
     """PyTorch's own `dequantize()` of the tensor rebuilt from its bytes: float32, on `device`."""
     require_convention(weight, NAME)
     if not hasattr(checkpoint, "quantized_tensor"):
-        raise InternalError(f"{weight.name} is a PyTorch native quantized tensor, but its checkpoint is not a PyTorch pickle")
+        raise InternalError(
+            f"{weight.name} is a PyTorch native quantized tensor, but its checkpoint is not a PyTorch pickle"
+        )
     tensor = checkpoint.quantized_tensor(weight.data)
     try:
         values = tensor.dequantize()
     except RuntimeError as exc:  # torch checks the pickled quantizer here: the file's fault
         first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        raise CheckpointError(f"quantized tensor {weight.data.name!r} does not dequantize: {excerpt(first)}", path=weight.data.file) from None
+        raise CheckpointError(
+            f"quantized tensor {weight.data.name!r} does not dequantize: {excerpt(first)}", path=weight.data.file
+        ) from None
     return values.to(device)

@@ -43,7 +43,14 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from qtool.conventions.base import Pool, metadata_json, plain_weights, require_convention, unusable_scale, unusable_zero_point
+from qtool.conventions.base import (
+    Pool,
+    metadata_json,
+    plain_weights,
+    require_convention,
+    unusable_scale,
+    unusable_zero_point,
+)
 from qtool.dtypes import WEIGHT_FLOATS, decoded_dtype, float_dtype_named
 from qtool.errors import CheckpointError, JsonTypeError
 from qtool.formats.checkpoint import SMALL_TENSOR_LIMIT, Checkpoint, StoredTensor
@@ -65,7 +72,9 @@ _TARGET = re.compile(r"(u?)int([1-8])")  # IntxUnpackedToInt8Tensor's target_dty
 
 # One tensor's record, and the `_data` attributes qtool reads (after `_unwrap`).
 _RECORD = Record({"_type": String(), "_tensor_data_names": ListOf(String()), "_data": Anything()})
-_ATTRIBUTES = Record({"shape": ListOf(Integer(min=0)), "block_size": ListOf(Integer(min=1)), "dtype": String(), "target_dtype": String()})
+_ATTRIBUTES = Record(
+    {"shape": ListOf(Integer(min=0)), "block_size": ListOf(Integer(min=1)), "dtype": String(), "target_dtype": String()}
+)
 
 
 @dataclass(frozen=True)
@@ -86,7 +95,11 @@ class Torchao:
     name = NAME
 
     def detect(self, checkpoint: Checkpoint, pool: Pool) -> list[Weight]:
-        entries = _pickle_entries(checkpoint, pool) if checkpoint.format == "torch" else _safetensors_entries(checkpoint, pool)
+        entries = (
+            _pickle_entries(checkpoint, pool)
+            if checkpoint.format == "torch"
+            else _safetensors_entries(checkpoint, pool)
+        )
         return [weight for entry in entries for weight in _weights(checkpoint, entry)]
 
     def decode(self, checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -137,7 +150,9 @@ def _safetensors_entries(checkpoint: Checkpoint, pool: Pool) -> list[_Entry]:
         try:
             record = _RECORD.check(info, where, checkpoint.path)
             attributes = _unwrap(record.get("_data") or {})
-            attributes = _ATTRIBUTES.check(attributes, f"{where}._data", checkpoint.path) if isinstance(attributes, dict) else {}
+            attributes = (
+                _ATTRIBUTES.check(attributes, f"{where}._data", checkpoint.path) if isinstance(attributes, dict) else {}
+            )
         except JsonTypeError as exc:
             if found:
                 entries.append(_Entry(name, str(info.get("_type")), None, None, {}, found, problem=exc.message))
@@ -147,7 +162,16 @@ def _safetensors_entries(checkpoint: Checkpoint, pool: Pool) -> list[_Entry]:
         if not members:
             continue
         shape = attributes.get("shape")
-        entries.append(_Entry(name, record["_type"], tuple(shape) if shape is not None else None, attributes.get("dtype"), attributes, members))
+        entries.append(
+            _Entry(
+                name,
+                record["_type"],
+                tuple(shape) if shape is not None else None,
+                attributes.get("dtype"),
+                attributes,
+                members,
+            )
+        )
     return entries
 
 
@@ -171,10 +195,17 @@ def _weights(checkpoint: Checkpoint, entry: _Entry) -> list[Weight]:
     if entry.problem:
         return plain_weights(entry.members, f"torchao record {entry.name}: {entry.problem}; left plain")
     if entry.type_name not in SUPPORTED:
-        return plain_weights(entry.members, f"torchao {entry.type_name} ({entry.name}): qtool does not decode this layout yet; left plain")
+        return plain_weights(
+            entry.members,
+            f"torchao {entry.type_name} ({entry.name}): qtool does not decode this layout yet; left plain",
+        )
     if DATA not in members or "scale" not in members:
-        return plain_weights(entry.members, f"torchao {entry.type_name} {entry.name} lacks its qdata or scale; left plain")
-    problem = unusable_scale(members["scale"], "scale") or (unusable_zero_point(members["zero_point"], "zero_point") if "zero_point" in members else None)
+        return plain_weights(
+            entry.members, f"torchao {entry.type_name} {entry.name} lacks its qdata or scale; left plain"
+        )
+    problem = unusable_scale(members["scale"], "scale") or (
+        unusable_zero_point(members["zero_point"], "zero_point") if "zero_point" in members else None
+    )
     if problem:
         return plain_weights(entry.members, f"looks like a torchao {entry.type_name}, but {problem}; left plain")
     try:
@@ -192,7 +223,9 @@ class _Misfit(ValueError):
     pass
 
 
-def _scheme(checkpoint: Checkpoint, entry: _Entry, members: dict[str, StoredTensor]) -> tuple[tuple[QScheme, Provenance], tuple[int, ...], list[str]]:
+def _scheme(
+    checkpoint: Checkpoint, entry: _Entry, members: dict[str, StoredTensor]
+) -> tuple[tuple[QScheme, Provenance], tuple[int, ...], list[str]]:
     data, scale = members[DATA], members["scale"]
     zero = members.get("zero_point")
     kind = entry.type_name
@@ -200,16 +233,32 @@ def _scheme(checkpoint: Checkpoint, entry: _Entry, members: dict[str, StoredTens
     if kind == "Int4Tensor":
         shape = tuple(entry.shape or (*data.shape[:-1], data.shape[-1] * 2))
         if data.dtype.name not in ("I8", "U8") or tuple(data.shape) != (*shape[:-1], math.ceil(shape[-1] / 2)):
-            raise _Misfit(f"qdata {data.dtype.name} {list(data.shape)} does not hold {list(shape)} int4 values two a byte")
+            raise _Misfit(
+                f"qdata {data.dtype.name} {list(data.shape)} does not hold {list(shape)} int4 values two a byte"
+            )
         groups = scale.shape[-2] if len(scale.shape) >= 2 else 0
         if tuple(scale.shape) != (*shape[:-2], groups, shape[-2]) or not groups:
             raise _Misfit(f"scale {list(scale.shape)} is not [..., K/group, N] for {list(shape)}")
         group = _given_block(entry, shape)[-1] if entry.attributes.get("block_size") else math.ceil(shape[-1] / groups)
         if math.ceil(shape[-1] / group) != groups:
-            notes.append(f"block_size says groups of {group}, the scale has {groups} groups along {shape[-1]}: read as the scale shows")
+            notes.append(
+                f"block_size says groups of {group}, the scale has {groups} groups along {shape[-1]}: read as the scale shows"
+            )
             group = math.ceil(shape[-1] / groups)
         block: tuple[int | None, ...] = (1, group)
-        return _make(qtype("int4"), block, False, scale, zero is not None, "int8 [.., N, K/2], even k in the low nibble", kind), shape, notes
+        return (
+            _make(
+                qtype("int4"),
+                block,
+                False,
+                scale,
+                zero is not None,
+                "int8 [.., N, K/2], even k in the low nibble",
+                kind,
+            ),
+            shape,
+            notes,
+        )
     shape = tuple(data.shape)
     if entry.shape and tuple(entry.shape) != shape:
         raise _Misfit(f"qdata {list(shape)} differs from the recorded shape {list(entry.shape)}")
@@ -233,7 +282,11 @@ def _scheme(checkpoint: Checkpoint, entry: _Entry, members: dict[str, StoredTens
         raise _Misfit(f"target_dtype {target[:40]!r} is not int1..int8 or uint1..uint8")
     value = qtype(f"{parts[1]}int{parts[2]}")
     symmetric = zero is None or _all_zero(checkpoint, zero, notes)
-    return _make(value, block, symmetric, scale, zero is not None, f"{target} values unpacked, one an int8", kind), shape, notes
+    return (
+        _make(value, block, symmetric, scale, zero is not None, f"{target} values unpacked, one an int8", kind),
+        shape,
+        notes,
+    )
 
 
 def _all_zero(checkpoint: Checkpoint, zero: StoredTensor, notes: list[str]) -> bool:
@@ -241,12 +294,16 @@ def _all_zero(checkpoint: Checkpoint, zero: StoredTensor, notes: list[str]) -> b
     config (MappingType.SYMMETRIC), so its values, not its presence, say which grid it is.
     A zero point too large to read at inspect is labelled asymmetric, with a note."""
     if zero.nbytes > SMALL_TENSOR_LIMIT:
-        notes.append(f"zero_point is {zero.nbytes} bytes, too large to read at inspect: labelled asym (zero points are applied either way)")
+        notes.append(
+            f"zero_point is {zero.nbytes} bytes, too large to read at inspect: labelled asym (zero points are applied either way)"
+        )
         return False
     return not any(bytes(checkpoint.read_bytes(zero)))
 
 
-def _make(value, block, symmetric: bool, scale: StoredTensor, zero_point: bool, packing: str | None, kind: str) -> tuple[QScheme, Provenance]:
+def _make(
+    value, block, symmetric: bool, scale: StoredTensor, zero_point: bool, packing: str | None, kind: str
+) -> tuple[QScheme, Provenance]:
     scheme = QScheme(qtype=value, block=block, symmetric=symmetric, scale_dtype=scale.dtype.name, zero_point=zero_point)
     return scheme, Provenance(NAME, packing, (("torchao_type", kind),))
 
@@ -259,7 +316,9 @@ def _given_block(entry: _Entry, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(given)
 
 
-def _block_from_grid(entry: _Entry, shape: tuple[int, ...], scale: StoredTensor) -> tuple[tuple[int | None, ...], str | None]:
+def _block_from_grid(
+    entry: _Entry, shape: tuple[int, ...], scale: StoredTensor
+) -> tuple[tuple[int | None, ...], str | None]:
     """The block shape: torchao's block_size where the scale's grid fits it, else what the scale
     shows (each dim is whole, per element, or divided), with a note naming the disagreement."""
     given = _given_block(entry, shape)
@@ -270,7 +329,9 @@ def _block_from_grid(entry: _Entry, shape: tuple[int, ...], scale: StoredTensor)
     inferred = _infer(shape, tuple(scale.shape))
     if inferred is None:
         raise _Misfit(f"scale {list(scale.shape)} fits neither block_size {list(given)} nor the {list(shape)} shape")
-    note = f"block_size says {list(given)}, the scale {list(scale.shape)} shows {list(inferred)}: read as the scale shows"
+    note = (
+        f"block_size says {list(given)}, the scale {list(scale.shape)} shows {list(inferred)}: read as the scale shows"
+    )
     return _as_block(inferred, shape), note
 
 

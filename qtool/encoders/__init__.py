@@ -19,7 +19,8 @@ does for a weight holding inf or NaN, whose exact semantics are torch's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Iterator
 
 from qtool.plan import QUANTIZE, GgmlBlocks, IntRows, Job, Piece, Precomputed, TensorLayout
 
@@ -49,7 +50,7 @@ class WeightEncoder(Protocol):
     (None when not measured)."""
 
     takes: str
-    errors: "ErrorStats | None"
+    errors: ErrorStats | None
 
     def encode(self, values: Any) -> Iterator[Piece]: ...
 
@@ -94,9 +95,15 @@ def _native_gguf(layout, job: Job, device: str | None) -> bool:
     from qtool.encoders.ggml_blocks import numpy_encodes
 
     encoding = job.encoding
-    if not isinstance(encoding, GgmlBlocks) or not native.available() or encoding.type.native_encoder not in native.gguf_encode_types():
+    if (
+        not isinstance(encoding, GgmlBlocks)
+        or not native.available()
+        or encoding.type.native_encoder not in native.gguf_encode_types()
+    ):
         return False
-    return device in (None, "cpu") or not numpy_encodes(encoding.type) or encoding.importance is not None  # gguf-py has no weighted path
+    return (
+        device in (None, "cpu") or not numpy_encodes(encoding.type) or encoding.importance is not None
+    )  # gguf-py has no weighted path
 
 
 def _gguf_py(layout, job: Job, device: str | None) -> bool:
@@ -133,7 +140,7 @@ _BACKENDS = (
 )
 
 
-def choose(layout: "Layout", job: Job, device: str, measure: bool, *, after: str | None = None) -> WeightEncoder:
+def choose(layout: Layout, job: Job, device: str, measure: bool, *, after: str | None = None) -> WeightEncoder:
     """The encoder of the first capable backend (after the one named `after`, for a hand-on)."""
     backends = _BACKENDS
     if after is not None:
@@ -143,10 +150,12 @@ def choose(layout: "Layout", job: Job, device: str, measure: bool, *, after: str
             return backend.build(layout, job, device, measure)
     from qtool.errors import InternalError
 
-    raise InternalError(f"no encoder for {job.weight.name} ({job.outputs[0].dtype}) in the {layout.name} layout: the plan should have refused it")
+    raise InternalError(
+        f"no encoder for {job.weight.name} ({job.outputs[0].dtype}) in the {layout.name} layout: the plan should have refused it"
+    )
 
 
-def can_encode(layout: "Layout", job: Job) -> bool:
+def can_encode(layout: Layout, job: Job) -> bool:
     """Whether some backend encodes this job on some device (a plan checks before writing)."""
     return job.action != QUANTIZE or any(backend.can(layout, job, None) for backend in _BACKENDS)
 

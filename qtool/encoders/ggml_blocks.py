@@ -15,7 +15,8 @@ weight with importance is encoded natively or not at all."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
+from collections.abc import Iterator
 
 from qtool import native
 from qtool.encoders import StoredBlocks
@@ -52,15 +53,21 @@ class GgmlBlockEncoder:
         from qtool.errors import UsageError
 
         if self.importance is not None and not native:
-            raise UsageError(f"{job.weight.name}: quantizing with an importance matrix needs qtool's native kernels (not built, or QTOOL_NATIVE=0)")
+            raise UsageError(
+                f"{job.weight.name}: quantizing with an importance matrix needs qtool's native kernels (not built, or QTOOL_NATIVE=0)"
+            )
         if self.importance is None and self.gtype.quantizer_needs_imatrix:
-            raise UsageError(f"{job.weight.name}: {self.gtype.name} needs an importance matrix (llama.cpp quantizes it only with one): give --imatrix")
+            raise UsageError(
+                f"{job.weight.name}: {self.gtype.name} needs an importance matrix (llama.cpp quantizes it only with one): give --imatrix"
+            )
 
     def transcodes(self, weight) -> bool:
         """Whether this encoder takes `weight` (quantized) as its stored GGUF blocks
         (`encoders.StoredBlocks`) rather than decoded to float32: the native kernels decode each
         row as they encode it, the same bytes without the weight's float32 copy."""
-        if not (self.native and weight.quantized and weight.convention == "gguf" and self.gtype.native_encoder is not None):
+        if not (
+            self.native and weight.quantized and weight.convention == "gguf" and self.gtype.native_encoder is not None
+        ):
             return False
         from qtool.errors import UnknownNameError
 
@@ -71,7 +78,11 @@ class GgmlBlockEncoder:
         if source.native_decoder is None or not native.can_transcode(source.native_decoder, self.gtype.native_encoder):
             return False
         shape = tuple(weight.shape)
-        if not (len(shape) >= 1 and shape[-1] % source.block_size == 0 and weight.data.nbytes == source.nbytes(math.prod(shape))):
+        if not (
+            len(shape) >= 1
+            and shape[-1] % source.block_size == 0
+            and weight.data.nbytes == source.nbytes(math.prod(shape))
+        ):
             return False
         self.source = source
         return True
@@ -118,20 +129,29 @@ class GgmlBlockEncoder:
             if source is None:
                 encoded = native.encode_gguf(self.gtype.native_encoder, part, dtype, rows, cols, importance)
             else:
-                encoded = native.transcode_gguf(self.gtype.native_encoder, source.native_decoder, part, rows, cols, importance)
+                encoded = native.transcode_gguf(
+                    self.gtype.native_encoder, source.native_decoder, part, rows, cols, importance
+                )
             if encoded.errors is not None:
                 if self.errors is not None:
                     self.errors = self.errors.merge(encoded.errors)
                 return encoded.data
             if source is not None:  # inf/NaN in these rows: from their float32 values, as before
-                part, dtype = native.decode_gguf(source.native_decoder, part, rows * cols // source.block_size, source.block_size, "F32"), "F32"
+                part, dtype = (
+                    native.decode_gguf(
+                        source.native_decoder, part, rows * cols // source.block_size, source.block_size, "F32"
+                    ),
+                    "F32",
+                )
             if self._wrote_nonfinite_rows(importance):  # rows with inf/NaN, encoded as llama.cpp does; measured below
                 return self._measured(part, dtype, rows, cols, encoded.data)
         import numpy as np
         from gguf import GGMLQuantizationType, quants
 
         values = self._values(part, dtype, rows, cols)
-        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # inf/NaN: the executor's one warning says so
+        with np.errstate(
+            invalid="ignore", over="ignore", divide="ignore"
+        ):  # inf/NaN: the executor's one warning says so
             encoded = quants.quantize(values, GGMLQuantizationType[self.gtype.name])
         return self._measured(part, dtype, rows, cols, memoryview(encoded).cast("B"), values)
 

@@ -4,7 +4,8 @@ row, bit for bit the torch path (tests/test_native.py)."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from qtool import native
 from qtool.error_measures import ErrorStats
@@ -30,7 +31,16 @@ class NativeIntEncoder:
     def encode(self, raw) -> Iterator[Piece]:
         job, encoding = self.job, self.encoding
         rows, cols = job.weight.shape
-        encoded = native.encode_int(raw, job.weight.dtype, rows, cols, encoding.group, encoding.bits, symmetric=encoding.symmetric, observer=encoding.observer)
+        encoded = native.encode_int(
+            raw,
+            job.weight.dtype,
+            rows,
+            cols,
+            encoding.group,
+            encoding.bits,
+            symmetric=encoding.symmetric,
+            observer=encoding.observer,
+        )
         if encoded.errors is None:  # inf or NaN
             yield from self._handed_on(raw)
             return

@@ -4,7 +4,7 @@ layout's reading convention against the original values."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from qtool.buffers import tensor_bytes
 from qtool.error_measures import ErrorStats
@@ -32,9 +32,13 @@ class PrecomputedEncoder:
         if set(tensors) != set(planned):
             from qtool.errors import InternalError
 
-            raise InternalError(f"{job.weight.name}: precomputed tensors {sorted(tensors)} are not the planned {sorted(planned)}")
+            raise InternalError(
+                f"{job.weight.name}: precomputed tensors {sorted(tensors)} are not the planned {sorted(planned)}"
+            )
         if self.errors is not None:
-            decoded = self.layout.reconstruct(job.weight.name, tensors, job.scheme, tuple(job.weight.shape), job.weight.dtype)
+            decoded = self.layout.reconstruct(
+                job.weight.name, tensors, job.scheme, tuple(job.weight.shape), job.weight.dtype
+            )
             self.errors.update(weight, decoded.to(weight.device))
         for name, tensor in tensors.items():
             data = tensor_bytes(tensor.contiguous())

@@ -4,7 +4,7 @@ every other encoder of these layouts matches."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from qtool.buffers import tensor_bytes
 from qtool.error_measures import ErrorStats

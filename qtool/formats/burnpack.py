@@ -79,7 +79,9 @@ def qfloat_scheme(tensor: StoredTensor) -> dict[str, Any] | None:
     encoding = tensor.encoding or ""
     if not encoding.startswith(QFLOAT):
         return None
-    scheme = parse_json(encoding[len(QFLOAT) :], tensor.file, where=f"tensor {tensor.name!r}'s QFloat scheme", hint=_HINT)
+    scheme = parse_json(
+        encoding[len(QFLOAT) :], tensor.file, where=f"tensor {tensor.name!r}'s QFloat scheme", hint=_HINT
+    )
     if not isinstance(scheme, dict):
         raise _fail(tensor.file, f"tensor {tensor.name!r}'s QFloat scheme is {describe(scheme)}, not a map")
     return scheme
@@ -118,7 +120,10 @@ def read_burnpack_file(path: str) -> tuple[list[StoredTensor], dict[str, str]]:
             if metadata_size > MAX_METADATA_SIZE:
                 raise _fail(path, f"metadata size {metadata_size} is over the {MAX_METADATA_SIZE}-byte limit")
             if HEADER_SIZE + metadata_size > size:
-                raise _fail(path, f"file is cut short: {metadata_size} bytes of metadata run past the end of the {size}-byte file")
+                raise _fail(
+                    path,
+                    f"file is cut short: {metadata_size} bytes of metadata run past the end of the {size}-byte file",
+                )
             raw = handle.read(metadata_size)
     except OSError as exc:
         raise CheckpointError(f"cannot read: {exc.strerror or exc}", path=path) from None
@@ -148,7 +153,9 @@ def _check_tree(path: str, value: Any, level: int = 0) -> None:
         raise _fail(path, f"metadata CBOR nests deeper than {MAX_CBOR_DEPTH} levels")
     if isinstance(value, int) and not isinstance(value, bool):
         if not -(2**64) <= value < 2**64:
-            raise _fail(path, f"metadata holds an integer of {value.bit_length()} bits; CBOR's integers have at most 64")
+            raise _fail(
+                path, f"metadata holds an integer of {value.bit_length()} bits; CBOR's integers have at most 64"
+            )
     elif isinstance(value, dict):
         for key, item in value.items():
             _check_tree(path, key, level + 1)
@@ -158,7 +165,9 @@ def _check_tree(path: str, value: Any, level: int = 0) -> None:
             _check_tree(path, item, level + 1)
 
 
-def _describe(path: str, document: Any, version: int, metadata_size: int, size: int) -> tuple[list[StoredTensor], dict[str, str]]:
+def _describe(
+    path: str, document: Any, version: int, metadata_size: int, size: int
+) -> tuple[list[StoredTensor], dict[str, str]]:
     if not isinstance(document, dict) or not isinstance(document.get("tensors"), dict):
         raise _fail(path, 'metadata is not a map with a "tensors" map')
     entries = document["tensors"]
@@ -217,7 +226,10 @@ def _tensor(path: str, name: Any, info: Any, data_start: int, size: int) -> Stor
         raise _fail(path, f"tensor {name!r} has unknown burn dtype {dtype!r}")
     expected = math.prod(shape_t) * stored.bits // 8
     if stop - begin != expected:
-        raise _fail(path, f"tensor {name!r} is {stop - begin} bytes but shape {list(shape_t)} of {stored.burn_name or stored.name} needs {expected}")
+        raise _fail(
+            path,
+            f"tensor {name!r} is {stop - begin} bytes but shape {list(shape_t)} of {stored.burn_name or stored.name} needs {expected}",
+        )
     return StoredTensor(name, stored, shape_t, begin, stop, path)
 
 

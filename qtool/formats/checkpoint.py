@@ -18,7 +18,8 @@ import math
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from qtool.dtypes import StorageDType
 from qtool.errors import CheckpointError
@@ -137,7 +138,9 @@ class Checkpoint:
             if fd is not None:
                 return fd
             try:
-                fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # swapped for a FIFO: no wait, and refused as changed
+                fd = os.open(
+                    file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+                )  # swapped for a FIFO: no wait, and refused as changed
                 seen = _identity_of(os.fstat(fd))
             except OSError as exc:
                 if fd is not None:
@@ -175,7 +178,10 @@ class Checkpoint:
             size = os.fstat(self._fds[tensor.file]).st_size
         except (KeyError, OSError):
             pass
-        return CheckpointError(f"tensor {tensor.name!r} is cut short: it ends at byte {tensor.end}, the file at {size} (truncated while it was read?)", path=tensor.file)
+        return CheckpointError(
+            f"tensor {tensor.name!r} is cut short: it ends at byte {tensor.end}, the file at {size} (truncated while it was read?)",
+            path=tensor.file,
+        )
 
     def read_small(self, tensor: StoredTensor) -> bytes:
         """The raw bytes of a small metadata tensor, read with pread: no mmap, no torch."""
@@ -192,7 +198,9 @@ class Checkpoint:
             raise self._cut_short(tensor)
         return data
 
-    def read_bytes(self, tensor: StoredTensor, start: int = 0, size: int | None = None) -> bytes | bytearray | memoryview:
+    def read_bytes(
+        self, tensor: StoredTensor, start: int = 0, size: int | None = None
+    ) -> bytes | bytearray | memoryview:
         """`size` bytes of the tensor's data from byte `start` within it (all of it by default),
         with pread: no mmap pages stay resident. The one way to read a tensor's raw bytes that
         every container supports; containers whose tensors are not byte ranges of a file (see
@@ -201,7 +209,9 @@ class Checkpoint:
 
         size = tensor.nbytes - start if size is None else size
         if start < 0 or size < 0 or start + size > tensor.nbytes:
-            raise ValueError(f"bytes [{start}, {start + size}) are outside tensor {tensor.name!r} of {tensor.nbytes} bytes")
+            raise ValueError(
+                f"bytes [{start}, {start + size}) are outside tensor {tensor.name!r} of {tensor.nbytes} bytes"
+            )
         buffer = allocate(size)
         view, offset = buffer, tensor.begin + start
         fd = self._fd(tensor.file)
@@ -249,7 +259,7 @@ class Checkpoint:
     def __del__(self) -> None:  # a checkpoint dropped without close() must not leak descriptors
         self._close_fds()
 
-    def __enter__(self) -> "Checkpoint":
+    def __enter__(self) -> Checkpoint:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -38,7 +38,15 @@ from qtool.errors import CheckpointError
 from qtool.formats.checkpoint import StoredTensor, dims_fit_int64
 from qtool.ggml_types import ggml_type
 
-__all__ = ["read_gguf_file", "read_gguf_key_values", "parse_gguf_prefix", "NeedMore", "StringArray", "GGUF_MAGIC", "MAX_DIMS"]
+__all__ = [
+    "read_gguf_file",
+    "read_gguf_key_values",
+    "parse_gguf_prefix",
+    "NeedMore",
+    "StringArray",
+    "GGUF_MAGIC",
+    "MAX_DIMS",
+]
 
 GGUF_MAGIC = b"GGUF"
 MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -117,7 +125,9 @@ class _Cursor:
         """Fail at once when `count` items of at least `least` bytes can't fit in the rest of
         the file, rather than walking a corrupt count item by item."""
         if count * least > self.size - self.pos:
-            raise self.fail(f"file is cut short: {count} entries of {what} need at least {count * least} bytes, {self.size - self.pos} are left")
+            raise self.fail(
+                f"file is cut short: {count} entries of {what} need at least {count * least} bytes, {self.size - self.pos} are left"
+            )
 
     def skip_strings(self, count: int, what: str) -> None:
         self.room_for(count, 8, what)
@@ -151,7 +161,7 @@ class _Cursor:
                 _walked.clear()
             _walked[walked] = pos
 
-    def string_array(self, count: int, what: str) -> "StringArray":
+    def string_array(self, count: int, what: str) -> StringArray:
         """`count` strings as the file stores them, bounds-checked by one walk over their
         lengths, copied in one slice (a 49k-token vocabulary: one walk, where splitting it into
         49k bytes objects took four times as long, and packing them again as long once more)."""
@@ -418,7 +428,9 @@ def _parse(cur: _Cursor) -> tuple[list[StoredTensor], dict[str, str]]:
         raise cur.fail("file is big-endian GGUF; qtool reads little-endian GGUF only")
     if version not in SUPPORTED_VERSIONS:
         why = "GGUF version 1 is no longer supported" if version == 1 else f"GGUF version {version} is not supported"
-        raise CheckpointError(f"{why} (qtool reads versions 2 and 3)", path=path, hint="convert it with a current llama.cpp")
+        raise CheckpointError(
+            f"{why} (qtool reads versions 2 and 3)", path=path, hint="convert it with a current llama.cpp"
+        )
     tensor_count = cur.unpack("<Q", "the tensor count")
     kv_count = cur.unpack("<Q", "the key-value count")
     cur.room_for(kv_count, 13, "the metadata")  # key length, type, one byte of value at least
@@ -484,7 +496,11 @@ def _tensors(cur: _Cursor, infos: list[_Info], data_offset: int, alignment: int)
             end = begins[after] if after < len(begins) else cur.size
             if begin > cur.size:
                 raise _truncated(cur, name, begin)
-            tensors.append(StoredTensor(name, DTYPES["U8"], (end - begin,), begin, end, cur.path, f"unknown({info.type_id})", shape))
+            tensors.append(
+                StoredTensor(
+                    name, DTYPES["U8"], (end - begin,), begin, end, cur.path, f"unknown({info.type_id})", shape
+                )
+            )
             continue
         row = info.dims[0] if info.dims else 1  # no dims: one value, as llama.cpp reads it
         if row % gtype.block_size:

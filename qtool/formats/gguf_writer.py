@@ -19,7 +19,8 @@ each array is packed in one go.
 from __future__ import annotations
 
 import struct
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from qtool.errors import CheckpointError
 from qtool.formats.gguf import _SCALARS, _VALUE_TYPE_NAMES, DEFAULT_ALIGNMENT, GGUF_MAGIC, StringArray
@@ -35,7 +36,9 @@ Entry = tuple[str, Any, str]  # (key, value, type name: "UINT32", "STRING", "ARR
 HeaderTensor = tuple[str, Sequence[int], str, int]  # (name, shape in PyTorch order, GGML type name, bytes)
 
 
-def gguf_header(entries: list[Entry], tensors: list[HeaderTensor], architecture: str | None = None) -> tuple[bytes, dict[str, tuple[int, int]], int]:
+def gguf_header(
+    entries: list[Entry], tensors: list[HeaderTensor], architecture: str | None = None
+) -> tuple[bytes, dict[str, tuple[int, int]], int]:
     """The bytes before the data, each tensor's absolute byte range, and the file's size (its
     last tensor padded to the alignment, as GGUFWriter pads it). `architecture`, when given, is
     written first as `general.architecture` (as GGUFWriter's constructor does); otherwise the
@@ -88,7 +91,9 @@ def _value(key: str, value: Any, kind: str) -> bytes:
         return struct.pack("<I", type_id) + _scalar(key, value, type_id)
     item_id = _TYPE_IDS.get(inner) if inner else _element_type(key, value)
     if item_id is None or item_id == _ARRAY:
-        raise CheckpointError(f"metadata {key!r}: arrays of {inner!r} are not written (llama.cpp refuses nested arrays)")
+        raise CheckpointError(
+            f"metadata {key!r}: arrays of {inner!r} are not written (llama.cpp refuses nested arrays)"
+        )
     head = struct.pack("<IIQ", _ARRAY, item_id, len(value))
     if item_id == _STRING and isinstance(value, StringArray):  # an input's, unchanged: its bytes
         return head + value.raw

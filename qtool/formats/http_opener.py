@@ -73,7 +73,10 @@ def _seconds(name: str, default: float) -> float:
     except ValueError:
         value = math.nan
     if not math.isfinite(value) or value <= 0:
-        raise UsageError(f"{name}={text!r} is not a number of seconds", hint=f"set {name} to a positive number, e.g. {name}={default:g}")
+        raise UsageError(
+            f"{name}={text!r} is not a number of seconds",
+            hint=f"set {name} to a positive number, e.g. {name}={default:g}",
+        )
     return value
 
 
@@ -91,7 +94,10 @@ class Deadlines:
 
     @classmethod
     def from_environment(cls) -> Deadlines:
-        return cls(_seconds(REQUEST_TIMEOUT_ENV, DEFAULT_REQUEST_TIMEOUT), _seconds(COMMAND_TIMEOUT_ENV, DEFAULT_COMMAND_TIMEOUT))
+        return cls(
+            _seconds(REQUEST_TIMEOUT_ENV, DEFAULT_REQUEST_TIMEOUT),
+            _seconds(COMMAND_TIMEOUT_ENV, DEFAULT_COMMAND_TIMEOUT),
+        )
 
     def watch(self) -> Watch:
         """A started watch for one request: its deadline is the sooner of the request's and the

@@ -60,12 +60,8 @@ KEY_TYPE, KEY_DATASETS, KEY_CHUNK_COUNT, KEY_CHUNK_SIZE = (
     "imatrix.chunk_size",
 )
 MAX_LEGACY_BYTES = 1 << 32  # a legacy .dat read whole; a MoE model's with hundreds of experts is ~1 GB
-MAX_NAME_BYTES = (
-    1 << 16
-)  # a weight's name; GGML's own limit is 63 bytes, a legacy file has none
-MAX_COUNT = (
-    1 << 53
-)  # tokens: a float32 count above this is no count llama-imatrix wrote
+MAX_NAME_BYTES = 1 << 16  # a weight's name; GGML's own limit is 63 bytes, a legacy file has none
+MAX_COUNT = 1 << 53  # tokens: a float32 count above this is no count llama-imatrix wrote
 INT32_MAX = (1 << 31) - 1
 _HINT = "make it again with llama-imatrix, or check that the copy finished"
 
@@ -105,9 +101,9 @@ class ImatrixEntry:
         width = self.columns
         for index, count in enumerate(self.counts):
             if count > 0:
-                out[index * width : (index + 1) * width] = self.sums[
-                    index * width : (index + 1) * width
-                ] / np.float32(count)
+                out[index * width : (index + 1) * width] = self.sums[index * width : (index + 1) * width] / np.float32(
+                    count
+                )
         return out
 
 
@@ -154,9 +150,7 @@ def is_imatrix_gguf(metadata: dict[str, str], tensor_names: Collection[str]) -> 
     its tensors are llama-imatrix's pairs."""
     if metadata.get(KEY_TYPE) == "imatrix":
         return True
-    return bool(tensor_names) and all(
-        n.endswith((SUMS_SUFFIX, COUNTS_SUFFIX)) for n in tensor_names
-    )
+    return bool(tensor_names) and all(n.endswith((SUMS_SUFFIX, COUNTS_SUFFIX)) for n in tensor_names)
 
 
 def read_imatrix(path: str | os.PathLike[str]) -> Imatrix:
@@ -167,7 +161,9 @@ def read_imatrix(path: str | os.PathLike[str]) -> Imatrix:
     try:
         fd, info = open_regular(path)
     except NotReadable as exc:
-        raise ImatrixError(f"cannot read: {exc}", path=path, hint="pass the .gguf or .dat file llama-imatrix wrote") from None
+        raise ImatrixError(
+            f"cannot read: {exc}", path=path, hint="pass the .gguf or .dat file llama-imatrix wrote"
+        ) from None
     try:
         try:
             magic = os.pread(fd, 4, 0)
@@ -189,16 +185,10 @@ def _read_gguf(path: str, fd: int) -> Imatrix:
 
     try:
         tensors, _ = read_gguf_file(path)
-        key_values = {
-            key: (value, kind) for key, value, kind in read_gguf_key_values(path)
-        }
+        key_values = {key: (value, kind) for key, value, kind in read_gguf_key_values(path)}
     except CheckpointError as exc:
         raise ImatrixError(exc.message, path=path, hint=exc.hint) from None
-    missing = [
-        key
-        for key in (KEY_DATASETS, KEY_CHUNK_COUNT, KEY_CHUNK_SIZE)
-        if key not in key_values
-    ]
+    missing = [key for key in (KEY_DATASETS, KEY_CHUNK_COUNT, KEY_CHUNK_SIZE) if key not in key_values]
     if missing:
         raise _fail(
             path,
@@ -221,9 +211,7 @@ def _read_gguf(path: str, fd: int) -> Imatrix:
     for tensor in tensors:  # names are unique: read_gguf_file refuses a repeated one
         for suffix, slot in ((SUMS_SUFFIX, 0), (COUNTS_SUFFIX, 1)):
             if tensor.name.endswith(suffix) and len(tensor.name) > len(suffix):
-                pairs.setdefault(tensor.name[: -len(suffix)], [None, None])[slot] = (
-                    tensor
-                )
+                pairs.setdefault(tensor.name[: -len(suffix)], [None, None])[slot] = tensor
     if not pairs:
         raise _fail(
             path,
@@ -260,21 +248,13 @@ def _read_gguf(path: str, fd: int) -> Imatrix:
         if not np.isfinite(sums).all():
             raise _fail(path, f"{shown}{SUMS_SUFFIX} holds NaN or inf")
         if (sums < 0).any():
-            raise _fail(
-                path, f"{shown}{SUMS_SUFFIX} holds a negative sum of squares"
-            )
-        if (
-            not np.isfinite(raw_counts).all()
-            or (raw_counts < 0).any()
-            or (raw_counts > MAX_COUNT).any()
-        ):
+            raise _fail(path, f"{shown}{SUMS_SUFFIX} holds a negative sum of squares")
+        if not np.isfinite(raw_counts).all() or (raw_counts < 0).any() or (raw_counts > MAX_COUNT).any():
             raise _fail(
                 path,
                 f"{shown}{COUNTS_SUFFIX} holds a count that is negative, NaN, inf or above 2^53",
             )
-        counts = tuple(
-            int(c) for c in np.floor(raw_counts + 0.5)
-        )  # std::lround of a non-negative value
+        counts = tuple(int(c) for c in np.floor(raw_counts + 0.5))  # std::lround of a non-negative value
         entries[name] = ImatrixEntry(name, sums, counts)
     return Imatrix(
         path,
@@ -368,20 +348,14 @@ def _read_legacy(path: str, fd: int, info: os.stat_result) -> Imatrix:
         except UnicodeDecodeError:
             raise _fail(path, f"entry {index + 1}'s name is not UTF-8") from None
         if "\0" in name:
-            raise _fail(
-                path, f"entry {index + 1}'s name {_shown(name)} holds a NUL byte"
-            )
+            raise _fail(path, f"entry {index + 1}'s name {_shown(name)} holds a NUL byte")
         if name in entries:
             raise _fail(path, f"entry {_shown(name)} appears twice")
         ncall = int32(f"the call count of {_shown(name)}")
         nval = int32(f"the value count of {_shown(name)}")
         if ncall < 0 or nval < 1:
-            raise _fail(
-                path, f"entry {_shown(name)} has {ncall} calls and {nval} values"
-            )
-        sums = np.frombuffer(
-            take(4 * nval, f"the {nval} values of {_shown(name)}"), dtype="<f4"
-        ).astype(np.float32)
+            raise _fail(path, f"entry {_shown(name)} has {ncall} calls and {nval} values")
+        sums = np.frombuffer(take(4 * nval, f"the {nval} values of {_shown(name)}"), dtype="<f4").astype(np.float32)
         if not np.isfinite(sums).all():
             raise _fail(path, f"entry {_shown(name)} holds NaN or inf")
         if (sums < 0).any():
@@ -397,21 +371,19 @@ def _read_legacy(path: str, fd: int, info: os.stat_result) -> Imatrix:
             if length < 0:
                 raise _fail(path, f"has a dataset name of {length} bytes")
             dataset = take(length, "the dataset name")
-            datasets = (
-                (dataset.split(b"\0", 1)[0],) if length > 0 else ()
-            )  # a C string, as llama.cpp reads it
+            datasets = (dataset.split(b"\0", 1)[0],) if length > 0 else ()  # a C string, as llama.cpp reads it
         if pos != size:
             raise _fail(path, f"has {size - pos} bytes after its last field")
-    ordered = {
-        name: entries[name] for name in sorted(entries, key=lambda n: n.encode("utf-8"))
-    }
+    ordered = {name: entries[name] for name in sorted(entries, key=lambda n: n.encode("utf-8"))}
     return Imatrix(path, "dat", ordered, datasets, chunk_count, 0)
 
 
 # -- writing (qtool imatrix) -----------------------------------------------------------------------
 
 
-def imatrix_gguf_bytes(entries: dict[str, tuple[Any, list[int]]], datasets: list[bytes | str], chunk_count: int, chunk_size: int) -> bytes:
+def imatrix_gguf_bytes(
+    entries: dict[str, tuple[Any, list[int]]], datasets: list[bytes | str], chunk_count: int, chunk_size: int
+) -> bytes:
     """The GGUF imatrix file llama-imatrix's `save_imatrix` writes: general.type, the datasets,
     chunk count and size, then per weight in name order `<name>.in_sum2` F32 [matrices, columns]
     and `<name>.counts` F32 [matrices, 1]. `entries`: name -> (float32 sums [matrices * columns],
@@ -436,7 +408,10 @@ def imatrix_gguf_bytes(entries: dict[str, tuple[Any, list[int]]], datasets: list
         sums_shape, counts_shape = ((matrices, columns), (matrices, 1)) if matrices > 1 else ((columns,), (1,))
         blobs[name + SUMS_SUFFIX] = sums.tobytes()
         blobs[name + COUNTS_SUFFIX] = np.asarray(counts, dtype="<f4").tobytes()
-        tensors += [(name + SUMS_SUFFIX, sums_shape, "F32", sums.nbytes), (name + COUNTS_SUFFIX, counts_shape, "F32", 4 * matrices)]
+        tensors += [
+            (name + SUMS_SUFFIX, sums_shape, "F32", sums.nbytes),
+            (name + COUNTS_SUFFIX, counts_shape, "F32", 4 * matrices),
+        ]
     header, ranges, size = gguf_header(header_entries, tensors)
     out = bytearray(size)
     out[: len(header)] = header

@@ -69,7 +69,12 @@ def _open(path: str) -> Checkpoint:
 # then its index. Anything else beside the chosen weights (a consolidated.safetensors of the
 # Mistral format, a PEFT adapter, a reference copy) is not part of the model, and is named in a
 # note. A folder with none of those names falls back to the one index or weights file it holds.
-_TRANSFORMERS_ORDER = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+_TRANSFORMERS_ORDER = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 _ADAPTERS = ("adapter_model.safetensors", "adapter_model.bin")  # PEFT: loaded on top of a model, never merged into it
 _MISTRAL = "consolidated.safetensors"  # mistral-inference's own layout: the model only when nothing else is
 _SHARD = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.safetensors")
@@ -162,6 +167,7 @@ def _open_fallback(path: str, names: list[str], weights: list[str]) -> Checkpoin
 def _open_other_directory(path: str, names: list[str]) -> Checkpoint | None:
     """A folder with no safetensors or GGUF: a burnpack file, or PyTorch pickles (sharded with
     an index, one known model file, or a single pickle)."""
+
     def files_ending(suffixes: tuple[str, ...]) -> list[str]:
         return [n for n in names if n.endswith(suffixes) and os.path.isfile(os.path.join(path, n))]
 
@@ -169,7 +175,9 @@ def _open_other_directory(path: str, names: list[str]) -> Checkpoint | None:
     if len(bpks) == 1:
         return _open_burnpack(path, os.path.join(path, bpks[0]))
     if len(bpks) > 1:
-        raise CheckpointError(f"holds {len(bpks)} burnpack files ({', '.join(bpks)})", path=path, hint="pass the .bpk file you mean")
+        raise CheckpointError(
+            f"holds {len(bpks)} burnpack files ({', '.join(bpks)})", path=path, hint="pass the .bpk file you mean"
+        )
     indexes = files_ending(_PICKLE_INDEX_SUFFIXES)
     if indexes:
         return _open_index(os.path.join(path, indexes[0]), display=path)
@@ -235,7 +243,9 @@ def _open_gguf(display: str, file: str) -> Checkpoint:
     from qtool.formats.gguf import read_gguf_file
 
     tensors, metadata = read_gguf_file(file)
-    return Checkpoint(path=display, format="gguf", files=[file], tensors={t.name: t for t in tensors}, metadata=metadata)
+    return Checkpoint(
+        path=display, format="gguf", files=[file], tensors={t.name: t for t in tensors}, metadata=metadata
+    )
 
 
 def _open_torch(display: str, files: list[str], base_dir: str) -> Checkpoint:
@@ -250,7 +260,9 @@ def _open_burnpack(display: str, file: str) -> Checkpoint:
     from qtool.formats.burnpack import read_burnpack_file
 
     tensors, metadata = read_burnpack_file(file)
-    return Checkpoint(path=display, format="burnpack", files=[file], tensors={t.name: t for t in tensors}, metadata=metadata)
+    return Checkpoint(
+        path=display, format="burnpack", files=[file], tensors={t.name: t for t in tensors}, metadata=metadata
+    )
 
 
 def input_paths(checkpoint: Checkpoint) -> list[str]:

@@ -39,7 +39,17 @@ from typing import Any, Protocol
 
 from qtool.gcpause import paused_gc
 
-__all__ = ["PickleError", "Truncated", "OverLimit", "PDict", "PSet", "Hooks", "interpret", "MAX_INT_BYTES", "REFERENCES_PER_CALL"]
+__all__ = [
+    "PickleError",
+    "Truncated",
+    "OverLimit",
+    "PDict",
+    "PSet",
+    "Hooks",
+    "interpret",
+    "MAX_INT_BYTES",
+    "REFERENCES_PER_CALL",
+]
 
 MAX_INT_BYTES = 256  # LONG1/LONG4 payloads; a tensor checkpoint needs 8
 # The one opcode that can make a str no UTF-8 output can carry: raw-unicode-escape spells any
@@ -48,7 +58,9 @@ _SURROGATE = re.compile(r"[\ud800-\udfff]")
 REFERENCES_PER_CALL = 16  # memo references each REDUCE allows, under `max_references`
 _MAX_LINE = 1 << 16  # text opcodes (GLOBAL names, protocol 0 numbers and strings)
 _MAX_MEMO_INDEX = 1 << 32
-_TOO_MANY_REFERENCES = "the pickle refers back to earlier objects more often than qtool reads (one object under many names)"
+_TOO_MANY_REFERENCES = (
+    "the pickle refers back to earlier objects more often than qtool reads (one object under many names)"
+)
 
 
 class PickleError(ValueError):
@@ -110,6 +122,8 @@ def _past_end(data: bytes, at: int) -> bool:
     if op == 0x58:
         return at + 5 + struct.unpack_from("<I", data, at + 1)[0] > len(data)
     return False
+
+
 _UNPACK_I = struct.Struct("<i").unpack_from
 _UNPACK_H = struct.Struct("<H").unpack_from
 _UNPACK_UI = struct.Struct("<I").unpack_from
@@ -117,7 +131,9 @@ _UNPACK_Q = struct.Struct("<Q").unpack_from
 _UNPACK_D = struct.Struct(">d").unpack_from
 
 
-def interpret(data: bytes, hooks: Hooks, *, start: int = 0, max_objects: int = 4_000_000, max_references: int | None = None) -> tuple[Any, int]:
+def interpret(
+    data: bytes, hooks: Hooks, *, start: int = 0, max_objects: int = 4_000_000, max_references: int | None = None
+) -> tuple[Any, int]:
     """The object the pickle at `data[start:]` describes, and the offset just past its STOP.
 
     The cyclic garbage collector is paused meanwhile: millions of new containers would make it
@@ -127,12 +143,16 @@ def interpret(data: bytes, hooks: Hooks, *, start: int = 0, max_objects: int = 4
 
 
 class _Machine:
-    def __init__(self, data: bytes, hooks: Hooks, start: int, max_objects: int, max_references: int | None = None) -> None:
+    def __init__(
+        self, data: bytes, hooks: Hooks, start: int, max_objects: int, max_references: int | None = None
+    ) -> None:
         self.data = data
         self.hooks = hooks
         self.pos = start
         self.budget = max_objects
-        self.references = len(data) if max_references is None else max_references  # a get reads >= 2 bytes: never reached
+        self.references = (
+            len(data) if max_references is None else max_references
+        )  # a get reads >= 2 bytes: never reached
         self.stack: list[Any] = []
         self.marks: list[list[Any]] = []
         self.memo: dict[int, Any] = {}

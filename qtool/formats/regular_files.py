@@ -31,7 +31,9 @@ def descriptor_path(fd: int) -> str | None:
         return None
 
 
-def open_regular(path: str, *, follow: bool = True, expect: os.stat_result | None = None, inside: tuple[str, ...] = ()) -> tuple[int, os.stat_result]:
+def open_regular(
+    path: str, *, follow: bool = True, expect: os.stat_result | None = None, inside: tuple[str, ...] = ()
+) -> tuple[int, os.stat_result]:
     """A blocking descriptor of the regular file `path`, checked, and its stat; the caller
     closes it. For a file read in pieces (a calibration text, an importance matrix): the
     checks of `read_regular`, and nothing read yet.
@@ -44,7 +46,9 @@ def open_regular(path: str, *, follow: bool = True, expect: os.stat_result | Non
     try:
         fd = os.open(path, flags)  # O_NONBLOCK: a FIFO with no writer opens at once, and is refused below
     except OSError as exc:
-        raise NotReadable("it is a link" if exc.errno == errno.ELOOP and not follow else exc.strerror or "cannot open") from None
+        raise NotReadable(
+            "it is a link" if exc.errno == errno.ELOOP and not follow else exc.strerror or "cannot open"
+        ) from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -53,7 +57,9 @@ def open_regular(path: str, *, follow: bool = True, expect: os.stat_result | Non
             raise NotReadable("it was replaced while qtool ran")
         if inside:
             real = descriptor_path(fd)
-            if real is not None and not any(real == root or real.startswith(root.rstrip(os.sep) + os.sep) for root in inside):
+            if real is not None and not any(
+                real == root or real.startswith(root.rstrip(os.sep) + os.sep) for root in inside
+            ):
                 raise NotReadable("it links out of the model folder")
         os.set_blocking(fd, True)
     except BaseException:
@@ -75,7 +81,9 @@ def read_descriptor(fd: int, limit: int) -> bytes:
     return b"".join(pieces)
 
 
-def read_regular(path: str, limit: int, *, follow: bool = True, expect: os.stat_result | None = None, inside: tuple[str, ...] = ()) -> bytes:
+def read_regular(
+    path: str, limit: int, *, follow: bool = True, expect: os.stat_result | None = None, inside: tuple[str, ...] = ()
+) -> bytes:
     """The bytes of the regular file `path`, at most `limit` + 1 of them (more than `limit`
     means the file is over it: the caller says so in its own words). The checks and arguments
     are `open_regular`'s. Raises NotReadable with the reason; OSError only for a failing read."""

@@ -116,13 +116,17 @@ class RemoteFile:
                     continue
                 raise self._status_error(exc.code) from None
             except RefusedURL as exc:
-                raise self.fail(f"not read: {exc.reason}", hint="qtool reads remote checkpoints over HTTP(S) only") from None
+                raise self.fail(
+                    f"not read: {exc.reason}", hint="qtool reads remote checkpoints over HTTP(S) only"
+                ) from None
             except (urllib.error.URLError, http.client.HTTPException, OSError) as exc:
                 if not last:
                     watch.sleep(_BACKOFF * 2**attempt)
                     continue
                 reason = getattr(exc, "reason", None) or exc
-                raise self.fail(f"cannot connect ({reason}, {TRIES} tries)", hint="check the URL and your network") from None
+                raise self.fail(
+                    f"cannot connect ({reason}, {TRIES} tries)", hint="check the URL and your network"
+                ) from None
             except ValueError as exc:  # http.client.InvalidURL: a control character or a bad port
                 raise self.fail(f"is not a URL qtool can request ({exc})") from None
         raise AssertionError("unreachable")
@@ -134,7 +138,11 @@ class RemoteFile:
             return self.fail("not found (HTTP 404)", hint="check the repository, revision and file name")
         if code == 416:
             return self.fail("the server refused the byte range (HTTP 416): the file is shorter than its header says")
-        return self.fail(f"the server answered HTTP {code} ({TRIES} tries)" if code == 429 or code >= 500 else f"the server answered HTTP {code}")
+        return self.fail(
+            f"the server answered HTTP {code} ({TRIES} tries)"
+            if code == 429 or code >= 500
+            else f"the server answered HTTP {code}"
+        )
 
     def read(self, start: int, size: int, etag: str | None = None) -> bytes | None:
         """Bytes [start, start + size) of the file, fewer only where the file ends. With `etag`,
@@ -151,7 +159,10 @@ class RemoteFile:
                     return self._range_body(response, start, size)
                 except _Truncated as exc:
                     if attempt == TRIES - 1 or watch.expired:
-                        raise self.fail(f"the connection closed after {exc.got} of {exc.want} bytes ({TRIES} tries)", hint="try again later") from None
+                        raise self.fail(
+                            f"the connection closed after {exc.got} of {exc.want} bytes ({TRIES} tries)",
+                            hint="try again later",
+                        ) from None
                     watch.sleep(_BACKOFF * 2**attempt)
                 finally:
                     response.close()
@@ -172,11 +183,15 @@ class RemoteFile:
             raise self.fail(f"the server answered HTTP {status} to a range request")
         found = _CONTENT_RANGE.match(response.headers.get("Content-Range", "").strip())
         if not found or found.group(3) == "*":
-            raise self.fail(f"the server sent a missing or malformed Content-Range ({response.headers.get('Content-Range')!r})")
+            raise self.fail(
+                f"the server sent a missing or malformed Content-Range ({response.headers.get('Content-Range')!r})"
+            )
         first, last, total = int(found.group(1)), int(found.group(2)), int(found.group(3))
         want = min(size, total - start)
         if first != start or last != start + want - 1 or want <= 0:
-            raise self.fail(f"the server sent bytes {first}-{last} of {total}, not the {start}-{start + size - 1} asked for")
+            raise self.fail(
+                f"the server sent bytes {first}-{last} of {total}, not the {start}-{start + size - 1} asked for"
+            )
         length = response.headers.get("Content-Length")
         if length is not None and (not length.strip().isdigit() or int(length) != want):
             raise self.fail(f"the server announced {length} bytes for a range of {want}")
@@ -276,7 +291,12 @@ class RemoteCache:
             meta = parse_json(line, self._path(url, kind), max_bytes=_MAX_CACHE_LINE)
         except (OSError, CheckpointError):  # a damaged cache entry is a miss
             return None
-        if not isinstance(meta, dict) or meta.get("url") != url or meta.get("kind") != kind or meta.get("length") != len(data):
+        if (
+            not isinstance(meta, dict)
+            or meta.get("url") != url
+            or meta.get("kind") != kind
+            or meta.get("length") != len(data)
+        ):
             return None
         return meta, data
 

@@ -24,7 +24,8 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 from urllib.parse import quote, unquote, urljoin, urlsplit
 
 from qtool.errors import CheckpointError, InternalError, UsageError
@@ -63,7 +64,9 @@ class RemoteCheckpoint(Checkpoint):
 
     def read_small(self, tensor: StoredTensor) -> bytes:
         if tensor.nbytes > SMALL_TENSOR_LIMIT:
-            raise CheckpointError(f"tensor {tensor.name!r} is {tensor.nbytes} bytes, too large to read as metadata", path=tensor.file)
+            raise CheckpointError(
+                f"tensor {tensor.name!r} is {tensor.nbytes} bytes, too large to read as metadata", path=tensor.file
+            )
         return self.session.read_range(tensor.file, tensor.begin, tensor.nbytes)
 
     def read_bytes(self, tensor: StoredTensor, start: int = 0, size: int | None = None):
@@ -182,7 +185,9 @@ def _safetensors_header(session: _Session, url: str) -> tuple[str, list[StoredTe
 
 
 def _gguf_header(session: _Session, url: str):
-    return session.read_header(url, GGUF_FIRST_READ, GGUF_HEADER_CAP, lambda data, size: parse_gguf_prefix(url, data, size), double=True)
+    return session.read_header(
+        url, GGUF_FIRST_READ, GGUF_HEADER_CAP, lambda data, size: parse_gguf_prefix(url, data, size), double=True
+    )
 
 
 @dataclass
@@ -241,7 +246,7 @@ def _run_all(calls: list[Callable[[], Any]], deadlines: Deadlines, shown: str, w
                 return
             try:
                 results[index] = calls[index]()
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            except BaseException as exc:
                 failures[index] = exc
             with lock:
                 finished[0] += 1
@@ -288,7 +293,13 @@ def _open_remote(location: str, deadlines: Deadlines) -> Checkpoint:
         url = place.url(chosen) or chosen
         tensors, metadata = _gguf_header(session, url)
         return RemoteCheckpoint(
-            path=place.display, format="gguf", files=[url], tensors={t.name: t for t in tensors}, metadata=metadata, session=session, download=place.download
+            path=place.display,
+            format="gguf",
+            files=[url],
+            tensors={t.name: t for t in tensors},
+            metadata=metadata,
+            session=session,
+            download=place.download,
         )
     raise CheckpointError(
         f"unsupported remote file {chosen!r}",
@@ -297,7 +308,9 @@ def _open_remote(location: str, deadlines: Deadlines) -> Checkpoint:
     )
 
 
-def _open_safetensors(session: _Session, place: _Place, urls: list[str], weight_map=None, shard_urls=None, index_url=None) -> Checkpoint:
+def _open_safetensors(
+    session: _Session, place: _Place, urls: list[str], weight_map=None, shard_urls=None, index_url=None
+) -> Checkpoint:
     side_urls = {name: url for name, url in ((name, place.url(name)) for name in SIDE_FILES) if url}
     calls: list[Callable[[], Any]] = [lambda url=url: _safetensors_header(session, url) for url in urls]
     calls += [lambda url=url: session.read_json(url, SIDE_FILE_CAP, True) for url in side_urls.values()]
@@ -335,11 +348,15 @@ def _shard_url(place: _Place, index_url: str, folder: str, shard: str, shown: st
         )
     url = place.url(posixpath.join(folder, shard) if folder else shard)
     if url is None:
-        raise CheckpointError(f"index names shard {shard!r}, which does not exist", path=shown, hint="the repository may be incomplete")
+        raise CheckpointError(
+            f"index names shard {shard!r}, which does not exist", path=shown, hint="the repository may be incomplete"
+        )
     resolved, base = urlsplit(url), urlsplit(index_url)
     inside = posixpath.dirname(base.path).rstrip("/") + "/"
     if (resolved.scheme, resolved.netloc) != (base.scheme, base.netloc) or not resolved.path.startswith(inside):
-        raise CheckpointError(f"index names shard {shard!r}, which resolves to {display_url(url)}, outside the index's folder", path=shown)
+        raise CheckpointError(
+            f"index names shard {shard!r}, which resolves to {display_url(url)}, outside the index's folder", path=shown
+        )
     return url
 
 
@@ -348,7 +365,9 @@ def _open_index(session: _Session, place: _Place, name: str) -> Checkpoint:
     shown = display_url(index_url)
     weight_map, shards = index_shards(session.read_json(index_url, INDEX_CAP, missing_ok=False), shown)
     if not shards or not all(s.endswith(".safetensors") for s in shards):
-        raise CheckpointError("remote indexes must name .safetensors shards", path=shown, hint="download PyTorch pickle checkpoints first")
+        raise CheckpointError(
+            "remote indexes must name .safetensors shards", path=shown, hint="download PyTorch pickle checkpoints first"
+        )
     folder = posixpath.dirname(name)
     shard_urls = {shard: _shard_url(place, index_url, folder, shard, shown) for shard in shards}
     return _open_safetensors(session, place, list(shard_urls.values()), weight_map, shard_urls, shown)
@@ -376,7 +395,9 @@ def _hub_place(location: str, deadlines: Deadlines) -> tuple[_Place, str]:
     try:
         import huggingface_hub
     except ImportError:
-        raise CheckpointError("reading hf:// locations needs huggingface_hub", path=location, hint='pip install "qtool[hub]"') from None
+        raise CheckpointError(
+            "reading hf:// locations needs huggingface_hub", path=location, hint='pip install "qtool[hub]"'
+        ) from None
 
     token = huggingface_hub.get_token()
     headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -392,7 +413,9 @@ def _hub_place(location: str, deadlines: Deadlines) -> tuple[_Place, str]:
     return _Place(location, url, _hub_download(repo_id, revision), headers), posixpath.basename(chosen)
 
 
-def _hub_listing(hub, location: str, repo_id: str, revision: str | None, token: str | None, timeout: float) -> tuple[str, list[str]]:
+def _hub_listing(
+    hub, location: str, repo_id: str, revision: str | None, token: str | None, timeout: float
+) -> tuple[str, list[str]]:
     """The commit and the files of a repository at a revision; a commit hash's listing comes
     from the cache when it was read before (it can't change)."""
     cache = RemoteCache()
@@ -410,21 +433,33 @@ def _hub_listing(hub, location: str, repo_id: str, revision: str | None, token: 
     except errors.HFValidationError:
         raise UsageError(f"{repo_id!r} is not a valid repository id", hint=f"write {_HF_FORM}") from None
     except errors.GatedRepoError:
-        raise CheckpointError("the repository is gated: accept its terms on the Hub, then log in", path=location, hint=LOGIN_HINT) from None
+        raise CheckpointError(
+            "the repository is gated: accept its terms on the Hub, then log in", path=location, hint=LOGIN_HINT
+        ) from None
     except errors.RevisionNotFoundError:
-        raise CheckpointError(f"revision {revision!r} not found", path=location, hint="check the branch, tag or commit") from None
+        raise CheckpointError(
+            f"revision {revision!r} not found", path=location, hint="check the branch, tag or commit"
+        ) from None
     except errors.RepositoryNotFoundError:
-        raise CheckpointError("repository not found, or private and not readable with your token", path=location, hint=LOGIN_HINT) from None
+        raise CheckpointError(
+            "repository not found, or private and not readable with your token", path=location, hint=LOGIN_HINT
+        ) from None
     except errors.HfHubHTTPError as exc:
         status = getattr(getattr(exc, "response", None), "status_code", None)
         hint = LOGIN_HINT if status in (401, 403) else "check the location and your network"
         raise CheckpointError(f"the Hub refused the listing (HTTP {status})", path=location, hint=hint) from None
     except Exception as exc:  # connection errors come in the HTTP library's own types
-        raise CheckpointError(f"cannot reach the Hub ({type(exc).__name__})", path=location, hint="check HF_ENDPOINT and your network") from None
+        raise CheckpointError(
+            f"cannot reach the Hub ({type(exc).__name__})", path=location, hint="check HF_ENDPOINT and your network"
+        ) from None
     commit = info.sha if isinstance(info.sha, str) and _COMMIT.match(info.sha) else revision or "main"
     files = [s.rfilename for s in (info.siblings or []) if isinstance(getattr(s, "rfilename", None), str)]
     if _COMMIT.match(commit):
-        cache.put(f"{hub.constants.ENDPOINT}/api/models/{repo_id}/revision/{commit}", "listing", json.dumps({"files": files}).encode())
+        cache.put(
+            f"{hub.constants.ENDPOINT}/api/models/{repo_id}/revision/{commit}",
+            "listing",
+            json.dumps({"files": files}).encode(),
+        )
     return commit, files
 
 
@@ -437,12 +472,18 @@ def _choose(location: str, files: list[str], path: str) -> str:
     prefix = f"{path}/" if path else ""
     names = sorted(f[len(prefix) :] for f in files if f.startswith(prefix) and "/" not in f[len(prefix) :])
     if not names:
-        raise CheckpointError(f"no file or folder {path!r} in the repository" if path else "the repository is empty", path=location)
+        raise CheckpointError(
+            f"no file or folder {path!r} in the repository" if path else "the repository is empty", path=location
+        )
     indexes = [n for n in names if n.endswith(".safetensors.index.json")]
     if len(indexes) > 1:
         indexes = [n for n in indexes if n == "model.safetensors.index.json"] or indexes
         if len(indexes) > 1:
-            raise CheckpointError(f"holds {len(indexes)} safetensors indexes ({', '.join(indexes)})", path=location, hint="name the index you mean in the location")
+            raise CheckpointError(
+                f"holds {len(indexes)} safetensors indexes ({', '.join(indexes)})",
+                path=location,
+                hint="name the index you mean in the location",
+            )
     safetensors = [n for n in names if n.endswith(".safetensors")]
     ggufs = [n for n in names if n.endswith(".gguf")]
     if "model.safetensors" in safetensors:  # transformers' order, as a local folder is read
@@ -452,13 +493,23 @@ def _choose(location: str, files: list[str], path: str) -> str:
     elif len(safetensors) == 1:
         chosen = safetensors[0]
     elif safetensors:
-        raise CheckpointError(f"holds {len(safetensors)} .safetensors files and no index", path=location, hint="name the file you mean in the location")
+        raise CheckpointError(
+            f"holds {len(safetensors)} .safetensors files and no index",
+            path=location,
+            hint="name the file you mean in the location",
+        )
     elif len(ggufs) == 1:
         chosen = ggufs[0]
     elif ggufs:
-        raise CheckpointError(f"holds {len(ggufs)} GGUF files ({', '.join(ggufs)})", path=location, hint="name the .gguf file you mean in the location")
+        raise CheckpointError(
+            f"holds {len(ggufs)} GGUF files ({', '.join(ggufs)})",
+            path=location,
+            hint="name the .gguf file you mean in the location",
+        )
     else:
         raise CheckpointError(
-            "holds no .safetensors, *.safetensors.index.json or .gguf file", path=location, hint="remote locations read safetensors and GGUF; download other formats first"
+            "holds no .safetensors, *.safetensors.index.json or .gguf file",
+            path=location,
+            hint="remote locations read safetensors and GGUF; download other formats first",
         )
     return prefix + chosen

@@ -46,7 +46,9 @@ def header_length(path: str, first8: bytes, size: int) -> int:
 def read_header(path: str) -> tuple[bytes, int]:
     """Return the raw header bytes and the file size, checking the size limits."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO opens at once, refused below
+        fd = os.open(
+            path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+        )  # a FIFO opens at once, refused below
     except OSError as exc:
         raise CheckpointError(f"cannot open: {exc.strerror}", path=path) from None
     try:
@@ -148,7 +150,9 @@ def _entries(path: str, parsed: dict[str, Any]) -> list[tuple]:
         shape = tuple(shape_list)
         known = seen.get((dtype_name, shape))
         if known is None:
-            _, dtype, shape, _, _ = _tensor_entry(path, name, {"dtype": dtype_name, "shape": shape_list, "data_offsets": [0, 0]}, sized=False)
+            _, dtype, shape, _, _ = _tensor_entry(
+                path, name, {"dtype": dtype_name, "shape": shape_list, "data_offsets": [0, 0]}, sized=False
+            )
             nbytes = nbytes_for(dtype, math.prod(shape))
             if nbytes is None:
                 append(_tensor_entry(path, name, info))  # raises, naming the fault
@@ -213,5 +217,3 @@ def _is_count(value: Any) -> bool:
 def read_safetensors_file(path: str) -> tuple[list[StoredTensor], dict[str, str]]:
     header, size = read_header(path)
     return parse_header(path, header, size)
-
-

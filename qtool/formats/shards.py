@@ -20,7 +20,7 @@ def index_shards(index: Any, index_path: str) -> tuple[dict[str, str], list[str]
         raise CheckpointError(
             'index has no "weight_map" object of tensor name to shard file',
             path=index_path,
-            hint="a sharded index looks like {\"metadata\": {...}, \"weight_map\": {tensor: file}}",
+            hint='a sharded index looks like {"metadata": {...}, "weight_map": {tensor: file}}',
         )
     shards: list[str] = []
     for shard in weight_map.values():
@@ -32,7 +32,9 @@ def index_shards(index: Any, index_path: str) -> tuple[dict[str, str], list[str]
     return weight_map, shards
 
 
-def check_index(checkpoint: Checkpoint, weight_map: dict[str, str], shard_files: dict[str, str], index_path: str) -> None:
+def check_index(
+    checkpoint: Checkpoint, weight_map: dict[str, str], shard_files: dict[str, str], index_path: str
+) -> None:
     """Every tensor the index maps is in the shard it names."""
     for name, shard in weight_map.items():
         tensor = checkpoint.tensors.get(name)
@@ -44,7 +46,9 @@ def check_index(checkpoint: Checkpoint, weight_map: dict[str, str], shard_files:
             )
 
 
-def merge_files(per_file: list[tuple[str, list[StoredTensor], dict[str, str]]]) -> tuple[dict[str, StoredTensor], dict[str, str]]:
+def merge_files(
+    per_file: list[tuple[str, list[StoredTensor], dict[str, str]]],
+) -> tuple[dict[str, StoredTensor], dict[str, str]]:
     """One checkpoint's tensors and metadata from its files' headers; a name in two files is refused."""
     tensors: dict[str, StoredTensor] = {}
     metadata: dict[str, str] = {}

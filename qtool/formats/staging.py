@@ -43,7 +43,7 @@ import stat
 import sys
 import threading
 from fnmatch import fnmatchcase
-from typing import Callable
+from collections.abc import Callable
 
 from qtool import libc
 from qtool.errors import CheckpointError, UsageError
@@ -407,14 +407,24 @@ def _identity(path: str) -> tuple[int, int] | None:
 
 
 def _appeared(shown: str) -> UsageError:
-    return UsageError(f"output {shown} appeared while writing; nothing was replaced", hint="another run may be writing there; choose another output path", option="output")
+    return UsageError(
+        f"output {shown} appeared while writing; nothing was replaced",
+        hint="another run may be writing there; choose another output path",
+        option="output",
+    )
 
 
 def _changed(shown: str) -> UsageError:
-    return UsageError(f"output {shown} changed while writing; nothing was replaced", hint="another run may be writing there; choose another output path", option="output")
+    return UsageError(
+        f"output {shown} changed while writing; nothing was replaced",
+        hint="another run may be writing there; choose another output path",
+        option="output",
+    )
 
 
-def place(source: str, target: str, *, shown: str, replacing: tuple[int, int] | None, check: Callable[[str], None]) -> str | None:
+def place(
+    source: str, target: str, *, shown: str, replacing: tuple[int, int] | None, check: Callable[[str], None]
+) -> str | None:
     """Move the finished `source` to `target`, never replacing anything but the output that was
     checked before writing (`replacing`: its (st_dev, st_ino); None when there was none).
     `check(path)` raises UsageError if what now lies at `path` may not be replaced (a folder
@@ -523,13 +533,17 @@ def make_parents(folder: str, shown: str, what: str = "output") -> list[str]:
                 st = os.stat(path)
             except OSError as exc:
                 remove_created(created)
-                raise CheckpointError(f"cannot create {what} {shown}: cannot create {path}: {exc.strerror or exc}") from None
+                raise CheckpointError(
+                    f"cannot create {what} {shown}: cannot create {path}: {exc.strerror or exc}"
+                ) from None
         except OSError as exc:
             remove_created(created)
             raise CheckpointError(f"cannot create {what} {shown}: {path}: {exc.strerror or exc}") from None
         if not stat.S_ISDIR(st.st_mode):
             remove_created(created)
-            raise UsageError(f"cannot create {what} {shown}: {path} is a file", hint="choose another output path", option="output")
+            raise UsageError(
+                f"cannot create {what} {shown}: {path} is a file", hint="choose another output path", option="output"
+            )
     return created
 
 
@@ -556,21 +570,39 @@ def check_replaceable(target: str, shown: str, *, single_file: bool, name: str |
     st = os.lstat(target)
     refuse = "refusing to replace it"
     if stat.S_ISLNK(st.st_mode):
-        raise UsageError(f"output {shown} is a symlink; {refuse}", hint="write to the path it points to, or choose another output path", option="output")
+        raise UsageError(
+            f"output {shown} is a symlink; {refuse}",
+            hint="write to the path it points to, or choose another output path",
+            option="output",
+        )
     if single_file:
         if stat.S_ISDIR(st.st_mode):
-            raise UsageError(f"output {shown} is a folder, and this output is one file; {refuse}", hint="choose another output path", option="output")
+            raise UsageError(
+                f"output {shown} is a folder, and this output is one file; {refuse}",
+                hint="choose another output path",
+                option="output",
+            )
         if not stat.S_ISREG(st.st_mode) or not (name or target).endswith(CHECKPOINT_SUFFIXES):
-            raise UsageError(f"output {shown} is not a checkpoint file ({', '.join(CHECKPOINT_SUFFIXES)}); {refuse}", hint="choose another output path", option="output")
+            raise UsageError(
+                f"output {shown} is not a checkpoint file ({', '.join(CHECKPOINT_SUFFIXES)}); {refuse}",
+                hint="choose another output path",
+                option="output",
+            )
         return
     if not stat.S_ISDIR(st.st_mode):
-        raise UsageError(f"output {shown} is a file, and this output is a folder; {refuse}", hint="choose another output path", option="output")
+        raise UsageError(
+            f"output {shown} is a file, and this output is a folder; {refuse}",
+            hint="choose another output path",
+            option="output",
+        )
     unexpected = []
     with os.scandir(target) as entries:
         for entry in entries:
             if entry.is_dir(follow_symlinks=False):
                 unexpected.append(entry.name + "/")
-            elif (entry.is_file(follow_symlinks=False) or entry.is_symlink()) and any(fnmatchcase(entry.name, p) for p in CHECKPOINT_FILES):
+            elif (entry.is_file(follow_symlinks=False) or entry.is_symlink()) and any(
+                fnmatchcase(entry.name, p) for p in CHECKPOINT_FILES
+            ):
                 continue
             else:
                 unexpected.append(entry.name)

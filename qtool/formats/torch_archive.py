@@ -47,9 +47,7 @@ __all__ = [
     "pickled_value",
 ]
 
-PICKLE_LIMIT = (
-    32 << 20
-)  # bytes of pickle (data.pkl): some 250,000 tensors (about 130 bytes and 16 objects each)
+PICKLE_LIMIT = 32 << 20  # bytes of pickle (data.pkl): some 250,000 tensors (about 130 bytes and 16 objects each)
 # Names of a tensor already listed (tied weights: a few; ALBERT's shared layers: hundreds). A
 # memoized tensor costs 7 bytes a name in the pickle and a stored-tensor record in memory, so a
 # 32 MB pickle could name one tensor 4.5M times: past this many, the file is refused.
@@ -57,7 +55,9 @@ MAX_ALIASES = 65_536
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LEGACY_PROTOCOL = 1001
 _HINT = "qtool reads PyTorch checkpoints as torch.save writes them (zip, or the legacy format before 1.6)"
-_REFUSED_HINT = "if you trust the file, load it yourself and re-save only its tensors: torch.save(model.state_dict(), ...)"
+_REFUSED_HINT = (
+    "if you trust the file, load it yourself and re-save only its tensors: torch.save(model.state_dict(), ...)"
+)
 
 
 @dataclass
@@ -68,22 +68,24 @@ class TorchArchive:
     size: int
     root: Any = None
     little_endian: bool = True
-    records: dict[str, tuple[int, int]] = field(
-        default_factory=dict
-    )  # key -> (data offset, bytes)
+    records: dict[str, tuple[int, int]] = field(default_factory=dict)  # key -> (data offset, bytes)
 
 
 def open_archive(path: str) -> TorchArchive:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO opens at once, refused below
+        fd = os.open(
+            path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+        )  # a FIFO opens at once, refused below
     except OSError as exc:
-        raise CheckpointError(
-            f"cannot read: {exc.strerror or exc}", path=path
-        ) from None
+        raise CheckpointError(f"cannot read: {exc.strerror or exc}", path=path) from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise CheckpointError("cannot read: it is not a regular file", path=path, hint="pass the .pt/.pth/.bin file or the folder that holds it")
+            raise CheckpointError(
+                "cannot read: it is not a regular file",
+                path=path,
+                hint="pass the .pt/.pth/.bin file or the folder that holds it",
+            )
         os.set_blocking(fd, True)
         size = info.st_size
         if size == 0:
@@ -112,9 +114,7 @@ def open_archive(path: str) -> TorchArchive:
                     hint=_HINT,
                 )
         except ZipError as exc:
-            raise CheckpointError(
-                f"cannot read the archive: {exc}", path=path, hint=_HINT
-            ) from None
+            raise CheckpointError(f"cannot read the archive: {exc}", path=path, hint=_HINT) from None
         except Refused as exc:
             raise CheckpointError(
                 f"refused: the pickle calls {exc.name}, which is not tensor data; qtool never runs code from a checkpoint",
@@ -128,13 +128,9 @@ def open_archive(path: str) -> TorchArchive:
                 hint="save each tensor once (tied weights under a few names are fine)",
             ) from None
         except PickleError as exc:
-            raise CheckpointError(
-                f"has a malformed pickle: {exc}", path=path, hint=_HINT
-            ) from None
+            raise CheckpointError(f"has a malformed pickle: {exc}", path=path, hint=_HINT) from None
         except OSError as exc:
-            raise CheckpointError(
-                f"cannot read: {exc.strerror or exc}", path=path
-            ) from None
+            raise CheckpointError(f"cannot read: {exc.strerror or exc}", path=path) from None
         return archive
     finally:
         os.close(fd)
@@ -145,16 +141,10 @@ def _read_zip(fd: int, archive: TorchArchive) -> None:
     names = directory.order
     if not names:
         raise CheckpointError("is an empty zip archive", path=archive.path, hint=_HINT)
-    root = names[0].split("/", 1)[
-        0
-    ]  # torch.save's archive name: the first member's folder
+    root = names[0].split("/", 1)[0]  # torch.save's archive name: the first member's folder
     if f"{root}/data.pkl" not in directory.members:
         root = next(
-            (
-                n[: -len("/data.pkl")]
-                for n in names
-                if n.endswith("/data.pkl") and n.count("/") == 1
-            ),
+            (n[: -len("/data.pkl")] for n in names if n.endswith("/data.pkl") and n.count("/") == 1),
             root,
         )
     if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
@@ -187,14 +177,10 @@ def _read_zip(fd: int, archive: TorchArchive) -> None:
         found = storages.get((key, dtype))
         if found is not None:
             if found.numel != numel:
-                raise PickleError(
-                    f"storage {key!r} is declared with {found.numel} and {numel} elements"
-                )
+                raise PickleError(f"storage {key!r} is declared with {found.numel} and {numel} elements")
             return found
         if view is not None:
-            raise PickleError(
-                f"storage {key!r} is a legacy storage view inside a zip archive"
-            )
+            raise PickleError(f"storage {key!r} is a legacy storage view inside a zip archive")
         member = directory.members.get(f"{root}/data/{key}")
         if member is None:
             raise CheckpointError(
@@ -219,13 +205,9 @@ def _read_zip(fd: int, archive: TorchArchive) -> None:
         storages[(key, dtype)] = storage
         return storage
 
-    archive.root, end = interpret(
-        data, TorchHooks(storage_for), max_references=MAX_ALIASES
-    )
+    archive.root, end = interpret(data, TorchHooks(storage_for), max_references=MAX_ALIASES)
     if end != len(data):
-        raise PickleError(
-            f"data.pkl holds {len(data) - end} bytes after the pickle's STOP"
-        )
+        raise PickleError(f"data.pkl holds {len(data) - end} bytes after the pickle's STOP")
 
 
 def _read_legacy(fd: int, archive: TorchArchive) -> None:
@@ -238,9 +220,7 @@ def _read_legacy(fd: int, archive: TorchArchive) -> None:
         if root is None:
             root = roots[key] = Storage(key, dtype, numel)
         elif root.nbytes != numel * ITEMSIZE[dtype]:
-            raise PickleError(
-                f"storage {key!r} is declared with {root.nbytes} and {numel * ITEMSIZE[dtype]} bytes"
-            )
+            raise PickleError(f"storage {key!r} is declared with {root.nbytes} and {numel * ITEMSIZE[dtype]} bytes")
         if view is None:
             if dtype == root.dtype:
                 return root
@@ -249,22 +229,12 @@ def _read_legacy(fd: int, archive: TorchArchive) -> None:
         if (
             not isinstance(view, tuple)
             or len(view) != 3
-            or not all(
-                isinstance(v, (int, str)) and not isinstance(v, bool) for v in view
-            )
+            or not all(isinstance(v, (int, str)) and not isinstance(v, bool) for v in view)
         ):
             raise PickleError(f"storage {key!r} has a malformed view")
         _, offset, size = view
-        if (
-            not isinstance(offset, int)
-            or not isinstance(size, int)
-            or offset < 0
-            or size < 0
-            or offset + size > numel
-        ):
-            raise PickleError(
-                f"storage {key!r} has a view [{offset}, +{size}) outside its {numel} elements"
-            )
+        if not isinstance(offset, int) or not isinstance(size, int) or offset < 0 or size < 0 or offset + size > numel:
+            raise PickleError(f"storage {key!r} has a view [{offset}, +{size}) outside its {numel} elements")
         return views.setdefault(
             (key, dtype, offset, size),
             Storage(key, dtype, size, element_offset=offset, root_numel=numel),
@@ -301,9 +271,7 @@ def _read_legacy(fd: int, archive: TorchArchive) -> None:
     for key in keys:
         root = roots.get(key)
         if root is None or key in seen:
-            raise PickleError(
-                f"the legacy storage list names {key!r}, which no tensor uses or which is listed twice"
-            )
+            raise PickleError(f"the legacy storage list names {key!r}, which no tensor uses or which is listed twice")
         seen.add(key)
         header = os.pread(fd, 8, position)
         if len(header) != 8:

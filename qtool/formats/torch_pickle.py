@@ -58,7 +58,15 @@ from qtool.formats.torch_unpickle import (
 )
 from qtool.message_text import excerpt
 
-__all__ = ["SUFFIXES", "STATE_DICT_KEYS", "PICKLE_LIMIT", "Subclass", "Quantization", "TorchCheckpoint", "read_torch_files"]
+__all__ = [
+    "SUFFIXES",
+    "STATE_DICT_KEYS",
+    "PICKLE_LIMIT",
+    "Subclass",
+    "Quantization",
+    "TorchCheckpoint",
+    "read_torch_files",
+]
 
 SUFFIXES = (".pt", ".pth", ".bin")
 STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model", "module", "net", "params")
@@ -70,7 +78,13 @@ _GATHER_LIMIT = 1 << 30  # a broadcast view's bytes, materialized, beyond what i
 _QUANTIZED = {"qint8": "I8", "quint8": "U8", "qint32": "I32", "quint4x2": "U8", "quint2x4": "U8"}
 _QTOOL_DTYPE: dict[str, StorageDType] = {d.torch_name: d for d in DTYPES.values() if d.torch_name}
 _QTOOL_DTYPE["float4_e2m1fn_x2"] = DTYPES["U8"]
-_ZERO_POINT_RANGE = {"qint8": (-128, 127), "quint8": (0, 255), "qint32": (-(2**31), 2**31 - 1), "quint4x2": (0, 15), "quint2x4": (0, 3)}
+_ZERO_POINT_RANGE = {
+    "qint8": (-128, 127),
+    "quint8": (0, 255),
+    "qint32": (-(2**31), 2**31 - 1),
+    "quint4x2": (0, 15),
+    "quint2x4": (0, 3),
+}
 
 
 @dataclass(frozen=True)
@@ -131,7 +145,9 @@ class TorchCheckpoint(Checkpoint):
         metadata: dict[str, str],
         side_files: dict[str, Any],
     ) -> None:
-        super().__init__(path=path, format="torch", files=files, tensors=tensors, metadata=metadata, side_files=side_files)
+        super().__init__(
+            path=path, format="torch", files=files, tensors=tensors, metadata=metadata, side_files=side_files
+        )
         self.gathers = gathers
         self.quantized = quantized
         self.subclasses = subclasses
@@ -147,15 +163,21 @@ class TorchCheckpoint(Checkpoint):
         if tensor.in_file:
             return super().read_small(tensor)
         if tensor.nbytes > SMALL_TENSOR_LIMIT:
-            raise CheckpointError(f"tensor {tensor.name!r} is {tensor.nbytes} bytes, too large to read as metadata", path=tensor.file)
+            raise CheckpointError(
+                f"tensor {tensor.name!r} is {tensor.nbytes} bytes, too large to read as metadata", path=tensor.file
+            )
         return bytes(self.read_bytes(tensor))
 
-    def read_bytes(self, tensor: StoredTensor, start: int = 0, size: int | None = None) -> bytes | bytearray | memoryview:
+    def read_bytes(
+        self, tensor: StoredTensor, start: int = 0, size: int | None = None
+    ) -> bytes | bytearray | memoryview:
         if tensor.in_file:
             return super().read_bytes(tensor, start, size)
         size = tensor.nbytes - start if size is None else size
         if start < 0 or size < 0 or start + size > tensor.nbytes:
-            raise ValueError(f"bytes [{start}, {start + size}) are outside tensor {tensor.name!r} of {tensor.nbytes} bytes")
+            raise ValueError(
+                f"bytes [{start}, {start + size}) are outside tensor {tensor.name!r} of {tensor.nbytes} bytes"
+            )
         whole = self._gather(tensor)
         return whole if (start, size) == (0, tensor.nbytes) else whole[start : start + size]
 
@@ -168,11 +190,18 @@ class TorchCheckpoint(Checkpoint):
                 f"tensor {tensor.name!r} is a broadcast view of {tensor.nbytes} bytes over {gather.span} stored; qtool does not expand it",
                 path=tensor.file,
             )
-        raw = Checkpoint.read_bytes(self, StoredTensor(tensor.name, DTYPES["U8"], (gather.span,), gather.start, gather.start + gather.span, tensor.file))
+        raw = Checkpoint.read_bytes(
+            self,
+            StoredTensor(
+                tensor.name, DTYPES["U8"], (gather.span,), gather.start, gather.start + gather.span, tensor.file
+            ),
+        )
         flat = np.frombuffer(raw, dtype=np.uint8)
         if gather.span and tensor.nbytes:
             strides = tuple(s * gather.itemsize for s in gather.stride) + (1,)
-            values = np.lib.stride_tricks.as_strided(flat, shape=(*gather.shape, gather.itemsize), strides=strides, writeable=False)
+            values = np.lib.stride_tricks.as_strided(
+                flat, shape=(*gather.shape, gather.itemsize), strides=strides, writeable=False
+            )
         else:
             values = flat[:0].reshape(*gather.shape, 0) if gather.shape else flat[:0]
         if gather.swap and gather.itemsize > 1:
@@ -184,7 +213,11 @@ class TorchCheckpoint(Checkpoint):
             return super().load(tensor)
         import torch
 
-        raw = torch.frombuffer(bytearray(self.read_bytes(tensor)), dtype=torch.uint8) if tensor.nbytes else torch.empty(0, dtype=torch.uint8)
+        raw = (
+            torch.frombuffer(bytearray(self.read_bytes(tensor)), dtype=torch.uint8)
+            if tensor.nbytes
+            else torch.empty(0, dtype=torch.uint8)
+        )
         if tensor.dtype.torch_name is None:
             return raw
         return raw.view(tensor.dtype.torch_dtype()).reshape(tensor.shape)
@@ -207,22 +240,41 @@ class TorchCheckpoint(Checkpoint):
             with quiet():  # torch deprecates quantized tensors, loudly
                 if info.scale is not None:
                     if not low <= info.zero_point <= high:
-                        raise CheckpointError(f"quantized tensor {tensor.name!r} has zero point {info.zero_point}, outside {info.dtype}'s [{low}, {high}]", path=tensor.file)
-                    made = torch._empty_affine_quantized(shape, scale=info.scale, zero_point=info.zero_point, dtype=qdtype)
+                        raise CheckpointError(
+                            f"quantized tensor {tensor.name!r} has zero point {info.zero_point}, outside {info.dtype}'s [{low}, {high}]",
+                            path=tensor.file,
+                        )
+                    made = torch._empty_affine_quantized(
+                        shape, scale=info.scale, zero_point=info.zero_point, dtype=qdtype
+                    )
                 else:
                     scales = self.load(self.tensors[f"{tensor.name}.q_per_channel_scales"]).clone()
                     zeros = self.load(self.tensors[f"{tensor.name}.q_per_channel_zero_points"]).clone()
-                    if not zeros.is_floating_point() and zeros.numel() and not (low <= int(zeros.min()) and int(zeros.max()) <= high):
-                        raise CheckpointError(f"quantized tensor {tensor.name!r} has zero points outside {info.dtype}'s [{low}, {high}]", path=tensor.file)
-                    made = torch._empty_per_channel_affine_quantized(shape, scales=scales, zero_points=zeros, axis=info.axis, dtype=qdtype)
+                    if (
+                        not zeros.is_floating_point()
+                        and zeros.numel()
+                        and not (low <= int(zeros.min()) and int(zeros.max()) <= high)
+                    ):
+                        raise CheckpointError(
+                            f"quantized tensor {tensor.name!r} has zero points outside {info.dtype}'s [{low}, {high}]",
+                            path=tensor.file,
+                        )
+                    made = torch._empty_per_channel_affine_quantized(
+                        shape, scales=scales, zero_points=zeros, axis=info.axis, dtype=qdtype
+                    )
                 storage = made.untyped_storage()
                 if storage.nbytes() != len(raw):
-                    raise CheckpointError(f"quantized tensor {tensor.name!r} holds {len(raw)} bytes, {info.dtype} {list(shape)} needs {storage.nbytes()}", path=tensor.file)
+                    raise CheckpointError(
+                        f"quantized tensor {tensor.name!r} holds {len(raw)} bytes, {info.dtype} {list(shape)} needs {storage.nbytes()}",
+                        path=tensor.file,
+                    )
                 if raw:
                     storage.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8).untyped_storage())
         except RuntimeError as exc:  # torch's checks of values that came from the file
             first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-            raise CheckpointError(f"quantized tensor {tensor.name!r} is invalid: {excerpt(first)}", path=tensor.file) from None
+            raise CheckpointError(
+                f"quantized tensor {tensor.name!r} is invalid: {excerpt(first)}", path=tensor.file
+            ) from None
         return made
 
 
@@ -332,7 +384,9 @@ def _find_state_dict(loaded: Any, reach: _Reach) -> tuple[Any, str | None, list[
     entries = _entries(loaded)
 
     def direct(value: Any) -> bool:
-        return isinstance(value, _TENSORS) or (isinstance(value, (list, tuple)) and any(isinstance(v, _TENSORS) for v in value))
+        return isinstance(value, _TENSORS) or (
+            isinstance(value, (list, tuple)) and any(isinstance(v, _TENSORS) for v in value)
+        )
 
     if any(direct(v) for _, v in entries):
         return loaded, None, [], []
@@ -408,7 +462,9 @@ class _Describer:
                 path=self.path,
                 hint="save each tensor once (tied weights under a few names are fine)",
             )
-        if type(record) is not TensorRecord or first not in self.tensors:  # quantized, subclass, or skipped: described again
+        if (
+            type(record) is not TensorRecord or first not in self.tensors
+        ):  # quantized, subclass, or skipped: described again
             self._tensor(name, record)
             return
         if name in self.tensors:
@@ -464,7 +520,9 @@ class _Describer:
                 attributes[attribute] = _plain(value, 0)
         self.subclasses[name] = Subclass(name, record.type_name, record.shape, record.dtype, members, attributes)
 
-    def _place(self, name: str, record: TensorRecord, dtype: StorageDType, shape, encoding=None, logical_shape=None) -> None:
+    def _place(
+        self, name: str, record: TensorRecord, dtype: StorageDType, shape, encoding=None, logical_shape=None
+    ) -> None:
         """The stored tensor, after checking that its elements lie inside its storage's record."""
         if name in self.tensors:
             raise CheckpointError(f"holds two tensors named {name!r}", path=self.path)
@@ -476,7 +534,9 @@ class _Describer:
         window_start = record_start + storage.element_offset * storage.itemsize
         window_bytes = storage.nbytes
         if storage.element_offset * storage.itemsize + window_bytes > record_bytes:
-            raise CheckpointError(f"tensor {name!r} views bytes past the end of storage {storage.key!r}", path=self.path)
+            raise CheckpointError(
+                f"tensor {name!r} views bytes past the end of storage {storage.key!r}", path=self.path
+            )
         itemsize = ITEMSIZE[record.dtype]
         numel = 1
         for dim in record.shape:
@@ -495,12 +555,18 @@ class _Describer:
             raise CheckpointError(f"tensor {name!r}: {dtype.name} {list(shape)} is not {nbytes} bytes", path=self.path)
         begin = window_start + first
         if _contiguous(record.shape, record.stride) and (self.archive.little_endian or itemsize == 1):
-            tensor = StoredTensor(name, dtype, tuple(shape), begin, begin + nbytes, self.path, encoding, logical_shape, True)
+            tensor = StoredTensor(
+                name, dtype, tuple(shape), begin, begin + nbytes, self.path, encoding, logical_shape, True
+            )
         else:
             past_end = self.archive.size  # no byte range: a reader that ignores `in_file` fails, loudly
-            tensor = StoredTensor(name, dtype, tuple(shape), past_end, past_end + nbytes, self.path, encoding, logical_shape, False)
+            tensor = StoredTensor(
+                name, dtype, tuple(shape), past_end, past_end + nbytes, self.path, encoding, logical_shape, False
+            )
             span = extent * itemsize
-            self.gathers[name] = _Gather(begin, record.shape, record.stride, itemsize, span, not self.archive.little_endian)
+            self.gathers[name] = _Gather(
+                begin, record.shape, record.stride, itemsize, span, not self.archive.little_endian
+            )
         self.tensors[name] = tensor
 
 

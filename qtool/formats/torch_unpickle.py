@@ -33,7 +33,8 @@ from __future__ import annotations
 import contextlib
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 from qtool.formats.pickle_machine import PDict, PickleError, PSet
 from qtool.formats.torchao_classes import ENUM, TENSOR, TORCHAO_CLASSES
@@ -78,7 +79,13 @@ _STORAGES = {
     "ComplexDoubleStorage": "complex128", "QInt8Storage": "qint8", "QUInt8Storage": "quint8",
     "QInt32Storage": "qint32", "QUInt4x2Storage": "quint4x2", "QUInt2x4Storage": "quint2x4",
 }  # fmt: skip
-_QSCHEMES = ("per_tensor_affine", "per_channel_affine", "per_channel_affine_float_qparams", "per_tensor_symmetric", "per_channel_symmetric")
+_QSCHEMES = (
+    "per_tensor_affine",
+    "per_channel_affine",
+    "per_channel_affine_float_qparams",
+    "per_tensor_symmetric",
+    "per_channel_symmetric",
+)
 _LAYOUTS = ("torch.strided", "torch.sparse_coo", "torch.sparse_csr", "torch.jagged")
 
 
@@ -405,13 +412,23 @@ def _qtensor(args: tuple) -> QuantizedRecord:
         raise PickleError("_rebuild_qtensor without a qscheme")
     record = QuantizedRecord(base.storage, base.offset, base.shape, base.stride, base.dtype, qscheme=params[0].name)
     if record.qscheme in ("per_tensor_affine", "per_tensor_symmetric"):
-        if len(params) != 3 or not isinstance(params[1], (int, float)) or isinstance(params[1], bool) or not _is_int(params[2]):
+        if (
+            len(params) != 3
+            or not isinstance(params[1], (int, float))
+            or isinstance(params[1], bool)
+            or not _is_int(params[2])
+        ):
             raise PickleError("a per-tensor quantized tensor without a numeric scale and integer zero point")
         record.scale, record.zero_point = float(params[1]), params[2]
         if abs(record.zero_point) >= 1 << 63:
             raise PickleError("a zero point out of int64 range")
     elif record.qscheme in ("per_channel_affine", "per_channel_affine_float_qparams", "per_channel_symmetric"):
-        if len(params) != 4 or not isinstance(params[1], TensorRecord) or not isinstance(params[2], TensorRecord) or not _is_int(params[3]):
+        if (
+            len(params) != 4
+            or not isinstance(params[1], TensorRecord)
+            or not isinstance(params[2], TensorRecord)
+            or not _is_int(params[3])
+        ):
             raise PickleError("a per-channel quantized tensor without scale and zero-point tensors and an axis")
         record.scales, record.zero_points, record.axis = params[1], params[2], params[3]
         if record.qscheme == "per_channel_affine" and record.zero_points.dtype.startswith(("float", "bfloat")):

@@ -26,7 +26,8 @@ import contextlib
 import logging
 import os
 import warnings
-from typing import Any, Iterator, Mapping
+from typing import Any
+from collections.abc import Iterator, Mapping
 
 from qtool.errors import CheckpointError
 
@@ -57,7 +58,7 @@ def collected(notes: list[str], prefix: str = "") -> Iterator[None]:
             if record.levelno >= logging.WARNING:
                 try:
                     note(record.getMessage())
-                except Exception:  # noqa: BLE001 - a record whose arguments do not format: its template
+                except Exception:
                     note(str(record.msg))
 
     handler = Collect()
@@ -110,7 +111,9 @@ def refuse_folder_code(folder: str, config: Mapping[str, Any] | None, *, known_m
     auto_map = _auto_map(config)
     if not auto_map or known_model_type:
         return  # a known model_type: transformers builds its own class and never asks
-    auto_class = next((k for k in ("AutoModelForCausalLM", "AutoConfig", "AutoModel") if k in auto_map), next(iter(auto_map)))
+    auto_class = next(
+        (k for k in ("AutoModelForCausalLM", "AutoConfig", "AutoModel") if k in auto_map), next(iter(auto_map))
+    )
     raise code_refusal(os.path.join(folder, "config.json"), auto_class, auto_map[auto_class], "its architecture")
 
 
@@ -147,8 +150,17 @@ def auto_tokenizer(path: str, shown: str, notes: list[str]) -> Any:
             raise
         auto_map = _auto_map(_tokenizer_config(path))
         if "AutoTokenizer" in auto_map:
-            raise code_refusal(os.path.join(shown, "tokenizer_config.json"), "AutoTokenizer", auto_map["AutoTokenizer"], "its tokenizer") from None
-        raise CheckpointError("names its own code for its tokenizer (auto_map), and qtool never runs a model folder's code", path=os.path.join(shown, "config.json"), hint=_HINT) from None
+            raise code_refusal(
+                os.path.join(shown, "tokenizer_config.json"),
+                "AutoTokenizer",
+                auto_map["AutoTokenizer"],
+                "its tokenizer",
+            ) from None
+        raise CheckpointError(
+            "names its own code for its tokenizer (auto_map), and qtool never runs a model folder's code",
+            path=os.path.join(shown, "config.json"),
+            hint=_HINT,
+        ) from None
 
 
 def _is_panic(exc: BaseException) -> bool:
@@ -166,4 +178,8 @@ def tokenizer_panics(tokenizer_file: str) -> Iterator[None]:
         if not _is_panic(exc):
             raise
         detail = " ".join(str(exc).split())[:200] or "no message"
-        raise CheckpointError(f"the tokenizer failed on the text ({detail})", path=tokenizer_file, hint="a pre-tokenizer or normalizer regex that backtracks; fix or replace the tokenizer") from None
+        raise CheckpointError(
+            f"the tokenizer failed on the text ({detail})",
+            path=tokenizer_file,
+            hint="a pre-tokenizer or normalizer regex that backtracks; fix or replace the tokenizer",
+        ) from None

@@ -272,7 +272,11 @@ class Integer(Spec):
             self.expected = "an integer"
 
     def _check(self, value, where, fail):
-        if type(value) is not int or (self.min is not None and value < self.min) or (self.max is not None and value > self.max):
+        if (
+            type(value) is not int
+            or (self.min is not None and value < self.min)
+            or (self.max is not None and value > self.max)
+        ):
             raise fail(where, value, self.expected)
         return value
 
@@ -315,7 +319,7 @@ class Boolean(Spec):
 
 
 def _plural(expected: str) -> str:
-    """"a string" -> "strings", "an integer ≥ 1" -> "integers ≥ 1" (for "a list of ...")."""
+    """ "a string" -> "strings", "an integer ≥ 1" -> "integers ≥ 1" (for "a list of ...")."""
     words = expected.split(" ")
     if words[0] in ("a", "an") and len(words) > 1:
         noun = words[1] + ("es" if words[1].endswith("s") else "s")
@@ -332,8 +336,10 @@ class ListOf(Spec):
         self.expected = f"a list{size} of {_plural(item.expected)}"
 
     def _check(self, value, where, fail):
-        if not isinstance(value, list) or (self.length is not None and len(value) != self.length) or (
-            self.max_items is not None and len(value) > self.max_items
+        if (
+            not isinstance(value, list)
+            or (self.length is not None and len(value) != self.length)
+            or (self.max_items is not None and len(value) > self.max_items)
         ):
             raise fail(where, value, self.expected)
         return [self.item._check(item, f"{where}[{index}]", fail) for index, item in enumerate(value)]
@@ -392,4 +398,3 @@ class Constant(Spec):
         if value is not self.value and not (type(value) is type(self.value) and value == self.value):
             raise fail(where, value, self.expected)
         return value
-

@@ -109,10 +109,16 @@ def shard_name(index: int, count: int) -> str:
 
 
 def write_error(path: str, exc: OSError) -> QtoolError:
-    return CheckpointError(f"cannot write: {exc.strerror or exc}", path=path, hint="check free space and permissions; nothing was left behind")
+    return CheckpointError(
+        f"cannot write: {exc.strerror or exc}",
+        path=path,
+        hint="check free space and permissions; nothing was left behind",
+    )
 
 
-def safetensors_layout(tensors: list[OutTensor], metadata: dict[str, str] | None = None) -> tuple[bytes, dict[str, tuple[int, int]], int]:
+def safetensors_layout(
+    tensors: list[OutTensor], metadata: dict[str, str] | None = None
+) -> tuple[bytes, dict[str, tuple[int, int]], int]:
     """The safetensors header of `tensors` in this order, each one's absolute byte range in the
     file, and the file's size: what `LaidOutFile` takes."""
     header: dict[str, Any] = {}
@@ -151,7 +157,9 @@ class LaidOutFile:
         previous_end, previous = self.data_start, "the header"
         for name, (begin, end) in sorted(self.ranges.items(), key=lambda item: item[1]):
             if begin < previous_end or end < begin or end > size:
-                raise ValueError(f"{path}: tensor {name!r} at [{begin}, {end}) overlaps {previous} or lies outside the {size} bytes")
+                raise ValueError(
+                    f"{path}: tensor {name!r} at [{begin}, {end}) overlaps {previous} or lies outside the {size} bytes"
+                )
             previous_end, previous = end, f"tensor {name!r}"
         if self.data_start > size:
             raise ValueError(f"{path}: a {self.data_start}-byte header does not fit in {size} bytes")
@@ -234,7 +242,9 @@ class Output:
         self.overwrite = overwrite
         self.writers: list[LaidOutFile] = []
         self._done = False
-        self._replacing = _existing(self.target, self.shown, single_file=single_file, overwrite=overwrite, what="output")
+        self._replacing = _existing(
+            self.target, self.shown, single_file=single_file, overwrite=overwrite, what="output"
+        )
         parent = os.path.dirname(self.target)
         self._created = staging.make_parents(parent, self.shown)
         cleanup_stale(parent)
@@ -323,7 +333,7 @@ class Output:
             staging.remove_created(self._created)
             self._created = []
 
-    def __enter__(self) -> "Output":
+    def __enter__(self) -> Output:
         return self
 
     def __exit__(self, kind, value, traceback) -> None:
@@ -341,7 +351,11 @@ def _existing(target: str, shown: str, *, single_file: bool, overwrite: bool, wh
     except OSError as exc:
         raise CheckpointError(f"cannot check {what} {shown}: {exc.strerror or exc}") from None
     if not overwrite:
-        raise UsageError(f"{what} {shown} already exists", hint="allow overwriting to replace it, or choose another output path", option="overwrite")
+        raise UsageError(
+            f"{what} {shown} already exists",
+            hint="allow overwriting to replace it, or choose another output path",
+            option="overwrite",
+        )
     staging.check_replaceable(target, shown, single_file=single_file)
     return st.st_dev, st.st_ino
 
@@ -370,9 +384,17 @@ class StagedFile:
         self.overwrite = overwrite
         if os.path.lexists(self.target):
             if not overwrite:
-                raise UsageError(f"report {self.shown} already exists", hint="allow overwriting to replace it, or choose another path", option="overwrite")
+                raise UsageError(
+                    f"report {self.shown} already exists",
+                    hint="allow overwriting to replace it, or choose another path",
+                    option="overwrite",
+                )
             if not stat.S_ISREG(os.lstat(self.target).st_mode):  # a folder, a link, a device, a FIFO
-                raise UsageError(f"report {self.shown} is not a regular file; refusing to replace it", hint="choose another path", option="report")
+                raise UsageError(
+                    f"report {self.shown} is not a regular file; refusing to replace it",
+                    hint="choose another path",
+                    option="report",
+                )
         self.parent = os.path.dirname(self.target)
         self.created = staging.make_parents(self.parent, self.shown, "report")
         cleanup_stale(self.parent)
@@ -394,7 +416,9 @@ class StagedFile:
                 try:
                     staging.rename_noreplace(self.temp, self.target)
                 except FileExistsError:
-                    raise UsageError(f"report {self.shown} appeared while writing; nothing was replaced", hint="choose another path") from None
+                    raise UsageError(
+                        f"report {self.shown} appeared while writing; nothing was replaced", hint="choose another path"
+                    ) from None
             staging.remove(self.temp)  # gone already: this only forgets it
             fsync_dir(self.parent)
         except BaseException as exc:

@@ -117,7 +117,9 @@ class ZipDirectory:
                 usize, csize, offset = _zip64_extra(extra, usize, csize, offset, start_disk)
             name = raw_name.decode("utf-8" if flags & 0x800 else "cp437", errors="replace")
             if offset + 30 + csize > cd_offset:
-                raise ZipError(f"member {name!r} reaches past the start of the central directory: a damaged zip archive")
+                raise ZipError(
+                    f"member {name!r} reaches past the start of the central directory: a damaged zip archive"
+                )
             if name not in self.members:
                 self.order.append(name)
             self.members[name] = ZipMember(name, method, flags, crc, csize, usize, offset)
@@ -147,13 +149,19 @@ class ZipDirectory:
             return found
         header = self._pread(30, member.header_offset)
         if header[:4] != _LOCAL:
-            raise ZipError(f"member {member.name!r} has no local header at byte {member.header_offset}: a damaged zip archive")
+            raise ZipError(
+                f"member {member.name!r} has no local header at byte {member.header_offset}: a damaged zip archive"
+            )
         name_len, extra_len = struct.unpack("<HH", header[26:30])
         start = member.header_offset + 30 + name_len + extra_len
         if start + member.compressed_size > self.file_size:
-            raise ZipError(f"member {member.name!r} reaches past the end of the file ({start + member.compressed_size} > {self.file_size})")
+            raise ZipError(
+                f"member {member.name!r} reaches past the end of the file ({start + member.compressed_size} > {self.file_size})"
+            )
         if member.stored and member.compressed_size != member.size:
-            raise ZipError(f"stored member {member.name!r} has two sizes ({member.compressed_size} and {member.size}): a damaged zip archive")
+            raise ZipError(
+                f"stored member {member.name!r} has two sizes ({member.compressed_size} and {member.size}): a damaged zip archive"
+            )
         self._data_offsets[member.name] = start
         return start
 
@@ -191,7 +199,9 @@ class ZipDirectory:
         except zlib.error as exc:
             raise ZipError(f"member {member.name!r} does not inflate: {exc}") from None
         if len(out) != want:
-            raise ZipError(f"member {member.name!r} inflates to a size other than the {want} bytes its directory entry says")
+            raise ZipError(
+                f"member {member.name!r} inflates to a size other than the {want} bytes its directory entry says"
+            )
         return bytes(out)
 
 

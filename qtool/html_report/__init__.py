@@ -10,7 +10,8 @@ the JSON's. Pure Python, no torch.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from qtool.html_report.page import render_page
 from qtool.html_report.views import check_page, compare_page, quantize_page

@@ -18,10 +18,20 @@ The chart only places figures the report document holds; it computes none.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 from urllib.parse import quote
 
-from qtool.html_report.svg import MARKERS, attr, display, fmt_number, kind_class, kind_label, marker_for, nice_ticks, text
+from qtool.html_report.svg import (
+    MARKERS,
+    attr,
+    display,
+    fmt_number,
+    kind_class,
+    kind_label,
+    marker_for,
+    nice_ticks,
+    text,
+)
 from qtool.weight_position import KINDS
 
 __all__ = ["Mark", "Axis", "depth_chart", "LABELLED_WORST"]
@@ -107,7 +117,9 @@ def depth_chart(marks: Sequence[Mark], axis: Axis, series_names: Sequence[str], 
     if not marks:
         return f'<p class="empty">No weight has a finite {text(axis.title)} to plot.</p>'
     groups = _groups(marks, axis)
-    kinds = sorted({kind for _, _, kind in groups}, key=lambda k: (KINDS.index(k) if k in KINDS else len(KINDS), k or ""))
+    kinds = sorted(
+        {kind for _, _, kind in groups}, key=lambda k: (KINDS.index(k) if k in KINDS else len(KINDS), k or "")
+    )
     layers = [layer for _, layer, _ in groups if layer is not None]
     apart = any(layer is None for _, layer, _ in groups)
     plot_right = _W - _RIGHT - (_APART if apart else 0)
@@ -144,7 +156,9 @@ def depth_chart(marks: Sequence[Mark], axis: Axis, series_names: Sequence[str], 
     for tick in ticks:  # y grid and labels
         y = y_of(tick)
         out.append(f'<line class="grid" x1="{_LEFT}" x2="{plot_right}" y1="{y:.1f}" y2="{y:.1f}"/>')
-        out.append(f'<text class="tick" x="{_LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{text(fmt_number(tick, 4))}</text>')
+        out.append(
+            f'<text class="tick" x="{_LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{text(fmt_number(tick, 4))}</text>'
+        )
     out.append(
         f'<text class="axis-title" transform="translate(14 {(_TOP + _H - _BOTTOM) / 2:.0f}) rotate(-90)" text-anchor="middle">'
         f"{text(axis.title)}{' (' + text(axis.unit) + ')' if axis.unit and axis.unit not in axis.title else ''}</text>"
@@ -153,25 +167,39 @@ def depth_chart(marks: Sequence[Mark], axis: Axis, series_names: Sequence[str], 
         for tick in nice_ticks(first, last, max(2, min(last - first + 1, 16))):
             if float(tick).is_integer() and first <= tick <= last:
                 x = _LEFT + (tick - first + 0.5) * band
-                out.append(f'<text class="tick" x="{x:.1f}" y="{_H - _BOTTOM + 16}" text-anchor="middle">{int(tick)}</text>')
-        out.append(f'<text class="axis-title" x="{(_LEFT + plot_right) / 2:.0f}" y="{_H - 8}" text-anchor="middle">layer</text>')
+                out.append(
+                    f'<text class="tick" x="{x:.1f}" y="{_H - _BOTTOM + 16}" text-anchor="middle">{int(tick)}</text>'
+                )
+        out.append(
+            f'<text class="axis-title" x="{(_LEFT + plot_right) / 2:.0f}" y="{_H - 8}" text-anchor="middle">layer</text>'
+        )
     out.append(f'<line class="axis" x1="{_LEFT}" x2="{plot_right}" y1="{_H - _BOTTOM}" y2="{_H - _BOTTOM}"/>')
     if apart:
         x = plot_right + 8
         out.append(f'<line class="axis apart" x1="{x}" x2="{x}" y1="{_TOP}" y2="{_H - _BOTTOM}"/>')
-        out.append(f'<text class="axis-title" x="{plot_right + _APART / 2 + 4:.0f}" y="{_H - 8}" text-anchor="middle">no layer</text>')
+        out.append(
+            f'<text class="axis-title" x="{plot_right + _APART / 2 + 4:.0f}" y="{_H - 8}" text-anchor="middle">no layer</text>'
+        )
     if axis.threshold is not None:
         y = y_of(axis.threshold)
-        out.append(f'<line class="threshold" x1="{_LEFT}" x2="{plot_right}" y1="{y:.1f}" y2="{y:.1f}"><title>{text(axis.threshold_label)}</title></line>')
+        out.append(
+            f'<line class="threshold" x1="{_LEFT}" x2="{plot_right}" y1="{y:.1f}" y2="{y:.1f}"><title>{text(axis.threshold_label)}</title></line>'
+        )
         out.append(f'<text class="threshold-label" x="{_LEFT + 6}" y="{y - 5:.1f}">{text(axis.threshold_label)}</text>')
     # one line per (series, kind) through its layers, in layer order
     for series in range(len(series_names)):
         for kind in kinds:
-            points = sorted((layer, g.worst.value) for (s, layer, k), g in groups.items() if s == series and k == kind and layer is not None)
+            points = sorted(
+                (layer, g.worst.value)
+                for (s, layer, k), g in groups.items()
+                if s == series and k == kind and layer is not None
+            )
             if len(points) > 1:
                 path = " ".join(f"{x_of(layer, kind, series):.1f},{y_of(value):.1f}" for layer, value in points)
                 out.append(f'<polyline class="line {kind_class(kind)} s-{series}" points="{path}"/>')
-    ordered = sorted(groups.items(), key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else kv[0][1], kinds.index(kv[0][2])))
+    ordered = sorted(
+        groups.items(), key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else kv[0][1], kinds.index(kv[0][2]))
+    )
     for (series, layer, kind), group in ordered:
         x, y = x_of(layer, kind, series), y_of(group.worst.value)
         out.append(
@@ -191,6 +219,8 @@ def depth_chart(marks: Sequence[Mark], axis: Axis, series_names: Sequence[str], 
         while any(abs(at - other) < 14 for other in placed):
             at += step
         placed.append(at)
-        out.append(f'<text class="worst-label" x="{x + dx:.1f}" y="{at:.1f}" text-anchor="{anchor}">{text(_short(mark, axis))}</text>')
+        out.append(
+            f'<text class="worst-label" x="{x + dx:.1f}" y="{at:.1f}" text-anchor="{anchor}">{text(_short(mark, axis))}</text>'
+        )
     out.append("</svg>")
     return "".join(out)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 
 from qtool.html_report.svg import MARKERS, attr, fmt_bytes, kind_class, kind_label, marker_for, shown, text
@@ -18,7 +18,7 @@ from qtool.html_report.views import Page
 __all__ = ["render_page"]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _asset(name: str) -> str:
     return resources.files("qtool.html_report").joinpath("assets", name).read_text(encoding="utf-8")
 
@@ -44,10 +44,10 @@ def _models(page: Page) -> str:
     for role, model in page.models:
         schemes = ", ".join(k for k in model["by_scheme"] if k != "plain") or "plain"
         rows.append(
-            f"<tr><th scope=\"row\">{text(role)}</th><td class=\"path mono\">{shown(model['path'])}</td><td>{text(model['format'])}</td>"
+            f'<tr><th scope="row">{text(role)}</th><td class="path mono">{shown(model["path"])}</td><td>{text(model["format"])}</td>'
             f"<td>{_revision(model)}</td><td>{text(schemes)}</td>"
-            f"<td class=\"num\" title=\"{model['bytes']} bytes\">{text(fmt_bytes(model['bytes']))}</td>"
-            f"<td class=\"num\">{model['parameters']:,}</td><td class=\"num\">{model['bits_per_weight']:.4f} bits</td></tr>"
+            f'<td class="num" title="{model["bytes"]} bytes">{text(fmt_bytes(model["bytes"]))}</td>'
+            f'<td class="num">{model["parameters"]:,}</td><td class="num">{model["bits_per_weight"]:.4f} bits</td></tr>'
         )
     head = "<tr><th>model</th><th>path</th><th>format</th><th>revision</th><th>schemes</th><th>size</th><th>parameters</th><th>bits per weight</th></tr>"
     return f'<table class="models"><thead>{head}</thead><tbody>{"".join(rows)}</tbody></table>'
@@ -72,7 +72,11 @@ def _marker(kind: str, series: int = 0) -> str:
 
 
 def _legend(page: Page) -> str:
-    defs = "<svg width=\"0\" height=\"0\" aria-hidden=\"true\"><defs>" + "".join(f'<path id="lm-{n}" d="{d}"/>' for n, d in MARKERS.items()) + "</defs></svg>"
+    defs = (
+        '<svg width="0" height="0" aria-hidden="true"><defs>'
+        + "".join(f'<path id="lm-{n}" d="{d}"/>' for n, d in MARKERS.items())
+        + "</defs></svg>"
+    )
     items = []
     overlay = len(page.series_names) > 1
     if overlay:
@@ -82,7 +86,9 @@ def _legend(page: Page) -> str:
                 f'{_marker("other", series).replace("#m-", "#lm-")}</svg><span class="mono">{shown(name)}</span></li>'
             )
     for kind in page.kinds:
-        items.append(f'<li><svg viewBox="0 0 26 14" aria-hidden="true">{_marker(kind).replace("#m-", "#lm-")}</svg>{text(kind_label(kind))}</li>')
+        items.append(
+            f'<li><svg viewBox="0 0 26 14" aria-hidden="true">{_marker(kind).replace("#m-", "#lm-")}</svg>{text(kind_label(kind))}</li>'
+        )
     return defs + f'<ul class="legend">{"".join(items)}</ul>'
 
 
@@ -125,9 +131,13 @@ def render_page(page: Page, *, version: str) -> str:
     facts = "".join(f"<dt>{text(label)}</dt><dd>{value}</dd>" for label, value in page.facts)
     distribution = []
     if page.histogram is not None:
-        distribution.append(f'<div><h2>Per-weight SQNR</h2>{page.histogram}{_series_legend(page)}<p class="caption">{text(page.histogram_caption or "Weights per 5 dB bin.")}</p></div>')
+        distribution.append(
+            f'<div><h2>Per-weight SQNR</h2>{page.histogram}{_series_legend(page)}<p class="caption">{text(page.histogram_caption or "Weights per 5 dB bin.")}</p></div>'
+        )
     if page.bits:
-        distribution.append(f'<div><h2>Bits per weight by scheme</h2>{page.bits}<p class="caption">Every stored byte (scales and zero points too) × 8 / parameters.</p></div>')
+        distribution.append(
+            f'<div><h2>Bits per weight by scheme</h2>{page.bits}<p class="caption">Every stored byte (scales and zero points too) × 8 / parameters.</p></div>'
+        )
     depth_title = "Error along the depth" if page.kind != "check" else "Bits per weight along the depth"
     return "".join(
         [

@@ -14,7 +14,20 @@ import math
 from qtool.message_text import escape
 from qtool.weight_position import KINDS
 
-__all__ = ["text", "attr", "shown", "display", "nice_ticks", "fmt_db", "fmt_bytes", "fmt_number", "kind_class", "MARKERS", "marker_for", "kind_label"]
+__all__ = [
+    "text",
+    "attr",
+    "shown",
+    "display",
+    "nice_ticks",
+    "fmt_db",
+    "fmt_bytes",
+    "fmt_number",
+    "kind_class",
+    "MARKERS",
+    "marker_for",
+    "kind_label",
+]
 
 # marker shapes, drawn in a box of +-1 (scaled where used); kinds take them in KINDS order
 MARKERS = {

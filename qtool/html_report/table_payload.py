@@ -19,7 +19,8 @@ import base64
 import gzip
 import json
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 __all__ = ["Column", "encode", "decode"]
 
@@ -32,10 +33,20 @@ class Column:
     unit: str = ""
     sort: str = "asc"  # the first click's direction: where the worst rows are
     title: str = ""  # the header's tooltip
-    status: str = ""  # a db column: the key of the text column saying why a value is null ("exact" sorts last, others first)
+    status: str = (
+        ""  # a db column: the key of the text column saying why a value is null ("exact" sorts last, others first)
+    )
 
     def to_json(self) -> dict[str, str]:
-        return {"key": self.key, "label": self.label, "type": self.type, "unit": self.unit, "sort": self.sort, "title": self.title, "status": self.status}
+        return {
+            "key": self.key,
+            "label": self.label,
+            "type": self.type,
+            "unit": self.unit,
+            "sort": self.sort,
+            "title": self.title,
+            "status": self.status,
+        }
 
 
 def _front_coded(names: Sequence[str]) -> dict[str, list]:

@@ -8,7 +8,8 @@ here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from qtool.html_report.bar_charts import bits_by_scheme_chart, sqnr_histogram_chart
 from qtool.html_report.depth_chart import Axis, Mark, depth_chart
@@ -136,7 +137,15 @@ def quantize_page(document: dict[str, Any]) -> Page:
     models = document.get("models", {})
     worst = next((w for w in weights if w["sqnr_db"] is not None), None)
     marks = [
-        Mark(0, w["layer"], w["kind"], w["expert"], w["sqnr_db"], w["name"], f"max abs err {fmt_number(w['max_abs_err'] or 0)} · {fmt_bytes(w['bytes_after'])}")
+        Mark(
+            0,
+            w["layer"],
+            w["kind"],
+            w["expert"],
+            w["sqnr_db"],
+            w["name"],
+            f"max abs err {fmt_number(w['max_abs_err'] or 0)} · {fmt_bytes(w['bytes_after'])}",
+        )
         for w in weights
         if w["sqnr_db"] is not None
     ]
@@ -157,31 +166,47 @@ def quantize_page(document: dict[str, Any]) -> Page:
         Column("kind", "kind", "text"),
         Column("shape", "shape", "text"),
         Column("scheme", "scheme", "text"),
-        Column("sqnr_db", "SQNR", "db", "dB", sort="asc", title="signal-to-quantization-noise ratio; lower is worse", status="status"),
+        Column(
+            "sqnr_db",
+            "SQNR",
+            "db",
+            "dB",
+            sort="asc",
+            title="signal-to-quantization-noise ratio; lower is worse",
+            status="status",
+        ),
         Column("max_abs_err", "max abs error", "number", sort="desc"),
         Column("bytes_before", "bytes before", "bytes", "B", sort="desc"),
         Column("bytes_after", "bytes after", "bytes", "B", sort="desc"),
         Column("status", "note", "text"),
     ]
-    rows = [
-        {**w, **_position(w), "shape": _shape(w["shape"]), "status": _sqnr_status(w)}
-        for w in weights
-    ]
+    rows = [{**w, **_position(w), "shape": _shape(w["shape"]), "status": _sqnr_status(w)} for w in weights]
     return Page(
         kind="quantize",
         title=f"qtool quantize: {document['input']} → {document['output']}",
         verdict=None,
         models=[("input", models["input"]), ("output", models["output"])] if models else [],
         facts=facts,
-        depth=depth_chart(marks, Axis("SQNR", "dB", "low"), [""], label="SQNR of each weight along the depth of the model"),
+        depth=depth_chart(
+            marks, Axis("SQNR", "dB", "low"), [""], label="SQNR of each weight along the depth of the model"
+        ),
         depth_caption=f"{counted(len(marks), 'quantized weight')} with an error; the worst of each kind per layer.",
         series_names=[document["output"]],
         kinds=_kinds(marks),
-        histogram=sqnr_histogram_chart([summary["histogram"]], [document["output"]], threshold=None, label="histogram of per-weight SQNR")
+        histogram=sqnr_histogram_chart(
+            [summary["histogram"]], [document["output"]], threshold=None, label="histogram of per-weight SQNR"
+        )
         if "histogram" in summary
         else None,
         histogram_caption="The quantized weights per 5 dB bin; exact: quantized with no error at all.",
-        bits=bits_by_scheme_chart([(role, m, series) for role, m, series in (("input", models.get("input"), None), ("output", models.get("output"), 0)) if m], label="bits per weight by scheme"),
+        bits=bits_by_scheme_chart(
+            [
+                (role, m, series)
+                for role, m, series in (("input", models.get("input"), None), ("output", models.get("output"), 0))
+                if m
+            ],
+            label="bits per weight by scheme",
+        ),
         columns=columns,
         rows=rows,
         table_caption="Every quantized weight, worst first.",
@@ -198,7 +223,12 @@ def compare_page(documents: Sequence[dict[str, Any]]) -> Page:
     names = [d["b"] for d in documents]
     gates = first["gates"]
     failed = [d for d in documents if not d["ok"]]
-    verdict_text = "PASS" if not failed else "FAIL: " + ", ".join(counted(len(d['violations']), "violation") + (f" in {d['b']}" if overlay else "") for d in failed)
+    verdict_text = (
+        "PASS"
+        if not failed
+        else "FAIL: "
+        + ", ".join(counted(len(d["violations"]), "violation") + (f" in {d['b']}" if overlay else "") for d in failed)
+    )
     gate_text = " · ".join(
         part
         for part in (
@@ -208,16 +238,24 @@ def compare_page(documents: Sequence[dict[str, Any]]) -> Page:
         )
         if part
     )
-    facts: list[tuple[str, str]] = [("gates", text(gate_text or "none given (shape mismatches and NaN/Inf always fail)"))]
+    facts: list[tuple[str, str]] = [
+        ("gates", text(gate_text or "none given (shape mismatches and NaN/Inf always fail)"))
+    ]
     for d in documents:
         s = d["summary"]
         who = f" ({display(d['b'])})" if overlay else ""
         worst = s["worst"]
         worst_note = (worst or {}).get("finding") or ("exact" if worst and worst["exact"] else "")
         facts += [
-            (f"model SQNR{who}", text(fmt_db(s["sqnr_db"]) if s["sqnr_db"] is not None or not s["measured"] else "exact")),
+            (
+                f"model SQNR{who}",
+                text(fmt_db(s["sqnr_db"]) if s["sqnr_db"] is not None or not s["measured"] else "exact"),
+            ),
             (f"weights{who}", text(_compare_counts(s))),
-            (f"worst weight{who}", _worst_fact(worst["name"] if worst else None, worst["sqnr_db"] if worst else None, worst_note)),
+            (
+                f"worst weight{who}",
+                _worst_fact(worst["name"] if worst else None, worst["sqnr_db"] if worst else None, worst_note),
+            ),
         ]
     facts.append(("time", text(", ".join(f"{d['seconds']:.1f} s" for d in documents) + f" on {first['device']}")))
     table_names = {w["name"] for d in documents for w in d["weights"]}
@@ -231,7 +269,15 @@ def compare_page(documents: Sequence[dict[str, Any]]) -> Page:
         for name in d["only_in_b"][:50]:
             problems.append((f"only in {d['b'] if overlay else 'B'}: {name}", None))
     marks = [
-        Mark(series, w["layer"], w["kind"], w["expert"], w["sqnr_db"], w["name"], f"max abs err {fmt_number(w['max_abs_err'] or 0)} · {fmt_bytes(w.get('bytes_b'))}")
+        Mark(
+            series,
+            w["layer"],
+            w["kind"],
+            w["expert"],
+            w["sqnr_db"],
+            w["name"],
+            f"max abs err {fmt_number(w['max_abs_err'] or 0)} · {fmt_bytes(w.get('bytes_b'))}",
+        )
         for series, d in enumerate(documents)
         for w in d["weights"]
         if w["sqnr_db"] is not None and w["finding"] is None
@@ -241,7 +287,11 @@ def compare_page(documents: Sequence[dict[str, Any]]) -> Page:
     columns, rows = _compare_table(documents)
     # (role, summary, series): a candidate's series is its colour in every chart; A has none
     drawn = [("A", first["models"]["a"], None)] if first.get("models") else []
-    drawn += [("B" if not overlay else f"B{index + 1}", d["models"]["b"], index) for index, d in enumerate(documents) if d.get("models")]
+    drawn += [
+        ("B" if not overlay else f"B{index + 1}", d["models"]["b"], index)
+        for index, d in enumerate(documents)
+        if d.get("models")
+    ]
     models = [(role, model) for role, model, _ in drawn]
     return Page(
         kind="compare",
@@ -251,11 +301,22 @@ def compare_page(documents: Sequence[dict[str, Any]]) -> Page:
         facts=facts,
         problems_title="Violations" if any(d["violations"] for d in documents) else "Weights without a counterpart",
         problems=problems,
-        depth=depth_chart(marks, axis, names, label="SQNR of each weight along the depth of the model" + (", one series per candidate" if overlay else "")),
+        depth=depth_chart(
+            marks,
+            axis,
+            names,
+            label="SQNR of each weight along the depth of the model"
+            + (", one series per candidate" if overlay else ""),
+        ),
         depth_caption=f"{_plotted(marks, names)} (exact copies, integer tensors and findings are not plotted); the worst of each kind per layer.",
         series_names=names,
         kinds=_kinds(marks),
-        histogram=sqnr_histogram_chart([d["summary"]["histogram"] for d in documents], names, threshold=threshold, label="histogram of per-weight SQNR"),
+        histogram=sqnr_histogram_chart(
+            [d["summary"]["histogram"] for d in documents],
+            names,
+            threshold=threshold,
+            label="histogram of per-weight SQNR",
+        ),
         histogram_caption="The measured weights"
         + (" of each candidate" if overlay else "")
         + " per 5 dB bin; exact: measured with no error at all. Integer tensors (compared for equality) and findings are not measured.",
@@ -290,10 +351,23 @@ def _compare_table(documents: Sequence[dict[str, Any]]) -> tuple[list[Column], l
         who = f" B{index + 1}" if overlay else " B"
         columns += [
             Column("scheme_b" + suffix, "scheme" + who, "text"),
-            Column("sqnr_db" + suffix, "SQNR" + (who if overlay else ""), "db", "dB", "asc", "SQNR against A; lower is worse", status="status" + suffix),
+            Column(
+                "sqnr_db" + suffix,
+                "SQNR" + (who if overlay else ""),
+                "db",
+                "dB",
+                "asc",
+                "SQNR against A; lower is worse",
+                status="status" + suffix,
+            ),
             Column("max_abs_err" + suffix, "max abs error" + (who if overlay else ""), "number", sort="desc"),
             Column("bytes_b" + suffix, "bytes" + who, "bytes", "B", sort="desc"),
-            Column("status" + suffix, "status" + (who if overlay else ""), "text", title="finding, exact (measured, no error), integer (compared for equality) or no signal; empty: measured, with an error"),
+            Column(
+                "status" + suffix,
+                "status" + (who if overlay else ""),
+                "text",
+                title="finding, exact (measured, no error), integer (compared for equality) or no signal; empty: measured, with an error",
+            ),
         ]
     rows: dict[str, dict[str, Any]] = {}
     for index, d in enumerate(documents):
@@ -301,7 +375,12 @@ def _compare_table(documents: Sequence[dict[str, Any]]) -> tuple[list[Column], l
         for w in d["weights"]:
             row = rows.get(w["name"])
             if row is None:
-                row = rows[w["name"]] = {"name": w["name"], **_position(w), "shape": _shape(w["shape"]), "scheme_a": w["scheme_a"] or "plain"}
+                row = rows[w["name"]] = {
+                    "name": w["name"],
+                    **_position(w),
+                    "shape": _shape(w["shape"]),
+                    "scheme_a": w["scheme_a"] or "plain",
+                }
             row.update(
                 {
                     "scheme_b" + suffix: w["scheme_b"] or "plain",
@@ -341,8 +420,25 @@ def check_page(document: dict[str, Any]) -> Page:
         ("findings", text(str(len(findings)))),
     ]
     threshold = policy.get("max_bits_per_weight")
-    marks = [Mark(0, w["layer"], w["kind"], w["expert"], w["bits_per_weight"], w["name"], f"{w['scheme'] or 'plain'} · {fmt_bytes(w['bytes'])}") for w in weights]
-    axis = Axis("bits per weight", "bits", "high", threshold, f"max bits per weight {threshold:g} (over the whole checkpoint)" if threshold is not None else "")
+    marks = [
+        Mark(
+            0,
+            w["layer"],
+            w["kind"],
+            w["expert"],
+            w["bits_per_weight"],
+            w["name"],
+            f"{w['scheme'] or 'plain'} · {fmt_bytes(w['bytes'])}",
+        )
+        for w in weights
+    ]
+    axis = Axis(
+        "bits per weight",
+        "bits",
+        "high",
+        threshold,
+        f"max bits per weight {threshold:g} (over the whole checkpoint)" if threshold is not None else "",
+    )
     columns = [
         Column("name", "weight", "name"),
         Column("layer", "layer", "number"),
@@ -354,7 +450,16 @@ def check_page(document: dict[str, Any]) -> Page:
         Column("bytes", "bytes", "bytes", "B", sort="desc"),
         Column("findings", "findings", "text", sort="desc"),
     ]
-    rows = [{**w, **_position(w), "shape": _shape(w["shape"]), "scheme": w["scheme"] or "plain", "findings": ", ".join(by_weight.get(w["name"], []))} for w in weights]
+    rows = [
+        {
+            **w,
+            **_position(w),
+            "shape": _shape(w["shape"]),
+            "scheme": w["scheme"] or "plain",
+            "findings": ", ".join(by_weight.get(w["name"], [])),
+        }
+        for w in weights
+    ]
     rows.sort(key=lambda row: not row["findings"])  # stable: rows with findings first, then in the document's order
     model = document.get("model")
     return Page(
@@ -364,8 +469,16 @@ def check_page(document: dict[str, Any]) -> Page:
         models=[("checkpoint", model)] if model else [],
         facts=facts,
         problems_title="Findings",
-        problems=[(f"{f['rule']}: {f['weight'] + ': ' if f['weight'] else ''}{f['detail']}", f["weight"] if f["weight"] in names else None) for f in findings],
-        depth=depth_chart(marks, axis, [document["path"]], label="bits per weight of each weight along the depth of the model"),
+        problems=[
+            (
+                f"{f['rule']}: {f['weight'] + ': ' if f['weight'] else ''}{f['detail']}",
+                f["weight"] if f["weight"] in names else None,
+            )
+            for f in findings
+        ],
+        depth=depth_chart(
+            marks, axis, [document["path"]], label="bits per weight of each weight along the depth of the model"
+        ),
         depth_caption="Bits per weight of every weight (the check reads headers, so there is no error to plot); the highest of each kind per layer.",
         series_names=[document["path"]],
         kinds=_kinds(marks),

@@ -37,7 +37,7 @@ bitsandbytes' results (the products are exact in float32 before that cast).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -172,7 +172,9 @@ def _replace_zero(scale: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.where(scale == 0, _const(eps, scale), scale)
 
 
-def choose_global_scale(x: torch.Tensor, qtype: QType | str = "fp4_e2m1", scale_qtype: QType | str = "ue4m3") -> torch.Tensor:
+def choose_global_scale(
+    x: torch.Tensor, qtype: QType | str = "fp4_e2m1", scale_qtype: QType | str = "ue4m3"
+) -> torch.Tensor:
     """float32 [1]: the NVFP4 second-level scale, scale_max * elem_max / amax(x)
     (compressed-tensors' `generate_gparam`, in x's dtype; NaN or inf -> 1)."""
     qt, st = _qtype(qtype), _qtype(scale_qtype)

@@ -25,7 +25,7 @@ Rounding, named per format:
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -100,7 +100,7 @@ def fp4_e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     return index | ((x < 0).to(torch.uint8) << 3)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _signed_table(magnitudes: tuple[float, ...], device: torch.device) -> torch.Tensor:
     values = torch.tensor(magnitudes, dtype=torch.float32)
     return torch.cat([values, -values]).to(device)
@@ -172,7 +172,7 @@ def e8m0_decode(exponent: torch.Tensor) -> torch.Tensor:
 # -- codebooks ----------------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=None)
+@cache
 def _codebook(name: str, device: torch.device) -> torch.Tensor:
     values = torch.tensor(_CODEBOOKS[name], dtype=torch.float32)
     return (values / values.abs().max()).to(device)
@@ -185,7 +185,7 @@ def codebook(name: str, device: torch.device | str = "cpu") -> torch.Tensor:
     return _codebook(name, torch.device(device))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _bounds(name: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     table = _codebook(name, device)
     order = torch.argsort(table)
@@ -200,7 +200,7 @@ def codebook_encode(normalized: torch.Tensor, name: str) -> torch.Tensor:
     return order[index].to(torch.uint8)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _decode_table(name: str, device: torch.device) -> torch.Tensor:
     table = _codebook(name, device).clone()
     if name == "fp4_bnb":

@@ -26,7 +26,7 @@ This module only does the math on blocks it is handed.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["decode", "torch_decodable", "CHUNK_ELEMENTS"]
 
@@ -191,7 +191,9 @@ def _q2_k(b, out, ws):
     n = b.shape[0]
     scales = b[:, 0:16]
     out.copy_(_crumbs(b[:, 16:80], ws))
-    out.view(n, 16, 16).mul_((_f16(b, 80) * (scales & 0x0F).float()).unsqueeze(-1)).sub_((_f16(b, 82) * (scales >> 4).float()).unsqueeze(-1))
+    out.view(n, 16, 16).mul_((_f16(b, 80) * (scales & 0x0F).float()).unsqueeze(-1)).sub_(
+        (_f16(b, 82) * (scales >> 4).float()).unsqueeze(-1)
+    )
 
 
 @_decodes("Q3_K")
@@ -203,7 +205,9 @@ def _q3_k(b, out, ws):
     high = (b[:, 104:108].reshape(n, 1, 4) >> _u8(b.device, 0, 2, 4, 6).reshape(1, 4, 1)).reshape(n, 16)
     scales = ((low & 0x0F) | ((high & 3) << 4)).view(torch.int8) - 32
     low_bits = _crumbs(b[:, 32:96], ws).view(torch.int8)
-    high_bit = _bit_planes(b[:, 0:32], ws).bitwise_xor_(1).bitwise_left_shift_(2).view(torch.int8)  # set mask bit: no -4
+    high_bit = (
+        _bit_planes(b[:, 0:32], ws).bitwise_xor_(1).bitwise_left_shift_(2).view(torch.int8)
+    )  # set mask bit: no -4
     out.copy_(low_bits.sub_(high_bit))
     out.view(n, 16, 16).mul_((_f16(b, 108) * scales.float()).unsqueeze(-1))
 

@@ -42,7 +42,7 @@ kernel skips work that cannot change the choice: the refits after one that chang
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -59,10 +59,11 @@ GRID_COARSE = 3  # i, j in {0, 3, 6}, then the best's 8 neighbours
 REFITS = 2
 
 
-
 def shrink_factors() -> list[float]:
     """float32 values of 1 - k * step (computed in double, rounded once: mse.c does the same)."""
-    return [float(torch.tensor(1.0 - k * SHRINK_STEP, dtype=torch.float64).to(torch.float32)) for k in range(SHRINK_STEPS)]
+    return [
+        float(torch.tensor(1.0 - k * SHRINK_STEP, dtype=torch.float64).to(torch.float32)) for k in range(SHRINK_STEPS)
+    ]
 
 
 def grid_factors(bits: int) -> list[float]:
@@ -90,7 +91,9 @@ def _codes(rows: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | N
     return scaled.clamp_(qt.qmin, qt.qmax).round_()
 
 
-def _decoded(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def _decoded(
+    codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
     """affine.dequantize's arithmetic: float32 (q - zp) * scale, cast once to the weight's dtype."""
     values = codes.to(torch.float32)
     if zero_point is not None:

@@ -62,7 +62,9 @@ def _from_bytes(stream: torch.Tensor, bits: int) -> torch.Tensor:
     if 8 % bits == 0:
         if bits == 8:
             return stream
-        return torch.stack([(stream >> (slot * bits)) & mask for slot in range(8 // bits)], dim=-1).reshape(*stream.shape[:-1], -1)
+        return torch.stack([(stream >> (slot * bits)) & mask for slot in range(8 // bits)], dim=-1).reshape(
+            *stream.shape[:-1], -1
+        )
     units = stream.to(torch.int64).reshape(*stream.shape[:-1], -1, bits)
     unit = units[..., 0].clone()
     for byte in range(1, bits):
@@ -82,7 +84,9 @@ def pack_int32(values: torch.Tensor, bits: int, dim: int = -1, *, check: bool = 
     `check=False` skips the range check (a full pass) for values a quantizer just clamped."""
     _check_bits(bits)
     if check and values.numel() and (int(values.min()) < 0 or int(values.max()) >= 1 << bits):
-        raise KernelError(f"{bits}-bit packing takes values in [0, {(1 << bits) - 1}], got [{int(values.min())}, {int(values.max())}]")
+        raise KernelError(
+            f"{bits}-bit packing takes values in [0, {(1 << bits) - 1}], got [{int(values.min())}, {int(values.max())}]"
+        )
     moved = values.movedim(dim, -1)
     count = moved.shape[-1]
     words = math.ceil(count * bits / 32)
@@ -144,7 +148,9 @@ def pack_fp6(codes: torch.Tensor) -> torch.Tensor:
 def unpack_fp6(packed: torch.Tensor) -> torch.Tensor:
     """uint8 6-bit codes, 4/3 as many along the last dim as `packed` bytes."""
     if packed.shape[-1] % 3:
-        raise KernelError(f"fp6 data comes in 3-byte groups: the last dim must be a multiple of 3, got {packed.shape[-1]}")
+        raise KernelError(
+            f"fp6 data comes in 3-byte groups: the last dim must be a multiple of 3, got {packed.shape[-1]}"
+        )
     triples = packed.to(torch.int32).reshape(*packed.shape[:-1], -1, 3)
     word = triples[..., 0] | triples[..., 1] << 8 | triples[..., 2] << 16
     codes = torch.stack([(word >> shift) & 0x3F for shift in (0, 6, 12, 18)], dim=-1)

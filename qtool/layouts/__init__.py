@@ -39,7 +39,10 @@ def layout_named(name: str) -> Layout:
     layout = LAYOUTS.get(name.lower())
     if layout is None:
         close = difflib.get_close_matches(name.lower(), list(LAYOUTS), n=1, cutoff=0.5)
-        raise SchemeError(f"unknown layout {name!r}", hint=(f"did you mean {close[0]!r}? " if close else "") + "known: " + ", ".join(LAYOUTS))
+        raise SchemeError(
+            f"unknown layout {name!r}",
+            hint=(f"did you mean {close[0]!r}? " if close else "") + "known: " + ", ".join(LAYOUTS),
+        )
     return layout
 
 
@@ -51,10 +54,16 @@ def choose_layout(schemes: set[QScheme], requested: str | None) -> Layout:
             why = layout.refusal(scheme)
             if why is not None:
                 able = [name for name, other in LAYOUTS.items() if other.refusal(scheme) is None]
-                raise SchemeError(f"the {layout.name} layout cannot store {scheme.label}: {why}", hint=f"{scheme.label} is written by: {', '.join(able) or 'no layout qtool has'}")
+                raise SchemeError(
+                    f"the {layout.name} layout cannot store {scheme.label}: {why}",
+                    hint=f"{scheme.label} is written by: {', '.join(able) or 'no layout qtool has'}",
+                )
         return layout
     for layout in LAYOUTS.values():
         if all(layout.refusal(scheme) is None for scheme in schemes):
             return layout
     labels = ", ".join(sorted(s.label for s in schemes))
-    raise SchemeError(f"no one layout stores all of {labels}", hint="pick schemes that one layout writes (see `qtool schemes`), one layout per run")
+    raise SchemeError(
+        f"no one layout stores all of {labels}",
+        hint="pick schemes that one layout writes (see `qtool schemes`), one layout per run",
+    )

@@ -19,7 +19,8 @@ reading convention's job: every layout round-trips through the reader in a test.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable
 
 from qtool.errors import SchemeError
 from qtool.plan import Chosen, Plan, PlanOptions
@@ -45,7 +46,7 @@ class Layout(Protocol):
         """Raise a `SchemeError` saying what is allowed when `scheme` can't be stored for `weight`."""
         ...
 
-    def plan(self, source: "Checkpoint", weights: list[Weight], chosen: Chosen, options: PlanOptions) -> Plan: ...
+    def plan(self, source: Checkpoint, weights: list[Weight], chosen: Chosen, options: PlanOptions) -> Plan: ...
 
     def metadata_json(self, plan: Plan) -> dict[str, Any]:
         """The file metadata the plan writes, as JSON (for `--dry-run`)."""

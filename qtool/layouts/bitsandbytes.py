@@ -50,7 +50,9 @@ def _state_blob(quant_type: str, blocksize: int, dtype: str, shape: tuple[int, .
     return json.dumps(state).encode("utf-8")
 
 
-def encoded_layout(name: str, shape: tuple[int, ...], dtype: str, scheme: QScheme) -> list[tuple[str, str, tuple[int, ...]]]:
+def encoded_layout(
+    name: str, shape: tuple[int, ...], dtype: str, scheme: QScheme
+) -> list[tuple[str, str, tuple[int, ...]]]:
     """(stored name, safetensors dtype, shape) of every tensor `encode` writes, from the shape alone."""
     quant_type, blocksize = _settings(name, tuple(shape), scheme)
     numel = math.prod(shape)

@@ -30,7 +30,16 @@ from qtool.weight import Weight
 if TYPE_CHECKING:  # torch is imported where data is touched, never at import time
     import torch
 
-__all__ = ["CT_VERSION", "CompressedTensors", "encoded_layout", "encode", "pack_int_codes", "config_for", "row_group_int_layout", "scale_storage"]
+__all__ = [
+    "CT_VERSION",
+    "CompressedTensors",
+    "encoded_layout",
+    "encode",
+    "pack_int_codes",
+    "config_for",
+    "row_group_int_layout",
+    "scale_storage",
+]
 
 
 def _usage(message: str, hint: str | None = None) -> SchemeError:
@@ -97,7 +106,10 @@ def _quant_args(scheme: QScheme) -> _QuantArgs:
     """The compressed-tensors layout for a scheme, or a UsageError naming what it can store."""
     qt, gran = scheme.qtype, scheme.granularity
     if scheme.rule:
-        raise _usage(f"{scheme.rule} is a GGUF block type (llama.cpp's own scale rule); compressed-tensors cannot store it", hint="write it with the gguf layout")
+        raise _usage(
+            f"{scheme.rule} is a GGUF block type (llama.cpp's own scale rule); compressed-tensors cannot store it",
+            hint="write it with the gguf layout",
+        )
     kind = scheme.scale_kind
     float_scale = kind == "auto" or scheme.scale_dtype.upper() in WEIGHT_FLOATS
     e8m0, e4m3 = kind == "e8m0" or scheme.scale_dtype.upper() == "U8", kind == "e4m3"
@@ -113,10 +125,14 @@ def _quant_args(scheme: QScheme) -> _QuantArgs:
         block = (rows, cols)
     if qt.kind == "int":
         if not qt.signed:
-            raise _usage(f"compressed-tensors stores signed ints: use int{qt.bits} (with :asym for a zero point), not {qt.name}")
+            raise _usage(
+                f"compressed-tensors stores signed ints: use int{qt.bits} (with :asym for a zero point), not {qt.name}"
+            )
         if not float_scale:
             raise _usage(f"compressed-tensors stores int scales as the weight's float dtype, not {scheme.scale_dtype}")
-        return _QuantArgs("pack-quantized", qt.bits, "int", strategy, scheme.symmetric, group_size, block, observer=scheme.observer)
+        return _QuantArgs(
+            "pack-quantized", qt.bits, "int", strategy, scheme.symmetric, group_size, block, observer=scheme.observer
+        )
     if not scheme.symmetric:
         raise _usage(f"compressed-tensors quantizes {qt.name} symmetrically only")
     if qt.name == "fp8_e4m3" and float_scale:
@@ -125,7 +141,9 @@ def _quant_args(scheme: QScheme) -> _QuantArgs:
     if qt.name == "fp8_e4m3" and e8m0 and group_size == 32:
         return _QuantArgs("mxfp8-quantized", 8, "float", "group", True, 32, scale_dtype="torch.uint8")
     if qt.name == "fp4_e2m1" and e4m3 and group_size == 16:
-        return _QuantArgs("nvfp4-pack-quantized", 4, "float", "tensor_group", True, 16, scale_dtype="torch.float8_e4m3fn")
+        return _QuantArgs(
+            "nvfp4-pack-quantized", 4, "float", "tensor_group", True, 16, scale_dtype="torch.float8_e4m3fn"
+        )
     if qt.name == "fp4_e2m1" and e8m0 and group_size == 32:
         return _QuantArgs("mxfp4-pack-quantized", 4, "float", "group", True, 32, scale_dtype="torch.uint8")
     raise _usage(
@@ -187,7 +205,9 @@ def _scale_shape(args: _QuantArgs, shape: tuple[int, int]) -> tuple[int, ...]:
     return (math.ceil(rows / block_rows), math.ceil(cols / block_cols))
 
 
-def encoded_layout(name: str, shape: tuple[int, ...], dtype: str, scheme: QScheme) -> list[tuple[str, str, tuple[int, ...]]]:
+def encoded_layout(
+    name: str, shape: tuple[int, ...], dtype: str, scheme: QScheme
+) -> list[tuple[str, str, tuple[int, ...]]]:
     """(stored name, safetensors dtype, shape) of every tensor `encode` writes for this weight,
     in that order, computed from the shape alone."""
     module, args = _module_of(name), _quant_args(scheme)
@@ -205,7 +225,10 @@ def encoded_layout(name: str, shape: tuple[int, ...], dtype: str, scheme: QSchem
         layout.append((f"{module}.weight_shape", "I64", (2,)))
         return layout
     if args.format == "float-quantized":
-        return [(f"{module}.weight", "F8_E4M3", (rows, cols)), (f"{module}.weight_scale", scale_storage(scheme, dtype), grid)]
+        return [
+            (f"{module}.weight", "F8_E4M3", (rows, cols)),
+            (f"{module}.weight_scale", scale_storage(scheme, dtype), grid),
+        ]
     if args.format == "mxfp8-quantized":
         return [(f"{module}.weight", "F8_E4M3", (rows, cols)), (f"{module}.weight_scale", "U8", grid)]
     if args.format == "nvfp4-pack-quantized":
@@ -242,7 +265,6 @@ def encode(name: str, weight: torch.Tensor, scheme: QScheme) -> dict[str, torch.
     them after min-max calibration (its `calculate_qparams` / `generate_gparam`) and
     `compress_model`; int schemes with the mse observer take their scales (and zero points)
     from qtool.kernels.mse instead. Computes on weight's device, in weight's dtype where the package does."""
-    import torch
 
     from qtool import kernels
 
@@ -288,7 +310,9 @@ def encode(name: str, weight: torch.Tensor, scheme: QScheme) -> dict[str, torch.
     return {key: tensor.contiguous() for key, tensor in out.items()}
 
 
-def pack_int_codes(name: str, values: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, scheme: QScheme, dtype: str) -> dict[str, torch.Tensor]:
+def pack_int_codes(
+    name: str, values: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, scheme: QScheme, dtype: str
+) -> dict[str, torch.Tensor]:
     """The pack-quantized tensors of int codes already chosen (by min-max rounding in `encode`,
     or by a calibrated algorithm such as GPTQ): `values` [out, in] int8 in qmin..qmax, `scale`
     and `zero_point` (int8, or None) of the scale grid's numel; `dtype` the weight's float dtype.

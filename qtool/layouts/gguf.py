@@ -55,7 +55,10 @@ _SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
 def gguf_type_for(scheme: QScheme) -> GgmlType:
     """The GGML type that writes `scheme`, or a SchemeError naming what the layout writes."""
     if scheme.observer != "minmax":
-        raise SchemeError(f"GGUF block types have their own block math (llama.cpp's); the {scheme.observer} observer does not apply", hint="drop the observer for GGUF output, or write compressed-tensors")
+        raise SchemeError(
+            f"GGUF block types have their own block math (llama.cpp's); the {scheme.observer} observer does not apply",
+            hint="drop the observer for GGUF output, or write compressed-tensors",
+        )
     gtype = type_for(scheme)
     if gtype is None:
         raise SchemeError(
@@ -97,10 +100,15 @@ class Gguf:
 
     def check(self, weight: Weight, scheme: QScheme) -> None:
         if not weight.quantized and not weight.data.dtype.is_float:
-            raise SchemeError(f"{weight.name}: a {weight.data.dtype.name} tensor cannot be quantized", hint="leave it out of the selection")
+            raise SchemeError(
+                f"{weight.name}: a {weight.data.dtype.name} tensor cannot be quantized",
+                hint="leave it out of the selection",
+            )
         gtype = gguf_type_for(scheme)
         if not weight.shape:
-            raise SchemeError(f"{weight.name}: a scalar cannot be stored in {gtype.name} blocks", hint="leave it out of the selection")
+            raise SchemeError(
+                f"{weight.name}: a scalar cannot be stored in {gtype.name} blocks", hint="leave it out of the selection"
+            )
         try:
             gguf_layout_bytes(tuple(weight.shape), gtype)
         except SchemeError as exc:
@@ -126,7 +134,10 @@ class Gguf:
             if out_name is None:  # a buffer llama.cpp does not read (rotary inv_freq)
                 continue
             if out_name in taken:
-                raise SchemeError(f"weights {taken[out_name]} and {weight.name} both map to the GGUF tensor {out_name}", hint="leave one of them out")
+                raise SchemeError(
+                    f"weights {taken[out_name]} and {weight.name} both map to the GGUF tensor {out_name}",
+                    hint="leave one of them out",
+                )
             taken[out_name] = weight.name
             out_names[weight.name] = out_name
             if len(out_name.encode("utf-8")) > MAX_NAME_BYTES:
@@ -155,7 +166,10 @@ class Gguf:
             rotary = names.rotary(weight.name)
             if rotary is not None:
                 if not weight.shape or not rotary.fits(weight.shape[0]):
-                    raise SchemeError(f"{weight.name}: {weight.shape[0] if weight.shape else 0} rows do not split into {rotary.heads} attention heads", hint="check num_attention_heads in config.json")
+                    raise SchemeError(
+                        f"{weight.name}: {weight.shape[0] if weight.shape else 0} rows do not split into {rotary.heads} attention heads",
+                        hint="check num_attention_heads in config.json",
+                    )
                 job = replace(job, transform=rotary)
             jobs.append(job)
         # with --calibrate the importance is computed after planning, and applied beside the plan (qtool.calibration.imatrix)
@@ -172,7 +186,16 @@ class Gguf:
         recorded = imatrix_metadata(options.imatrix, options.imatrix_name) if options.imatrix is not None else []
         metadata = (None if gguf_input else names.arch, _stamped(entries, jobs, chosen.mix, recorded))
         said = names.notes + list(chosen.notes if chosen.said is None else chosen.said) + imatrix_notes
-        return Plan(source, self, jobs, [options.file_name], metadata, None, names.notes + list(chosen.notes) + imatrix_notes, said)
+        return Plan(
+            source,
+            self,
+            jobs,
+            [options.file_name],
+            metadata,
+            None,
+            names.notes + list(chosen.notes) + imatrix_notes,
+            said,
+        )
 
     def side_files(self, plan: Plan) -> dict[str, Any]:
         return {}
@@ -248,7 +271,12 @@ def _kept_job(weight: Weight, out_name: str, type_name: str, gguf_input: bool) -
     if type_name == _stored_type(weight):
         if not gguf_input:
             gtype, action = _unquantized(weight)
-            return Job(weight, action, [OutputTensor(out_name, gtype.name, shape, gguf_layout_bytes(shape, gtype))], out_dtype=gtype.name)
+            return Job(
+                weight,
+                action,
+                [OutputTensor(out_name, gtype.name, shape, gguf_layout_bytes(shape, gtype))],
+                out_dtype=gtype.name,
+            )
         return Job(weight, COPY, [OutputTensor(out_name, type_name, shape, weight.data.nbytes)], out_dtype=type_name)
     if type_name not in _FLOAT_KEEP:
         from qtool.errors import InternalError
@@ -256,10 +284,17 @@ def _kept_job(weight: Weight, out_name: str, type_name: str, gguf_input: bool) -
         raise InternalError(f"{weight.name}: kept as {type_name}, which is neither its stored type nor a float type")
     action = DEQUANTIZE if weight.quantized else CAST
     gtype = ggml_type_named(type_name)
-    return Job(weight, action, [OutputTensor(out_name, gtype.name, shape, gguf_layout_bytes(shape, gtype))], out_dtype=gtype.name)
+    return Job(
+        weight,
+        action,
+        [OutputTensor(out_name, gtype.name, shape, gguf_layout_bytes(shape, gtype))],
+        out_dtype=gtype.name,
+    )
 
 
-def _stamped(entries: list[tuple[str, Any, str]], jobs: list[Job], mix: str | None, recorded: list[tuple[str, Any, str]] = ()) -> list[tuple[str, Any, str]]:
+def _stamped(
+    entries: list[tuple[str, Any, str]], jobs: list[Job], mix: str | None, recorded: list[tuple[str, Any, str]] = ()
+) -> list[tuple[str, Any, str]]:
     """The entries with general.file_type (the mix's, or the commonest type's),
     general.quantization_version and general.quantized_by set in place (added at the end when
     absent), and llama.cpp's split keys dropped; then `recorded` (an imatrix's quantize.imatrix.*
@@ -293,7 +328,11 @@ def _input_metadata(source: Checkpoint) -> list[tuple[str, Any, str]]:
     entries = read_gguf_key_values(path)
     for key, value, kind in entries:
         if key == "general.alignment" and (kind != "UINT32" or value < 1 or value & (value - 1)):
-            raise SchemeError(f"general.alignment is {value} ({kind}); GGUF needs a power of two as UINT32", hint="fix or remove the key", path=path)
+            raise SchemeError(
+                f"general.alignment is {value} ({kind}); GGUF needs a power of two as UINT32",
+                hint="fix or remove the key",
+                path=path,
+            )
     return entries
 
 

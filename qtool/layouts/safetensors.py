@@ -41,10 +41,15 @@ def _hugging_face_names(jobs: list[Job], source: Checkpoint) -> None:
     for index, job in enumerate(jobs):
         name, rows = named(job.weight.name)
         if name in taken:
-            raise CheckpointError(f"tensors {taken[name]!r} and {job.weight.name!r} would both be written as {name!r}", path=source.path)
+            raise CheckpointError(
+                f"tensors {taken[name]!r} and {job.weight.name!r} would both be written as {name!r}", path=source.path
+            )
         taken[name] = job.weight.name
         if rows is not None and not rows.fits(job.weight.shape[0]):
-            raise CheckpointError(f"{job.weight.name!r} has {job.weight.shape[0]} rows, not a whole number of its {rows.heads} rotary heads' pairs", path=source.path)
+            raise CheckpointError(
+                f"{job.weight.name!r} has {job.weight.shape[0]} rows, not a whole number of its {rows.heads} rotary heads' pairs",
+                path=source.path,
+            )
         jobs[index] = replace(job, outputs=[replace(job.outputs[0], name=name)], transform=rows)
 
 
@@ -91,12 +96,16 @@ class SafetensorsLayout:
         pass
 
     @staticmethod
-    def encoded_layout(name: str, shape: tuple[int, ...], dtype: str, scheme: QScheme) -> list[tuple[str, str, tuple[int, ...]]]:
+    def encoded_layout(
+        name: str, shape: tuple[int, ...], dtype: str, scheme: QScheme
+    ) -> list[tuple[str, str, tuple[int, ...]]]:
         """(name, safetensors dtype, shape) of every tensor written for a weight, from its shape."""
         raise NotImplementedError
 
     @staticmethod
-    def quantization_config(schemes_by_module: dict[str, QScheme], ignore: list[str], dtype: str) -> dict[str, Any] | None:
+    def quantization_config(
+        schemes_by_module: dict[str, QScheme], ignore: list[str], dtype: str
+    ) -> dict[str, Any] | None:
         """The `quantization_config` recorded for these modules."""
         return None
 
@@ -106,7 +115,10 @@ class SafetensorsLayout:
         raise NotImplementedError
 
     def tensors(self, weight: Weight, scheme: QScheme) -> list[OutputTensor]:
-        return [planned(name, dtype, shape) for name, dtype, shape in self.encoded_layout(weight.name, weight.shape, weight.dtype, scheme)]
+        return [
+            planned(name, dtype, shape)
+            for name, dtype, shape in self.encoded_layout(weight.name, weight.shape, weight.dtype, scheme)
+        ]
 
     def whole_weight(self, encoded: dict[str, Any], shape: tuple[int, ...]) -> dict[str, Any]:
         """A chunk's tensors, with any that describe the whole weight corrected to its shape."""
@@ -131,14 +143,28 @@ class SafetensorsLayout:
             scheme = chosen.get(weight.name)
             if scheme is not None:
                 self.check(weight, scheme)
-                jobs.append(Job(weight, QUANTIZE, self.tensors(weight, scheme), scheme=scheme, encoding=self.encoding(weight, scheme)))
+                jobs.append(
+                    Job(
+                        weight,
+                        QUANTIZE,
+                        self.tensors(weight, scheme),
+                        scheme=scheme,
+                        encoding=self.encoding(weight, scheme),
+                    )
+                )
             elif weight.quantized:  # dequantize, or requantize's weights that stay float
-                jobs.append(Job(weight, DEQUANTIZE, [planned(weight.name, decoded_dtype, weight.shape)], out_dtype=decoded_dtype))
+                jobs.append(
+                    Job(
+                        weight, DEQUANTIZE, [planned(weight.name, decoded_dtype, weight.shape)], out_dtype=decoded_dtype
+                    )
+                )
             elif out_dtype and weight.dtype in ("F16", "BF16", "F32", "F64") and weight.dtype != out_dtype:
                 jobs.append(Job(weight, CAST, [planned(weight.name, out_dtype, weight.shape)], out_dtype=out_dtype))
             else:
                 data = weight.data
-                jobs.append(Job(weight, COPY, [OutputTensor(weight.name, data.dtype.name, tuple(data.shape), data.nbytes)]))
+                jobs.append(
+                    Job(weight, COPY, [OutputTensor(weight.name, data.dtype.name, tuple(data.shape), data.nbytes)])
+                )
         if options.hugging_face_names:
             _hugging_face_names(jobs, source)
         files = self._shards(jobs, source, options)
@@ -146,7 +172,13 @@ class SafetensorsLayout:
         schemes = {j.weight.name.rpartition(".")[0]: j.scheme for j in jobs if j.scheme is not None}
         quant_config = None
         if schemes:
-            ignore = sorted({j.weight.name.rpartition(".")[0] for j in jobs if j.scheme is None and len(j.weight.shape) == 2 and j.weight.name.endswith(".weight")})
+            ignore = sorted(
+                {
+                    j.weight.name.rpartition(".")[0]
+                    for j in jobs
+                    if j.scheme is None and len(j.weight.shape) == 2 and j.weight.name.endswith(".weight")
+                }
+            )
             quant_config = self.quantization_config(schemes, ignore, out_dtype or _dominant_dtype(weights))
         metadata = {"format": "pt"}
         config = None
@@ -197,7 +229,10 @@ class SafetensorsLayout:
         files: dict[str, Any] = {}
         if len(plan.files) > 1:
             weight_map = {t.name: plan.files[j.shard] for j in plan.jobs for t in j.outputs}
-            files[INDEX_NAME] = {"metadata": {"total_size": sum(j.bytes_out for j in plan.jobs)}, "weight_map": weight_map}
+            files[INDEX_NAME] = {
+                "metadata": {"total_size": sum(j.bytes_out for j in plan.jobs)},
+                "weight_map": weight_map,
+            }
         if plan.config is not None:
             files["config.json"] = plan.config
         return files
@@ -215,7 +250,9 @@ class SafetensorsLayout:
         convention = next(c for c in REGISTRY if c.name == self.name)
         weights = [w for w in convention.detect(checkpoint, dict(checkpoint.tensors)) if w.quantized]
         if len(weights) != 1 or weights[0].shape != tuple(shape):
-            raise InternalError(f"{name}: qtool cannot read back what it encoded ({[(w.name, w.shape) for w in weights]})")
+            raise InternalError(
+                f"{name}: qtool cannot read back what it encoded ({[(w.name, w.shape) for w in weights]})"
+            )
         device = next(iter(encoded.values())).device
         return convention.decode(checkpoint, weights[0], device)
 

@@ -29,7 +29,12 @@ if TYPE_CHECKING:
 
 __all__ = ["attach_importance", "imatrix_metadata", "IMATRIX_KEYS"]
 
-IMATRIX_KEYS = ("quantize.imatrix.file", "quantize.imatrix.dataset", "quantize.imatrix.entries_count", "quantize.imatrix.chunks_count")
+IMATRIX_KEYS = (
+    "quantize.imatrix.file",
+    "quantize.imatrix.dataset",
+    "quantize.imatrix.entries_count",
+    "quantize.imatrix.chunks_count",
+)
 _KV_STRING_BYTES = 127  # llama_model_kv_override.val_str is char[128]
 _TOKEN_EMBD = ("token_embd.weight", "per_layer_token_embd.weight")
 
@@ -43,7 +48,11 @@ def attach_importance(jobs: list[Job], imatrix: Imatrix | None, mix: str | None)
         for job in quantized:
             out = job.outputs[0]
             if requires_imatrix(out.name, job.encoding.type, mix):
-                raise SchemeError(f"{out.name}: {out.dtype} needs an importance matrix (llama.cpp refuses it without one)", hint="give --imatrix (llama-imatrix's or qtool imatrix's) or --calibrate TEXT, or pick a type of 3 bits or more", option="imatrix")
+                raise SchemeError(
+                    f"{out.name}: {out.dtype} needs an importance matrix (llama.cpp refuses it without one)",
+                    hint="give --imatrix (llama-imatrix's or qtool imatrix's) or --calibrate TEXT, or pick a type of 3 bits or more",
+                    option="imatrix",
+                )
         return list(jobs), []
     missing: list[str] = []
     used = 0
@@ -55,7 +64,11 @@ def attach_importance(jobs: list[Job], imatrix: Imatrix | None, mix: str | None)
         entry = imatrix.entries.get(out.name)
         if entry is None or (entry.values != columns * experts and out.name in _TOKEN_EMBD):
             if requires_imatrix(out.name, job.encoding.type, mix):
-                raise ImatrixError(f"has no entry for {out.name}, whose type {out.dtype} needs one (llama.cpp refuses it)", path=imatrix.path, hint="make the imatrix from this model")
+                raise ImatrixError(
+                    f"has no entry for {out.name}, whose type {out.dtype} needs one (llama.cpp refuses it)",
+                    path=imatrix.path,
+                    hint="make the imatrix from this model",
+                )
             missing.append(out.name)
             continue
         if entry.values != columns * experts:
@@ -67,7 +80,12 @@ def attach_importance(jobs: list[Job], imatrix: Imatrix | None, mix: str | None)
                 hint="make the imatrix from this model (llama-imatrix, or qtool imatrix)",
             )
         importance = entry.importance()
-        weighted[id(job)] = replace(job, encoding=GgmlBlocks(job.encoding.type, importance.reshape(experts, columns) if len(shape) >= 3 else importance))
+        weighted[id(job)] = replace(
+            job,
+            encoding=GgmlBlocks(
+                job.encoding.type, importance.reshape(experts, columns) if len(shape) >= 3 else importance
+            ),
+        )
         used += 1
     if quantized and not used:
         raise ImatrixError(
@@ -77,13 +95,17 @@ def attach_importance(jobs: list[Job], imatrix: Imatrix | None, mix: str | None)
         )
     notes = [f"importance matrix {imatrix.path}: {used} of {len(quantized)} quantized tensors weighted by it"]
     if missing:
-        notes.append(f"{len(missing)} quantized tensors have no entry in it and are quantized without one, as llama-quantize does (e.g. {missing[0]})")
+        notes.append(
+            f"{len(missing)} quantized tensors have no entry in it and are quantized without one, as llama-quantize does (e.g. {missing[0]})"
+        )
     return [weighted.get(id(job), job) for job in jobs], notes
 
 
 def imatrix_metadata(imatrix: Imatrix, file_name: str) -> list[tuple[str, Any, str]]:
     """The key-values llama-quantize adds for an imatrix, in its order: (key, value, type)."""
-    entries: list[tuple[str, Any, str]] = [(IMATRIX_KEYS[0], _c_string(file_name.encode("utf-8", "surrogateescape")), "STRING")]
+    entries: list[tuple[str, Any, str]] = [
+        (IMATRIX_KEYS[0], _c_string(file_name.encode("utf-8", "surrogateescape")), "STRING")
+    ]
     if imatrix.datasets:
         entries.append((IMATRIX_KEYS[1], _c_string(imatrix.datasets[0]), "STRING"))
     entries.append((IMATRIX_KEYS[2], len(imatrix.entries), "UINT32"))

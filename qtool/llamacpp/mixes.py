@@ -37,7 +37,8 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
+from collections.abc import Iterable, Mapping
 
 from qtool.errors import CheckpointError
 from qtool.ggml_types import GgmlType, ggml_type_named
@@ -144,10 +145,12 @@ class ModelFacts:
         """llama.cpp's LLM_TYPE_70B, the one model size the rules name (attn_v gets Q5_K)."""
         if self.arch == "llama":
             return self.n_layer == 80 and self.n_head != self.n_head_kv
-        return (self.arch in ("qwen2", "deci", "olmo") and self.n_layer == 80) or (self.arch == "jais2" and self.n_layer == 68)
+        return (self.arch in ("qwen2", "deci", "olmo") and self.n_layer == 80) or (
+            self.arch == "jais2" and self.n_layer == 68
+        )
 
     @classmethod
-    def from_metadata(cls, values: Mapping[str, Any]) -> "ModelFacts":
+    def from_metadata(cls, values: Mapping[str, Any]) -> ModelFacts:
         """From GGUF key-values (plain Python values): the architecture's block, head, kv-head
         and expert counts; a per-layer array counts by its first layer, as n_gqa(0) does."""
         arch = values.get("general.architecture")
@@ -293,7 +296,9 @@ def fallback_type(cols: int, target: str) -> tuple[str, bool]:
         return target, False
     demoted = gtype.fallback or target
     if block_size(demoted) > 32:
-        raise CheckpointError(f"llama.cpp defines no fallback for {target} when rows are not a multiple of {gtype.block_size}")
+        raise CheckpointError(
+            f"llama.cpp defines no fallback for {target} when rows are not a multiple of {gtype.block_size}"
+        )
     if cols % block_size(demoted):
         demoted = "F16"
     return demoted, True
@@ -317,9 +322,13 @@ class _State:
         if max(1, self.facts.n_expert) > 1:
             layer = layer_of(name)
             if layer is None:
-                raise CheckpointError(f"tensor {name}: cannot tell its layer (llama.cpp reads blk.N. in the names of a model with experts)")
+                raise CheckpointError(
+                    f"tensor {name}: cannot tell its layer (llama.cpp reads blk.N. in the names of a model with experts)"
+                )
             if not 0 <= layer < n_layer:
-                raise CheckpointError(f"tensor {name}: layer {layer} is outside [0, {n_layer}) (the model's block_count)")
+                raise CheckpointError(
+                    f"tensor {name}: layer {layer} is outside [0, {n_layer}) (the model's block_count)"
+                )
             return layer, n_layer
         return counter, n_layer
 
@@ -339,7 +348,9 @@ def _mixed_type(state: _State, mix: Mix, new: str, tensor: MixTensor, cat: str) 
             return "Q5_K"
         return new if new == "Q8_0" else "Q6_K"
     if cat == TOKEN_EMBD:
-        return {"IQ2_XXS": "Q2_K", "IQ2_XS": "Q2_K", "IQ2_S": "IQ3_S", "IQ2_M": "IQ3_S", "IQ3_XXS": "IQ3_S"}.get(ftype, new)
+        return {"IQ2_XXS": "Q2_K", "IQ2_XS": "Q2_K", "IQ2_S": "IQ3_S", "IQ2_M": "IQ3_S", "IQ3_XXS": "IQ3_S"}.get(
+            ftype, new
+        )
     if ftype in _IQ2_MIXES:  # one branch for every other tensor of these mixes
         iq3_s = ftype in ("IQ2_S", "IQ2_M")
         if cat in _ATTN_V_LIKE:
@@ -393,7 +404,13 @@ def _mixed_type(state: _State, mix: Mix, new: str, tensor: MixTensor, cat: str) 
         if ftype == "Q2_K":
             new = "Q3_K"
         elif ftype == "Q3_K_M":
-            new = "Q5_K" if i_layer < _cdiv(n_layer, 16) else "Q4_K" if not falcon or use_more_bits(i_layer, n_layer) else "Q3_K"
+            new = (
+                "Q5_K"
+                if i_layer < _cdiv(n_layer, 16)
+                else "Q4_K"
+                if not falcon or use_more_bits(i_layer, n_layer)
+                else "Q3_K"
+            )
         elif ftype == "Q3_K_L":
             new = "Q4_K" if falcon else "Q5_K"
         elif ftype == "Q4_K_M":
@@ -421,7 +438,9 @@ def _mixed_type(state: _State, mix: Mix, new: str, tensor: MixTensor, cat: str) 
                 if ftype in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", "IQ3_S", "IQ3_M", "IQ4_XS", "IQ3_XXS"):
                     new = "Q5_K"
             else:
-                new = {"Q2_K": "Q3_K", "Q3_K_M": "Q4_K", "Q3_K_L": "Q5_K", "IQ3_M": "Q4_K", "IQ3_XXS": "IQ3_S"}.get(ftype, new)
+                new = {"Q2_K": "Q3_K", "Q3_K_M": "Q4_K", "Q3_K_L": "Q5_K", "IQ3_M": "Q4_K", "IQ3_XXS": "IQ3_S"}.get(
+                    ftype, new
+                )
         elif ftype == "Q3_K_L":
             new = "Q4_K"
         return new
@@ -434,14 +453,21 @@ def _mixed_type(state: _State, mix: Mix, new: str, tensor: MixTensor, cat: str) 
     return new
 
 
-def choose_types(mix: Mix, tensors: list[MixTensor], facts: ModelFacts, *, has_imatrix: bool = False) -> dict[str, Choice]:
+def choose_types(
+    mix: Mix, tensors: list[MixTensor], facts: ModelFacts, *, has_imatrix: bool = False
+) -> dict[str, Choice]:
     """Every tensor's type under `mix`, keyed by name: what `llama_tensor_get_type` gives, in
     llama.cpp's walking order (the counters depend on it). A tensor llama.cpp does not quantize,
     or that is not a candidate, keeps its type. `has_imatrix`: an importance matrix was given
     (some rules differ: Q4_0's first ffn_down layers in Q4_1)."""
     by_name = {t.name: t for t in tensors}
     cats = {t.name: category(t.name) for t in tensors}
-    state = _State(facts, sum(1 for c in cats.values() if c in _ATTN_V_LIKE), tied=OUTPUT not in cats.values(), has_imatrix=has_imatrix)
+    state = _State(
+        facts,
+        sum(1 for c in cats.values() if c in _ATTN_V_LIKE),
+        tied=OUTPUT not in cats.values(),
+        has_imatrix=has_imatrix,
+    )
     chosen: dict[str, Choice] = {}
     for name in llama_order(by_name):
         tensor = by_name[name]
@@ -462,7 +488,7 @@ def choose_types(mix: Mix, tensors: list[MixTensor], facts: ModelFacts, *, has_i
     return {t.name: chosen[t.name] for t in tensors}
 
 
-def fallback_summary(choices: "list[Choice]") -> list[str]:
+def fallback_summary(choices: list[Choice]) -> list[str]:
     """One line per kind of row fallback (Q4_K -> Q5_0) among `choices`, with how many tensors
     and which row lengths: what a run says, where each tensor's own note is in the plan."""
     kinds: dict[tuple[str, str], tuple[int, set[int]]] = {}

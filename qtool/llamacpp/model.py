@@ -25,7 +25,10 @@ from qtool.weight import Weight
 
 __all__ = ["model_entries"]
 
-def model_entries(source: Checkpoint, weights: list[Weight], names: TensorNames, allow_incomplete: bool) -> list[tuple[str, Any, str]]:
+
+def model_entries(
+    source: Checkpoint, weights: list[Weight], names: TensorNames, allow_incomplete: bool
+) -> list[tuple[str, Any, str]]:
     """The key-values written after `general.architecture` for `source` (hyperparameters, then
     the tokenizer), as (key, value, GGUFValueType name); notes go to `names.notes`. None for a
     GGUF input (it keeps its own) or an incomplete file of an unknown architecture."""
@@ -42,17 +45,28 @@ def model_entries(source: Checkpoint, weights: list[Weight], names: TensorNames,
 
 def _float(config: dict[str, Any], name: str) -> float | None:
     value = config.get(name)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < 1e38 else None
+    return (
+        float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < 1e38 else None
+    )
 
 
-def _hyperparameters(source: Checkpoint, arch: str, config: dict[str, Any], allow_incomplete: bool, notes: list[str]) -> list[tuple[str, Any, str]]:
+def _hyperparameters(
+    source: Checkpoint, arch: str, config: dict[str, Any], allow_incomplete: bool, notes: list[str]
+) -> list[tuple[str, Any, str]]:
     """`LlamaModel.set_gguf_parameters`' keys, from config.json: llama.cpp needs the block
     count, the widths and the head counts; the rest have defaults there."""
     from gguf import Keys, RopeScalingType
 
-    missing = [name for name in ("num_hidden_layers", "hidden_size", "num_attention_heads") if config_int(config, name) is None]
+    missing = [
+        name for name in ("num_hidden_layers", "hidden_size", "num_attention_heads") if config_int(config, name) is None
+    ]
     if missing:
-        refuse_or_note(allow_incomplete, notes, f"{source.path}: config.json has no positive integer {', '.join(missing)}; llama.cpp needs them to run a {arch} model", "fix config.json")
+        refuse_or_note(
+            allow_incomplete,
+            notes,
+            f"{source.path}: config.json has no positive integer {', '.join(missing)}; llama.cpp needs them to run a {arch} model",
+            "fix config.json",
+        )
     entries: list[tuple[str, Any, str]] = []
 
     def put(key: str, value: Any, kind: str) -> None:
@@ -72,7 +86,11 @@ def _hyperparameters(source: Checkpoint, arch: str, config: dict[str, Any], allo
     scaling = rope.get("rope_type") or rope.get("type")
     factor = _float(rope, "factor")
     if scaling in ("linear", "yarn") and factor is not None:
-        put(Keys.Rope.SCALING_TYPE, RopeScalingType.LINEAR.value if scaling == "linear" else RopeScalingType.YARN.value, "STRING")
+        put(
+            Keys.Rope.SCALING_TYPE,
+            RopeScalingType.LINEAR.value if scaling == "linear" else RopeScalingType.YARN.value,
+            "STRING",
+        )
         put(Keys.Rope.SCALING_FACTOR, factor, "FLOAT32")
         original = config_int(rope, "original_max_position_embeddings")
         if scaling == "yarn" and original is not None:
@@ -80,7 +98,10 @@ def _hyperparameters(source: Checkpoint, arch: str, config: dict[str, Any], allo
     elif scaling not in (None, "default"):
         # llama3's scaling is a generated rope_freqs tensor in llama.cpp's converter; qtool writes none
         refuse_or_note(
-            allow_incomplete, notes, f"{source.path}: rope scaling {str(scaling)[:40]!r} is not written by qtool; llama.cpp would run the model without it", "convert it with llama.cpp's convert_hf_to_gguf.py"
+            allow_incomplete,
+            notes,
+            f"{source.path}: rope scaling {str(scaling)[:40]!r} is not written by qtool; llama.cpp would run the model without it",
+            "convert it with llama.cpp's convert_hf_to_gguf.py",
         )
     theta = _float(rope, "rope_theta") if _float(rope, "rope_theta") is not None else _float(config, "rope_theta")
     if theta is not None:
@@ -120,12 +141,18 @@ def _embedding_rows(weights: list[Weight], names: TensorNames) -> int | None:
 # -- tokenizer ------------------------------------------------------------------------------------
 
 
-def _tokenizer(source: Checkpoint, config: dict[str, Any], arch: str, rows: int | None, allow_incomplete: bool, notes: list[str]) -> list[tuple[str, Any, str]]:
+def _tokenizer(
+    source: Checkpoint, config: dict[str, Any], arch: str, rows: int | None, allow_incomplete: bool, notes: list[str]
+) -> list[tuple[str, Any, str]]:
     """The tokenizer keys, for the vocabulary the token embedding has."""
     folder = _model_folder(source)
     vocab_size = config_int(config, "vocab_size") or rows
     if rows is not None and vocab_size != rows:
-        raise CheckpointError(f"config.json's vocab_size {vocab_size} differs from the {rows} rows of the token embedding", path=folder, hint="fix config.json")
+        raise CheckpointError(
+            f"config.json's vocab_size {vocab_size} differs from the {rows} rows of the token embedding",
+            path=folder,
+            hint="fix config.json",
+        )
     return tokenizer_entries(folder, arch, vocab_size, allow_incomplete, notes)
 
 

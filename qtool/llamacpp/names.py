@@ -20,7 +20,8 @@ qwen2 GGUF's tensors take their Hugging Face names and q/k rows their Hugging Fa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from qtool.errors import UsageError
 from qtool.formats.checkpoint import Checkpoint
@@ -50,7 +51,7 @@ class TensorNames:
             return name
         return self._names(name)
 
-    def rotary(self, name: str) -> "RotaryRows | None":
+    def rotary(self, name: str) -> RotaryRows | None:
         """The permutation llama.cpp's converter applies to this weight's rows: q by n_head,
         k by n_head_kv; None for every other weight."""
         if self._heads is None:
@@ -77,7 +78,12 @@ def tensor_names(source: Checkpoint, allow_incomplete: bool) -> TensorNames:
                 hint="write another layout, or allow an incomplete GGUF that no runtime will load",
                 option="allow_incomplete_gguf",
             )
-        return TensorNames("unknown", notes=[f"writing an incomplete GGUF (architecture \"unknown\", no tokenizer): {what} is not a model qtool describes in GGUF, and no runtime will load the file"])
+        return TensorNames(
+            "unknown",
+            notes=[
+                f'writing an incomplete GGUF (architecture "unknown", no tokenizer): {what} is not a model qtool describes in GGUF, and no runtime will load the file'
+            ],
+        )
     names = TensorNames(arch)
     names._names = _renamer(arch, config, source, allow_incomplete, names.notes)
     if arch in _PERMUTED_ARCHS:
@@ -89,7 +95,11 @@ def architecture(config: dict[str, Any]) -> tuple[str | None, str]:
     """(GGUF architecture or None, the model in words) from config.json."""
     architectures = config.get("architectures")
     model_type = config.get("model_type")
-    named = architectures[0] if isinstance(architectures, list) and architectures and isinstance(architectures[0], str) else None
+    named = (
+        architectures[0]
+        if isinstance(architectures, list) and architectures and isinstance(architectures[0], str)
+        else None
+    )
     if named is not None:
         words = f'"{named[:80]}"' + (f' (model_type "{model_type[:40]}")' if isinstance(model_type, str) else "")
         return SUPPORTED_ARCHITECTURES.get(named), words
@@ -111,7 +121,9 @@ def _heads(config: dict[str, Any]) -> tuple[int, int] | None:
     return heads, config_int(config, "num_key_value_heads") or heads
 
 
-def _renamer(arch: str, config: dict[str, Any], source: Checkpoint, allow_incomplete: bool, notes: list[str]) -> Callable[[str], str | None]:
+def _renamer(
+    arch: str, config: dict[str, Any], source: Checkpoint, allow_incomplete: bool, notes: list[str]
+) -> Callable[[str], str | None]:
     """Hugging Face names to GGUF's through gguf-py's `TensorNameMap` for `arch`. A name the
     map does not know is a tensor llama.cpp would refuse to load: refused here."""
     import gguf
@@ -133,7 +145,9 @@ def _renamer(arch: str, config: dict[str, Any], source: Checkpoint, allow_incomp
                 option="allow_incomplete_gguf",
             )
         if not unknown:
-            notes.append(f"writing an incomplete GGUF: tensor {name} (and maybe others) keeps its name, which llama.cpp's {arch} architecture does not know")
+            notes.append(
+                f"writing an incomplete GGUF: tensor {name} (and maybe others) keeps its name, which llama.cpp's {arch} architecture does not know"
+            )
         unknown.append(name)
         return name
 
@@ -168,14 +182,16 @@ class RotaryRows:
         return memoryview(np.ascontiguousarray(permuted)).cast("B")
 
 
-def hugging_face_names(source: Checkpoint) -> "Callable[[str], tuple[str, RotaryRows | None]] | None":
+def hugging_face_names(source: Checkpoint) -> Callable[[str], tuple[str, RotaryRows | None]] | None:
     """For a GGUF of an architecture qtool writes (llama, qwen2): each tensor's Hugging Face name
     and, for a llama's q and k, the transform that puts its rows back in Hugging Face's order
     (what `dequantize` writes, so the output pairs with the original). None for any other
     input, whose names are kept."""
     from qtool.naming import gguf_to_hf, rope_heads
 
-    if source.format != "gguf" or source.metadata.get("general.architecture") not in set(SUPPORTED_ARCHITECTURES.values()):
+    if source.format != "gguf" or source.metadata.get("general.architecture") not in set(
+        SUPPORTED_ARCHITECTURES.values()
+    ):
         return None
     metadata = source.metadata
 

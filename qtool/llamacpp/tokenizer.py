@@ -32,7 +32,8 @@ import logging
 import os
 import stat
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from qtool.errors import CheckpointError, UsageError
 from qtool.formats.regular_files import NotReadable, read_regular
@@ -71,30 +72,53 @@ def refuse_or_note(allow_incomplete: bool, notes: list[str], message: str, hint:
     """Refuse what llama.cpp could not run (a UsageError naming the allowing parameter), or,
     when an incomplete GGUF is allowed, note it as a warning and go on."""
     if not allow_incomplete:
-        raise UsageError(message, hint=f"{hint}, or allow an incomplete GGUF that no runtime may load", option="allow_incomplete_gguf")
+        raise UsageError(
+            message,
+            hint=f"{hint}, or allow an incomplete GGUF that no runtime may load",
+            option="allow_incomplete_gguf",
+        )
     notes.append(f"writing an incomplete GGUF: {message}")
 
 
-def tokenizer_entries(folder: str, arch: str, vocab_size: int | None, allow_incomplete: bool, notes: list[str]) -> list[tuple[str, Any, str]]:
+def tokenizer_entries(
+    folder: str, arch: str, vocab_size: int | None, allow_incomplete: bool, notes: list[str]
+) -> list[tuple[str, Any, str]]:
     """The `tokenizer.ggml.*` keys (and the chat template) of the model in `folder`, padded to
     `vocab_size` tokens, as (key, value, GGUFValueType name)."""
     with _staged(folder) as staged:
         present = set(os.listdir(staged))
         if not present & {"tokenizer.json", "tokenizer.model"}:
-            refuse_or_note(allow_incomplete, notes, f"{folder} has no tokenizer.json or tokenizer.model, and llama.cpp cannot run a GGUF without a tokenizer", "put the model's tokenizer files beside it")
+            refuse_or_note(
+                allow_incomplete,
+                notes,
+                f"{folder} has no tokenizer.json or tokenizer.model, and llama.cpp cannot run a GGUF without a tokenizer",
+                "put the model's tokenizer files beside it",
+            )
             return []
         with _gguf_warnings(notes), _as_checkpoint_error(folder, staged):
             return _vocab_entries(staged, present, arch, vocab_size, allow_incomplete, notes, folder)
 
 
-def _vocab_entries(staged: Path, present: set[str], arch: str, vocab_size: int | None, allow_incomplete: bool, notes: list[str], folder: str) -> list[tuple[str, Any, str]]:
+def _vocab_entries(
+    staged: Path,
+    present: set[str],
+    arch: str,
+    vocab_size: int | None,
+    allow_incomplete: bool,
+    notes: list[str],
+    folder: str,
+) -> list[tuple[str, Any, str]]:
     import gguf
 
     writer = gguf.GGUFWriter(None, arch)  # a recorder: its key setters fill kv_data, nothing is written
     if "tokenizer.model" in present and _has_sentencepiece():
         _sentencepiece(writer, staged, vocab_size)
     elif "tokenizer.json" not in present:
-        raise CheckpointError("has only tokenizer.model, and reading it needs the sentencepiece package", path=folder, hint="pip install sentencepiece")
+        raise CheckpointError(
+            "has only tokenizer.model, and reading it needs the sentencepiece package",
+            path=folder,
+            hint="pip install sentencepiece",
+        )
     else:
         document = _json_object(staged / "tokenizer.json")
         model = document.get("model")
@@ -112,8 +136,14 @@ def _vocab_entries(staged: Path, present: set[str], arch: str, vocab_size: int |
         elif kind == "BPE" and not model.get("byte_fallback"):
             _gpt2(writer, staged, vocab_size, allow_incomplete, notes, folder)
         else:
-            what = f"a {kind[:40]} tokenizer" if isinstance(kind, str) else "not a tokenizer qtool knows (no model type)"
-            raise CheckpointError(f"its tokenizer.json is {what}, which qtool does not write into a {arch} GGUF", path=folder, hint="llama.cpp's convert_hf_to_gguf.py may convert it")
+            what = (
+                f"a {kind[:40]} tokenizer" if isinstance(kind, str) else "not a tokenizer qtool knows (no model type)"
+            )
+            raise CheckpointError(
+                f"its tokenizer.json is {what}, which qtool does not write into a {arch} GGUF",
+                path=folder,
+                hint="llama.cpp's convert_hf_to_gguf.py may convert it",
+            )
     config_file = staged / "tokenizer_config.json"
     if config_file.is_file():
         prefix = _json_object(config_file).get("add_prefix_space")
@@ -148,7 +178,9 @@ def _byte_level(document: dict[str, Any]) -> bool:
         if not isinstance(part, dict):
             continue
         members = (part.get("pretokenizers") or part.get("decoders")) if part.get("type") == "Sequence" else [part]
-        if isinstance(members, list) and any(isinstance(m, dict) and m.get("type") == "ByteLevel" for m in members[:64]):
+        if isinstance(members, list) and any(
+            isinstance(m, dict) and m.get("type") == "ByteLevel" for m in members[:64]
+        ):
             return True
     return False
 
@@ -254,16 +286,26 @@ def llama_hf_tokens(folder: Path) -> tuple[list[bytes], list[float], list[int]]:
         if not isinstance(index, int) or not isinstance(content, str):
             raise ValueError("tokenizer.json's added_tokens hold a token without an integer id and a text")
         added[index] = (content, bool(entry.get("special")))
-    special_ids = {index for index, (_, special) in added.items() if special} | _configured_special_ids(folder, vocab, added)
+    special_ids = {index for index, (_, special) in added.items() if special} | _configured_special_ids(
+        folder, vocab, added
+    )
     extra = sorted(index for index in added if index >= base)
     if extra != list(range(base, base + len(extra))):
-        raise ValueError(f"tokenizer.json's added tokens beyond the {base} base tokens are not numbered from {base} on, each once")
+        raise ValueError(
+            f"tokenizer.json's added tokens beyond the {base} base tokens are not numbered from {base} on, each once"
+        )
     byte_token = re.compile(r"<0x[0-9A-Fa-f]{2}>")
     tokens, types = [], []
     for index in range(base):
         text = by_id[index]
         tokens.append(text.encode("utf-8"))
-        kind = gguf.TokenType.BYTE if byte_token.fullmatch(text) else gguf.TokenType.CONTROL if index in special_ids else gguf.TokenType.NORMAL
+        kind = (
+            gguf.TokenType.BYTE
+            if byte_token.fullmatch(text)
+            else gguf.TokenType.CONTROL
+            if index in special_ids
+            else gguf.TokenType.NORMAL
+        )
         types.append(int(kind))
     for index in extra:
         text, _ = added[index]
@@ -400,9 +442,15 @@ def _as_checkpoint_error(folder: str, staged: Path) -> Iterator[None]:
         yield
     except (CheckpointError, UsageError):
         raise
-    except Exception as exc:  # noqa: BLE001 - gguf-py and transformers raise anything on bad files
-        detail = f"no entry {exc}" if isinstance(exc, KeyError) else excerpt(" ".join(str(exc).replace(str(staged), folder).split())) or type(exc).__name__
-        raise CheckpointError(f"cannot read its tokenizer: {detail}", path=folder, hint="fix or replace the tokenizer files") from None
+    except Exception as exc:
+        detail = (
+            f"no entry {exc}"
+            if isinstance(exc, KeyError)
+            else excerpt(" ".join(str(exc).replace(str(staged), folder).split())) or type(exc).__name__
+        )
+        raise CheckpointError(
+            f"cannot read its tokenizer: {detail}", path=folder, hint="fix or replace the tokenizer files"
+        ) from None
 
 
 @contextlib.contextmanager

@@ -44,7 +44,22 @@ from qtool.dtypes import storage_dtype
 from qtool.error_measures import ErrorStats
 from qtool.errors import KernelError
 
-__all__ = ["available", "gptq_sweep", "encode_int", "decode_int", "decode_gguf", "gguf_types", "encode_gguf", "transcode_gguf", "can_transcode", "gguf_encode_types", "EncodedBlocks", "set_threads", "threads", "sum_squares"]
+__all__ = [
+    "available",
+    "gptq_sweep",
+    "encode_int",
+    "decode_int",
+    "decode_gguf",
+    "gguf_types",
+    "encode_gguf",
+    "transcode_gguf",
+    "can_transcode",
+    "gguf_encode_types",
+    "EncodedBlocks",
+    "set_threads",
+    "threads",
+    "sum_squares",
+]
 
 try:
     from qtool.native import _kernels
@@ -117,7 +132,9 @@ def _memory(tensor):
     import ctypes
 
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        raise KernelError(f"native kernels need contiguous CPU tensors, got {tensor.device.type} {'contiguous' if tensor.is_contiguous() else 'strided'}")
+        raise KernelError(
+            f"native kernels need contiguous CPU tensors, got {tensor.device.type} {'contiguous' if tensor.is_contiguous() else 'strided'}"
+        )
     return (ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr())
 
 
@@ -130,17 +147,45 @@ def gptq_sweep(w, u, scale, zero_point, gidx, bits: int, codes, errors, col0: in
     import torch
 
     rows, b = w.shape
-    for name, tensor, dtype in (("w", w, torch.float32), ("u", u, torch.float32), ("scale", scale, torch.float32), ("gidx", gidx, torch.int32), ("codes", codes, torch.int8), ("errors", errors, torch.float32)):
+    for name, tensor, dtype in (
+        ("w", w, torch.float32),
+        ("u", u, torch.float32),
+        ("scale", scale, torch.float32),
+        ("gidx", gidx, torch.int32),
+        ("codes", codes, torch.int8),
+        ("errors", errors, torch.float32),
+    ):
         if tensor.dtype != dtype:
             raise KernelError(f"gptq_sweep: {name} is {tensor.dtype}, not {dtype}")
     if zero_point is not None and zero_point.dtype != torch.float32:
         raise KernelError(f"gptq_sweep: zero_point is {zero_point.dtype}, not torch.float32")
-    if tuple(u.shape) != (b, b) or scale.shape[0] != rows or tuple(codes.shape) != (rows, b) or tuple(errors.shape) != (rows, b) or gidx.numel() != b:
-        raise KernelError(f"gptq_sweep: shapes disagree: w {list(w.shape)}, u {list(u.shape)}, scale {list(scale.shape)}, codes {list(codes.shape)}, errors {list(errors.shape)}, gidx {gidx.numel()}")
+    if (
+        tuple(u.shape) != (b, b)
+        or scale.shape[0] != rows
+        or tuple(codes.shape) != (rows, b)
+        or tuple(errors.shape) != (rows, b)
+        or gidx.numel() != b
+    ):
+        raise KernelError(
+            f"gptq_sweep: shapes disagree: w {list(w.shape)}, u {list(u.shape)}, scale {list(scale.shape)}, codes {list(codes.shape)}, errors {list(errors.shape)}, gidx {gidx.numel()}"
+        )
     if zero_point is not None and zero_point.shape != scale.shape:
         raise KernelError(f"gptq_sweep: zero_point {list(zero_point.shape)} and scale {list(scale.shape)} disagree")
     zp = None if zero_point is None else _memory(zero_point)
-    buffers = (_memory(w), _memory(u), b, _memory(scale), zp, _memory(gidx), scale.shape[1], bits, _memory(codes), _memory(errors), col0, col1)
+    buffers = (
+        _memory(w),
+        _memory(u),
+        b,
+        _memory(scale),
+        zp,
+        _memory(gidx),
+        scale.shape[1],
+        bits,
+        _memory(codes),
+        _memory(errors),
+        col0,
+        col1,
+    )
     _run(_kernels.gptq_sweep, _split(rows), *buffers)
 
 
@@ -152,7 +197,9 @@ class Encoded:
     errors: ErrorStats | None  # None when the rows hold inf or NaN: use torch for this weight
 
 
-def encode_int(src, dtype: str, rows: int, cols: int, group: int, bits: int, symmetric: bool = True, observer: str = "minmax") -> Encoded:
+def encode_int(
+    src, dtype: str, rows: int, cols: int, group: int, bits: int, symmetric: bool = True, observer: str = "minmax"
+) -> Encoded:
     """Quantize `rows` rows of `cols` values (row-major `dtype` bytes in `src`); `observer`
     "minmax" or "mse" (qtool.kernels.mse's search, in the same pass)."""
     if observer not in ("minmax", "mse"):
@@ -170,15 +217,43 @@ def encode_int(src, dtype: str, rows: int, cols: int, group: int, bits: int, sym
         packed_zero_point = allocate(-(-rows * bits // 32) * groups * 4)
         _kernels.pack_zero_points(zero_point, rows, groups, bits, packed_zero_point)
     xx, xe, ee = (sum(part[i] for part in parts) for i in range(3))
-    errors = ErrorStats(signal=xx, noise=ee, recon=xx - 2 * xe + ee, dot=xx - xe, max_abs=max(part[3] for part in parts), count=rows * cols)
+    errors = ErrorStats(
+        signal=xx,
+        noise=ee,
+        recon=xx - 2 * xe + ee,
+        dot=xx - xe,
+        max_abs=max(part[3] for part in parts),
+        count=rows * cols,
+    )
     return Encoded(packed, scale, packed_zero_point, errors)
 
 
-def decode_int(packed, scale, zero_point, scale_dtype: str, logical_dtype: str, out_dtype: str, rows: int, cols: int, group: int, bits: int) -> memoryview:
+def decode_int(
+    packed,
+    scale,
+    zero_point,
+    scale_dtype: str,
+    logical_dtype: str,
+    out_dtype: str,
+    rows: int,
+    cols: int,
+    group: int,
+    bits: int,
+) -> memoryview:
     """out_dtype(logical_dtype((q - zp) * scale)) for every value of an `encode_int` layout;
     `zero_point` None for symmetric codes."""
     out = allocate(rows * cols * (storage_dtype(out_dtype).bits // 8))
-    codes = (DTYPE_CODES[scale_dtype], zero_point, DTYPE_CODES[logical_dtype], out, DTYPE_CODES[out_dtype], cols, group, bits, rows)
+    codes = (
+        DTYPE_CODES[scale_dtype],
+        zero_point,
+        DTYPE_CODES[logical_dtype],
+        out,
+        DTYPE_CODES[out_dtype],
+        cols,
+        group,
+        bits,
+        rows,
+    )
     _run(_kernels.decode_int, _split(rows), packed, scale, *codes)
     return out
 
@@ -242,16 +317,22 @@ def encode_gguf(type_name: str, src, dtype: str, rows: int, cols: int, importanc
     if dtype not in DTYPE_CODES:
         raise KernelError(f"encode_gguf: dtype {dtype!r} is not one of {' '.join(DTYPE_CODES)}")
     if rows < 0 or cols < 0 or cols % block_size:
-        raise KernelError(f"encode_gguf: {rows} rows of {cols} values; cols must be a multiple of {block_size} for {type_name}")
+        raise KernelError(
+            f"encode_gguf: {rows} rows of {cols} values; cols must be a multiple of {block_size} for {type_name}"
+        )
     need = rows * cols * (storage_dtype(dtype).bits // 8)
     have = memoryview(src).nbytes
     if have < need:
         raise KernelError(f"encode_gguf src holds {have} bytes, needs {need}")
     if importance is not None and memoryview(importance).nbytes != 4 * cols:
-        raise KernelError(f"encode_gguf: importance holds {memoryview(importance).nbytes} bytes, needs {4 * cols} (one float32 per column)")
+        raise KernelError(
+            f"encode_gguf: importance holds {memoryview(importance).nbytes} bytes, needs {4 * cols} (one float32 per column)"
+        )
     data = _filled(rows * (cols // block_size) * type_size)  # whole when finite; else not used
     kernel = _kernels.encode_gguf if importance is None else (lambda *args: _kernels.encode_gguf(*args, importance))
-    return _encoded_blocks(data, rows, cols, _kernel_run(kernel, _split(rows), type_name, src, DTYPE_CODES[dtype], cols, data))
+    return _encoded_blocks(
+        data, rows, cols, _kernel_run(kernel, _split(rows), type_name, src, DTYPE_CODES[dtype], cols, data)
+    )
 
 
 def transcode_gguf(type_name: str, src_type: str, src, rows: int, cols: int, importance=None) -> EncodedBlocks:
@@ -266,15 +347,21 @@ def transcode_gguf(type_name: str, src_type: str, src, rows: int, cols: int, imp
         raise KernelError(f"no native GGUF transcoder from {src_type!r} to {type_name!r}")
     block_size, type_size = sizes
     if rows < 0 or cols < 0 or cols % block_size or cols % source[0]:
-        raise KernelError(f"transcode_gguf: {rows} rows of {cols} values; cols must be a multiple of {block_size} for {type_name} and of {source[0]} for {src_type}")
+        raise KernelError(
+            f"transcode_gguf: {rows} rows of {cols} values; cols must be a multiple of {block_size} for {type_name} and of {source[0]} for {src_type}"
+        )
     need = rows * (cols // source[0]) * source[1]
     have = memoryview(src).nbytes
     if have < need:
         raise KernelError(f"transcode_gguf src holds {have} bytes, needs {need}")
     if importance is not None and memoryview(importance).nbytes != 4 * cols:
-        raise KernelError(f"transcode_gguf: importance holds {memoryview(importance).nbytes} bytes, needs {4 * cols} (one float32 per column)")
+        raise KernelError(
+            f"transcode_gguf: importance holds {memoryview(importance).nbytes} bytes, needs {4 * cols} (one float32 per column)"
+        )
     data = _filled(rows * (cols // block_size) * type_size)  # whole when finite; else not used
-    kernel = _kernels.transcode_gguf if importance is None else (lambda *args: _kernels.transcode_gguf(*args, importance))
+    kernel = (
+        _kernels.transcode_gguf if importance is None else (lambda *args: _kernels.transcode_gguf(*args, importance))
+    )
     return _encoded_blocks(data, rows, cols, _kernel_run(kernel, _split(rows), type_name, src_type, src, cols, data))
 
 

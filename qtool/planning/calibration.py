@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
 from qtool.errors import UsageError
 from qtool.plan import QUANTIZE, Calibrated, Plan
@@ -27,7 +28,7 @@ def prepare(plan: Plan, calibration: Calibration) -> Plan:
     """The plan with its calibration stage (a new value); the plan as it is when there is none
     to run (an importance-matrix file is weighed in planning, by the GGUF layout)."""
     if isinstance(calibration, ImatrixText):
-        stage: "CalibrationRequest | ImatrixRequest" = _imatrix_request(plan, calibration)
+        stage: CalibrationRequest | ImatrixRequest = _imatrix_request(plan, calibration)
     elif isinstance(calibration, (Gptq, Awq, Rtn)):
         stage = _calibration_request(plan, calibration)
         if stage.actorder is not None:
@@ -52,7 +53,7 @@ def run(plan: Plan, device: str, threads: int | None, on_layer: Callable[[Any, i
         return request.apply(plan, stage, device, on_layer)
 
 
-def _imatrix_request(plan: Plan, calibration: ImatrixText) -> "ImatrixRequest":
+def _imatrix_request(plan: Plan, calibration: ImatrixText) -> ImatrixRequest:
     from qtool.calibration.imatrix import ImatrixRequest, chunk_tokens
 
     require_float_model(plan.source, [job.weight for job in plan.jobs])
@@ -61,14 +62,16 @@ def _imatrix_request(plan: Plan, calibration: ImatrixText) -> "ImatrixRequest":
     return ImatrixRequest(calibration.text, tokens, readied.notes, calibration.mix, readied.skeleton)
 
 
-def _calibration_request(plan: Plan, calibration: Gptq | Awq | Rtn) -> "CalibrationRequest":
+def _calibration_request(plan: Plan, calibration: Gptq | Awq | Rtn) -> CalibrationRequest:
     from qtool.calibration.request import CalibrationRequest
     from qtool.calibration.runner import check_scheme
     from qtool.calibration.samples import SampleOptions, draw_samples
 
     require_float_model(plan.source, [job.weight for job in plan.jobs])
     if plan.layout.name != "compressed-tensors":
-        raise UsageError(f"calibrated quantization writes compressed-tensors, not {plan.layout.name}", option="calibrate")
+        raise UsageError(
+            f"calibrated quantization writes compressed-tensors, not {plan.layout.name}", option="calibrate"
+        )
     samples = SampleOptions(calibration.samples, calibration.seq_len, calibration.seed)
     samples.check()
     if isinstance(calibration, (Gptq, Awq)):
@@ -79,7 +82,16 @@ def _calibration_request(plan: Plan, calibration: Gptq | Awq | Rtn) -> "Calibrat
     tokens = draw_samples(readied.text, readied.tokenizer, samples, calibration.text)
     actorder = calibration.actorder if isinstance(calibration, Gptq) else None
     true_sequential = calibration.true_sequential if isinstance(calibration, Gptq) else False
-    return CalibrationRequest(calibration.text, calibration.algorithm, tokens, calibration.seed, actorder, true_sequential, readied.notes, readied.skeleton)
+    return CalibrationRequest(
+        calibration.text,
+        calibration.algorithm,
+        tokens,
+        calibration.seed,
+        actorder,
+        true_sequential,
+        readied.notes,
+        readied.skeleton,
+    )
 
 
 def _with_actorder(config: dict[str, Any] | None, actorder: str) -> dict[str, Any] | None:

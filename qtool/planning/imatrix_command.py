@@ -6,7 +6,8 @@ layers (`qtool.calibration.imatrix`) and staged atomically."""
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from qtool.errors import UsageError
 from qtool.formats import open_checkpoint
@@ -40,7 +41,11 @@ def compute_imatrix(
     from qtool.pipeline import kernel_threads, resolve_device
 
     if not output.endswith(".gguf"):
-        raise UsageError(f"{output}: an importance matrix is written as GGUF and its name should end in .gguf", hint="e.g. imatrix.gguf", option="output")
+        raise UsageError(
+            f"{output}: an importance matrix is written as GGUF and its name should end in .gguf",
+            hint="e.g. imatrix.gguf",
+            option="output",
+        )
     if threads is not None and threads < 1:
         raise UsageError(f"threads {threads} must be at least 1", option="threads")
     refuse_remote_data(path)
@@ -49,10 +54,16 @@ def compute_imatrix(
         checkpoint.require_local()
         require_float_model(checkpoint, [], shown=os.fspath(path), imatrix_command=True)
         check_paths(checkpoint, output, None, container="gguf")
-        if os.path.realpath(output) == os.path.realpath(text) or os.path.realpath(text).startswith(os.path.realpath(output) + os.sep):
+        if os.path.realpath(output) == os.path.realpath(text) or os.path.realpath(text).startswith(
+            os.path.realpath(output) + os.sep
+        ):
             raise UsageError(f"output {output} is the calibration text", hint="write to a new path")
         if os.path.lexists(output) and not overwrite:
-            raise UsageError(f"output {output} already exists", hint="allow overwriting to replace it, or choose another path", option="overwrite")
+            raise UsageError(
+                f"output {output} already exists",
+                hint="allow overwriting to replace it, or choose another path",
+                option="overwrite",
+            )
         names = tensor_names(checkpoint, allow_incomplete_gguf)
         weights = inspect_checkpoint(checkpoint).weights
         require_float_model(checkpoint, weights, shown=os.fspath(path), imatrix_command=True)
@@ -62,10 +73,27 @@ def compute_imatrix(
         if on_start is not None:
             on_start(int(tokens.shape[0]), int(tokens.shape[1]), readied.layers)
         with kernel_threads(threads), collected(said, "calibration: "):
-            stats = collect_imatrix(checkpoint, weights, names.tensor_name, tokens, resolve_device(device), on_layer, skeleton=readied.skeleton)
+            stats = collect_imatrix(
+                checkpoint,
+                weights,
+                names.tensor_name,
+                tokens,
+                resolve_device(device),
+                on_layer,
+                skeleton=readied.skeleton,
+            )
     finally:
         checkpoint.close()
-    staged = stage_file(output, imatrix_gguf_bytes(statistics_entries(stats), [text], stats.chunks, stats.chunk_size), overwrite=overwrite)
+    staged = stage_file(
+        output,
+        imatrix_gguf_bytes(statistics_entries(stats), [text], stats.chunks, stats.chunk_size),
+        overwrite=overwrite,
+    )
     staged.commit()
     document = as_imatrix(stats, output, text).to_json()
-    return {**document, "text": text, "seconds": round(stats.seconds, 3), "layers": [layer.to_json() for layer in stats.layers]} | ({"warnings": said} if said else {})
+    return {
+        **document,
+        "text": text,
+        "seconds": round(stats.seconds, 3),
+        "layers": [layer.to_json() for layer in stats.layers],
+    } | ({"warnings": said} if said else {})

@@ -32,10 +32,14 @@ def check_paths(checkpoint: Checkpoint, output: str, report: str | None, *, cont
     def clash(path: str, what: str) -> None:
         real = os.path.realpath(path)
         if real in inputs:
-            raise UsageError(f"{what} {path} is the input {real}", hint="write to a new path; qtool never modifies its input")
+            raise UsageError(
+                f"{what} {path} is the input {real}", hint="write to a new path; qtool never modifies its input"
+            )
         for source in inputs:
             if real.startswith(source.rstrip(os.sep) + os.sep):
-                raise UsageError(f"{what} {path} lies inside the input {source}", hint="write beside the input, not into it")
+                raise UsageError(
+                    f"{what} {path} lies inside the input {source}", hint="write beside the input, not into it"
+                )
 
     for path, what in ((output, "output"), (report, "report")):
         if path is not None and not path.strip():
@@ -44,19 +48,26 @@ def check_paths(checkpoint: Checkpoint, output: str, report: str | None, *, cont
     real_out = os.path.realpath(output)
     for source in inputs:  # an --overwrite of a folder holding the input would replace the input
         if source.startswith(real_out.rstrip(os.sep) + os.sep):
-            raise UsageError(f"output {output} holds the input {source}", hint="write to a new path; qtool never modifies its input")
+            raise UsageError(
+                f"output {output} holds the input {source}", hint="write to a new path; qtool never modifies its input"
+            )
     single_file = output.endswith((".safetensors", ".gguf"))
     if container == "gguf" and not output.endswith(".gguf"):
         raise UsageError(f"a GGUF output is one file: {output} should end in .gguf", hint="e.g. model-q4_0.gguf")
     if container != "gguf" and output.endswith(".gguf"):
-        raise UsageError(f"{output} ends in .gguf, but this writes {container}", hint="name a folder or a .safetensors file, or quantize to a GGUF scheme (q8_0, q4_0, ...)")
+        raise UsageError(
+            f"{output} ends in .gguf, but this writes {container}",
+            hint="name a folder or a .safetensors file, or quantize to a GGUF scheme (q8_0, q4_0, ...)",
+        )
     if not single_file:  # only a folder output gets config.json copied into it
         refuse_linked_config(checkpoint)
     if report is not None:
         clash(report, "report")
         real_out, real_report = os.path.realpath(output), os.path.realpath(report)
         if real_report == real_out or real_report.startswith(real_out + os.sep):
-            raise UsageError(f"report {report} would be inside the output {output}", hint="write the report beside the output")
+            raise UsageError(
+                f"report {report} would be inside the output {output}", hint="write the report beside the output"
+            )
     return single_file
 
 
@@ -67,7 +78,10 @@ def refuse_linked_config(checkpoint: Checkpoint) -> None:
 
     for file in {os.path.join(os.path.dirname(f), "config.json") for f in checkpoint.files}:
         if linked_out(file):
-            raise UsageError(f"{file} links out of the model folder, to {os.path.realpath(file)}", hint="copy the real config.json into the model folder; qtool will not publish a linked one")
+            raise UsageError(
+                f"{file} links out of the model folder, to {os.path.realpath(file)}",
+                hint="copy the real config.json into the model folder; qtool will not publish a linked one",
+            )
 
 
 def side_file_warnings(checkpoint: Checkpoint, single_file: bool) -> list[str]:
@@ -76,5 +90,7 @@ def side_file_warnings(checkpoint: Checkpoint, single_file: bool) -> list[str]:
 
     if single_file:
         return list(checkpoint.notes)
-    return [*checkpoint.notes] + [f"{name} is not copied: it links out of the model folder, is not a regular file, or is too large" for name in skipped_links(checkpoint)]
-
+    return [*checkpoint.notes] + [
+        f"{name} is not copied: it links out of the model folder, is not a regular file, or is too large"
+        for name in skipped_links(checkpoint)
+    ]

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 from qtool.errors import UsageError
 from qtool.formats import Checkpoint
@@ -26,10 +27,10 @@ class Readied:
     """The text read (its files checked) and the tokenizer loaded, with what transformers said
     while the model and tokenizer were read (the run's warnings)."""
 
-    text: "CalibrationText"
+    text: CalibrationText
     tokenizer: object
     notes: tuple[str, ...]
-    skeleton: "Skeleton"  # built once, here, and handed to the run (`calibrate(skeleton=)`)
+    skeleton: Skeleton  # built once, here, and handed to the run (`calibrate(skeleton=)`)
 
     @property
     def layers(self) -> int:
@@ -37,13 +38,22 @@ class Readied:
         return len(self.skeleton.layers)
 
 
-def require_float_model(source: Checkpoint, weights: Sequence["Weight"], *, shown: str | None = None, imatrix_command: bool = False) -> None:
+def require_float_model(
+    source: Checkpoint, weights: Sequence[Weight], *, shown: str | None = None, imatrix_command: bool = False
+) -> None:
     """A Hugging Face model folder (safetensors) of float weights, or a one-line refusal naming
     `shown` (the path as given; the checkpoint's own path by default)."""
     shown = source.path if shown is None else shown
-    reads, needs, option = ("the importance matrix is computed from", "the importance matrix needs", "path") if imatrix_command else ("calibration reads", "calibration needs", "calibrate")
+    reads, needs, option = (
+        ("the importance matrix is computed from", "the importance matrix needs", "path")
+        if imatrix_command
+        else ("calibration reads", "calibration needs", "calibrate")
+    )
     if source.format != "safetensors":
-        raise UsageError(f"{shown} is a {source.format} checkpoint; {reads} a Hugging Face model folder (safetensors, config.json, tokenizer)", option=option)
+        raise UsageError(
+            f"{shown} is a {source.format} checkpoint; {reads} a Hugging Face model folder (safetensors, config.json, tokenizer)",
+            option=option,
+        )
     quantized = [weight.name for weight in weights if weight.quantized]
     if quantized:
         raise UsageError(f"{shown} is already quantized ({quantized[0]}); {needs} float weights", option=option)

@@ -62,9 +62,13 @@ def _plan(checkpoint: Checkpoint, request: QuantizeRequest) -> Plan:
                 hint="allow requantizing to dequantize it first and quantize again (errors compound)",
                 option="allow_requantize",
             )
-        warnings.append(f"requantizing {len(quantized)} already-quantized weights: they are dequantized first, and errors compound")
+        warnings.append(
+            f"requantizing {len(quantized)} already-quantized weights: they are dequantized first, and errors compound"
+        )
     has_imatrix = isinstance(calibration, (ImatrixFile, ImatrixText))
-    chosen = request.selection.choose(checkpoint, weights, allow_incomplete_gguf=request.allow_incomplete_gguf, has_imatrix=has_imatrix)
+    chosen = request.selection.choose(
+        checkpoint, weights, allow_incomplete_gguf=request.allow_incomplete_gguf, has_imatrix=has_imatrix
+    )
     if not chosen.schemes and chosen.mix is None:
         raise UsageError(
             f"no weight of {path} matches the selection",
@@ -72,7 +76,10 @@ def _plan(checkpoint: Checkpoint, request: QuantizeRequest) -> Plan:
             option="include",
         )
     if chosen.mix is not None and not request.to_gguf:
-        raise SchemeError(f"{chosen.mix} is a llama.cpp file type, which only the gguf layout writes", hint="write a .gguf file, or name one scheme for another layout")
+        raise SchemeError(
+            f"{chosen.mix} is a llama.cpp file type, which only the gguf layout writes",
+            hint="write a .gguf file, or name one scheme for another layout",
+        )
     layout = choose_layout(chosen.distinct, request.layout)
     if importance is not None and layout.container != "gguf":
         raise UsageError(
@@ -82,7 +89,10 @@ def _plan(checkpoint: Checkpoint, request: QuantizeRequest) -> Plan:
         )
     single_file = check_paths(checkpoint, output, request.report, container=layout.container)
     if importance is not None and os.path.realpath(output) == os.path.realpath(importance.path):
-        raise UsageError(f"output {output} is the importance matrix {importance.path}", hint="write to a new path; qtool never modifies its input")
+        raise UsageError(
+            f"output {output} is the importance matrix {importance.path}",
+            hint="write to a new path; qtool never modifies its input",
+        )
     if request.max_shard_size and layout.container == "gguf":
         raise UsageError("a GGUF output is one file and is not split into shards", option="max_shard_size")
     options = PlanOptions(
@@ -113,7 +123,9 @@ def plan_dequantize(path: str | os.PathLike[str], output: str, dtype: str | None
         checkpoint.require_local()
         single_file = check_paths(checkpoint, output, None, container="safetensors")
         weights = inspect_checkpoint(checkpoint).weights
-        warnings = [] if any(w.quantized for w in weights) else [f"{path} has no quantized weights; the output is a copy"]
+        warnings = (
+            [] if any(w.quantized for w in weights) else [f"{path} has no quantized weights; the output is a copy"]
+        )
         options = PlanOptions(
             single_file=single_file,
             out_dtype=parse_dtype(dtype),
@@ -125,4 +137,9 @@ def plan_dequantize(path: str | os.PathLike[str], output: str, dtype: str | None
     except BaseException:
         checkpoint.close()
         raise
-    return replace(plan, output=output, single_file=single_file, warnings=tuple(warnings + side_file_warnings(checkpoint, single_file)))
+    return replace(
+        plan,
+        output=output,
+        single_file=single_file,
+        warnings=tuple(warnings + side_file_warnings(checkpoint, single_file)),
+    )

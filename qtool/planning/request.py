@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence, Union
+from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 from qtool.calibration.algorithms import ALGORITHMS, check_algorithm
 from qtool.errors import UsageError
@@ -25,7 +26,17 @@ from qtool.errors import UsageError
 if TYPE_CHECKING:
     from qtool.selection import Selection
 
-__all__ = ["Gptq", "Awq", "Rtn", "ImatrixText", "ImatrixFile", "Calibration", "QuantizeRequest", "ALGORITHMS", "resolve_actorder"]
+__all__ = [
+    "Gptq",
+    "Awq",
+    "Rtn",
+    "ImatrixText",
+    "ImatrixFile",
+    "Calibration",
+    "QuantizeRequest",
+    "ALGORITHMS",
+    "resolve_actorder",
+]
 
 DEFAULT_ACTORDER = "static"  # llm-compressor 0.14's GPTQModifier writes this unless told otherwise
 NO_ACTORDER = "none"  # the columns in their stored order
@@ -75,8 +86,8 @@ class ImatrixFile:
     mix: str | None
 
 
-Calibration = Union[Gptq, Awq, Rtn, ImatrixText, ImatrixFile, None]
-TextCalibration = Union[Gptq, Awq, Rtn]
+Calibration = Gptq | Awq | Rtn | ImatrixText | ImatrixFile | None
+TextCalibration = Gptq | Awq | Rtn
 
 
 @dataclass(frozen=True)
@@ -85,8 +96,10 @@ class QuantizeRequest:
 
     path: str | os.PathLike[str]
     output: str
-    selection: "Selection"
-    layout: str | None  # the layout asked for: "gguf" for a .gguf output or a mix, else as given ("auto": the first that stores every scheme)
+    selection: Selection
+    layout: (
+        str | None
+    )  # the layout asked for: "gguf" for a .gguf output or a mix, else as given ("auto": the first that stores every scheme)
     calibration: Calibration = None
     dtype: str | None = None
     max_shard_size: str | None = None
@@ -126,41 +139,69 @@ class QuantizeRequest:
         actorder: str | None = None,
         true_sequential: bool = False,
         imatrix: str | os.PathLike[str] | None = None,
-    ) -> "QuantizeRequest":
+    ) -> QuantizeRequest:
         from qtool.selection import Selection
 
         if calibrate is None and algorithm is not None:
-            raise UsageError("an algorithm needs calibration text", hint="give the text to calibrate on", option="algorithm")
+            raise UsageError(
+                "an algorithm needs calibration text", hint="give the text to calibrate on", option="algorithm"
+            )
         if calibrate is None and actorder is not None:
-            raise UsageError("an activation order needs calibration text (it orders GPTQ's columns)", hint="give the text to calibrate on", option="actorder")
+            raise UsageError(
+                "an activation order needs calibration text (it orders GPTQ's columns)",
+                hint="give the text to calibrate on",
+                option="actorder",
+            )
         if calibrate is None and true_sequential:
-            raise UsageError("true sequential GPTQ needs calibration text", hint="give the text to calibrate on", option="true_sequential")
-        selection = Selection.from_options(scheme, list(include), list(ignore), list(tensor_schemes), pure=pure, observer=observer)
+            raise UsageError(
+                "true sequential GPTQ needs calibration text",
+                hint="give the text to calibrate on",
+                option="true_sequential",
+            )
+        selection = Selection.from_options(
+            scheme, list(include), list(ignore), list(tensor_schemes), pure=pure, observer=observer
+        )
         output = os.fspath(output)
         mix = selection.mix.name if selection.mix is not None else None
         asked = "gguf" if layout in (None, "auto") and (output.endswith(".gguf") or mix is not None) else layout
         calibration: Calibration = None
         if calibrate is not None and imatrix is not None:
-            raise UsageError("give either an importance matrix or calibration text, not both", hint="--calibrate computes the importance matrix --imatrix would read", option="imatrix")
+            raise UsageError(
+                "give either an importance matrix or calibration text, not both",
+                hint="--calibrate computes the importance matrix --imatrix would read",
+                option="imatrix",
+            )
         if imatrix is not None:
             calibration = ImatrixFile(os.fspath(imatrix), mix)
         elif calibrate is not None and asked == "gguf":
             if algorithm not in (None, "imatrix"):
-                raise UsageError(f"algorithm {algorithm!r}: a calibrated GGUF is weighed by llama.cpp's importance matrix", hint="drop the algorithm, or write compressed-tensors for gptq", option="algorithm")
+                raise UsageError(
+                    f"algorithm {algorithm!r}: a calibrated GGUF is weighed by llama.cpp's importance matrix",
+                    hint="drop the algorithm, or write compressed-tensors for gptq",
+                    option="algorithm",
+                )
             calibration = ImatrixText(os.fspath(calibrate), samples, seq_len, mix)
         elif calibrate is not None:
-            calibration = _text_calibration(os.fspath(calibrate), algorithm or "gptq", samples, seq_len, seed, actorder, true_sequential)
+            calibration = _text_calibration(
+                os.fspath(calibrate), algorithm or "gptq", samples, seq_len, seed, actorder, true_sequential
+            )
         return cls(
             path, output, selection, asked, calibration, dtype, max_shard_size, allow_requantize,
             os.fspath(report) if report is not None else None, os.fspath(html) if html is not None else None, allow_incomplete_gguf,
         )  # fmt: skip
 
 
-def _text_calibration(text: str, algorithm: str, samples: int, seq_len: int, seed: int, actorder: str | None, true_sequential: bool) -> TextCalibration:
+def _text_calibration(
+    text: str, algorithm: str, samples: int, seq_len: int, seed: int, actorder: str | None, true_sequential: bool
+) -> TextCalibration:
     check_algorithm(algorithm)  # the steps' table, `qtool.calibration.algorithms`: one list of names
     order = resolve_actorder(actorder, algorithm)
     if true_sequential and algorithm != "gptq":
-        raise UsageError(f"true sequential orders GPTQ's Linears; {algorithm} quantizes each layer from its float run", hint="use --algorithm gptq, or leave --true-sequential out", option="true_sequential")
+        raise UsageError(
+            f"true sequential orders GPTQ's Linears; {algorithm} quantizes each layer from its float run",
+            hint="use --algorithm gptq, or leave --true-sequential out",
+            option="true_sequential",
+        )
     if algorithm == "gptq":
         return Gptq(text, samples, seq_len, seed, order, true_sequential)
     return Awq(text, samples, seq_len, seed) if algorithm == "awq" else Rtn(text, samples, seq_len, seed)
@@ -181,7 +222,13 @@ def resolve_actorder(actorder: str | None, algorithm: str) -> str | None:
             hint="use --actorder weight (or its alias static): the same column order, groups unchanged", option="actorder",
         )  # fmt: skip
     if actorder not in ACTORDERS:
-        raise UsageError(f"activation order {actorder!r} is not one of {', '.join((*ACTORDERS, NO_ACTORDER))}", option="actorder")
+        raise UsageError(
+            f"activation order {actorder!r} is not one of {', '.join((*ACTORDERS, NO_ACTORDER))}", option="actorder"
+        )
     if algorithm != "gptq":
-        raise UsageError(f"--actorder orders GPTQ's columns; {algorithm} has none to order", hint="use --algorithm gptq, or leave --actorder out", option="actorder")
+        raise UsageError(
+            f"--actorder orders GPTQ's columns; {algorithm} has none to order",
+            hint="use --algorithm gptq, or leave --actorder out",
+            option="actorder",
+        )
     return actorder

@@ -26,16 +26,22 @@ HERE = Path(__file__).resolve().parent
 def _parse(argv: list[str]) -> argparse.Namespace:
     from tests.fuzz.seeds import CONTAINERS
 
-    parser = argparse.ArgumentParser(prog="python -m tests.fuzz", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.fuzz", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--minutes", type=float, help="stop making new cases after this long")
     parser.add_argument("--container", action="append", choices=CONTAINERS, help="only this container (repeatable)")
-    parser.add_argument("--cases-per-container", type=int, help="cases per container (default: until --minutes, else 200)")
+    parser.add_argument(
+        "--cases-per-container", type=int, help="cases per container (default: until --minutes, else 200)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="the campaign seed: the same seed makes the same cases")
     parser.add_argument("--jobs", type=int, default=1, help="cases run at once (forked children)")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds per case before it is killed")
     parser.add_argument("--memory-mib", type=int, default=1024, help="peak RSS growth per case before it is killed")
     parser.add_argument("--findings", type=Path, default=HERE / "findings", help="where findings are saved")
-    parser.add_argument("--replay", type=Path, nargs="+", help="run saved cases (folders with case.json) instead of fuzzing")
+    parser.add_argument(
+        "--replay", type=Path, nargs="+", help="run saved cases (folders with case.json) instead of fuzzing"
+    )
     parser.add_argument("--summary-json", type=Path, help="write the counts and findings here")
     parser.add_argument("--quiet", action="store_true")
     return parser.parse_args(argv)
@@ -73,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         containers = tuple(args.container or CONTAINERS)
         seeds = build_seeds(scratch / "seeds", containers)
         log(f"{len(seeds)} seeds: " + ", ".join(f"{c} {sum(s.container == c for s in seeds)}" for c in containers))
-        per_container = args.cases_per_container if args.cases_per_container is not None else (None if args.minutes else 200)
+        per_container = (
+            args.cases_per_container if args.cases_per_container is not None else (None if args.minutes else 200)
+        )
         deadline = time.monotonic() + args.minutes * 60 if args.minutes else None
         campaign = Campaign(seeds, scratch / "cases", args.findings, args.seed, limits, args.jobs, log=log)
         fuzz_started = time.monotonic()
@@ -95,14 +103,21 @@ def _print_summary(summary: dict) -> None:
     classes = list(ACCEPTED) + [c for c in FINDING_CLASSES if any(c in v for v in summary["counts"].values())]
     width = max(len(c) for c in classes)
     print(f"\nqtool fuzz: seed {summary['seed']}, {summary['seconds']} s")
-    print(f"{'container':<12} {'cases':>6} " + " ".join(f"{c:>{max(6, len(c))}}" for c in classes) + "  slowest_s  max_rss_growth_MiB")
+    print(
+        f"{'container':<12} {'cases':>6} "
+        + " ".join(f"{c:>{max(6, len(c))}}" for c in classes)
+        + "  slowest_s  max_rss_growth_MiB"
+    )
     total = 0
     for container in summary["containers"]:
         counts = summary["counts"].get(container, {})
         n = sum(counts.values())
         total += n
-        print(f"{container:<12} {n:>6} " + " ".join(f"{counts.get(c, 0):>{max(6, len(c))}}" for c in classes)
-              + f"  {summary['slowest_seconds'].get(container, 0):9.2f}  {summary['max_rss_growth_mib'].get(container, 0):18.1f}")
+        print(
+            f"{container:<12} {n:>6} "
+            + " ".join(f"{counts.get(c, 0):>{max(6, len(c))}}" for c in classes)
+            + f"  {summary['slowest_seconds'].get(container, 0):9.2f}  {summary['max_rss_growth_mib'].get(container, 0):18.1f}"
+        )
     print(f"{'total':<12} {total:>6}")
     del width
     print(f"\n{len(summary['findings'])} distinct findings")

@@ -49,7 +49,9 @@ class Case:
     files: dict[str, bytes]  # every file of in/, mutated or not
     number: int = 0
     env: dict[str, str] = field(default_factory=dict)  # for the child (QTOOL_FUZZ_SWAP: runner._swap_during_copy)
-    special: dict[str, str] = field(default_factory=dict)  # in/ paths made "fifo", or a symlink to the target given (git keeps neither FIFO nor device)
+    special: dict[str, str] = field(
+        default_factory=dict
+    )  # in/ paths made "fifo", or a symlink to the target given (git keeps neither FIFO nor device)
 
     def write(self, folder: Path, result: Result | None = None, extra: dict | None = None) -> Path:
         if folder.exists():
@@ -66,7 +68,14 @@ class Case:
                 os.mkfifo(path)
             else:
                 os.symlink(what, path)
-        document = {"container": self.container, "seed": self.seed, "target": self.target, "argv": self.argv, "mutations": self.mutations, "number": self.number}
+        document = {
+            "container": self.container,
+            "seed": self.seed,
+            "target": self.target,
+            "argv": self.argv,
+            "mutations": self.mutations,
+            "number": self.number,
+        }
         if self.env:
             document["env"] = self.env
         if self.special:
@@ -88,8 +97,22 @@ class Case:
     def read(cls, folder: Path) -> Case:
         document = json.loads((folder / "case.json").read_text())
         special = document.get("special", {})
-        files = {name: p.read_bytes() for p in sorted((folder / "in").rglob("*")) if (name := str(p.relative_to(folder / "in"))) not in special and p.is_file()}
-        return cls(document["container"], document["seed"], document["target"], document["argv"], document["mutations"], files, document.get("number", 0), document.get("env", {}), special)
+        files = {
+            name: p.read_bytes()
+            for p in sorted((folder / "in").rglob("*"))
+            if (name := str(p.relative_to(folder / "in"))) not in special and p.is_file()
+        }
+        return cls(
+            document["container"],
+            document["seed"],
+            document["target"],
+            document["argv"],
+            document["mutations"],
+            files,
+            document.get("number", 0),
+            document.get("env", {}),
+            special,
+        )
 
 
 def _seed_files(seed: Seed) -> dict[str, bytes]:
@@ -167,7 +190,14 @@ def signature_of(result: Result, debug_stderr: str | None = None) -> tuple[str, 
             m = re.search(r"internal error: ([\w.]+)", text)
             exc_type = m.group(1) if m else f"exit {result.exit_code}"
     frames = _frames(text)
-    ours = [f for f in frames if "/qtool/" in f[0] and "/tests/fuzz/" not in f[0] and "/qtool/cli/__init__.py" not in f[0] and "/qtool/cli/root.py" not in f[0]]
+    ours = [
+        f
+        for f in frames
+        if "/qtool/" in f[0]
+        and "/tests/fuzz/" not in f[0]
+        and "/qtool/cli/__init__.py" not in f[0]
+        and "/qtool/cli/root.py" not in f[0]
+    ]
     if ours or frames:
         where = ours[-1] if ours else frames[-1]
         return result.outcome, exc_type, f"{_short_path(where[0])}:{where[1]}"
@@ -180,7 +210,9 @@ def signature_of(result: Result, debug_stderr: str | None = None) -> tuple[str, 
 
 def reproducer(folder: Path, case: Case) -> str:
     relative = folder.relative_to(REPO) if folder.is_relative_to(REPO) else folder
-    argv = [a.replace("{in}", f"in/{case.target}".rstrip("/.")).replace("{out}", "/tmp/qtool-fuzz-out") for a in case.argv]
+    argv = [
+        a.replace("{in}", f"in/{case.target}".rstrip("/.")).replace("{out}", "/tmp/qtool-fuzz-out") for a in case.argv
+    ]
     return f"cd {relative} && rm -rf /tmp/qtool-fuzz-out; QTOOL_DEBUG=1 qtool {' '.join(argv)}   # or: python -m tests.fuzz --replay {relative}"
 
 
@@ -226,7 +258,9 @@ class Campaign:
                     else:
                         if deadline is not None and time.monotonic() > deadline:
                             break
-                        open_containers = [c for c in order if cases_per_container is None or next_number[c] < cases_per_container]
+                        open_containers = [
+                            c for c in order if cases_per_container is None or next_number[c] < cases_per_container
+                        ]
                         if not open_containers:
                             break
                         container = open_containers[turn % len(open_containers)]
@@ -268,7 +302,10 @@ class Campaign:
         finding = self.findings.setdefault(signature, Finding(signature))
         finding.count += 1
         if not finding.first_line:
-            finding.first_line = next((line for line in result.stderr.splitlines() if line.startswith("error:")), result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "")[:300]
+            finding.first_line = next(
+                (line for line in result.stderr.splitlines() if line.startswith("error:")),
+                result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "",
+            )[:300]
         if len(finding.examples) < self.keep_examples:
             slug = _slug(signature)
             dest = self.findings_dir / case.container / f"{slug}-{finding.count}"
@@ -277,7 +314,9 @@ class Campaign:
             case.write(dest, result, extra)
             finding.examples.append(dest)
             if self.log:
-                self.log(f"finding {'|'.join(signature)} [{case.container}] {finding.first_line[:160]}\n  {extra['reproducer']}")
+                self.log(
+                    f"finding {'|'.join(signature)} [{case.container}] {finding.first_line[:160]}\n  {extra['reproducer']}"
+                )
         shutil.rmtree(folder, ignore_errors=True)
 
     def summary(self) -> dict:
@@ -286,15 +325,24 @@ class Campaign:
             "slowest_seconds": dict(self.slowest),
             "max_rss_growth_mib": {c: round(v / 2**20, 1) for c, v in self.biggest.items()},
             "findings": [
-                {"signature": list(f.signature), "count": f.count, "first_line": f.first_line, "examples": [str(p) for p in f.examples], "reproducer": reproducer(f.examples[0], Case.read(f.examples[0])) if f.examples else "",
-                 "case": _describe(Case.read(f.examples[0])) if f.examples else ""}
+                {
+                    "signature": list(f.signature),
+                    "count": f.count,
+                    "first_line": f.first_line,
+                    "examples": [str(p) for p in f.examples],
+                    "reproducer": reproducer(f.examples[0], Case.read(f.examples[0])) if f.examples else "",
+                    "case": _describe(Case.read(f.examples[0])) if f.examples else "",
+                }
                 for f in sorted(self.findings.values(), key=lambda f: f.signature)
             ],
         }
 
 
 def _describe(case: Case) -> str:
-    return f"{case.container} case {case.number} (seed file {case.seed}): qtool {' '.join(case.argv)}; " + "; ".join(case.mutations)[:400]
+    return (
+        f"{case.container} case {case.number} (seed file {case.seed}): qtool {' '.join(case.argv)}; "
+        + "; ".join(case.mutations)[:400]
+    )
 
 
 def _slug(signature: tuple[str, str, str]) -> str:
@@ -315,8 +363,15 @@ def replay(folders: list[Path], workdir: Path, limits: Limits | None = None, job
             case.write(scratch)
             result = runner.run(_argv(case, scratch), scratch, case.env)
             result.outcome = _expected(folder, result)
-            entry = {"case": str(folder), "outcome": result.outcome, "exit_code": result.exit_code, "seconds": round(result.seconds, 3),
-                     "peak_rss_growth_mib": round(result.peak_rss_growth / 2**20, 1), "argv": case.argv, "container": case.container}
+            entry = {
+                "case": str(folder),
+                "outcome": result.outcome,
+                "exit_code": result.exit_code,
+                "seconds": round(result.seconds, 3),
+                "peak_rss_growth_mib": round(result.peak_rss_growth / 2**20, 1),
+                "argv": case.argv,
+                "container": case.container,
+            }
             if result.outcome not in ACCEPTED:
                 debug = None
                 if result.outcome not in ("timeout", "memory", "signal"):

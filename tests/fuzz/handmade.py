@@ -205,7 +205,11 @@ def surrogate_key_pt(path: Path, legacy: bool = False) -> None:
     import torch
 
     buffer = io.BytesIO()
-    torch.save({"aXb.weight": torch.ones(4, 4), "c.weight": torch.ones(2, 2)}, buffer, _use_new_zipfile_serialization=not legacy)
+    torch.save(
+        {"aXb.weight": torch.ones(4, 4), "c.weight": torch.ones(2, 2)},
+        buffer,
+        _use_new_zipfile_serialization=not legacy,
+    )
     old = b"X" + struct.pack("<I", 10) + b"aXb.weight"
     new = b"Va\\ud800b.weight\n"
     if legacy:
@@ -239,7 +243,11 @@ def side_swap_model() -> dict[str, bytes]:
 def special_file_cases(regressions: Path) -> list[Path]:
     """Issue 42 (#3, #8): the special files a run reads whole, made when the case is written."""
     written = []
-    model = {name: data for name, data in side_swap_model().items() if name.startswith("m/") and not name.endswith((".txt", ".json")) or name == "m/config.json"}
+    model = {
+        name: data
+        for name, data in side_swap_model().items()
+        if name.startswith("m/") and not name.endswith((".txt", ".json")) or name == "m/config.json"
+    }
     text = ("An iterator is created for the result of the expression list. " * 40).encode()
     gguf_scratch = tempfile.TemporaryDirectory()
     gguf_holding(Path(gguf_scratch.name) / "model.gguf", 0.5)
@@ -248,11 +256,38 @@ def special_file_cases(regressions: Path) -> list[Path]:
     calibrate = ["quantize", "{in}", "-o", "{out}", "--calibrate", "in/texts", "--samples", "1", "--seq-len", "2", "-q"]
     imatrix_command = ["imatrix", "{in}", "--calibrate", "in/texts/a.txt", "-o", "{out}.gguf", "--chunk-size", "16"]
     cases = []
-    refused_text = ["error: in/texts/a.txt: cannot be read: it is not a regular file", "hint: a calibration text is a .txt or .jsonl file, or a folder of them"]
+    refused_text = [
+        "error: in/texts/a.txt: cannot be read: it is not a regular file",
+        "hint: a calibration text is a .txt or .jsonl file, or a folder of them",
+    ]
     for kind, to in (("fifo", "fifo"), ("dev-zero", "/dev/zero")):
         files = {**model, "texts/0.txt": text}
-        cases.append(("side_json", f"handmade-calibration-{kind}", "m", calibrate, files, {"texts/a.txt": to}, f"a --calibrate folder whose a.txt is {to}", "calibration", refused_text))
-        cases.append(("side_json", f"handmade-imatrix-text-{kind}", "m", imatrix_command, files, {"texts/a.txt": to}, f"the imatrix command's text a.txt is {to}", "calibration", refused_text))
+        cases.append(
+            (
+                "side_json",
+                f"handmade-calibration-{kind}",
+                "m",
+                calibrate,
+                files,
+                {"texts/a.txt": to},
+                f"a --calibrate folder whose a.txt is {to}",
+                "calibration",
+                refused_text,
+            )
+        )
+        cases.append(
+            (
+                "side_json",
+                f"handmade-imatrix-text-{kind}",
+                "m",
+                imatrix_command,
+                files,
+                {"texts/a.txt": to},
+                f"the imatrix command's text a.txt is {to}",
+                "calibration",
+                refused_text,
+            )
+        )
     quantize_imatrix = ["quantize", "{in}", "-o", "{out}.gguf", "--scheme", "Q4_K_M", "-q", "--imatrix"]
     for name, path, special in (
         ("handmade-imatrix-dev-zero", "/dev/zero", {}),
@@ -260,9 +295,36 @@ def special_file_cases(regressions: Path) -> list[Path]:
         ("handmade-imatrix-fifo", "in/i.gguf", {"i.gguf": "fifo"}),
         ("handmade-imatrix-dat-fifo", "in/i.dat", {"i.dat": "fifo"}),
     ):
-        refused = [f"error: {path}: cannot read: it is not a regular file", "hint: pass the .gguf or .dat file llama-imatrix wrote"]
-        cases.append(("gguf", name, "model.gguf", [*quantize_imatrix, path], {"model.gguf": weights}, special, f"--imatrix {path} is {special.get(path[3:], path)}", "formats.imatrix", refused))
-    cases.append(("side_json", "handmade-git-head-fifo", "m", ["quantize", "{in}", "-o", "{out}", "--json", "-q"], model, {"m/.git/HEAD": "fifo"}, "the model folder's .git/HEAD is a FIFO", "formats.revision", []))
+        refused = [
+            f"error: {path}: cannot read: it is not a regular file",
+            "hint: pass the .gguf or .dat file llama-imatrix wrote",
+        ]
+        cases.append(
+            (
+                "gguf",
+                name,
+                "model.gguf",
+                [*quantize_imatrix, path],
+                {"model.gguf": weights},
+                special,
+                f"--imatrix {path} is {special.get(path[3:], path)}",
+                "formats.imatrix",
+                refused,
+            )
+        )
+    cases.append(
+        (
+            "side_json",
+            "handmade-git-head-fifo",
+            "m",
+            ["quantize", "{in}", "-o", "{out}", "--json", "-q"],
+            model,
+            {"m/.git/HEAD": "fifo"},
+            "the model folder's .git/HEAD is a FIFO",
+            "formats.revision",
+            [],
+        )
+    )
     for container, name, target, argv, files, special, what, area, stderr in cases:
         case = Case(container, "handmade", target, argv, [f"handmade: {what}"], files, special=special)
         folder = regressions / container / name
@@ -292,25 +354,130 @@ def write_issue_42(regressions: Path, scratch: Path) -> list[Path]:
     (scratch / "spaced.safetensors").write_bytes(safetensors_named(SPACED_NAME, "F32", [4], 8))
     evil_names = ("a" * 40 + ".weight", "b.weight")
     weight = bytes(4 * 8 * 128)
-    (scratch / "evil.safetensors").write_bytes(safetensors_bytes({name: ("F32", [8, 128], weight) for name in evil_names}))
+    (scratch / "evil.safetensors").write_bytes(
+        safetensors_bytes({name: ("F32", [8, 128], weight) for name in evil_names})
+    )
     gguf_iq_scaled(scratch / "iq-nan.gguf", "IQ4_NL", float("nan"))
     gguf_iq_scaled(scratch / "iq-inf.gguf", "IQ2_XXS", float("inf"))
     refused = {"outcome": "exit2-one-line"}
     decodes = "warning: blk.0.attn_q.weight decodes to {} values: written as they decode (see `qtool check --no-nan`)"
     cases = [
-        ("pt", "handmade-surrogate-key-inspect-json", "model.pt", ["inspect", "{in}", "--json"], "surrogate.pt", "a key holding a lone surrogate (pickle UNICODE opcode), inspect --json", "torchpt", refused),
-        ("pt", "handmade-surrogate-key-quantize", "model.pt", ["quantize", "{in}", "-o", "{out}", "--scheme", "int8", "-q"], "surrogate.pt", "a key holding a lone surrogate, quantized", "torchpt", refused),
-        ("pt_legacy", "handmade-surrogate-key-inspect-json", "model.pt", ["inspect", "{in}", "--json"], "surrogate-legacy.pt", "a key holding a lone surrogate, legacy format, inspect --json", "torchpt", refused),
-        ("safetensors", "handmade-spaced-control-name", "model.safetensors", ["inspect", "{in}"], "spaced.safetensors", "a 16 KB name of control characters and spaces, cut in the one error line", "messages", {"outcome": "exit2-one-line", "max_line": MAX_LINE}),
-        ("safetensors", "handmade-evil-regex-tensor-scheme", "model.safetensors", ["quantize", "{in}", "-o", "{out}", "--scheme", "W4A16", "--tensor-scheme", EVIL_REGEX + "=W8A16", "--dry-run"], "evil.safetensors", "a backtracking --tensor-scheme regex against a name of 40 a's", "patterns", refused),
-        ("safetensors", "handmade-evil-regex-filter", "model.safetensors", ["inspect", "{in}", "-k", EVIL_REGEX], "evil.safetensors", "a backtracking --filter regex against a name of 40 a's", "patterns", refused),
-        ("safetensors", "handmade-issue-regex-tensor-scheme", "model.safetensors", ["quantize", "{in}", "-o", "{out}", "--scheme", "W4A16", "--tensor-scheme", "re:.*(a+)+$=W8A16", "--dry-run"], "evil.safetensors", "the issue's .*(a+)+$ against a name of 40 a's: the regex module matches it at once", "patterns", {"outcome": "exit0"}),
-        ("gguf", "handmade-iq-nan-scale-dequantize", "model.gguf", ["dequantize", "{in}", "-o", "{out}.safetensors", "--json", "-q"], "iq-nan.gguf", "an IQ4_NL block whose f16 scale is NaN, dequantized", "pipeline", {"outcome": "exit0", "stderr": [decodes.format("NaN")]}),
-        ("gguf", "handmade-iq-inf-scale-dequantize", "model.gguf", ["dequantize", "{in}", "-o", "{out}.safetensors", "--dtype", "f32", "-q"], "iq-inf.gguf", "an IQ2_XXS block whose f16 scale is inf, dequantized", "pipeline", {"outcome": "exit0", "stderr": [decodes.format("inf")]}),
+        (
+            "pt",
+            "handmade-surrogate-key-inspect-json",
+            "model.pt",
+            ["inspect", "{in}", "--json"],
+            "surrogate.pt",
+            "a key holding a lone surrogate (pickle UNICODE opcode), inspect --json",
+            "torchpt",
+            refused,
+        ),
+        (
+            "pt",
+            "handmade-surrogate-key-quantize",
+            "model.pt",
+            ["quantize", "{in}", "-o", "{out}", "--scheme", "int8", "-q"],
+            "surrogate.pt",
+            "a key holding a lone surrogate, quantized",
+            "torchpt",
+            refused,
+        ),
+        (
+            "pt_legacy",
+            "handmade-surrogate-key-inspect-json",
+            "model.pt",
+            ["inspect", "{in}", "--json"],
+            "surrogate-legacy.pt",
+            "a key holding a lone surrogate, legacy format, inspect --json",
+            "torchpt",
+            refused,
+        ),
+        (
+            "safetensors",
+            "handmade-spaced-control-name",
+            "model.safetensors",
+            ["inspect", "{in}"],
+            "spaced.safetensors",
+            "a 16 KB name of control characters and spaces, cut in the one error line",
+            "messages",
+            {"outcome": "exit2-one-line", "max_line": MAX_LINE},
+        ),
+        (
+            "safetensors",
+            "handmade-evil-regex-tensor-scheme",
+            "model.safetensors",
+            [
+                "quantize",
+                "{in}",
+                "-o",
+                "{out}",
+                "--scheme",
+                "W4A16",
+                "--tensor-scheme",
+                EVIL_REGEX + "=W8A16",
+                "--dry-run",
+            ],
+            "evil.safetensors",
+            "a backtracking --tensor-scheme regex against a name of 40 a's",
+            "patterns",
+            refused,
+        ),
+        (
+            "safetensors",
+            "handmade-evil-regex-filter",
+            "model.safetensors",
+            ["inspect", "{in}", "-k", EVIL_REGEX],
+            "evil.safetensors",
+            "a backtracking --filter regex against a name of 40 a's",
+            "patterns",
+            refused,
+        ),
+        (
+            "safetensors",
+            "handmade-issue-regex-tensor-scheme",
+            "model.safetensors",
+            [
+                "quantize",
+                "{in}",
+                "-o",
+                "{out}",
+                "--scheme",
+                "W4A16",
+                "--tensor-scheme",
+                "re:.*(a+)+$=W8A16",
+                "--dry-run",
+            ],
+            "evil.safetensors",
+            "the issue's .*(a+)+$ against a name of 40 a's: the regex module matches it at once",
+            "patterns",
+            {"outcome": "exit0"},
+        ),
+        (
+            "gguf",
+            "handmade-iq-nan-scale-dequantize",
+            "model.gguf",
+            ["dequantize", "{in}", "-o", "{out}.safetensors", "--json", "-q"],
+            "iq-nan.gguf",
+            "an IQ4_NL block whose f16 scale is NaN, dequantized",
+            "pipeline",
+            {"outcome": "exit0", "stderr": [decodes.format("NaN")]},
+        ),
+        (
+            "gguf",
+            "handmade-iq-inf-scale-dequantize",
+            "model.gguf",
+            ["dequantize", "{in}", "-o", "{out}.safetensors", "--dtype", "f32", "-q"],
+            "iq-inf.gguf",
+            "an IQ2_XXS block whose f16 scale is inf, dequantized",
+            "pipeline",
+            {"outcome": "exit0", "stderr": [decodes.format("inf")]},
+        ),
     ]
     written = []
     for container, name, target, argv, source, what, area, expect in cases:
-        case = Case(container, "handmade", target, argv, [f"handmade: {what}"], {target: (scratch / source).read_bytes()})
+        case = Case(
+            container, "handmade", target, argv, [f"handmade: {what}"], {target: (scratch / source).read_bytes()}
+        )
         folder = regressions / container / name
         case.write(folder, extra={"area": area, "signature": ["handmade", what, area], "expect": expect})
         written.append(folder)
@@ -328,18 +495,46 @@ def write_issue_37(regressions: Path) -> list[Path]:
     fixture = HERE.parent / "fixtures" / "torchao" / "model.pt"
     written = []
     for name, replacement, what in (
-        ("handmade-torchao-unknown-class", b"ctorchao.quantization\nInt8Tensoq\n", "a torchao class torchao lacks (Int8Tensoq)"),
-        ("handmade-torchao-function", b"ctorchao.quantization\nquantize_\n", "a torchao function (quantize_) where a tensor subclass was"),
-        ("handmade-torchao-config", b"ctorchao.quantization.quant_api\nInt8WeightOnlyConfig\n", "a torchao quantize_ configuration where a tensor subclass was"),
+        (
+            "handmade-torchao-unknown-class",
+            b"ctorchao.quantization\nInt8Tensoq\n",
+            "a torchao class torchao lacks (Int8Tensoq)",
+        ),
+        (
+            "handmade-torchao-function",
+            b"ctorchao.quantization\nquantize_\n",
+            "a torchao function (quantize_) where a tensor subclass was",
+        ),
+        (
+            "handmade-torchao-config",
+            b"ctorchao.quantization.quant_api\nInt8WeightOnlyConfig\n",
+            "a torchao quantize_ configuration where a tensor subclass was",
+        ),
     ):
         buffer = BytesIO()
         with zipfile.ZipFile(fixture) as source, zipfile.ZipFile(buffer, "w") as out:
             for info in source.infolist():
                 data = source.read(info)
-                out.writestr(info, data.replace(TORCHAO_INT8, replacement) if info.filename.endswith("data.pkl") else data)
-        case = Case("pt", "handmade", "model.pt", ["inspect", "{in}", "--json"], [f"handmade: {what}"], {"model.pt": buffer.getvalue()})
+                out.writestr(
+                    info, data.replace(TORCHAO_INT8, replacement) if info.filename.endswith("data.pkl") else data
+                )
+        case = Case(
+            "pt",
+            "handmade",
+            "model.pt",
+            ["inspect", "{in}", "--json"],
+            [f"handmade: {what}"],
+            {"model.pt": buffer.getvalue()},
+        )
         folder = regressions / "pt" / name
-        case.write(folder, extra={"area": "torchpt", "signature": ["handmade", what, "torchpt"], "expect": {"outcome": "exit2-one-line"}})
+        case.write(
+            folder,
+            extra={
+                "area": "torchpt",
+                "signature": ["handmade", what, "torchpt"],
+                "expect": {"outcome": "exit2-one-line"},
+            },
+        )
         written.append(folder)
     return written
 
@@ -352,18 +547,76 @@ def write_all(regressions: Path) -> list[Path]:
         billion_laughs(scratch / "legacy.pt", legacy=True)
         gguf_dims_overflow(scratch / "model.gguf")
         cases = [
-            ("pt", "handmade-billion-laughs", "model.pt", ["inspect", "{in}"], "model.pt", "L = [L, L] nested 40 deep (torch.save shares the memo references): 1.9 kB", "torchpt"),
-            ("pt_legacy", "handmade-billion-laughs", "model.pt", ["inspect", "{in}"], "legacy.pt", "L = [L, L] nested 40 deep, legacy format", "torchpt"),
-            ("gguf", "handmade-dims-overflow-stats", "model.gguf", ["inspect", "{in}", "--stats"], "model.gguf", "dims [0, 64, 2^62]", "readers"),
-            ("gguf", "handmade-dims-overflow-no-nan", "model.gguf", ["check", "{in}", "--no-nan"], "model.gguf", "dims [0, 64, 2^62]", "readers"),
+            (
+                "pt",
+                "handmade-billion-laughs",
+                "model.pt",
+                ["inspect", "{in}"],
+                "model.pt",
+                "L = [L, L] nested 40 deep (torch.save shares the memo references): 1.9 kB",
+                "torchpt",
+            ),
+            (
+                "pt_legacy",
+                "handmade-billion-laughs",
+                "model.pt",
+                ["inspect", "{in}"],
+                "legacy.pt",
+                "L = [L, L] nested 40 deep, legacy format",
+                "torchpt",
+            ),
+            (
+                "gguf",
+                "handmade-dims-overflow-stats",
+                "model.gguf",
+                ["inspect", "{in}", "--stats"],
+                "model.gguf",
+                "dims [0, 64, 2^62]",
+                "readers",
+            ),
+            (
+                "gguf",
+                "handmade-dims-overflow-no-nan",
+                "model.gguf",
+                ["check", "{in}", "--no-nan"],
+                "model.gguf",
+                "dims [0, 64, 2^62]",
+                "readers",
+            ),
         ]
         aliased(scratch / "aliased.pt", 70_000)
         aliased(scratch / "aliased-legacy.pt", 70_000, legacy=True)
-        aliased(scratch / "aliased-beside.pt", 65_538, beside=10)  # 10 calls: past the machine's allowance, not the describer's
+        aliased(
+            scratch / "aliased-beside.pt", 65_538, beside=10
+        )  # 10 calls: past the machine's allowance, not the describer's
         cases += [
-            ("pt", "handmade-aliased", "model.pt", ["inspect", "{in}"], "aliased.pt", "one tensor under 70,000 names", "torchpt"),
-            ("pt_legacy", "handmade-aliased", "model.pt", ["inspect", "{in}"], "aliased-legacy.pt", "one tensor under 70,000 names, legacy format", "torchpt"),
-            ("pt", "handmade-aliased-beside-tensors", "model.pt", ["inspect", "{in}"], "aliased-beside.pt", "one tensor under 65,538 names beside 10 tensors", "torchpt"),
+            (
+                "pt",
+                "handmade-aliased",
+                "model.pt",
+                ["inspect", "{in}"],
+                "aliased.pt",
+                "one tensor under 70,000 names",
+                "torchpt",
+            ),
+            (
+                "pt_legacy",
+                "handmade-aliased",
+                "model.pt",
+                ["inspect", "{in}"],
+                "aliased-legacy.pt",
+                "one tensor under 70,000 names, legacy format",
+                "torchpt",
+            ),
+            (
+                "pt",
+                "handmade-aliased-beside-tensors",
+                "model.pt",
+                ["inspect", "{in}"],
+                "aliased-beside.pt",
+                "one tensor under 65,538 names beside 10 tensors",
+                "torchpt",
+            ),
         ]
         for label, value in (("scale-overflow", 3e38), ("nan", float("nan")), ("inf", float("inf"))):
             gguf_holding(scratch / f"{label}.gguf", value)
@@ -373,7 +626,11 @@ def write_all(regressions: Path) -> list[Path]:
             ("scale-overflow", "Q8_0", {"outcome": "exit2-one-line"}),
             ("scale-overflow", "Q4_0", {"outcome": "exit2-one-line"}),
             ("scale-overflow", "Q4_K_M", {"outcome": "exit2-one-line"}),
-            ("scale-overflow", "q6_k", {"outcome": "exit0", "stderr": []}),  # finite scales: 3e38 is lost, the SQNR says so
+            (
+                "scale-overflow",
+                "q6_k",
+                {"outcome": "exit0", "stderr": []},
+            ),  # finite scales: 3e38 is lost, the SQNR says so
             ("nan", "Q8_0", {"outcome": "exit0", "stderr": [warning.format("NaN")]}),
             ("nan", "q6_k", {"outcome": "exit0", "stderr": [warning.format("NaN")]}),
             ("inf", "Q4_K_M", {"outcome": "exit0", "stderr": [warning.format("inf")]}),
@@ -388,18 +645,57 @@ def write_all(regressions: Path) -> list[Path]:
         (scratch / "giant-short.safetensors").write_bytes(safetensors_named(GIANT, "F32", [4], 8))
         giant = {"outcome": "exit2-one-line", "max_line": MAX_LINE}
         for container, name, target, argv, source, what in (
-            ("gguf", "handmade-giant-name-swallowed-table-inspect", "model.gguf", ["inspect", "{in}"], "swallowed.gguf", "a tensor name that swallowed the tensor table"),
-            ("gguf", "handmade-giant-name-swallowed-table-quantize", "model.gguf", ["quantize", "{in}", "-o", "{out}.gguf", "--scheme", "Q8_0", "-q"], "swallowed.gguf", "a tensor name that swallowed the tensor table, quantized"),
-            ("gguf", "handmade-giant-name-quantize", "model.gguf", ["quantize", "{in}", "-o", "{out}.gguf", "--scheme", "Q8_0", "-q"], "giant.gguf", "a 16 KB tensor name, quantized to GGUF"),
-            ("safetensors", "handmade-giant-name-dtype", "model.safetensors", ["inspect", "{in}"], "giant-dtype.safetensors", "a 16 KB tensor name with an unknown dtype"),
-            ("safetensors", "handmade-giant-name-short", "model.safetensors", ["quantize", "{in}", "-o", "{out}", "--scheme", "int8", "-q"], "giant-short.safetensors", "a 16 KB tensor name whose bytes are short"),
+            (
+                "gguf",
+                "handmade-giant-name-swallowed-table-inspect",
+                "model.gguf",
+                ["inspect", "{in}"],
+                "swallowed.gguf",
+                "a tensor name that swallowed the tensor table",
+            ),
+            (
+                "gguf",
+                "handmade-giant-name-swallowed-table-quantize",
+                "model.gguf",
+                ["quantize", "{in}", "-o", "{out}.gguf", "--scheme", "Q8_0", "-q"],
+                "swallowed.gguf",
+                "a tensor name that swallowed the tensor table, quantized",
+            ),
+            (
+                "gguf",
+                "handmade-giant-name-quantize",
+                "model.gguf",
+                ["quantize", "{in}", "-o", "{out}.gguf", "--scheme", "Q8_0", "-q"],
+                "giant.gguf",
+                "a 16 KB tensor name, quantized to GGUF",
+            ),
+            (
+                "safetensors",
+                "handmade-giant-name-dtype",
+                "model.safetensors",
+                ["inspect", "{in}"],
+                "giant-dtype.safetensors",
+                "a 16 KB tensor name with an unknown dtype",
+            ),
+            (
+                "safetensors",
+                "handmade-giant-name-short",
+                "model.safetensors",
+                ["quantize", "{in}", "-o", "{out}", "--scheme", "int8", "-q"],
+                "giant-short.safetensors",
+                "a 16 KB tensor name whose bytes are short",
+            ),
         ):
             cases.append((container, name, target, argv, source, what, "messages"))
             expect[name] = giant
         for container, name, target, argv, source, what, area in cases:
-            case = Case(container, "handmade", target, argv, [f"handmade: {what}"], {target: (scratch / source).read_bytes()})
+            case = Case(
+                container, "handmade", target, argv, [f"handmade: {what}"], {target: (scratch / source).read_bytes()}
+            )
             folder = regressions / container / name
-            extra = {"area": area, "signature": ["handmade", what, area]} | ({"expect": expect[name]} if name in expect else {})
+            extra = {"area": area, "signature": ["handmade", what, area]} | (
+                {"expect": expect[name]} if name in expect else {}
+            )
             case.write(folder, extra=extra)
             written.append(folder)
         written += write_issue_42(regressions, scratch)
@@ -408,9 +704,24 @@ def write_all(regressions: Path) -> list[Path]:
     for kind, to in (("link-out", "/etc/passwd"), ("fifo", "fifo"), ("dev-zero", "/dev/zero")):
         swap = {"after": "merges.txt", "path": "in/m/vocab.json", "to": to}
         what = f"vocab.json swapped for {to} while merges.txt is copied"
-        case = Case("side_json", "handmade", "m", ["quantize", "{in}", "-o", "{out}", "-q"], [f"handmade: {what}"], model, env={"QTOOL_FUZZ_SWAP": json.dumps(swap)})
+        case = Case(
+            "side_json",
+            "handmade",
+            "m",
+            ["quantize", "{in}", "-o", "{out}", "-q"],
+            [f"handmade: {what}"],
+            model,
+            env={"QTOOL_FUZZ_SWAP": json.dumps(swap)},
+        )
         folder = regressions / "side_json" / f"handmade-side-swap-{kind}"
-        case.write(folder, extra={"area": "side_files", "signature": ["handmade", what, "side_files"], "expect": {"outcome": "exit2-one-line"}})
+        case.write(
+            folder,
+            extra={
+                "area": "side_files",
+                "signature": ["handmade", what, "side_files"],
+                "expect": {"outcome": "exit2-one-line"},
+            },
+        )
         written.append(folder)
     from tests.fuzz.hostile_folders import write_cases
 

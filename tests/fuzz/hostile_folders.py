@@ -64,12 +64,16 @@ def _weights() -> bytes:
     tensors = {}
     for index, (name, shape) in enumerate(shapes.items()):
         count = shape[0] * (shape[1] if len(shape) > 1 else 1)
-        values = [1.0] * count if name.endswith("norm.weight") else [((i * 7 + index) % 17 - 8) / 64 for i in range(count)]
+        values = (
+            [1.0] * count if name.endswith("norm.weight") else [((i * 7 + index) % 17 - 8) / 64 for i in range(count)]
+        )
         tensors[name] = ("F32", shape, struct.pack(f"<{count}f", *values))
     return safetensors_bytes(tensors)
 
 
-def calibration_folder(config: dict | None = None, tokenizer_config: dict | None = None, evil: bool = False) -> dict[str, bytes]:
+def calibration_folder(
+    config: dict | None = None, tokenizer_config: dict | None = None, evil: bool = False
+) -> dict[str, bytes]:
     """The case's files: m/ (the model) and text.txt (the calibration text)."""
     from tests.fuzz.seeds import SAMPLES
 
@@ -78,7 +82,9 @@ def calibration_folder(config: dict | None = None, tokenizer_config: dict | None
         "m/config.json": json.dumps(config or _config()).encode(),
         "m/model.safetensors": _weights(),
         "m/tokenizer.json": (tiny / "tokenizer.json").read_bytes(),
-        "m/tokenizer_config.json": json.dumps(tokenizer_config or json.loads((tiny / "tokenizer_config.json").read_text())).encode(),
+        "m/tokenizer_config.json": json.dumps(
+            tokenizer_config or json.loads((tiny / "tokenizer_config.json").read_text())
+        ).encode(),
         "text.txt": TEXT,
     }
     if evil:
@@ -95,9 +101,55 @@ def _evil_tokenizer_config() -> dict:
     return config
 
 
-_CALIBRATE = ["quantize", "{in}/m", "-o", "{out}", "--scheme", "int8", "--calibrate", "{in}/text.txt", "--samples", "2", "--seq-len", "16", "--threads", "1", "--json"]
-_IMATRIX = ["imatrix", "{in}/m", "-o", "{out}.gguf", "--calibrate", "{in}/text.txt", "--chunk-size", "16", "--chunks", "2", "--threads", "1", "--json"]
-_GGUF = ["quantize", "{in}/m", "-o", "{out}.gguf", "--scheme", "Q8_0", "--calibrate", "{in}/text.txt", "--samples", "2", "--seq-len", "16", "--threads", "1", "--json"]
+_CALIBRATE = [
+    "quantize",
+    "{in}/m",
+    "-o",
+    "{out}",
+    "--scheme",
+    "int8",
+    "--calibrate",
+    "{in}/text.txt",
+    "--samples",
+    "2",
+    "--seq-len",
+    "16",
+    "--threads",
+    "1",
+    "--json",
+]
+_IMATRIX = [
+    "imatrix",
+    "{in}/m",
+    "-o",
+    "{out}.gguf",
+    "--calibrate",
+    "{in}/text.txt",
+    "--chunk-size",
+    "16",
+    "--chunks",
+    "2",
+    "--threads",
+    "1",
+    "--json",
+]
+_GGUF = [
+    "quantize",
+    "{in}/m",
+    "-o",
+    "{out}.gguf",
+    "--scheme",
+    "Q8_0",
+    "--calibrate",
+    "{in}/text.txt",
+    "--samples",
+    "2",
+    "--seq-len",
+    "16",
+    "--threads",
+    "1",
+    "--json",
+]
 _DRY = [*_CALIBRATE, "--dry-run"]
 
 # name: (what, argv, the folder's files)
@@ -124,8 +176,17 @@ def write_cases(regressions: Path) -> list[Path]:
 
     written = []
     for name, (what, argv, files) in CASES.items():
-        case = Case("side_json", "handmade", ".", list(argv), [f"handmade: {what}"], files(), env={"QTOOL_FUZZ_STDIN": "y\n"})
+        case = Case(
+            "side_json", "handmade", ".", list(argv), [f"handmade: {what}"], files(), env={"QTOOL_FUZZ_STDIN": "y\n"}
+        )
         folder = regressions / "side_json" / f"handmade-calibrate-{name}"
-        case.write(folder, extra={"area": "calibration", "signature": ["handmade", what, "calibration"], "expect": {"outcome": "exit2-one-line", "stdout": "json"}})
+        case.write(
+            folder,
+            extra={
+                "area": "calibration",
+                "signature": ["handmade", what, "calibration"],
+                "expect": {"outcome": "exit2-one-line", "stdout": "json"},
+            },
+        )
         written.append(folder)
     return written

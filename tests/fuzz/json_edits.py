@@ -34,30 +34,150 @@ class Raw:
 
 
 _WRONG_TYPES = [
-    None, True, False, 0, -1, 1, 2, 5, 255, 65536, 1.5, -0.0, 1e308, "", "x", "re:.*", "*", [], {},
-    [0, 0], [0], [-1], [{}], [[]], [None], {"a": 1}, "W4A16", "int4", "float", "F32", 2**31, 2**32,
-    2**63 - 1, 2**63, 2**64, -(2**63), 10**30, "a" * 300,
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    2,
+    5,
+    255,
+    65536,
+    1.5,
+    -0.0,
+    1e308,
+    "",
+    "x",
+    "re:.*",
+    "*",
+    [],
+    {},
+    [0, 0],
+    [0],
+    [-1],
+    [{}],
+    [[]],
+    [None],
+    {"a": 1},
+    "W4A16",
+    "int4",
+    "float",
+    "F32",
+    2**31,
+    2**32,
+    2**63 - 1,
+    2**63,
+    2**64,
+    -(2**63),
+    10**30,
+    "a" * 300,
 ]
 _RAW_VALUES = [
-    "NaN", "Infinity", "-Infinity", "1e999999", "-0", "1" + "0" * 5000, "-" + "9" * 4400,
-    "[" * 100_000 + "]" * 100_000, '{"a":' * 20_000 + "1" + "}" * 20_000, "[" * 1500 + "]" * 1500,
-    "123456789012345678901234567890", "0.1e-99999", '"\\ud800"', '"\\u0000"', '"\\udfff\\ud800"',
+    "NaN",
+    "Infinity",
+    "-Infinity",
+    "1e999999",
+    "-0",
+    "1" + "0" * 5000,
+    "-" + "9" * 4400,
+    "[" * 100_000 + "]" * 100_000,
+    '{"a":' * 20_000 + "1" + "}" * 20_000,
+    "[" * 1500 + "]" * 1500,
+    "123456789012345678901234567890",
+    "0.1e-99999",
+    '"\\ud800"',
+    '"\\u0000"',
+    '"\\udfff\\ud800"',
 ]
 _STRINGS = [
-    "\u202e\u0000\x1b[31mred", "\ud800", "e\u0301\ufeff", "🧨" * 50, "a" * 100_000, "..", "../../etc/passwd",
-    "model.layers.0.self_attn.q_proj.weight", "re:(a+)+$", "re:[", "\n\r\t", "\x7f",
+    "\u202e\u0000\x1b[31mred",
+    "\ud800",
+    "e\u0301\ufeff",
+    "🧨" * 50,
+    "a" * 100_000,
+    "..",
+    "../../etc/passwd",
+    "model.layers.0.self_attn.q_proj.weight",
+    "re:(a+)+$",
+    "re:[",
+    "\n\r\t",
+    "\x7f",
 ]
 _KEYS = [
-    "quantization_config", "quant_method", "bits", "group_size", "weight_block_size", "format", "config_groups",
-    "ignore", "targets", "weights", "num_bits", "strategy", "block_structure", "modules_to_not_convert",
-    "mode", "quantization", "weight_map", "total_size", "dtype", "shape", "data_offsets", "__metadata__",
-    "sym", "desc_act", "checkpoint_format", "_tensor_data_names", "tensor_names", "type", "symmetric",
-    "dynamic", "observer", "global_scale", "kv_cache_scheme", "input_activations", "quant_type",
-    "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "torch_dtype", "activation_scheme", "fmt",
-    "zero_point", "version", "is_marlin_format", "scale_dtype", "zp_dtype", "actorder",
+    "quantization_config",
+    "quant_method",
+    "bits",
+    "group_size",
+    "weight_block_size",
+    "format",
+    "config_groups",
+    "ignore",
+    "targets",
+    "weights",
+    "num_bits",
+    "strategy",
+    "block_structure",
+    "modules_to_not_convert",
+    "mode",
+    "quantization",
+    "weight_map",
+    "total_size",
+    "dtype",
+    "shape",
+    "data_offsets",
+    "__metadata__",
+    "sym",
+    "desc_act",
+    "checkpoint_format",
+    "_tensor_data_names",
+    "tensor_names",
+    "type",
+    "symmetric",
+    "dynamic",
+    "observer",
+    "global_scale",
+    "kv_cache_scheme",
+    "input_activations",
+    "quant_type",
+    "bnb_4bit_quant_type",
+    "bnb_4bit_use_double_quant",
+    "torch_dtype",
+    "activation_scheme",
+    "fmt",
+    "zero_point",
+    "version",
+    "is_marlin_format",
+    "scale_dtype",
+    "zp_dtype",
+    "actorder",
 ]
-_DTYPES = ["F32", "F16", "BF16", "F64", "I8", "U8", "I16", "U16", "I32", "U32", "I64", "U64", "BOOL",
-           "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E3M2", "F6_E2M3", "C64", "Q4", "", "f32", "F8_E4M3FNUZ"]
+_DTYPES = [
+    "F32",
+    "F16",
+    "BF16",
+    "F64",
+    "I8",
+    "U8",
+    "I16",
+    "U16",
+    "I32",
+    "U32",
+    "I64",
+    "U64",
+    "BOOL",
+    "F8_E4M3",
+    "F8_E5M2",
+    "F8_E8M0",
+    "F4",
+    "F6_E3M2",
+    "F6_E2M3",
+    "C64",
+    "Q4",
+    "",
+    "f32",
+    "F8_E4M3FNUZ",
+]
 
 
 def _nodes(doc, limit: int = 5000) -> list[tuple[object, object]]:
@@ -111,11 +231,22 @@ def _edit_tensor_entry(rng: random.Random, entry: dict, raw: Raw) -> str:
         return f"shape={shape if len(shape) < 12 else f'[{len(shape)} dims]'}"
     if what == "offsets":
         offsets = entry.get("data_offsets")
-        start, end = offsets if isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(x, int) for x in offsets) else (0, 0)
+        start, end = (
+            offsets
+            if isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(x, int) for x in offsets)
+            else (0, 0)
+        )
         op = rng.choice(("swap", "end+1", "end-1", "start+1", "huge", "zero", "same", "neg", "three", "past"))
         new = {
-            "swap": [end, start], "end+1": [start, end + 1], "end-1": [start, end - 1], "start+1": [start + 1, end],
-            "huge": [start, 2**64 - 1], "zero": [0, 0], "same": [start, start], "neg": [-8, end], "three": [start, end, end],
+            "swap": [end, start],
+            "end+1": [start, end + 1],
+            "end-1": [start, end - 1],
+            "start+1": [start + 1, end],
+            "huge": [start, 2**64 - 1],
+            "zero": [0, 0],
+            "same": [start, start],
+            "neg": [-8, end],
+            "three": [start, end, end],
             "past": [start + 2**40, end + 2**40],
         }[op]
         entry["data_offsets"] = new
@@ -185,7 +316,12 @@ def mutate_json_doc(rng: random.Random, doc, raw: Raw, nested_json: bool = True)
         return doc, f"{key!s:.40}=string {new[:12]!r}"
     if isinstance(value, list):
         op2 = rng.choice(("double", "empty", "grow", "reverse"))
-        container[key] = {"double": value * 2, "empty": [], "grow": value + [value[-1] if value else 0] * 1000, "reverse": value[::-1]}[op2]  # type: ignore[index]
+        container[key] = {
+            "double": value * 2,
+            "empty": [],
+            "grow": value + [value[-1] if value else 0] * 1000,
+            "reverse": value[::-1],
+        }[op2]  # type: ignore[index]
         return doc, f"{key!s:.40} list {op2}"
     if isinstance(value, int) and not isinstance(value, bool):
         new = rng.choice((value + 1, value - 1, -value, value * 2**32, 0, 2**63, -(2**63) - 1))
@@ -210,5 +346,6 @@ def _has_raw(value) -> bool:
 def _short(value) -> str:
     text = repr(value)
     return text if len(text) < 40 else text[:37] + "..."
+
 
 RAW_MARKER = _RAW.split("{")[0]

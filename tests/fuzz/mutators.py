@@ -20,9 +20,14 @@ __all__ = ["BYTE_MUTATORS", "JSON_MUTATORS", "mutate_file"]
 # -- byte-level ------------------------------------------------------------------------------------
 
 _INTERESTING = {
-    "<B": (0, 1, 0x7F, 0x80, 0xFF), "<b": (0, -1, 127, -128), "<H": (0, 1, 0x7FFF, 0x8000, 0xFFFF),
-    "<h": (0, -1, 32767, -32768), "<I": (0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF), "<i": (0, -1, 2**31 - 1, -(2**31)),
-    "<Q": (0, 1, 2**31, 2**32, 2**62, 2**63, 2**64 - 1, 2**40), "<q": (0, -1, 2**63 - 1, -(2**63)),
+    "<B": (0, 1, 0x7F, 0x80, 0xFF),
+    "<b": (0, -1, 127, -128),
+    "<H": (0, 1, 0x7FFF, 0x8000, 0xFFFF),
+    "<h": (0, -1, 32767, -32768),
+    "<I": (0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF),
+    "<i": (0, -1, 2**31 - 1, -(2**31)),
+    "<Q": (0, 1, 2**31, 2**32, 2**62, 2**63, 2**64 - 1, 2**40),
+    "<q": (0, -1, 2**63 - 1, -(2**63)),
 }
 
 
@@ -31,7 +36,11 @@ def _pick_offset(rng: random.Random, data: bytearray, s: Structure) -> int:
     headers = [r for r in s.header_regions() if r.end > r.start]
     if headers and rng.random() < 0.8:
         region = rng.choice(headers)
-        return rng.randrange(region.start, min(region.end, len(data)) or 1) if region.end <= len(data) else rng.randrange(max(1, len(data)))
+        return (
+            rng.randrange(region.start, min(region.end, len(data)) or 1)
+            if region.end <= len(data)
+            else rng.randrange(max(1, len(data)))
+        )
     if s.boundaries and rng.random() < 0.5:
         return min(rng.choice(sorted(s.boundaries)), max(0, len(data) - 1))
     return rng.randrange(max(1, len(data)))
@@ -61,14 +70,26 @@ def byte_set(rng, data: bytearray, s: Structure) -> str:
 
 
 def byte_insert(rng, data: bytearray, s: Structure) -> str:
-    pos = rng.choice(sorted(s.boundaries | s.minor)) if s.boundaries and rng.random() < 0.6 else _pick_offset(rng, data, s)
-    blob = bytes(rng.randrange(256) for _ in range(rng.choice((1, 2, 4, 8, 16)))) if rng.random() < 0.7 else bytes([rng.choice((0, 0xFF, 0x20))]) * rng.choice((64, 4096))
+    pos = (
+        rng.choice(sorted(s.boundaries | s.minor))
+        if s.boundaries and rng.random() < 0.6
+        else _pick_offset(rng, data, s)
+    )
+    blob = (
+        bytes(rng.randrange(256) for _ in range(rng.choice((1, 2, 4, 8, 16))))
+        if rng.random() < 0.7
+        else bytes([rng.choice((0, 0xFF, 0x20))]) * rng.choice((64, 4096))
+    )
     data[pos:pos] = blob
     return f"insert {len(blob)} bytes at {pos}"
 
 
 def byte_delete(rng, data: bytearray, s: Structure) -> str:
-    pos = rng.choice(sorted(s.boundaries | s.minor)) if s.boundaries and rng.random() < 0.6 else _pick_offset(rng, data, s)
+    pos = (
+        rng.choice(sorted(s.boundaries | s.minor))
+        if s.boundaries and rng.random() < 0.6
+        else _pick_offset(rng, data, s)
+    )
     count = rng.choice((1, 2, 4, 8, 16, 256))
     del data[pos : pos + count]
     return f"delete {count} bytes at {pos}"
@@ -96,7 +117,9 @@ def field_edit(rng, data: bytearray, s: Structure) -> str:
     if f.kind == "type" and rng.random() < 0.6:
         new = rng.choice((old + 1, old - 1, 9999, 42, 13, 14, 39, 40, 255, 8, 9))
     else:
-        new = rng.choice((old + 1, old - 1, 0, hi, hi - 1, old * 2, old * 16 + 1, rng.randint(lo, hi)) + _INTERESTING.get(f.fmt, ()))
+        new = rng.choice(
+            (old + 1, old - 1, 0, hi, hi - 1, old * 2, old * 16 + 1, rng.randint(lo, hi)) + _INTERESTING.get(f.fmt, ())
+        )
     new = min(max(new, lo), hi)
     struct.pack_into(f.fmt, data, f.offset, new)
     return f"{f.kind} field at {f.offset} {old} -> {new}"
@@ -130,7 +153,14 @@ def data_bit_flip(rng, data: bytearray, s: Structure) -> str:
 
 
 BYTE_MUTATORS = (
-    (bit_flip, 5), (byte_set, 2), (byte_insert, 2), (byte_delete, 2), (truncate, 3), (field_edit, 4), (splice, 1), (data_bit_flip, 4),
+    (bit_flip, 5),
+    (byte_set, 2),
+    (byte_insert, 2),
+    (byte_delete, 2),
+    (truncate, 3),
+    (field_edit, 4),
+    (splice, 1),
+    (data_bit_flip, 4),
 )
 
 
@@ -164,7 +194,9 @@ def json_file_edit(rng, data: bytearray, s: Structure) -> str:
         return bit_flip(rng, data, s)
     raw = Raw()
     doc, what = mutate_json_doc(rng, doc, raw)
-    data[:] = raw.render(doc, ensure_ascii=rng.random() < 0.5, indent=rng.choice((None, 2))).encode("utf-8", "surrogatepass")
+    data[:] = raw.render(doc, ensure_ascii=rng.random() < 0.5, indent=rng.choice((None, 2))).encode(
+        "utf-8", "surrogatepass"
+    )
     return f"JSON: {what}"
 
 
@@ -177,7 +209,7 @@ def burnpack_cbor_edit(rng, data: bytearray, s: Structure) -> str:
     region = regions[0]
     try:
         doc = cbor2.loads(bytes(data[region.start : region.end]))
-    except Exception:  # noqa: BLE001
+    except Exception:
         return bit_flip(rng, data, s)
     raw = Raw()
     doc, what = mutate_json_doc(rng, doc, raw, nested_json=False)
@@ -186,7 +218,7 @@ def burnpack_cbor_edit(rng, data: bytearray, s: Structure) -> str:
         what = what.split("=raw")[0] + "=" + ", ".join(placed)
     try:
         blob = cbor2.dumps(doc)
-    except Exception:  # noqa: BLE001 - e.g. lone surrogates
+    except Exception:
         return bit_flip(rng, data, s)
     fix = rng.random() < 0.9
     head = bytes(data[:6]) + (struct.pack("<I", len(blob)) if fix else bytes(data[6:10]))
@@ -207,8 +239,13 @@ def _resolve_raw_for_cbor(rng, doc, raw: Raw):
     marker = RAW_MARKER
     placed: list[str] = []
     choices = (
-        ("NaN", float("nan")), ("inf", float("inf")), ("10**5000", 10**5000), ("-(10**80)", -(10**80)),
-        ("list nested 300 deep", _nest(300)), ("list nested 5000 deep", _nest(5000, {})), ("8 bytes ff", b"\xff" * 8),
+        ("NaN", float("nan")),
+        ("inf", float("inf")),
+        ("10**5000", 10**5000),
+        ("-(10**80)", -(10**80)),
+        ("list nested 300 deep", _nest(300)),
+        ("list nested 5000 deep", _nest(5000, {})),
+        ("8 bytes ff", b"\xff" * 8),
     )
 
     def fix(value, depth=0):
@@ -264,7 +301,12 @@ def pickle_edit(rng, data: bytearray, s: Structure) -> str:
     if not pickles:
         return field_edit(rng, data, s)
     region = max(pickles, key=lambda r: r.end - r.start) if rng.random() < 0.8 else rng.choice(pickles)
-    inside = Structure("pickle", [f for f in s.fields if region.start <= f.offset < region.end], {b for b in s.boundaries if region.start <= b <= region.end}, regions=[region])
+    inside = Structure(
+        "pickle",
+        [f for f in s.fields if region.start <= f.offset < region.end],
+        {b for b in s.boundaries if region.start <= b <= region.end},
+        regions=[region],
+    )
     op = rng.random()
     if op < 0.5 and inside.fields:
         what = field_edit(rng, data, inside)
@@ -277,7 +319,27 @@ def pickle_edit(rng, data: bytearray, s: Structure) -> str:
     else:
         ops = [b for b in sorted(inside.boundaries) if b < region.end]
         pos = rng.choice(ops) if ops else region.start
-        opcode = rng.choice((b"N", b")", b"]", b"}", b"(", b"t", b"R", b".", b"0", b"2", b"h\x00", b"q\x00", b"\x88", b"K\x05", b"J\xff\xff\xff\x7f", b"c__builtin__\neval\n", b"\x8a\x09" + b"\xff" * 9))
+        opcode = rng.choice(
+            (
+                b"N",
+                b")",
+                b"]",
+                b"}",
+                b"(",
+                b"t",
+                b"R",
+                b".",
+                b"0",
+                b"2",
+                b"h\x00",
+                b"q\x00",
+                b"\x88",
+                b"K\x05",
+                b"J\xff\xff\xff\x7f",
+                b"c__builtin__\neval\n",
+                b"\x8a\x09" + b"\xff" * 9,
+            )
+        )
         data[pos : pos + len(opcode)] = opcode
         what = f"pickle opcode {opcode[:12]!r} at {pos}"
     if data[:4] == b"PK\x03\x04" and rng.random() < 0.85:
@@ -302,7 +364,15 @@ def _surrogate_string(rng, data: bytearray, inside: Structure, region) -> str | 
 
 
 _DIM_SETS = (
-    (0, 64, 2**62), (2**62, 0), (2**32, 2**32), (2**63, 2), (2**64 - 1, 1), (0,), (1, 0), (3, 5), (2**31, 2**31, 4),
+    (0, 64, 2**62),
+    (2**62, 0),
+    (2**32, 2**32),
+    (2**63, 2),
+    (2**64 - 1, 1),
+    (0,),
+    (1, 0),
+    (3, 5),
+    (2**31, 2**31, 4),
 )
 
 
@@ -325,7 +395,11 @@ def gguf_tensor_edit(rng, data: bytearray, s: Structure) -> str:
         old_data = -(-info_end // 32) * 32
         start = group[0].offset
         struct.pack_into("<I", data, start - 4, len(values))
-        head = bytes(data[:start]) + struct.pack(f"<{len(values)}Q", *values) + bytes(data[group[-1].offset + 8 : info_end])
+        head = (
+            bytes(data[:start])
+            + struct.pack(f"<{len(values)}Q", *values)
+            + bytes(data[group[-1].offset + 8 : info_end])
+        )
         data[:] = head + bytes(-len(head) % 32) + bytes(data[old_data:])
         return f"dims at {start} -> {values} (count changed)"
     values = (values + [1] * len(group))[: len(group)]
@@ -365,7 +439,13 @@ def mutate_file(rng: random.Random, name: str, data: bytes, json_only: bool = Fa
     mutator = rng.choices(mutators, weights)[0]
     try:
         what = mutator(rng, buffer, s)
-    except (ValueError, RecursionError, OverflowError, UnicodeError, struct.error):  # a seed broken by an earlier mutation
+    except (
+        ValueError,
+        RecursionError,
+        OverflowError,
+        UnicodeError,
+        struct.error,
+    ):  # a seed broken by an earlier mutation
         buffer = bytearray(data)
         mutator = bit_flip
         what = bit_flip(rng, buffer, s)

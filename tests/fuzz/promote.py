@@ -58,8 +58,17 @@ def _signature(document: dict) -> tuple[str, ...]:
     if not document.get("signature"):
         return ()
     outcome = document.get("outcome", "")
-    result = Result(document["argv"], document.get("exit_code"), document.get("signal"), document.get("seconds", 0.0), 0, "",
-                    document.get("stderr", ""), killed_for=outcome if outcome in ("timeout", "memory") else None, outcome=outcome)
+    result = Result(
+        document["argv"],
+        document.get("exit_code"),
+        document.get("signal"),
+        document.get("seconds", 0.0),
+        0,
+        "",
+        document.get("stderr", ""),
+        killed_for=outcome if outcome in ("timeout", "memory") else None,
+        outcome=outcome,
+    )
     return tuple(signature_of(result, document.get("debug_stderr") or None))
 
 
@@ -88,20 +97,35 @@ def promote(findings: Path, regressions: Path) -> list[dict]:
         dest = regressions / case.container / _slug(signature)  # type: ignore[arg-type]
         if dest.exists():
             shutil.rmtree(dest)
-        case.write(dest, extra={
-            "signature": list(signature),
-            "area": area_of(list(signature), case.container),
-            "first_seen": {k: document.get(k) for k in ("outcome", "exit_code", "signal", "seconds", "peak_rss_growth_mib")},
-            "stderr": document.get("stderr", "")[-1500:],
-            "reproducer": reproducer(dest, case),
-        })
-        rows.append({"signature": list(signature), "area": area_of(list(signature), case.container), "case": str(dest.relative_to(REPO) if dest.is_relative_to(REPO) else dest),
-                     "argv": case.argv, "mutations": case.mutations, "stderr": document.get("stderr", "")})
+        case.write(
+            dest,
+            extra={
+                "signature": list(signature),
+                "area": area_of(list(signature), case.container),
+                "first_seen": {
+                    k: document.get(k) for k in ("outcome", "exit_code", "signal", "seconds", "peak_rss_growth_mib")
+                },
+                "stderr": document.get("stderr", "")[-1500:],
+                "reproducer": reproducer(dest, case),
+            },
+        )
+        rows.append(
+            {
+                "signature": list(signature),
+                "area": area_of(list(signature), case.container),
+                "case": str(dest.relative_to(REPO) if dest.is_relative_to(REPO) else dest),
+                "argv": case.argv,
+                "mutations": case.mutations,
+                "stderr": document.get("stderr", ""),
+            }
+        )
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.fuzz.promote", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.fuzz.promote", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("findings", type=Path)
     parser.add_argument("--regressions", type=Path, default=HERE / "regressions")
     parser.add_argument("--list", action="store_true", help="print what would be promoted")
@@ -114,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = promote(args.findings, args.regressions)
     for row in rows:
         if args.markdown:
-            error = next((line for line in row["stderr"].splitlines() if line.startswith("error:")), row["stderr"].strip()[-200:])
+            error = next(
+                (line for line in row["stderr"].splitlines() if line.startswith("error:")), row["stderr"].strip()[-200:]
+            )
             print(f"### [{row['area']}] {row['signature'][1]} at `{row['signature'][2]}` ({row['signature'][0]})\n")
             print(f"- case: `{row['case']}`: `qtool {' '.join(row['argv'])}` after {'; '.join(row['mutations'])[:300]}")
             print(f"- prints: `{error[:300]}`\n")

@@ -48,14 +48,35 @@ STARTUP_SLACK = 12.0  # an interpreter start and qtool's imports on a busy machi
 SIGNAL_SLACK = 3.0  # seconds from a signal to the exit
 
 ACTIONS = (
-    "ok", "trickle-body", "trickle-headers", "stall-headers", "stall-body", "close", "slow-ok",
-    "status", "bad-range", "redirect",
+    "ok",
+    "trickle-body",
+    "trickle-headers",
+    "stall-headers",
+    "stall-body",
+    "close",
+    "slow-ok",
+    "status",
+    "bad-range",
+    "redirect",
 )
 STATUSES = (200, 204, 301, 304, 400, 401, 403, 404, 416, 429, 500, 503)
 REDIRECTS = ("same-origin", "other-origin", "loop", "ftp", "file", "data", "https-plain", "gopher", "relative-scheme")
 SHARD_NAMES = (
-    "absolute-forbidden", "absolute-upper", "scheme-relative", "file-shard", "file-fifo", "double-slash",
-    "data", "dot-dot", "percent-dot-dot", "query", "long", "control", "space-unicode", "backslash", "dot-slash",
+    "absolute-forbidden",
+    "absolute-upper",
+    "scheme-relative",
+    "file-shard",
+    "file-fifo",
+    "double-slash",
+    "data",
+    "dot-dot",
+    "percent-dot-dot",
+    "query",
+    "long",
+    "control",
+    "space-unicode",
+    "backslash",
+    "dot-slash",
 )
 # A case whose request is sent to a non-HTTP URL must not succeed (see the module docstring).
 _NON_HTTP = {"ftp", "file", "data", "gopher", "https-plain"}
@@ -163,7 +184,7 @@ class HostileServer:
             start, last, status = int(first), min(int(end), len(data) - 1), 206
         body = data[start : last + 1]
         shown_start = start + (1 if action == "bad-range" else 0)
-        head = f"HTTP/1.1 {status} OK\r\nContent-Length: {len(body)}\r\nETag: \"{len(data)}\"\r\n"
+        head = f'HTTP/1.1 {status} OK\r\nContent-Length: {len(body)}\r\nETag: "{len(data)}"\r\n'
         if status == 206:
             head += f"Content-Range: bytes {shown_start}-{shown_start + len(body) - 1}/{len(data)}\r\n"
         head_bytes = (head + "\r\n").encode()
@@ -263,7 +284,15 @@ class Outcome:
     verdict: str  # "exit0" | "exit2-one-line" | "signal-exit" | a finding class
 
 
-def _verdict(behaviour: Behaviour, code: int | None, seconds: float, stderr: str, forbidden_hits: int, answered: int, signal_sent_at: float | None) -> str:
+def _verdict(
+    behaviour: Behaviour,
+    code: int | None,
+    seconds: float,
+    stderr: str,
+    forbidden_hits: int,
+    answered: int,
+    signal_sent_at: float | None,
+) -> str:
     """The case's outcome class; `answered`: how many requests the server saw."""
     lines = [line for line in stderr.splitlines() if not line.startswith("warning: ")]
     if code is None:
@@ -280,24 +309,36 @@ def _verdict(behaviour: Behaviour, code: int | None, seconds: float, stderr: str
         return "over-deadline"
     if code == 0:
         # success through a non-HTTP URL means it was read: a shard name, or a redirect the server sent
-        sent_away = any(spec["action"] == "redirect" and spec["to"] in _NON_HTTP and number < answered for number, spec in behaviour.actions.items())
+        sent_away = any(
+            spec["action"] == "redirect" and spec["to"] in _NON_HTTP and number < answered
+            for number, spec in behaviour.actions.items()
+        )
         return "read-non-http" if sent_away or behaviour.shard_name in ("file-shard", "file-fifo", "data") else "exit0"
     if code == 2:
-        return "exit2-one-line" if lines and lines[0].startswith("error: ") and len(lines) <= 2 else "exit2-not-one-line"
+        return (
+            "exit2-one-line" if lines and lines[0].startswith("error: ") and len(lines) <= 2 else "exit2-not-one-line"
+        )
     return "internal-error" if code == 70 else f"exit{code}"
 
 
 ACCEPTED = ("exit0", "exit2-one-line", "signal-exit")
 
 
-def run_case(number: int, behaviour: Behaviour, root: Path, server: HostileServer, forbidden: HostileServer, fifo: Path) -> Outcome:
+def run_case(
+    number: int, behaviour: Behaviour, root: Path, server: HostileServer, forbidden: HostileServer, fifo: Path
+) -> Outcome:
     url = _serve_case(root, behaviour, server, forbidden, fifo)
     server.reset(behaviour)
     forbidden.reset(Behaviour("single"))
     cache = root / "cache"
     shutil.rmtree(cache, ignore_errors=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("QTOOL_", "HF_"))}
-    env.update(PYTHONPATH=str(REPO), QTOOL_CACHE=str(cache), QTOOL_HTTP_TIMEOUT=str(REQUEST_TIMEOUT), QTOOL_HTTP_DEADLINE=str(COMMAND_TIMEOUT))
+    env.update(
+        PYTHONPATH=str(REPO),
+        QTOOL_CACHE=str(cache),
+        QTOOL_HTTP_TIMEOUT=str(REQUEST_TIMEOUT),
+        QTOOL_HTTP_DEADLINE=str(COMMAND_TIMEOUT),
+    )
     started = time.monotonic()
     process = subprocess.Popen(
         [sys.executable, "-m", "qtool", "inspect", url], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=root,
@@ -353,7 +394,9 @@ def campaign(seed: int, cases: int | None, minutes: float | None, log=print) -> 
                     by_action[f"signal:{signal.Signals(behaviour.signum).name}"] += 1
                 slowest = max(slowest, outcome.seconds)
                 if outcome.verdict not in ACCEPTED:
-                    findings.append(asdict(outcome) | {"reproduce": f"python -m tests.fuzz.remote --seed {seed} --only {number}"})
+                    findings.append(
+                        asdict(outcome) | {"reproduce": f"python -m tests.fuzz.remote --seed {seed} --only {number}"}
+                    )
                     log(f"finding: case {number}: {outcome.verdict}: {outcome.stderr.strip()[:300]}")
                 number += 1
         finally:
@@ -371,7 +414,9 @@ def campaign(seed: int, cases: int | None, minutes: float | None, log=print) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.fuzz.remote", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.fuzz.remote", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--minutes", type=float, help="stop starting cases after this long")
     parser.add_argument("--cases", type=int, help="cases to run (default: until --minutes, else 30)")
     parser.add_argument("--seed", type=int, default=0)
@@ -394,8 +439,12 @@ def main(argv: list[str] | None = None) -> int:
                     each.close()
         print(json.dumps(asdict(outcome), indent=2))
         return 0 if outcome.verdict in ACCEPTED else 1
-    summary = campaign(args.seed, args.cases if args.cases is not None else (None if args.minutes else 30), args.minutes)
-    print(f"qtool remote fuzz: seed {summary['seed']}, {summary['cases']} cases in {summary['seconds']} s, slowest {summary['slowest_seconds']:.1f} s")
+    summary = campaign(
+        args.seed, args.cases if args.cases is not None else (None if args.minutes else 30), args.minutes
+    )
+    print(
+        f"qtool remote fuzz: seed {summary['seed']}, {summary['cases']} cases in {summary['seconds']} s, slowest {summary['slowest_seconds']:.1f} s"
+    )
     for verdict, count in sorted(summary["counts"].items()):
         print(f"  {verdict:<24} {count}")
     print("mutations: " + ", ".join(f"{k} {v}" for k, v in summary["mutations"].items()))

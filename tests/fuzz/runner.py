@@ -85,7 +85,9 @@ def classify(result: Result) -> str:
     if code == 0:
         return "exit0"
     if code == 2:
-        other = [line for line in err.splitlines() if line.strip() and not line.startswith(("error:", "hint:", "warning:"))]
+        other = [
+            line for line in err.splitlines() if line.strip() and not line.startswith(("error:", "hint:", "warning:"))
+        ]
         return "exit2-one-line" if len(error_lines) == 1 and not other else "exit2-not-one-line"
     if code == 1:
         return "check-gate" if result.argv and result.argv[0] == "check" and len(error_lines) <= 1 else "exit1"
@@ -136,13 +138,18 @@ def preload(extra_modules: tuple[str, ...] = (), calibration: bool = False) -> N
     for name in names:
         try:
             importlib.import_module(name)
-        except Exception:  # noqa: BLE001, S110 - optional (torchao) or moved by another branch
+        except Exception:
             pass
     if calibration:  # calibration's cases (side_json/handmade-calibrate-*): not once per case
         from qtool.api import import_transformers_lean
 
         import_transformers_lean()
-        for name in ("transformers.modeling_utils", "transformers.models.llama.modeling_llama", "qtool.calibration.skeleton", "qtool.calibration.samples"):
+        for name in (
+            "transformers.modeling_utils",
+            "transformers.models.llama.modeling_llama",
+            "qtool.calibration.skeleton",
+            "qtool.calibration.samples",
+        ):
             importlib.import_module(name)
 
 
@@ -207,7 +214,7 @@ def _child(argv: list[str], cwd: Path, out: Path, err: Path, env: dict[str, str]
         except SystemExit as exc:
             c = exc.code
             code = 0 if c is None else c if isinstance(c, int) else 1
-    except BaseException:  # noqa: BLE001 - the harness's own failure, reported as exit 98
+    except BaseException:
         import traceback
 
         traceback.print_exc()
@@ -216,7 +223,7 @@ def _child(argv: list[str], cwd: Path, out: Path, err: Path, env: dict[str, str]
         try:
             sys.stdout.flush()
             sys.stderr.flush()
-        except BaseException:  # noqa: BLE001, S110 - the exit code matters more
+        except BaseException:
             pass
         os._exit(code)
 

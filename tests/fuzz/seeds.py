@@ -94,7 +94,11 @@ def _copy_fixture(source: Path, dest: Path) -> list[str]:
     dest.mkdir(parents=True, exist_ok=True)
     copied = []
     for item in sorted(source.iterdir()):
-        if item.is_file() and (item.suffix in (".safetensors", ".json", ".pt", ".pth", ".bin", ".bpk", ".gguf")) and item.name != "manifest.json":
+        if (
+            item.is_file()
+            and (item.suffix in (".safetensors", ".json", ".pt", ".pth", ".bin", ".bpk", ".gguf"))
+            and item.name != "manifest.json"
+        ):
             shutil.copyfile(item, dest / item.name)
             copied.append(item.name)
     return copied
@@ -140,7 +144,16 @@ def _safetensors_seeds(out: Path) -> list[Seed]:
     )
     _write(
         fp8 / "config.json",
-        json.dumps({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}}),
+        json.dumps(
+            {
+                "quantization_config": {
+                    "quant_method": "fp8",
+                    "fmt": "e4m3",
+                    "activation_scheme": "dynamic",
+                    "weight_block_size": [128, 128],
+                }
+            }
+        ),
     )
     seeds.append(Seed("safetensors", "fp8-scale-inv", fp8, "model.safetensors", ("model.safetensors",)))
     for name, source in _SAFETENSORS_FIXTURES:
@@ -216,7 +229,15 @@ def _gguf_seeds(out: Path) -> list[Seed]:
     writer.add_array("tokenizer.ggml.scores", [0.0, 0.5, -1.0, 2.0])
     writer.add_tensor("token_embd.weight", rng.standard_normal((4, 32)).astype(np.float32))
     writer.add_tensor("blk.0.attn_norm.weight", np.ones(32, dtype=np.float16))
-    for type_name, shape in (("Q8_0", (2, 32)), ("Q4_0", (2, 32)), ("Q4_1", (2, 32)), ("Q5_0", (1, 32)), ("Q4_K", (1, 256)), ("Q6_K", (1, 256)), ("Q2_K", (1, 256))):
+    for type_name, shape in (
+        ("Q8_0", (2, 32)),
+        ("Q4_0", (2, 32)),
+        ("Q4_1", (2, 32)),
+        ("Q5_0", (1, 32)),
+        ("Q4_K", (1, 256)),
+        ("Q6_K", (1, 256)),
+        ("Q2_K", (1, 256)),
+    ):
         data = _gguf_blocks(rng, type_name, shape)
         writer.add_tensor(f"blk.0.{type_name.lower()}.weight", data, raw_dtype=T[type_name])
     writer.write_header_to_file()
@@ -303,7 +324,9 @@ def _pt_legacy_seeds(out: Path) -> list[Seed]:
     torch.save(_state_dict(), folder / "model.pt", _use_new_zipfile_serialization=False)
     trainer = out / "pt_legacy" / "trainer"
     trainer.mkdir(parents=True, exist_ok=True)
-    torch.save({"state_dict": _state_dict(), "epoch": 1}, trainer / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    torch.save(
+        {"state_dict": _state_dict(), "epoch": 1}, trainer / "pytorch_model.bin", _use_new_zipfile_serialization=False
+    )
     return [
         Seed("pt_legacy", "state-dict", folder, "model.pt", ("model.pt",)),
         Seed("pt_legacy", "trainer", trainer, "pytorch_model.bin", ("pytorch_model.bin",)),

@@ -70,7 +70,7 @@ def _guarded(parser, data: bytes) -> Structure:
     s.boundaries.update((0, len(data)))
     try:
         parser(data, s)
-    except Exception:  # noqa: BLE001, S110 - a broken file: keep what was found
+    except Exception:
         pass
     s.boundaries = {b for b in s.boundaries if 0 <= b <= len(data)}
     s.minor = {b for b in s.minor if 0 <= b <= len(data)} - s.boundaries
@@ -256,8 +256,8 @@ def _zip(data: bytes, s: Structure) -> None:
         s.regions.append(Region(start, end, "pickle" if is_pickle else "member", name))
         if is_pickle:
             try:
-                _pickle(data[: end], start, s, name)
-            except Exception:  # noqa: BLE001, S110 - a broken pickle: keep what was found
+                _pickle(data[:end], start, s, name)
+            except Exception:
                 pass
         pos = max(end, local + 4)
     pos = 0
@@ -286,7 +286,10 @@ def _zip(data: bytes, s: Structure) -> None:
             Field(eocd + 16, "<I", "offset"),
         ]
         s.boundaries.update((eocd, eocd + 22))
-    for sig, fields in ((b"PK\x06\x06", ((24, "<Q", "count"), (32, "<Q", "count"), (40, "<Q", "length"), (48, "<Q", "offset"))), (b"PK\x06\x07", ((8, "<Q", "offset"),))):
+    for sig, fields in (
+        (b"PK\x06\x06", ((24, "<Q", "count"), (32, "<Q", "count"), (40, "<Q", "length"), (48, "<Q", "offset"))),
+        (b"PK\x06\x07", ((8, "<Q", "offset"),)),
+    ):
         at = data.rfind(sig)
         if at >= 0:
             s.fields += [Field(at + off, fmt, kind) for off, fmt, kind in fields]

@@ -38,7 +38,15 @@ def _env() -> dict[str, str]:
 
 
 def _fuzz(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tests.fuzz", "--quiet", *args], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "tests.fuzz", "--quiet", *args],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 # -- the regression corpus -------------------------------------------------------------------------
@@ -66,10 +74,10 @@ def test_regression_case_is_exit_0_or_one_line_exit_2(replayed, case: Path):
         textwrap.dedent(
             f"""\
             {case.relative_to(REPO)} still fails: [{outcome}] {exc} at {where}
-              area: {recorded.get('area', '?')}; first found as: {' | '.join(recorded.get('signature', []))}
-              command: qtool {' '.join(recorded['argv'])}   (mutations: {'; '.join(recorded['mutations'])[:300]})
-              stderr: {entry.get('stderr', '').strip()[-600:]}
-              reproduce: {entry['reproducer']}"""
+              area: {recorded.get("area", "?")}; first found as: {" | ".join(recorded.get("signature", []))}
+              command: qtool {" ".join(recorded["argv"])}   (mutations: {"; ".join(recorded["mutations"])[:300]})
+              stderr: {entry.get("stderr", "").strip()[-600:]}
+              reproduce: {entry["reproducer"]}"""
         ),
         pytrace=False,
     )
@@ -88,8 +96,14 @@ def test_the_corpus_covers_every_container_it_names():
 def test_a_fixed_seed_campaign_finds_nothing(tmp_path):
     summary_path = tmp_path / "summary.json"
     done = _fuzz(
-        "--seed", str(CI_SEED), "--cases-per-container", str(CI_CASES_PER_CONTAINER),
-        "--findings", str(tmp_path / "findings"), "--summary-json", str(summary_path),
+        "--seed",
+        str(CI_SEED),
+        "--cases-per-container",
+        str(CI_CASES_PER_CONTAINER),
+        "--findings",
+        str(tmp_path / "findings"),
+        "--summary-json",
+        str(summary_path),
     )
     assert summary_path.is_file(), done.stderr[-3000:]
     summary = json.loads(summary_path.read_text())
@@ -97,7 +111,9 @@ def test_a_fixed_seed_campaign_finds_nothing(tmp_path):
     assert sum(sum(c.values()) for c in counts.values()) == CI_CASES_PER_CONTAINER * len(CONTAINERS), counts
     if summary["findings"]:
         again = f"python -m tests.fuzz --seed {CI_SEED} --cases-per-container {CI_CASES_PER_CONTAINER} [--container X]"
-        lines = [f"{len(summary['findings'])} distinct findings in {summary['seconds']} s; the same cases again: {again}"]
+        lines = [
+            f"{len(summary['findings'])} distinct findings in {summary['seconds']} s; the same cases again: {again}"
+        ]
         for finding in summary["findings"]:
             outcome, exc, where = finding["signature"]
             lines.append(f"- [{outcome}] {exc} at {where} (x{finding['count']}): {finding['first_line'][:200]}")
@@ -153,7 +169,15 @@ print(json.dumps({m: runner.run([m], folder).outcome for m in sys.argv[1:]}))
 
 def test_the_runner_sees_every_kind_of_failure():
     modes = ["ok", "one-line", "two-lines", "traceback", "bug", "exit1", "hang", "eat", "segv"]
-    done = subprocess.run([sys.executable, "-c", _SELFTEST, *modes], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", _SELFTEST, *modes],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     outcomes = json.loads(done.stdout.strip().splitlines()[-1])
     assert outcomes == {
@@ -229,6 +253,8 @@ def test_mutations_of_every_seed_file_are_bytes(seeds):
 
 
 def test_a_saved_case_reads_back(tmp_path):
-    case = Case("gguf", "mixed", "model.gguf", ["inspect", "{in}"], ["x"], {"model.gguf": b"GGUF", "sub/config.json": b"{}"}, 7)
+    case = Case(
+        "gguf", "mixed", "model.gguf", ["inspect", "{in}"], ["x"], {"model.gguf": b"GGUF", "sub/config.json": b"{}"}, 7
+    )
     case.write(tmp_path / "c")
     assert Case.read(tmp_path / "c") == case
