@@ -40,6 +40,10 @@ ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("ray")]  # one cluster, started once, on one xdist worker
 
 RAY = Path(sys.executable).with_name("ray")
+# The same on every machine, whatever ~/.ray holds: with RAY_AUTH_MODE unset, a Ray that
+# ray.init starts writes ~/.ray/auth_token, and every later `ray start` then wants that token
+# (the cluster fixture failed so after the local-Ray test ran first). No usage reports either.
+HERMETIC = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 
 
 def _free_ports(count: int) -> list[int]:
@@ -106,7 +110,7 @@ def _stop(process: subprocess.Popen) -> None:
 @pytest.fixture(scope="module")
 def cluster():
     """RAY_ADDRESS of a two-node local cluster, for the module's tests."""
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, **HERMETIC}
     temp = tempfile.mkdtemp(prefix="qr", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     gcs, client, dashboard = _free_ports(3)
     head_args = [
@@ -254,7 +258,7 @@ def test_sigterm_while_the_driver_starts_its_own_ray_is_one_line_and_stops_that_
     from tests.scale_helpers import descendants
 
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_USAGE_STATS_ENABLED="0", TMPDIR=tempfile.mkdtemp(prefix="qr", dir="/tmp"))  # short socket paths
+    env.update(HERMETIC, TMPDIR=tempfile.mkdtemp(prefix="qr", dir="/tmp"))  # short socket paths
     process = start_qtool("quantize", four_shards, "-o", tmp_path / "out", "--executor", "ray", "-q", env=env)
     wait_for_qtool_handlers(process)
     started: set[int] = set()
