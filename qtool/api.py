@@ -224,7 +224,7 @@ def run(
     if spread and plan.calibration is not None:
         raise UsageError(
             "a calibrated quantization runs layer by layer in one process",
-            hint="drop --workers and --executor with --calibrate",
+            hint="a calibrated run takes neither workers nor another executor",
             option="workers",
         )
     runner = None
@@ -235,7 +235,7 @@ def run(
         if device != "cpu" and (device != "auto" or resolve_device(device) != "cpu"):
             raise UsageError(
                 f"device {device}: a run spread over workers runs on the CPU",
-                hint="drop --workers and --executor, or use --device cpu",
+                hint="leave the workers and the executor out, or run on the cpu device",
                 option="device",
             )
         requested = workers

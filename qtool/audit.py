@@ -150,7 +150,7 @@ class Audit:
             raise ViolationError(
                 f"{counted(len(self.findings), 'finding')} {'breaks' if len(self.findings) == 1 else 'break'} the policy ({summary})",
                 reasons=[f.line() for f in self.findings],
-                hint="the findings are listed on stdout; --json gives them as data",
+                hint="the findings are listed on stdout, and as data in the JSON document",
                 path=self.path,
             )
 

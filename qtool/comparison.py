@@ -319,7 +319,8 @@ def _keyed(
         if key in keyed:
             raise UsageError(
                 f"{checkpoint.path}: {keyed[key].name!r} and {weight.name!r} both become {key!r}",
-                hint="make the --map rules more specific",
+                hint="make the map rules more specific",
+                option="maps",
             )
         keyed[key] = weight
     return keyed

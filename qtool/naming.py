@@ -36,19 +36,21 @@ class Rename:
         return self.apply(name)
 
 
-def parse_rename(text: str, option: str = "--map") -> Rename:
+def parse_rename(text: str, option: str = "map rule") -> Rename:
     old, sep, new = text.rpartition("=")
     if not sep or not old:
-        raise UsageError(f"{option} '{text}' is not OLD=NEW", hint=r"e.g. --map 're:^blk\.(\d+)\.=model.layers.\1.'")
+        raise UsageError(
+            f"{option} '{text}' is not OLD=NEW", hint=r"e.g. 're:^blk\.(\d+)\.=model.layers.\1.'", option="maps"
+        )
     if old.startswith(REGEX_PREFIX):
         try:  # bounded in time, as every user regex (qtool.patterns)
             regex = compile_regex(old[len(REGEX_PREFIX) :], f"{option} '{text}'")
         except ValueError as exc:
-            raise UsageError(f"{option} '{text}': invalid regex: {exc}") from None
+            raise UsageError(f"{option} '{text}': invalid regex: {exc}", option="maps") from None
         try:  # a bad group reference in NEW fails here, not in the middle of a run
             _check_template(regex, new)
         except re.error as exc:
-            raise UsageError(f"{option} '{text}': invalid replacement '{new}': {exc}") from None
+            raise UsageError(f"{option} '{text}': invalid replacement '{new}': {exc}", option="maps") from None
 
         def by_regex(name: str) -> str:
             match = regex.match(name)

@@ -275,7 +275,8 @@ class _Runner:
         elif not math.isfinite(errors.noise):
             raise SchemeError(
                 f"{job.weight.name}: its values are finite but too large for {_scheme_name(job)}: a scale overflows its type, and the output would hold inf or NaN",
-                hint="leave this weight unquantized (--ignore), or rescale it",
+                hint="leave this weight unquantized, or rescale it",
+                option="ignore",
             )
 
     def _check_decoded(self, job: Job, data) -> None:

@@ -99,7 +99,7 @@ def _reachable(address: str | None, timeout: float = 10.0) -> None:
     except OSError as exc:
         raise UsageError(
             f"cannot connect to the Ray cluster at {address}: {exc.strerror or exc}",
-            hint="start it with `ray start --head`, or set --ray-address / RAY_ADDRESS",
+            hint="start it with `ray start --head`, or name another (the ray address, or RAY_ADDRESS)",
             option="ray_address",
         ) from None
 
@@ -138,7 +138,7 @@ def _import_ray():
         import ray
     except ImportError:
         raise UsageError(
-            "--executor ray needs Ray, which is not installed", hint="pip install 'qtool[ray]'", option="executor"
+            "the ray executor needs Ray, which is not installed", hint="pip install 'qtool[ray]'", option="executor"
         ) from None
     return ray
 
@@ -177,7 +177,7 @@ class RayCluster:
             where = self.address or os.environ.get("RAY_ADDRESS") or "a local Ray"
             raise UsageError(
                 f"cannot connect to the Ray cluster at {where}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
-                hint="start it with `ray start --head`, or set --ray-address / RAY_ADDRESS",
+                hint="start it with `ray start --head`, or name another (the ray address, or RAY_ADDRESS)",
                 option="ray_address",
             ) from None
         except BaseException as stopped:  # a signal, or Ray's SIGTERM handler: stop the Ray it started
@@ -241,7 +241,7 @@ class RayCluster:
             if wanted > self.largest_node:  # Ray would wait for such a node for ever
                 raise UsageError(
                     f"each shard job asks for {wanted} CPUs, and no node of the Ray cluster has more than {self.largest_node}",
-                    hint="lower --threads (under Ray, the CPUs of one task)",
+                    hint="lower the threads (under Ray, the CPUs of one task)",
                     option="threads",
                 )
             counter = self._counter()
@@ -305,5 +305,6 @@ class RayCluster:
         ) as exc:
             raise ShardJobError(
                 f"shard {job.label}: its Ray task was lost ({type(exc).__name__}) after {self.retries} retries; nothing was committed",
-                hint="a worker or node died; raise --max-retries, or check the cluster",
+                hint="a worker or node died; raise the retries, or check the cluster",
+                option="max_retries",
             ) from None

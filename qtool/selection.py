@@ -151,7 +151,7 @@ class Selection:
         if mix is not None and observer not in (None, "minmax"):
             raise SchemeError(
                 f"observer {observer}: {scheme} is a llama.cpp file type, GGUF block types with llama.cpp's own block math",
-                hint="drop --observer for GGUF output, or quantize to an int scheme (e.g. W4A16)",
+                hint="drop the observer for GGUF output, or quantize to an int scheme (e.g. W4A16)",
                 option="observer",
             )
         if mix is not None:
@@ -237,7 +237,8 @@ def _mix_choice(
             if gtype is None:
                 raise SchemeError(
                     f"GGUF has no block type for {override.label}",
-                    hint="--tensor-scheme under a llama.cpp mix names one GGUF type, e.g. q6_k",
+                    hint="a tensor scheme under a llama.cpp mix names one GGUF type, e.g. q6_k",
+                    option="tensor_schemes",
                 )
             override_type = gtype.name
         tensors.append(MixTensor(out_name, tuple(weight.shape), stored, candidate, override_type))

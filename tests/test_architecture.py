@@ -5,10 +5,12 @@ cycle, fail. Importing qtool installs no process-wide hook."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -287,3 +289,40 @@ def test_the_calibration_runner_names_no_algorithm():
 def test_the_runner_check_finds_an_algorithm_that_comes_back(line):
     source = (REPO / "qtool" / "calibration" / "runner.py").read_text(encoding="utf-8")
     assert algorithm_names_in(source + "\n" + line) != []
+
+
+# -- API messages name parameters, not flags --------------------------------------------------------
+
+
+FLAG = re.compile(r"(?<![\w`-])--[a-z][a-z-]+")
+
+
+def flags_in_raised_messages(root: Path) -> list[str]:
+    """Every flag spelled in the message or hint of an error raised below `cli/` (a shell command
+    in backticks aside): the API serves scripts too, and the CLI adds the flag from `option=`."""
+    import ast
+
+    found = []
+    for path in sorted((root / "qtool").rglob("*.py")):
+        if path.relative_to(root / "qtool").parts[0] == "cli":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)):
+                continue
+            parts = [*node.exc.args, *(k.value for k in node.exc.keywords if k.arg == "hint")]
+            for sub in (s for part in parts for s in ast.walk(part)):
+                if isinstance(sub, ast.Constant) and isinstance(sub.value, str):
+                    flag = FLAG.search(re.sub(r"`[^`]*`", "", sub.value))
+                    if flag:
+                        found.append(f"{path.relative_to(root)}:{node.lineno}: {flag.group()}")
+    return found
+
+
+def test_no_error_below_the_cli_spells_a_flag():
+    assert flags_in_raised_messages(REPO) == []
+
+
+def test_a_flag_in_an_error_below_the_cli_would_be_found(package_copy):
+    with open(package_copy / "qtool" / "pipeline.py", "a") as handle:
+        handle.write('\n\ndef _bad():\n    raise ValueError("x", hint="use --threads 2, or `ray start --head`")\n')
+    assert [line.rsplit(": ", 1)[1] for line in flags_in_raised_messages(package_copy)] == ["--threads"]

@@ -139,7 +139,7 @@ CASES = {
         None,
         TEXT,
         ("--actorder", "weight", "--algorithm", "awq"),
-        "--actorder orders GPTQ's columns; awq has none to order",
+        "an activation order orders GPTQ's columns; awq has none to order",
     ),
     "true sequential with awq": (
         None,

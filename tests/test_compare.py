@@ -335,7 +335,9 @@ def test_unreadable_input_and_bad_options_exit_2(w4, tmp_path):
     result = run("compare", TINY, tmp_path / "missing")
     assert result.exit_code == 2 and result.stderr.startswith("error: ")
     result = run("compare", TINY, w4, "--map", "nonsense")
-    assert result.exit_code == 2 and "--map 'nonsense' is not OLD=NEW" in result.stderr
+    assert (
+        result.exit_code == 2 and "map rule 'nonsense' is not OLD=NEW" in result.stderr and "(--map)" in result.stderr
+    )
     assert run("compare", TINY, w4, "--max-missing", "-1").exit_code == 2
 
 

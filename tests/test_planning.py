@@ -52,7 +52,7 @@ def test_one_tagged_calibration_value_carries_what_its_stage_needs():
         ({"calibrate": "t.txt", "algorithm": "nosuch"}, "algorithm 'nosuch' is not one of gptq, awq, rtn"),
         (
             {"calibrate": "t.txt", "algorithm": "awq", "actorder": "static"},
-            "--actorder orders GPTQ's columns; awq has none to order",
+            "an activation order orders GPTQ's columns; awq has none to order",
         ),
         ({"calibrate": "t.txt", "algorithm": "rtn", "true_sequential": True}, "true sequential orders GPTQ's Linears"),
         ({"calibrate": "t.txt", "actorder": "group"}, "is gone from compressed-tensors"),

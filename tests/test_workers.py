@@ -239,7 +239,7 @@ def test_without_ray_the_ray_executor_is_one_line_naming_the_extra(four_shards, 
         timeout=300,
     )
     assert result.returncode == 2
-    assert result.stderr.splitlines()[0] == "error: --executor ray needs Ray, which is not installed"
+    assert result.stderr.splitlines()[0] == "error: the ray executor needs Ray, which is not installed"
     assert "qtool[ray]" in result.stderr
     assert not (tmp_path / "out").exists() and staging_left(tmp_path) == []
 

@@ -121,7 +121,7 @@ def unfuse(layer, layer_prefix: str, names, where: str) -> list[MoeBlock]:
         if attribute != "experts" or set(shapes) != {"gate_up_proj", "down_proj"} or not hasattr(module, "act_fn"):
             raise UsageError(
                 f"{where}: {type(module).__name__} ({path}) holds its experts in a layout qtool does not unfuse",
-                hint="quantize it without --calibrate (round to nearest)",
+                hint="quantize it without calibration text (round to nearest)",
                 option="calibrate",
             )
         count, double, hidden = shapes["gate_up_proj"]
@@ -130,7 +130,7 @@ def unfuse(layer, layer_prefix: str, names, where: str) -> list[MoeBlock]:
         if projections is None:
             raise UsageError(
                 f"{where}: the checkpoint names no per-expert 2-D weights for {path} ({layer_prefix}.*.experts.0.{{w1,w3,w2 | gate_proj,up_proj,down_proj}}.weight); "
-                "qtool calibrates experts stored one Linear each", hint="quantize it without --calibrate (round to nearest)", option="calibrate",
+                "qtool calibrates experts stored one Linear each", hint="quantize it without calibration text (round to nearest)", option="calibrate",
             )  # fmt: skip
         parent = layer.get_submodule(parent_path) if parent_path else layer
         with torch.device("meta"):

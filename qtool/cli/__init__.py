@@ -178,7 +178,7 @@ def stopped(exc: BaseException | None = None) -> int:
 
 
 # API parameters whose flag is not the parameter's name spelled with dashes
-_FLAGS = {"tensor_schemes": "--tensor-scheme", "path": "the PATH argument"}
+_FLAGS = {"tensor_schemes": "--tensor-scheme", "maps": "--map", "path": "the PATH argument"}
 
 
 def _with_flag(hint: str | None, option: str | None) -> str | None:

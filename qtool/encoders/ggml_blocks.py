@@ -58,7 +58,9 @@ class GgmlBlockEncoder:
             )
         if self.importance is None and self.gtype.quantizer_needs_imatrix:
             raise UsageError(
-                f"{job.weight.name}: {self.gtype.name} needs an importance matrix (llama.cpp quantizes it only with one): give --imatrix"
+                f"{job.weight.name}: {self.gtype.name} needs an importance matrix (llama.cpp quantizes it only with one)",
+                hint="give an importance matrix",
+                option="imatrix",
             )
 
     def transcodes(self, weight) -> bool:

@@ -613,5 +613,6 @@ def check_replaceable(target: str, shown: str, *, single_file: bool, name: str |
             listed += f" and {len(unexpected) - 5} more"
         raise UsageError(
             f"output {shown} holds {listed}, which are not checkpoint files; {refuse}",
-            hint="--overwrite replaces only a previous checkpoint folder; choose another -o",
+            hint="overwrite replaces only a previous checkpoint folder; choose another output",
+            option="overwrite",
         )

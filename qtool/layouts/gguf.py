@@ -180,7 +180,7 @@ class Gguf:
             if not encoders.can_encode(self, job):
                 raise SchemeError(
                     f"{job.weight.name}: cannot encode {job.outputs[0].dtype}: {encoders.why_not_encodable(job)}",
-                    hint="build the C extension (pip install -e . or python setup.py build_ext --inplace), or pick q8_0/q4_0/q4_1/q5_0/q5_1",
+                    hint="build the C extension (`pip install -e .` or `python setup.py build_ext --inplace`), or pick q8_0/q4_0/q4_1/q5_0/q5_1",
                 )
         entries = input_entries if gguf_input else model
         recorded = imatrix_metadata(options.imatrix, options.imatrix_name) if options.imatrix is not None else []

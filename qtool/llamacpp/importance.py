@@ -50,7 +50,7 @@ def attach_importance(jobs: list[Job], imatrix: Imatrix | None, mix: str | None)
             if requires_imatrix(out.name, job.encoding.type, mix):
                 raise SchemeError(
                     f"{out.name}: {out.dtype} needs an importance matrix (llama.cpp refuses it without one)",
-                    hint="give --imatrix (llama-imatrix's or qtool imatrix's) or --calibrate TEXT, or pick a type of 3 bits or more",
+                    hint="give an importance matrix (llama-imatrix's or qtool imatrix's) or calibration text, or pick a type of 3 bits or more",
                     option="imatrix",
                 )
         return list(jobs), []

@@ -168,7 +168,7 @@ class QuantizeRequest:
         if calibrate is not None and imatrix is not None:
             raise UsageError(
                 "give either an importance matrix or calibration text, not both",
-                hint="--calibrate computes the importance matrix --imatrix would read",
+                hint="the calibration text computes the importance matrix an imatrix file holds; drop the file",
                 option="imatrix",
             )
         if imatrix is not None:
@@ -199,7 +199,7 @@ def _text_calibration(
     if true_sequential and algorithm != "gptq":
         raise UsageError(
             f"true sequential orders GPTQ's Linears; {algorithm} quantizes each layer from its float run",
-            hint="use --algorithm gptq, or leave --true-sequential out",
+            hint="leave true sequential out, or use the gptq algorithm",
             option="true_sequential",
         )
     if algorithm == "gptq":
@@ -219,7 +219,7 @@ def resolve_actorder(actorder: str | None, algorithm: str) -> str | None:
     if actorder in ("group", "dynamic"):
         raise UsageError(
             f"activation order {actorder!r} (columns regrouped, a weight_g_idx per weight) is gone from compressed-tensors since 0.19, which refuses its config",
-            hint="use --actorder weight (or its alias static): the same column order, groups unchanged", option="actorder",
+            hint="use the activation order weight (or its alias static): the same column order, groups unchanged", option="actorder",
         )  # fmt: skip
     if actorder not in ACTORDERS:
         raise UsageError(
@@ -227,8 +227,8 @@ def resolve_actorder(actorder: str | None, algorithm: str) -> str | None:
         )
     if algorithm != "gptq":
         raise UsageError(
-            f"--actorder orders GPTQ's columns; {algorithm} has none to order",
-            hint="use --algorithm gptq, or leave --actorder out",
+            f"an activation order orders GPTQ's columns; {algorithm} has none to order",
+            hint="leave the activation order out, or use the gptq algorithm",
             option="actorder",
         )
     return actorder
