@@ -104,6 +104,7 @@ class LocalProcesses:
         pending = {job.index: job for job in jobs}
         attempts = dict.fromkeys(pending, 0)
         context = multiprocessing.get_context("spawn")
+        _start_resource_tracker_quietly()
         while pending:
             before = {process.pid for process in multiprocessing.active_children()}
             pool = ProcessPoolExecutor(
@@ -145,6 +146,29 @@ class LocalProcesses:
                 _stop_children(before)
             else:
                 pool.shutdown(wait=True)
+
+
+def _start_resource_tracker_quietly() -> None:
+    """multiprocessing's resource tracker, a process that outlives a signalled driver, writes to
+    the stderr it was started with. After a signal, a pool's queue finalizer may unlink its
+    semaphore and be cut off by the exit before it tells the tracker, which then printed
+    "1 leaked semaphore objects" and "No such file" after qtool's one line (under load, in CI,
+    although the exit waits for the pool's threads). Started here with its stderr on /dev/null
+    (our fd 2 pointed there for the few milliseconds of its start), it still removes what is
+    left and says nothing; a tracker already running is left as it is."""
+    from multiprocessing import resource_tracker
+
+    try:
+        quiet, saved = os.open(os.devnull, os.O_WRONLY), os.dup(2)
+    except OSError:
+        return
+    try:
+        os.dup2(quiet, 2)
+        resource_tracker.ensure_running()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(quiet)
 
 
 def _stop_children(before: set[int | None]) -> None:
