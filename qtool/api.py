@@ -20,7 +20,7 @@ from qtool.planning.paths import refuse_remote_data
 
 if TYPE_CHECKING:
     from qtool.audit import Audit, CheckRules
-    from qtool.distribute import WorkerPool
+    from qtool.spread.distribute import WorkerPool
     from qtool.comparison import Comparison
     from qtool.formats.imatrix import Imatrix
     from qtool.plan import Plan
@@ -175,7 +175,7 @@ def worker_pool(plan: Plan, workers: int) -> WorkerPool:
     """How many local worker processes `run(plan, workers=workers)` starts: at most the shard
     jobs it cuts the plan into, and what the available memory holds at the largest job's
     working set estimate (`WorkerPool.capped` says whether that is fewer than asked)."""
-    from qtool.distribute import worker_pool as pool
+    from qtool.spread.distribute import worker_pool as pool
 
     if workers < 1:
         raise UsageError(f"workers {workers} must be at least 1", option="workers")
@@ -229,8 +229,8 @@ def run(
         )
     runner = None
     if spread:
-        from qtool.distribute import threads_per_worker, worker_pool
-        from qtool.executors import DEFAULT_RETRIES, make_executor
+        from qtool.spread.distribute import threads_per_worker, worker_pool
+        from qtool.spread.executors import DEFAULT_RETRIES, make_executor
 
         if device != "cpu" and (device != "auto" or resolve_device(device) != "cpu"):
             raise UsageError(
@@ -303,7 +303,7 @@ def run(
         if runner is None:
             measured = execute(written, output, options, before_commit=stage_report)
         else:
-            from qtool.distribute import execute_sharded
+            from qtool.spread.distribute import execute_sharded
 
             measured, _ = execute_sharded(written, output, options, runner, before_commit=stage_report_spread)
     except BaseException:  # a Ctrl-C between the two lines above too: nothing is left

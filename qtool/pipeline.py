@@ -326,7 +326,7 @@ class _Runner:
         return tensor_bytes(values.to(storage_dtype(target).torch_dtype()))
 
 
-# what a shard job (`qtool.shard_job`) runs a slice of a plan with, as `execute` runs all of it
+# what a shard job (`qtool.spread.shard_job`) runs a slice of a plan with, as `execute` runs all of it
 Runner = _Runner
 
 

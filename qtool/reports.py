@@ -35,7 +35,7 @@ class RunReport:
     measured: Measurements
     device: str
     execution: dict[str, Any] | None = (
-        None  # a run spread over workers: the executor and each shard job (`qtool.distribute`)
+        None  # a run spread over workers: the executor and each shard job (`qtool.spread.distribute`)
     )
     input_revision: bool | dict[str, Any] | None = (
         True  # the input's revision as `api.run` read it before the commit (True: look it up)

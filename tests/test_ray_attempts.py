@@ -9,8 +9,8 @@ import types
 
 import pytest
 
-from qtool import ray_executor
-from qtool.shard_job import ShardResult
+from qtool.spread import ray_executor
+from qtool.spread.shard_job import ShardResult
 
 
 class _Handle:

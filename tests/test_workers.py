@@ -174,7 +174,7 @@ _POOL_LEFT_BY_A_SIGNAL = """
 import multiprocessing, os, sys, time
 from concurrent.futures import ProcessPoolExecutor
 from qtool import cli
-from qtool.executors import _stop_children
+from qtool.spread.executors import _stop_children
 
 
 def nap(marker):
@@ -277,7 +277,7 @@ def test_a_qtool_error_crosses_processes_whole():
 @settings(deadline=None)
 @given(st.lists(st.integers(0, 10**9), max_size=40), st.integers(1, 12))
 def test_a_file_is_cut_into_contiguous_slices_in_plan_order(sizes, count):
-    from qtool.shard_job import _balanced
+    from qtool.spread.shard_job import _balanced
 
     class FakeJob:
         def __init__(self, size):
@@ -294,7 +294,7 @@ def test_the_driver_refuses_a_staged_range_that_does_not_hold_what_its_job_wrote
     import hashlib
 
     from qtool.pipeline import ExecOptions
-    from qtool.shard_job import ShardJob, ShardResult, verify
+    from qtool.spread.shard_job import ShardJob, ShardResult, verify
 
     staged = tmp_path / "staged.bin"
     staged.write_bytes(b"H" * 8 + b"a" * 100 + b"b" * 50)
@@ -317,7 +317,7 @@ def test_the_driver_refuses_a_staged_range_that_does_not_hold_what_its_job_wrote
 
 def test_the_ray_node_probe_names_what_a_node_cannot_read(tmp_path):
     pytest.importorskip("ray")
-    from qtool.ray_executor import _probe
+    from qtool.spread.ray_executor import _probe
 
     readable = tmp_path / "a.safetensors"
     readable.write_bytes(b"x" * 16)
@@ -393,8 +393,8 @@ def test_the_pool_is_capped_at_the_shard_jobs_and_at_memory(four_shards, tmp_pat
     the number of shard jobs a split makes, and what the available memory holds at the largest
     job's working set estimate."""
     from qtool import api
-    from qtool.distribute import worker_pool
-    from qtool.shard_job import shard_count
+    from qtool.spread.distribute import worker_pool
+    from qtool.spread.shard_job import shard_count
 
     plan = api.prepare_quantize(four_shards, tmp_path / "out", "W4A16")
     jobs = shard_count(plan, 10**6)
@@ -414,7 +414,7 @@ def test_the_pool_is_capped_at_the_shard_jobs_and_at_memory(four_shards, tmp_pat
 
 def test_a_million_workers_start_as_many_as_there_are_shard_jobs_and_say_so(four_shards, tmp_path):
     from qtool import api
-    from qtool.distribute import worker_pool
+    from qtool.spread.distribute import worker_pool
 
     out = tmp_path / "out"
     result = qtool("quantize", four_shards, "-o", out, "--scheme", "W4A16", "--workers", "1000000", "--json")

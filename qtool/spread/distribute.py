@@ -1,6 +1,6 @@
 """The driver of a run spread over workers (`--workers N`, `--executor ray`): the plan is made
 once, here; every output file is created with its header and full size in the staging folder;
-the plan is cut into shard jobs (`qtool.shard_job`) that an executor (`qtool.executors`) runs
+the plan is cut into shard jobs (`qtool.spread.shard_job`) that an executor (`qtool.spread.executors`) runs
 where it likes; each result is checked against its staged file as it arrives (every range's
 size; on a cluster's shared storage also each range's sha256, read back, against the one its job
 computed as it wrote: a lost attempt's late write, or storage that lost a write, fails the run); the reports are merged in plan order, so the document is the one a
@@ -17,11 +17,11 @@ from typing import Any
 from collections.abc import Callable
 
 from qtool.errors import ShardJobError
-from qtool.executors import Executor
+from qtool.spread.executors import Executor
 from qtool.formats.writer import Output
 from qtool.pipeline import ExecOptions, Measurements, write_side_files
 from qtool.plan import Plan
-from qtool.shard_job import ShardJob, ShardResult, split, verify
+from qtool.spread.shard_job import ShardJob, ShardResult, split, verify
 
 __all__ = ["ShardRecord", "WorkerPool", "execute_sharded", "threads_per_worker", "worker_pool"]
 
@@ -113,7 +113,7 @@ def worker_pool(plan: Plan, requested: int, available: Any = _UNKNOWN) -> Worker
     for that many, and at `available` memory (default: `available_memory()`; None: no memory
     cap) over one worker's estimate (`WORKER_BASE_BYTES` + two jobs' working sets at the
     largest: a worker reads one job ahead while it encodes another). Never below one."""
-    from qtool.shard_job import shard_count
+    from qtool.spread.shard_job import shard_count
 
     if available is _UNKNOWN:
         available = available_memory()

@@ -5,7 +5,7 @@
     run          ShardJob -> ShardResult: the executor's work, in whatever process runs it
     verify       the driver's check of a staged file against a result, before the commit
 
-The driver (`qtool.distribute`) plans once, creates every output file with its header and full
+The driver (`qtool.spread.distribute`) plans once, creates every output file with its header and full
 size, and cuts the plan into shard jobs; a job writes only its own tensors' byte ranges of a
 file that already exists. Jobs are pure: the same job writes the same bytes at the same
 offsets, so a retried job (a worker or node lost) is harmless, and the driver checks every

@@ -1,6 +1,6 @@
-"""Where shard jobs run: N local processes here, or a Ray cluster (`qtool.ray_executor`).
+"""Where shard jobs run: N local processes here, or a Ray cluster (`qtool.spread.ray_executor`).
 
-An executor takes opaque shard jobs (`qtool.shard_job`) and hands back their results; it knows
+An executor takes opaque shard jobs (`qtool.spread.shard_job`) and hands back their results; it knows
 no file format, no layout and no scheme. It retries a job whose worker was lost (a killed
 process, a lost node), up to `retries` times: jobs are pure, so a retry writes the same bytes.
 An error a job raises itself (a bad input: a `QtoolError`) is not retried, it is the run's.
@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from qtool import libc
 from qtool.errors import ShardJobError, UsageError
-from qtool.shard_job import ShardJob, ShardResult, run
+from qtool.spread.shard_job import ShardJob, ShardResult, run
 
 __all__ = ["Executor", "LocalProcesses", "make_executor", "DEFAULT_RETRIES"]
 
@@ -64,7 +64,7 @@ def make_executor(
             raise UsageError(f"workers {workers} must be at least 1", option="workers")
         return LocalProcesses(workers, retries, setup)
     if name == "ray":
-        from qtool.ray_executor import RayCluster
+        from qtool.spread.ray_executor import RayCluster
 
         return RayCluster(address, retries, setup)
     raise UsageError(f"executor {name!r} is not one qtool has", hint="use local or ray", option="executor")

@@ -9,7 +9,7 @@ is not retried; each attempt checks in with a counting actor first, so the repor
 cancelled (force: its worker process is killed) and the driver disconnects, so the cluster
 keeps no qtool task; the driver then removes the staging.
 
-Like `qtool.executors`, this knows no file format: it moves opaque shard jobs.
+Like `qtool.spread.executors`, this knows no file format: it moves opaque shard jobs.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 
 from qtool.errors import QtoolError, ShardJobError, UsageError
-from qtool.shard_job import ShardJob, ShardResult, run
+from qtool.spread.shard_job import ShardJob, ShardResult, run
 
 __all__ = ["RayCluster"]
 
