@@ -467,7 +467,7 @@ def test_the_resource_tracker_a_run_starts_says_nothing_of_a_name_left_behind(qu
         "import os\n"
         "from multiprocessing import resource_tracker\n"
         + (
-            "from qtool.executors import _start_resource_tracker_quietly\n_start_resource_tracker_quietly()\n"
+            "from qtool.spread.executors import _start_resource_tracker_quietly\n_start_resource_tracker_quietly()\n"
             if quiet
             else "resource_tracker.ensure_running()\n"
         )
