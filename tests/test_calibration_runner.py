@@ -369,11 +369,11 @@ def test_the_embedding_step_reads_only_the_rows_of_the_samples_tokens_and_gives_
 
     monkeypatch.setattr(Checkpoint, "read_bytes", counting)
     try:
-        rows_hidden, rows_kwargs = runner._embed(Skeleton.build(plan.source), tokens, by_name, plan.source, "cpu")
+        rows_hidden, rows_kwargs = runner.embed(Skeleton.build(plan.source), tokens, by_name, plan.source, "cpu")
         rows_read = sum(read)
         read.clear()
         monkeypatch.setattr(Skeleton, "input_embedding", lambda self: None)
-        whole_hidden, _ = runner._embed(Skeleton.build(plan.source), tokens, by_name, plan.source, "cpu")
+        whole_hidden, _ = runner.embed(Skeleton.build(plan.source), tokens, by_name, plan.source, "cpu")
     finally:
         plan.source.close()
     distinct = int(torch.unique(tokens).numel())

@@ -71,11 +71,11 @@ def _layer_count(names) -> int:
     return highest + 1
 
 
-def check_config(checkpoint: Checkpoint, raw: Mapping[str, Any]) -> None:
+def check_config(checkpoint: Checkpoint, raw: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> None:
     """The checks above, on config.json's fields `raw` (model_type and quantization_config
-    aside), before transformers sees them."""
-    tensors = checkpoint.tensors.values()
-    widest = max((int(d) for t in tensors for d in t.shape), default=0)
+    aside), before transformers sees them; `shapes`: the checkpoint's weights by name (stored
+    tensors, or a quantized checkpoint's logical weights)."""
+    widest = max((int(d) for shape in shapes.values() for d in shape), default=0)
     for field in SIZE_FIELDS:
         value = raw.get(field)
         if value is None:
@@ -86,7 +86,7 @@ def check_config(checkpoint: Checkpoint, raw: Mapping[str, Any]) -> None:
                 f"{field} is {_shown(value)}, not a whole number from 1 to {widest} (the largest dimension of any weight in the checkpoint)",
             )
     layers = raw.get("num_hidden_layers")
-    present = _layer_count(checkpoint.tensors)
+    present = _layer_count(shapes)
     if layers is not None and (not _whole(layers) or not 1 <= layers <= max(present, 1)):
         raise _refuse(
             checkpoint, f"num_hidden_layers is {_shown(layers)}, but the checkpoint holds {present} decoder layers"
@@ -118,21 +118,22 @@ def _check_names(checkpoint: Checkpoint, raw: Mapping[str, Any]) -> None:
                 )
 
 
-def check_shapes(checkpoint: Checkpoint, model: Any, layers_prefix: str, model_type: str) -> None:
-    """The skeleton (on meta) against the checkpoint: each decoder layer parameter present with
-    its shape, any other parameter the checkpoint names with its shape."""
-    stored = checkpoint.tensors
+def check_shapes(
+    checkpoint: Checkpoint, model: Any, layers_prefix: str, model_type: str, shapes: Mapping[str, tuple[int, ...]]
+) -> None:
+    """The skeleton (on meta) against the checkpoint's weights `shapes`: each decoder layer
+    parameter present with its shape, any other parameter the checkpoint names with its shape."""
     layers = layers_prefix + "."
     for name, param in model.named_parameters():
-        tensor = stored.get(name)
-        if tensor is None:
+        shape = shapes.get(name)
+        if shape is None:
             if name.startswith(layers):
                 raise _refuse(
                     checkpoint, f"the {model_type} architecture it describes has {name}, which the checkpoint lacks"
                 )
             continue
-        if tuple(int(d) for d in tensor.shape) != tuple(param.shape):
+        if tuple(int(d) for d in shape) != tuple(param.shape):
             raise _refuse(
                 checkpoint,
-                f"the {model_type} architecture it describes has {name} of shape {list(param.shape)}, the checkpoint {list(tensor.shape)}",
+                f"the {model_type} architecture it describes has {name} of shape {list(param.shape)}, the checkpoint {list(shape)}",
             )

@@ -51,6 +51,7 @@ __all__ = [
     "LayerKwargs",
     "calibrate",
     "check_scheme",
+    "embed",
     "run_layers",
 ]
 
@@ -93,10 +94,10 @@ class _Catcher:
         return LayerInputs()
 
 
-def _embed(skeleton, tokens: torch.Tensor, weights, checkpoint, device: str):
-    """[samples, seq_len, hidden] float32 hidden states and the layers' kwargs (`LayerKwargs`:
-    the first layer's, each layer's by `for_layer`), from the base model's forward with every
-    part but the layers materialized."""
+def embed(skeleton, tokens: torch.Tensor, weights, checkpoint, device: str):
+    """[samples, seq_len, hidden] hidden states in the skeleton's dtype (float32 for
+    calibration) and the layers' kwargs (`LayerKwargs`: the first layer's, each layer's by
+    `for_layer`), from the base model's forward with every part but the layers materialized."""
     import torch
 
     count = len(skeleton.layers)
@@ -136,9 +137,9 @@ def _embed(skeleton, tokens: torch.Tensor, weights, checkpoint, device: str):
                     )
                 if hidden is None:
                     hidden = torch.empty(
-                        (tokens.shape[0], *catcher.hidden.shape[1:]), dtype=torch.float32, device=device
+                        (tokens.shape[0], *catcher.hidden.shape[1:]), dtype=getattr(torch, skeleton.dtype), device=device
                     )
-                hidden[index] = catcher.hidden[0].float()
+                hidden[index] = catcher.hidden[0]
     finally:
         if embedding is not None:
             restore()
@@ -172,7 +173,7 @@ def run_layers(
 
     from qtool.calibration.layers import CaughtLayer
 
-    hidden, kwargs = _embed(skeleton, tokens, by_name, checkpoint, device)
+    hidden, kwargs = embed(skeleton, tokens, by_name, checkpoint, device)
     trim_heap()  # the tokenizer's and the embedding step's freed memory
     count = len(skeleton.layers)
     for index in range(count):

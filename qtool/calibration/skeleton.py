@@ -9,6 +9,10 @@ one Linear per expert (`qtool.calibration.experts`). `materialize(module, prefix
 tensors on the device, read from the checkpoint by name when its turn comes; `release` sends it
 back to `meta`, so one layer is in memory at a time. Buffers transformers computes at init
 (rotary frequencies) are rebuilt by constructing that module again from the config.
+
+Calibration reads float weights only. Evaluation (`qtool.evaluation`) builds the skeleton of a
+quantized checkpoint from its logical weights' shapes (`shapes`) and gives it a `reader` that
+decodes each weight when its turn comes, in the compute `dtype` it asks for.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
 
 from qtool.errors import CheckpointError, UsageError
 from qtool.message_text import excerpt
@@ -57,7 +62,7 @@ def import_transformers_lean() -> None:
                 del sys.modules[name]
 
 
-def _config(checkpoint: Checkpoint, notes: list[str]):
+def _config(checkpoint: Checkpoint, notes: list[str], shapes: Mapping[str, tuple[int, ...]]):
     """transformers' config of the checkpoint, from config.json checked first
     (`qtool.calibration.config_check`): a folder that names its own code for an architecture
     transformers lacks is refused (`qtool.formats.transformers_boundary`), never run."""
@@ -82,7 +87,7 @@ def _config(checkpoint: Checkpoint, notes: list[str]):
         )
     raw.pop("quantization_config", None)
     raw.pop("auto_map", None)  # a known architecture: transformers' own classes, never the folder's
-    check_config(checkpoint, raw)
+    check_config(checkpoint, raw, shapes)
     try:
         with collected(notes, "transformers: "):
             config = AutoConfig.for_model(model_type, **raw)
@@ -113,20 +118,27 @@ class Skeleton:
     notes: list = field(
         default_factory=list
     )  # transformers' and torch's talk while it was built, for the user's warnings
+    # evaluation's: a weight (quantized or not) to its float values on the device, in its
+    # logical shape; None: the stored float bytes, and a quantized weight refused
+    reader: Callable[[Weight, Checkpoint, str], torch.Tensor] | None = None
+    dtype: str = "float32"  # the parameters' dtype once materialized (torch's name)
 
     @classmethod
-    def build(cls, checkpoint: Checkpoint) -> Skeleton:
+    def build(cls, checkpoint: Checkpoint, shapes: Mapping[str, tuple[int, ...]] | None = None) -> Skeleton:
         """The skeleton, config.json checked against the checkpoint before and after it is built
         (`qtool.calibration.config_check`), remote code never trusted, whatever transformers
-        logs or warns kept in `notes`."""
+        logs or warns kept in `notes`. `shapes`: the weights by name that the checks and the
+        experts' names see (default: the stored tensors'; evaluation's: the logical weights')."""
         import torch
         from transformers import AutoModelForCausalLM
 
         from qtool.calibration.config_check import check_shapes
         from qtool.formats.transformers_boundary import TRUST, collected
 
+        if shapes is None:
+            shapes = {name: tensor.shape for name, tensor in checkpoint.tensors.items()}
         notes: list[str] = []
-        config = _config(checkpoint, notes)
+        config = _config(checkpoint, notes, shapes)
         model = None
         for attention in ("sdpa", "eager"):  # eager: an architecture without SDPA attention (Gemma 2)
             config._attn_implementation = attention
@@ -157,9 +169,9 @@ class Skeleton:
         layers_prefix, layers = found
         from qtool.calibration.experts import unfuse
 
-        names = list(checkpoint.tensors)
+        names = list(shapes)
         moe = [unfuse(layer, f"{layers_prefix}.{index}", names, checkpoint.path) for index, layer in enumerate(layers)]
-        check_shapes(checkpoint, model, layers_prefix, config.model_type)
+        check_shapes(checkpoint, model, layers_prefix, config.model_type, shapes)
         base_prefix = layers_prefix.rpartition(".")[0]
         base = model.get_submodule(base_prefix) if base_prefix else model
         return cls(model, config, base, base_prefix, layers, layers_prefix, moe, notes)
@@ -227,13 +239,23 @@ class Skeleton:
                 f"{full} has shape {list(weight.shape)}, the {self.config.model_type} architecture expects {list(param.shape)}",
                 path=checkpoint.path,
             )
+        buffers = dict(module.named_buffers(recurse=False))
+        if any(b.is_meta for b in buffers.values()):
+            self._initialize_buffers(module, device)
+        padding_idx = module.padding_idx
+        module.padding_idx = None
+
+        def restore() -> None:
+            module.padding_idx = padding_idx
+
+        if self.reader is not None:  # decoded whole, then the rows taken
+            values = self.reader(weight, checkpoint, device)[rows.to(device)].to(getattr(torch, self.dtype))
+            module._parameters["weight"] = torch.nn.Parameter(values, requires_grad=False)
+            return restore
         if weight.quantized:
             raise UsageError(
                 f"{checkpoint.path} is already quantized ({full}); calibration needs float weights", option="calibrate"
             )
-        buffers = dict(module.named_buffers(recurse=False))
-        if any(b.is_meta for b in buffers.values()):
-            self._initialize_buffers(module, device)
         width = int(param.shape[1])
         row_bytes = weight.data.nbytes // int(param.shape[0])
         ids = rows.tolist()
@@ -249,12 +271,6 @@ class Skeleton:
             )
             start = end
         module._parameters["weight"] = torch.nn.Parameter(values, requires_grad=False)
-        padding_idx = module.padding_idx
-        module.padding_idx = None
-
-        def restore() -> None:
-            module.padding_idx = padding_idx
-
         return restore
 
     def _materialize_tree(self, module, prefix: str, weights, checkpoint, device: str) -> None:
@@ -315,13 +331,16 @@ class Skeleton:
                 f"{full} has shape {list(weight.shape)}, the {self.config.model_type} architecture expects {list(param.shape)}",
                 path=checkpoint.path,
             )
-        if weight.quantized:
+        if self.reader is not None:
+            values = self.reader(weight, checkpoint, device)
+        elif weight.quantized:
             raise UsageError(
                 f"{checkpoint.path} is already quantized ({full}); calibration needs float weights", option="calibrate"
             )
-        values = tensor_from_bytes(checkpoint.read_bytes(weight.data), weight.data.dtype, tuple(weight.data.shape))
+        else:
+            values = tensor_from_bytes(checkpoint.read_bytes(weight.data), weight.data.dtype, tuple(weight.data.shape))
         module._parameters[name] = torch.nn.Parameter(
-            values.to(device=device, dtype=torch.float32), requires_grad=False
+            values.to(device=device, dtype=getattr(torch, self.dtype)), requires_grad=False
         )
 
     @staticmethod
