@@ -137,7 +137,9 @@ def embed(skeleton, tokens: torch.Tensor, weights, checkpoint, device: str):
                     )
                 if hidden is None:
                     hidden = torch.empty(
-                        (tokens.shape[0], *catcher.hidden.shape[1:]), dtype=getattr(torch, skeleton.dtype), device=device
+                        (tokens.shape[0], *catcher.hidden.shape[1:]),
+                        dtype=getattr(torch, skeleton.dtype),
+                        device=device,
                     )
                 hidden[index] = catcher.hidden[0]
     finally:

@@ -62,18 +62,21 @@ class SampleOptions:
             raise UsageError(f"seq_len {self.seq_len} must be at least 2", option="seq_len")
 
 
-def _files(path: str) -> list[str]:
+def _noun(option: str) -> str:
+    """What the text is called in a message: `--calibrate`'s a calibration text, `--text`'s a text."""
+    return "calibration text" if option == "calibrate" else "text"
+
+
+def _files(path: str, option: str) -> list[str]:
     if os.path.isdir(path):
         names = sorted(n for n in os.listdir(path) if n.endswith((".txt", ".jsonl")))
         if not names:
-            raise UsageError(f"{path}: the folder holds no .txt or .jsonl file", option="calibrate")
+            raise UsageError(f"{path}: the folder holds no .txt or .jsonl file", option=option)
         return [os.path.join(path, n) for n in names]
     if not os.path.lexists(path):
-        raise UsageError(f"{path}: no such calibration text", option="calibrate")
+        raise UsageError(f"{path}: no such {_noun(option)}", option=option)
     if not path.endswith((".txt", ".jsonl")):
-        raise UsageError(
-            f"{path}: a calibration text is a .txt or .jsonl file, or a folder of them", option="calibrate"
-        )
+        raise UsageError(f"{path}: a {_noun(option)} is a .txt or .jsonl file, or a folder of them", option=option)
     return [path]
 
 
@@ -201,6 +204,7 @@ class CalibrationText:
 
     path: str
     files: tuple[tuple[str, os.stat_result], ...]
+    option: str = "calibrate"  # the option that named it, for its messages
 
     def pieces(self, limit: int = PIECE_CHARS) -> Iterator[str]:
         """The documents in order, a long one in pieces of at most `limit` characters, blank
@@ -213,14 +217,14 @@ class CalibrationText:
                     empty = False
                     yield piece
         if empty:
-            raise UsageError(f"{self.path}: the calibration text is empty", option="calibrate")
+            raise UsageError(f"{self.path}: the {_noun(self.option)} is empty", option=self.option)
 
 
-def read_text(path: str | os.PathLike[str]) -> CalibrationText:
-    """The calibration text at `path`, its files checked (regular, within the size cap) and
-    read later, a piece at a time."""
+def read_text(path: str | os.PathLike[str], option: str = "calibrate") -> CalibrationText:
+    """The text at `path` (named by `option`), its files checked (regular, within the size cap)
+    and read later, a piece at a time."""
     path = os.fspath(path)
-    return CalibrationText(path, tuple((file, _checked(file)) for file in _files(path)))
+    return CalibrationText(path, tuple((file, _checked(file)) for file in _files(path, option)), option)
 
 
 def token_pieces(text: CalibrationText, tokenizer, limit: int = PIECE_CHARS) -> Iterator[list[int]]:
@@ -231,22 +235,25 @@ def token_pieces(text: CalibrationText, tokenizer, limit: int = PIECE_CHARS) -> 
         yield tokenized(tokenizer, piece, add_special_tokens=False)
 
 
-def load_tokenizer(model_folder: str, notes: list[str] | None = None):
+def load_tokenizer(model_folder: str, notes: list[str] | None = None, option: str = "calibrate"):
     """The model's own tokenizer from its folder (local files only, never the folder's own
-    code: `qtool.formats.transformers_boundary`), or a one-line refusal. What transformers logs
-    meanwhile goes to `notes`."""
+    code: `qtool.formats.transformers_boundary`), or a one-line refusal naming `option`. What
+    transformers logs meanwhile goes to `notes`."""
     from qtool.formats.transformers_boundary import auto_tokenizer
 
     if not model_folder or not os.path.isdir(model_folder):
-        raise UsageError(f"{model_folder}: calibration needs a model folder with its tokenizer", option="calibrate")
+        raise UsageError(
+            f"{model_folder}: {'calibration' if option == 'calibrate' else 'evaluation'} needs a model folder with its tokenizer",
+            option=option,
+        )
     if not any(
         os.path.isfile(os.path.join(model_folder, n))
         for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
     ):
         raise UsageError(
             f"{model_folder} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)",
-            hint="calibration tokenizes the text with the model's own tokenizer",
-            option="calibrate",
+            hint="the text is tokenized with the model's own tokenizer",
+            option=option,
         )
     try:
         return auto_tokenizer(model_folder, model_folder, [] if notes is None else notes)
@@ -255,7 +262,7 @@ def load_tokenizer(model_folder: str, notes: list[str] | None = None):
     except Exception as exc:  # transformers raises anything from OSError to ValueError here
         raise UsageError(
             f"{model_folder}: its tokenizer cannot be loaded ({type(exc).__name__}: {excerpt(str(exc).splitlines()[0]) if str(exc) else ''})",
-            option="calibrate",
+            option=option,
         ) from None
 
 
