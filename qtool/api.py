@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Sequence
 
 from qtool.errors import UsageError
+from qtool.evaluation.report import OutputGates
 from qtool.formats import Checkpoint
 from qtool.formats import open_checkpoint as _open_checkpoint
 from qtool.inspection import Inspection, inspect_checkpoint
@@ -36,6 +37,8 @@ __all__ = [
     "read_imatrix",
     "imatrix_of",
     "imatrix",
+    "evaluate",
+    "OutputGates",
     "prepare_quantize",
     "prepare_dequantize",
     "worker_pool",
@@ -380,6 +383,40 @@ def imatrix(
     )  # fmt: skip
 
 
+# -- outputs -----------------------------------------------------------------------------------
+
+
+def evaluate(
+    model: str | os.PathLike[str],
+    text: str | os.PathLike[str],
+    *,
+    base: str | os.PathLike[str] | None = None,
+    ctx: int = 512,
+    windows: int | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    threads: int | None = None,
+    gates: OutputGates | None = None,
+    on_start: Callable[[int, int, int], None] | None = None,
+    on_layer: Callable[[int, int, float], None] | None = None,
+) -> dict[str, Any]:
+    """The model's perplexity on `text`, scored as llama-perplexity scores it (consecutive
+    windows of `ctx` tokens, the first `windows` of them, each starting with the BOS where the
+    tokenizer adds one, the loss over each window's second half); with `base`, both run in
+    lockstep one decoder layer at a time: the KL divergence of the model's next-token
+    distributions from the base's, their top-1 agreement, both perplexities and each layer's
+    hidden-state error. Any checkpoint qtool reads whose architecture transformers builds
+    (a GGUF of the LLaMA family through its Hugging Face names). `gates` (which need a base)
+    set the document's violations. `on_start(windows, ctx, steps)` before the first layer
+    runs, `on_layer(step, steps, seconds)` after each. Returns the `--json` document."""
+    from qtool.evaluation.evaluate import evaluate as _evaluate
+
+    return _evaluate(
+        model, text, base=base, ctx=ctx, windows=windows, device=device, dtype=dtype, threads=threads, gates=gates,
+        on_start=on_start, on_layer=on_layer,
+    )  # fmt: skip
+
+
 # -- compare and check -------------------------------------------------------------------------
 
 
@@ -489,14 +526,19 @@ def check(
 
 
 def refuse_report_paths(
-    checkpoints: Sequence[Checkpoint], paths: Sequence[str | None], *, overwrite: bool | None = None
+    checkpoints: Sequence[Checkpoint],
+    paths: Sequence[str | None],
+    *,
+    overwrite: bool | None = None,
+    text: str | os.PathLike[str] | None = None,
 ) -> None:
-    """Refuse report paths that are, or lie inside, a path these checkpoints read, or that name
-    one file twice, or (`overwrite` False) that exist; before anything is measured."""
+    """Refuse report paths that are, or lie inside, a path these checkpoints read (or the
+    `text` an evaluation reads), or that name one file twice, or (`overwrite` False) that
+    exist; before anything is measured."""
     from qtool.formats.loader import input_paths
     from qtool.report_output import refuse_report_paths as _refuse
 
-    inputs: list[str] = []
+    inputs: list[str] = [] if text is None else [os.path.realpath(text)]
     for checkpoint in checkpoints:
         if "://" not in checkpoint.path:
             inputs += input_paths(checkpoint)
@@ -519,9 +561,10 @@ def write_report(
     html: bool | None = None,
     overwrite: bool = False,
 ) -> None:
-    """Write a report file atomically: `kind` is quantize, compare or check, `documents` their
+    """Write a report file atomically: `kind` is quantize, compare, check or eval, `documents` their
     `to_json()` documents (compare: one per candidate against the same A, overlaid in HTML).
-    JSON, or HTML where `html` says so or (None) the path ends in .html."""
+    JSON, or HTML where `html` says so or (None) the path ends in .html; eval: its one
+    document."""
     from qtool.report_output import stage_report
 
     stage_report(os.fspath(path), kind, documents, html=html, overwrite=overwrite).commit()

@@ -6,6 +6,7 @@
     quantize    [RunReport.to_json()]   the document                               qtool.html_report.render_quantize
     compare     [Comparison.to_json()]  the document; several: overlay_document    render_compare (overlaid)
     check       [Audit.to_json()]       the document                               render_check
+    eval        [the eval document]     the document                               render_eval
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from qtool.formats.writer import StagedFile, stage_file
 
 __all__ = ["KINDS", "is_html", "render_report", "stage_report", "refuse_report_paths"]
 
-KINDS = ("quantize", "compare", "check")
+KINDS = ("quantize", "compare", "check", "eval")
 
 
 def is_html(path: str) -> bool:
@@ -38,6 +39,7 @@ def render_report(kind: str, documents: Sequence[dict[str, Any]], *, html: bool)
             "quantize": lambda: html_report.render_quantize(documents[0]),
             "compare": lambda: html_report.render_compare(documents),
             "check": lambda: html_report.render_check(documents[0]),
+            "eval": lambda: html_report.render_eval(documents[0]),
         }[kind]()
         return page.encode("utf-8")
     if kind == "compare" and len(documents) > 1:

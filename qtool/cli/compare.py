@@ -8,8 +8,18 @@ from typing import Annotated
 import typer
 
 from qtool.cli.check import PolicyOpt
+from qtool.cli.eval import (
+    CtxOpt,
+    DtypeOpt,
+    MaxKldOpt,
+    MaxPplRatioOpt,
+    MinTop1Opt,
+    WindowsOpt,
+    show_outputs,
+)
 from qtool.cli.options import (
     DeviceOpt,
+    ThreadsOpt,
     FormatOpt,
     HtmlOpt,
     JsonOpt,
@@ -18,7 +28,7 @@ from qtool.cli.options import (
     ReportOpt,
     ReportOverwriteOpt,
 )
-from qtool.cli.output import Column, Output, Rows, Section, print_error, print_warning, progress
+from qtool.cli.output import Column, Output, Rows, Section, print_error, print_status, print_warning, progress
 from qtool.errors import UsageError, ViolationError
 from qtool.message_text import counted
 from qtool.patterns import REGEX_HELP
@@ -38,6 +48,13 @@ quantized Linear (up_proj -> down_proj) get no SQNR, and one warning line says s
 shapes differ, or a weight holds NaN/Inf (one line each on stderr); 2 on bad usage, an
 unreadable input, or when no weight pairs at all (1 under a gate): nothing compared never passes.
 
+With --text, the models are also compared where it matters, on their outputs: A and each
+candidate run in lockstep on the text, one decoder layer of each in memory at a time (what
+qtool eval --base does): the mean, median, p99 and max KL divergence of B's next-token
+distributions from A's, their top-1 agreement, both perplexities and each layer's hidden-state
+error, in --json's "outputs"; --max-kld, --min-top1 and --max-ppl-ratio gate them. This is
+how to gate an AWQ model, whose smoothed weights weight SQNR cannot judge.
+
 More candidates (A B C ...) are each measured against A: the table then gives each one's SQNR
 per weight, --json a document holding each comparison, and --html one page with them overlaid
 (one colour, dash and fill each), e.g. minmax against mse, or RTN against GPTQ.
@@ -49,6 +66,7 @@ Examples:
   qtool compare a/ b/ --map 're:^transformer\\.h\\.=model.layers.' --max-rel-rmse 0.1
   qtool compare model/ model-w4/ --min-sqnr 15 --html compare.html
   qtool compare model/ model-minmax/ model-mse/ --html overlay.html
+  qtool compare model/ model-awq/ --text wiki.test.txt --windows 16 --max-kld 0.05 --min-top1 0.9
 """
 
 MapOpt = Annotated[
@@ -112,6 +130,21 @@ def compare_command(
         int | None, typer.Option("--max-missing", help="Fail when more weights than this have no counterpart.", min=0)
     ] = None,
     policy: PolicyOpt = None,
+    text: Annotated[
+        str | None,
+        typer.Option(
+            "--text",
+            help='Also compare the outputs on this text (a .txt, a .jsonl with a "text" field, or a folder of them).',
+            show_default=False,
+        ),
+    ] = None,
+    ctx: CtxOpt = 512,
+    windows: WindowsOpt = None,
+    max_kld: MaxKldOpt = None,
+    min_top1: MinTop1Opt = None,
+    max_ppl_ratio: MaxPplRatioOpt = None,
+    dtype: DtypeOpt = "float32",
+    threads: ThreadsOpt = None,
     device: DeviceOpt = "cpu",
     html: HtmlOpt = None,
     report: ReportOpt = None,
@@ -127,14 +160,20 @@ def compare_command(
     chosen = load_policy(policy).with_compare_options(
         min_sqnr=min_sqnr, max_rel_rmse=max_rel_rmse, max_missing=max_missing, maps=tuple(maps or ())
     )
+    output_gates = api.OutputGates(max_kld=max_kld, min_top1=min_top1, max_ppl_ratio=max_ppl_ratio)
+    if output_gates.any_set and text is None:
+        raise UsageError("the output gates measure the outputs on a text, and none is given", option="text")
     comparisons = [api.prepare_compare(a, candidate, maps=chosen.maps) for candidate in (b, *(more or ()))]
     for comparison in comparisons:  # nothing paired: bad input, unless a gate makes it a violation (exit 1)
         reason = comparison.nothing_compared()
-        if reason and not chosen.gates.any_set:
+        if reason and not chosen.gates.any_set and text is None:
             raise UsageError(f"{comparison.b.path}: {reason}", hint=NOTHING_HINT)
     if report is not None or html is not None:  # before the measuring, which may take long
         api.refuse_report_paths(
-            [c for comparison in comparisons for c in (comparison.a, comparison.b)], [report, html], overwrite=overwrite
+            [c for comparison in comparisons for c in (comparison.a, comparison.b)],
+            [report, html],
+            overwrite=overwrite,
+            text=text,
         )
     for note in dict.fromkeys(note for c in comparisons for note in (*c.a.notes, *c.b.notes)):
         print_warning(note)
@@ -146,6 +185,19 @@ def compare_command(
         if line:
             print_warning(f"{comparison.b.path}: {line}" if len(comparisons) > 1 else line)
     documents = [comparison.to_json(chosen.gates) for comparison in comparisons]
+    if text is not None:  # the outputs, candidate by candidate against A
+        if len(comparisons) > 1:
+            print_status(f"outputs: {len(comparisons)} candidates against {a}", quiet)
+        for comparison, document in zip(comparisons, documents):
+            outputs = api.evaluate(
+                comparison.b.path, text, base=a, ctx=ctx, windows=windows, device=device, dtype=dtype, threads=threads,
+                gates=output_gates,
+            )  # fmt: skip
+            for warning in outputs["warnings"]:
+                print_warning(warning)
+            document["outputs"] = outputs
+            document["violations"] = [*document["violations"], *outputs["violations"]]
+            document["ok"] = not document["violations"]
     if report is not None:
         api.write_report(report, "compare", documents, overwrite=overwrite)
     if html is not None:
@@ -155,11 +207,14 @@ def compare_command(
     else:
         _show_overlay(documents, sink)
     lines = []
-    for comparison in comparisons:
+    for comparison, document in zip(comparisons, documents):
+        reasons = []
         try:
             comparison.raise_for_violations(chosen.gates)
         except ViolationError as exc:  # one line per violation, as `diff` and linters report
-            lines += [f"{comparison.b.path}: {reason}" if len(comparisons) > 1 else reason for reason in exc.reasons]
+            reasons = list(exc.reasons)
+        reasons += (document.get("outputs") or {}).get("violations", [])
+        lines += [f"{comparison.b.path}: {reason}" if len(comparisons) > 1 else reason for reason in reasons]
     if lines:
         for line in lines:
             print_error(line)
@@ -274,6 +329,7 @@ def _show(document: dict, sink: Output) -> None:
                 else f"{worst['name']} ({worst['finding'] or ('exact' if worst['exact'] else _number(worst['sqnr_db'], '.2f') + ' dB')})",
             ],
             ["time", f"{document['seconds']:.1f} s on {document['device']}"],
+            *([[f"outputs: {k}", v] for k, v in show_outputs(document["outputs"])] if document.get("outputs") else []),
             ["result", "OK" if document["ok"] else counted(len(document["violations"]), "violation")],
         ],
         show_header=False,
