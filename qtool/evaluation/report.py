@@ -3,6 +3,7 @@
 
     perplexity, base.perplexity, ppl_ratio     exp(mean loss) over the scored tokens
     kld.{mean, median, p90, p99, p99_9, max}   per-token KL(base || candidate), null without a base
+    kld_histogram[]                            {from, to, tokens}: the per-token KL in decades
     top1_agreement                             share of tokens whose most likely next token agrees
     layers[].hidden_error                      sum (h_cand - h_base)^2 / sum h_base^2 after each layer
 
@@ -88,6 +89,7 @@ def eval_document(
         "base": None if base is None else {"path": base, "perplexity": base_perplexity},
         "ppl_ratio": None if base_perplexity is None else perplexity / base_perplexity,
         "kld": scores.kld_summary(),
+        "kld_histogram": scores.kld_histogram(),
         "top1_agreement": scores.top1_agreement(),
         "layers": [
             {"index": index, "hidden_error": (error / total if total else 0.0) if base is not None else None}

@@ -14,6 +14,7 @@ A window's logits are dropped once scored: what stays is a few floats per token.
 
 from __future__ import annotations
 
+import bisect
 import math
 from array import array
 from dataclasses import dataclass, field
@@ -93,6 +94,21 @@ class Scores:
             "p99_9": percentile(ordered, 0.999),
             "max": ordered[-1],
         }
+
+    def kld_histogram(self) -> list[dict[str, float | int]] | None:
+        """The per-token KL in decades, 1e-6 to 10 (below and above in the end bins): the
+        shape of the distribution the HTML report draws; None without a base."""
+        if not self.kld:
+            return None
+        edges = [10.0**power for power in range(-6, 2)]
+        counts = [0] * (len(edges) + 1)
+        for value in self.kld:
+            counts[bisect.bisect_right(edges, value)] += 1
+        bounds = [0.0, *edges, math.inf]
+        return [
+            {"from": bounds[i], "to": None if math.isinf(bounds[i + 1]) else bounds[i + 1], "tokens": count}
+            for i, count in enumerate(counts)
+        ]
 
     def top1_agreement(self) -> float | None:
         return self.same_top / len(self.kld) if self.kld else None
