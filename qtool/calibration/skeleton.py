@@ -222,7 +222,8 @@ class Skeleton:
         the caller renumbers its ids with `torch.unique(..., return_inverse=True)`. A whole
         vocabulary (49152 x 576 float32 in SmolLM2: 113 MB) is never in memory for the few
         thousand distinct tokens of the samples. Returns a function that puts back what it
-        changed (the padding index, which `F.embedding` checks against the row count)."""
+        changed (the padding index, which `F.embedding` checks against the row count, and the
+        weight's own shape)."""
         import torch
 
         from qtool.buffers import tensor_from_bytes
@@ -245,8 +246,9 @@ class Skeleton:
         padding_idx = module.padding_idx
         module.padding_idx = None
 
-        def restore() -> None:
+        def restore() -> None:  # the whole vocabulary's shape back (on meta), for the next embedding
             module.padding_idx = padding_idx
+            module._parameters["weight"] = param
 
         if self.reader is not None:  # decoded whole, then the rows taken
             values = self.reader(weight, checkpoint, device)[rows.to(device)].to(getattr(torch, self.dtype))
