@@ -569,23 +569,53 @@ def test_compare_page_shows_each_candidates_outputs():
     assert 'id="outputs"' not in render_compare([synthetic_comparison(4)])  # no --text: no section
 
 
-def test_eval_writes_its_html_page_through_the_cli(tmp_path):
-    """`qtool eval --html` through a real process on a tiny random LLaMA: the page is written
-    and carries the --json document's perplexity (issue 38)."""
+@pytest.fixture(scope="module")
+def tiny_text_model(tmp_path_factory) -> Path:
+    """A folder with a tiny random LLaMA (`model`, as tests/test_calibration_runner.py makes it),
+    a text to score, and the model quantized int4:g32 by the CLI (`w4`)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from tests.test_calibration_runner import TEXT, tiny_model
 
-    model = tiny_model(tmp_path / "model", "llama")
-    (tmp_path / "text.txt").write_text(TEXT)
+    folder = tmp_path_factory.mktemp("eval-html")
+    tiny_model(folder / "model", "llama")
+    (folder / "text.txt").write_text(TEXT)
+    out = qtool("quantize", "model", "-o", "w4", "--scheme", "int4:g32", "-q", cwd=folder)
+    assert out.returncode == 0, out.stderr
+    return folder
+
+
+def test_eval_writes_its_html_page_through_the_cli(tiny_text_model):
+    """`qtool eval --html` through a real process: the page is written and carries the --json
+    document's perplexity (issue 38)."""
+    folder = tiny_text_model
     out = qtool(
         "eval", "model", "--base", "model", "--text", "text.txt", "--ctx", "32", "--windows", "2",
-        "--html", "out.html", "--json", "-q", cwd=tmp_path,
+        "--html", "out.html", "--json", "-q", cwd=folder,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     document = json.loads(out.stdout)
-    page = (tmp_path / "out.html").read_text()
+    page = (folder / "out.html").read_text()
     assert page.startswith("<!DOCTYPE html>")
     assert f"<dd>{document['perplexity']:.4f}</dd>" in page
     assert document["top1_agreement"] == 1.0 and "<dd>100.00 %</dd>" in page
-    assert model.exists()
+    assert "The hidden states equal the base's after every layer (error 0)." in page  # the model against itself
+
+
+def test_compare_text_writes_the_outputs_into_its_page(tiny_text_model):
+    """`qtool compare A B --text --html` through a real process: the page's outputs section
+    carries the --json document's `outputs`, layer by layer and bin by bin."""
+    folder = tiny_text_model
+    out = qtool(
+        "compare", "model", "w4", "--text", "text.txt", "--ctx", "32", "--windows", "2",
+        "--html", "compare.html", "--json", "-q", cwd=folder,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    outputs = json.loads(out.stdout)["outputs"]
+    page = (folder / "compare.html").read_text()
+    assert 'id="outputs"' in page and f"<dd>{outputs['perplexity']:.4f}</dd>" in page
+    assert [(int(layer), float(value)) for _, layer, value in EVAL_MARK.findall(page)] == [
+        (layer["index"], layer["hidden_error"]) for layer in outputs["layers"]
+    ]
+    assert all(layer["hidden_error"] > 0 for layer in outputs["layers"])
+    assert [int(n) for _, _, n in KL_BAR.findall(page)] == [b["tokens"] for b in outputs["kld_histogram"]]
