@@ -619,3 +619,18 @@ def test_compare_text_writes_the_outputs_into_its_page(tiny_text_model):
     ]
     assert all(layer["hidden_error"] > 0 for layer in outputs["layers"])
     assert [int(n) for _, _, n in KL_BAR.findall(page)] == [b["tokens"] for b in outputs["kld_histogram"]]
+
+
+def test_log_axis_ticks_are_round_over_any_range():
+    """The hidden-state error's log axis: 1-2-5 ticks within a decade, decades over a few,
+    every fifth decade over thirty; each tick placed where its value lies."""
+    from qtool.html_report.depth_chart import Axis, Mark, depth_chart
+
+    def ticks(*values: float) -> list[str]:
+        marks = [Mark(0, layer, "hidden", None, value, f"layer {layer}", "") for layer, value in enumerate(values)]
+        svg = depth_chart(marks, Axis("hidden-state error", "", "high", log=True), ["m"], label="x")
+        return re.findall(r'<text class="tick" x="\d+" y="[\d.]+" text-anchor="end">([^<]*)</text>', svg)
+
+    assert ticks(1e-4) == ["5×10⁻⁵", "10⁻⁴", "2×10⁻⁴"]
+    assert ticks(1e-4, 1e-2) == ["10⁻⁴", "10⁻³", "10⁻²"]
+    assert ticks(1e-30, 1.0) == ["10⁻³⁰", "10⁻²⁵", "10⁻²⁰", "10⁻¹⁵", "10⁻¹⁰", "10⁻⁵", "1"]

@@ -74,11 +74,12 @@ def _facts_of(documents: Sequence[dict[str, Any]], names: Sequence[str]) -> list
 
 
 def _hidden_error_chart(
-    documents: Sequence[dict[str, Any]], series: Sequence[int], names: Sequence[str], all_names: Sequence[str]
+    documents: Sequence[dict[str, Any]], series: Sequence[int], names: Sequence[str], series_names: Sequence[str]
 ) -> str:
-    """The hidden-state error after each layer, one line per candidate, with its caption. A
-    layer whose error is 0 (hidden states equal to the base's) has no place on a log axis; it
-    is counted in the caption instead, as a figure that is not finite is."""
+    """The hidden-state error after each layer, one line per candidate, with its caption:
+    `documents[i]` drawn as series `series[i]` and named `names[i]`; `series_names` are every
+    candidate's, by series. A layer whose error is 0 (hidden states equal to the base's) has no
+    place on a log axis; it is counted in the caption instead, as a figure that is not finite is."""
     marks, zero, bad = [], [], []
     for index, document, name in zip(series, documents, names):
         for layer in document["layers"]:
@@ -108,7 +109,7 @@ def _hidden_error_chart(
     svg = depth_chart(
         marks,
         Axis("hidden-state error", "", "high", log=True),
-        all_names,
+        series_names,
         label="hidden-state error after each layer, log scale"
         + (", one line per candidate" if len(documents) > 1 else ""),
     )
