@@ -1,21 +1,25 @@
 """Report documents of made-up models, built by the real document code (`plan_comparison`,
-`Comparison.to_json`) from made-up weights and error sums, without a checkpoint on disk: for
-the HTML report's tests and `benchmarks/bench_html.py` (a 1,000-weight model, a 60,000-expert
-one). Deterministic for a seed.
+`Comparison.to_json`, `eval_document`) from made-up weights and error sums, or per-token
+scores, without a checkpoint on disk: for the HTML report's tests and
+`benchmarks/bench_html.py` (a 1,000-weight model, a 60,000-expert one). Deterministic for a
+seed.
 """
 
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 from typing import Any
 
 from qtool.comparison import Gates, plan_comparison
 from qtool.dtypes import storage_dtype
 from qtool.error_measures import ErrorStats
+from qtool.evaluation.report import OutputGates, eval_document
+from qtool.evaluation.scores import Scores
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
 from qtool.weight import Weight
 
-__all__ = ["synthetic_comparison", "synthetic_names", "PROJECTIONS"]
+__all__ = ["synthetic_comparison", "synthetic_evaluation", "synthetic_names", "PROJECTIONS"]
 
 PROJECTIONS = (
     "self_attn.q_proj",
@@ -101,3 +105,44 @@ def synthetic_comparison(
         noise = count / 10 ** (sqnr / 10)
         pair.stats = ErrorStats.from_sums(float(count), 0.0, noise, 0.02 + rng.random() * 0.01, count)
     return comparison.to_json(Gates(min_sqnr=min_sqnr))
+
+
+def synthetic_evaluation(
+    layers: int = 8,
+    *,
+    model: str = "synthetic-w4/",
+    base: str | None = "synthetic/",
+    seed: int = 0,
+    windows: int = 4,
+    ctx: int = 64,
+    gates: OutputGates | None = None,
+) -> dict[str, Any]:
+    """The `qtool eval --json` document of a W4 model (against `base`, or alone with None) on
+    `windows` windows of `ctx` tokens: per-token losses about 5.5 nats, the KL divergence
+    spread over several decades around 1e-3, top-1 agreement about 0.9, the hidden-state error
+    growing by decades with depth (1e-4 at the first layer)."""
+    rng = random.Random(seed)
+    scores = Scores(windows=windows)
+    tokens = windows * (ctx - 1 - ctx // 2)
+    for _ in range(tokens):
+        base_loss = 5.5 + rng.gauss(0, 1.0)
+        kld = 10 ** rng.gauss(-3, 0.8)
+        scores.loss.append(base_loss + kld * 3)
+        if base is not None:
+            scores.base_loss.append(base_loss)
+            scores.kld.append(kld)
+            scores.same_top += rng.random() < 0.9
+    error = [1e-4 * 10 ** (3 * layer / max(layers - 1, 1)) * (1 + 0.2 * rng.random()) for layer in range(layers)]
+    return eval_document(
+        model=model,
+        base=base,
+        text="wiki.test.txt",
+        windows=SimpleNamespace(ctx=ctx, bos=1),  # eval_document reads only these of qtool.evaluation.windows.Windows
+        scores=scores,
+        layer_sums=[(value, 1.0) for value in error],
+        device="cpu",
+        dtype="float32",
+        seconds=1.25,
+        gates=gates or OutputGates(),
+        warnings=[],
+    )

@@ -99,6 +99,27 @@ class Opened:
         return path
 
 
+def outside_cards(opened: Opened) -> list[str]:
+    """Every text, chart or box of a card (`main > section`) that reaches past the card's sides,
+    described; the weights table scrolls inside its own frame and is left out."""
+    return opened.page.evaluate(
+        """() => {
+          const out = [];
+          for (const card of document.querySelectorAll('main > section')) {
+            const box = card.getBoundingClientRect();
+            for (const el of card.querySelectorAll('text, h2, h3, p, dt, dd, li, span, div, th, td, svg')) {
+              if (el.closest('.table-scroll')) continue;  // the table scrolls inside its frame (checked apart)
+              const r = el.getBoundingClientRect();
+              if (r.width === 0 && r.height === 0) continue;
+              if (r.left < box.left - 0.5 || r.right > box.right + 0.5)
+                out.push(`${card.id}: ${el.tagName} "${el.textContent.slice(0, 60)}" spans ${Math.round(r.left)}..${Math.round(r.right)}, card ${Math.round(box.left)}..${Math.round(box.right)}`);
+            }
+          }
+          return out;
+        }"""
+    )
+
+
 @pytest.fixture(scope="module")
 def tiny_compare(tmp_path_factory) -> tuple[Path, dict]:
     """tiny-llama against its W4A16 version, with a gate one weight breaks."""
@@ -297,22 +318,7 @@ def _every_row(opened: Opened) -> list[dict]:
 def test_minilm_text_stays_inside_its_card(browser, minilm_reports, artifacts, name):
     """Bits-per-weight labels (and every other text of a card) inside the card at 1280 px."""
     opened = Opened(browser, minilm_reports[name])
-    outside = opened.page.evaluate(
-        """() => {
-          const out = [];
-          for (const card of document.querySelectorAll('main > section')) {
-            const box = card.getBoundingClientRect();
-            for (const el of card.querySelectorAll('text, h2, p, dt, dd, li, span, div, th, td, svg')) {
-              if (el.closest('.table-scroll')) continue;  // the table scrolls inside its frame (checked apart)
-              const r = el.getBoundingClientRect();
-              if (r.width === 0 && r.height === 0) continue;
-              if (r.left < box.left - 0.5 || r.right > box.right + 0.5)
-                out.push(`${card.id}: ${el.tagName} "${el.textContent.slice(0, 60)}" spans ${Math.round(r.left)}..${Math.round(r.right)}, card ${Math.round(box.left)}..${Math.round(box.right)}`);
-            }
-          }
-          return out;
-        }"""
-    )
+    outside = outside_cards(opened)
     opened.shot(artifacts, f"minilm-{name}-1280x800.png")
     assert not outside, "\n".join(outside[:10])
     assert not opened.problems
@@ -466,3 +472,80 @@ def test_hostile_names_wrap_inside_the_card(browser, tmp_path):
     assert {display(name) for name in hostile} <= shown_names
     assert all(r["cells"][0] == display(r["name"]) for r in rows)
     assert not opened.problems
+
+
+# -- issue 38: qtool eval's page, and compare --text's outputs ------------------------------------
+
+
+def _with_outputs(documents: list[dict]) -> list[dict]:
+    from tests.synthetic_reports import synthetic_evaluation
+
+    for index, document in enumerate(documents):
+        document["outputs"] = synthetic_evaluation(len({w["layer"] for w in document["weights"]} - {None}),
+                                                   model=document["b"], base=document["a"], seed=index)  # fmt: skip
+    return documents
+
+
+@pytest.mark.parametrize("base", [True, False], ids=["against-a-base", "alone"])
+def test_eval_page_text_stays_inside_its_card(browser, tmp_path, artifacts, base):
+    """The eval page at 1280 px: every text inside its card, a long path from the command line
+    too (it wraps); the charts drawn against a base, none without."""
+    from qtool.html_report import render_eval
+    from tests.synthetic_reports import synthetic_evaluation
+
+    long = "models/" + "quantized-" * 30 + "w4a16"
+    document = synthetic_evaluation(30, model=long, base=long.replace("w4a16", "bf16") if base else None)
+    document["text"] = "corpora/" + "x" * 300 + ".raw"  # no break opportunity: it must wrap anywhere
+    path = tmp_path / "eval.html"
+    path.write_text(render_eval(document))
+    opened = Opened(browser, path)
+    outside = outside_cards(opened)
+    opened.shot(artifacts, f"eval-{'base' if base else 'alone'}-1280x800.png")
+    assert not outside, "\n".join(outside[:10])
+    charts = opened.page.evaluate("() => [...document.querySelectorAll('svg.chart')].map(svg => svg.classList[1])")
+    assert charts == (["histogram", "depth"] if base else [])
+    if base:
+        assert opened.page.evaluate("document.querySelectorAll('svg.depth .mark').length") == 30
+    assert not opened.problems
+    opened.page.close()
+
+
+@pytest.mark.parametrize("candidates", [1, 2])
+def test_compare_outputs_keep_each_candidates_colour(browser, tmp_path, artifacts, candidates):
+    """compare --text: each candidate's KL bars, hidden-error line and marks are in the colour
+    of its SQNR bars (one candidate too, where the weights' depth chart colours by kind); every
+    text inside its card."""
+    documents = _with_outputs([synthetic_comparison(6, b="rtn/"), synthetic_comparison(6, seed=1, b="gptq/")])
+    documents = documents[:candidates]
+    path = tmp_path / "compare-outputs.html"
+    path.write_text(render_compare(documents))
+    opened = Opened(browser, path)
+    colours = opened.page.evaluate(
+        """() => {
+          const seen = {};
+          const add = (s, where, colour) => ((seen[s] ??= {})[where] ??= new Set()).add(colour);
+          for (const s of [0, 1]) {
+            for (const bar of document.querySelectorAll(`#distribution svg.histogram .bar.s-${s}`)) add(s, 'SQNR bars', getComputedStyle(bar).fill);
+            for (const bar of document.querySelectorAll(`#outputs svg.histogram .bar.s-${s}`)) add(s, 'KL bars', getComputedStyle(bar).fill);
+            for (const line of document.querySelectorAll(`#outputs svg.depth .line.s-${s}`)) add(s, 'hidden line', getComputedStyle(line).stroke);
+            for (const use of document.querySelectorAll(`#outputs svg.depth .mark.s-${s} use`)) {
+              const style = getComputedStyle(use);
+              add(s, 'hidden mark', s % 2 ? style.stroke : style.fill);
+            }
+          }
+          return Object.fromEntries(Object.entries(seen).map(([s, where]) => [s, Object.fromEntries(Object.entries(where).map(([k, v]) => [k, [...v]]))]));
+        }"""
+    )
+    found = []
+    for series in map(str, range(candidates)):
+        assert set(colours[series]) == {"SQNR bars", "KL bars", "hidden line", "hidden mark"}, colours[series]
+        one = {c for where in colours[series].values() for c in where}
+        assert len(one) == 1, f"candidate {series} is drawn in {colours[series]}"
+        found.append(one.pop())
+    assert len(set(found)) == candidates
+    outside = outside_cards(opened)
+    opened.page.evaluate("document.getElementById('outputs').scrollIntoView()")
+    opened.shot(artifacts, f"compare-outputs-{candidates}-1280x800.png")
+    assert not outside, "\n".join(outside[:10])
+    assert not opened.problems
+    opened.page.close()

@@ -417,3 +417,220 @@ def test_compare_counts_add_up_with_every_kind_of_pair(tmp_path):
     assert sum(s.startswith("finding") for s in statuses.values()) == summary["findings"]
     assert list(statuses.values()).count("exact") == summary["histogram"]["exact"]
     assert [c.label for c in page.columns if c.key == "status@0"] == ["status"]
+
+
+# -- issue 38: the page of `qtool eval`, and the outputs on the compare page ----------------------
+
+EVAL_MARK = re.compile(
+    r'<g class="mark [^"]* s-(\d+)" data-series="\d+" data-layer="(\d+)" data-kind="hidden" data-name="[^"]*" data-value="([^"]*)"'
+)
+KL_BAR = re.compile(r'<rect class="bar s-(\d+)"[^>]*><title>([^<]*): (\d+) tokens</title></rect>')
+
+
+def test_eval_page_has_the_document_figures():
+    from qtool.html_report import render_eval
+    from tests.synthetic_reports import synthetic_evaluation
+
+    document = synthetic_evaluation(12)
+    page = render_eval(document)
+    kld = document["kld"]
+    for figure in (
+        f"{document['perplexity']:.4f}",
+        f"{document['base']['perplexity']:.4f}",
+        f"{document['ppl_ratio']:.5f}",
+        f"{kld['mean']:.6f}",
+        f"{kld['median']:.6f} / {kld['p99']:.6f} / {kld['max']:.6f}",
+        f"{100 * document['top1_agreement']:.2f} %",
+        f"{document['windows']} of {document['ctx']} tokens ({document['tokens_scored']} tokens scored)",
+        "1.2 s on cpu (float32)",
+    ):
+        assert f"<dd>{figure}</dd>" in page, figure
+    # the hidden-state error: one mark per layer, with the document's figure, on a log axis
+    marks = EVAL_MARK.findall(page)
+    assert [(int(layer), float(value)) for _, layer, value in marks] == [
+        (layer["index"], layer["hidden_error"]) for layer in document["layers"]
+    ]
+    assert 'aria-label="hidden-state error after each layer, log scale"' in page
+    assert ">10⁻⁴</text>" in page and ">10⁻³</text>" in page and ">10⁻²</text>" in page
+    # the KL divergence per token: one bar per decade of the document, its count in the tooltip
+    bars = KL_BAR.findall(page)
+    assert [int(count) for _, _, count in bars] == [b["tokens"] for b in document["kld_histogram"]]
+    assert bars[3][1] == "KL 0.0001 to 0.001" and bars[-1][1] == "KL 10 and above"
+    assert sum(int(count) for _, _, count in bars) == document["tokens_scored"]
+    # no weights here: no table, no payload
+    assert 'id="weights"' not in page and not PAYLOAD.search(page) and page.count("<script") == 1
+    assert '<p class="verdict none">no gate</p>' in page
+
+
+def test_eval_page_needs_no_network():
+    from qtool.html_report import render_eval
+    from tests.synthetic_reports import synthetic_evaluation
+
+    page = render_eval(synthetic_evaluation())
+    assert "default-src 'none'" in _policy(page)
+    assert set(re.findall(r"\w+://[\w.-]+", page)) <= {"http://www.w3.org"}
+    assert all(link.startswith("#") for link in re.findall(r'href="([^"]*)"', page))
+    assert not re.search(r"<(link|img|iframe|object|embed)\b", page) and " src=" not in page
+
+
+def test_eval_page_escapes_names_from_the_command_line_and_files():
+    from qtool.html_report import render_eval
+    from tests.synthetic_reports import synthetic_evaluation
+
+    document = synthetic_evaluation(
+        4, model="models/<script>alert(1)</script>", base='base/"><img src=x onerror=alert(1)>'
+    )
+    document["text"] = "wiki.\x1b[31m\u202etxt.exe"
+    document["warnings"] = ["<b>warned</b>"]
+    document["violations"] = ["mean KL divergence <i>1</i> is above the limit 0.1"]
+    document["ok"] = False
+    page = render_eval(document)
+    assert "<script>alert" not in page and "<img" not in page and "<b>warned" not in page and "<i>1" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "\x1b" not in page and "\u202e" not in page and "wiki.\\x1b[31m\\u202etxt.exe" in page
+    assert "✗ FAIL: 1 violation" in page
+    assert "<li>mean KL divergence &lt;i&gt;1&lt;/i&gt; is above the limit 0.1</li>" in page
+
+
+def test_eval_page_without_a_base_has_no_chart():
+    from qtool.html_report import render_eval
+    from tests.synthetic_reports import synthetic_evaluation
+
+    document = synthetic_evaluation(6, base=None)
+    page = render_eval(document)
+    assert f"<dd>{document['perplexity']:.4f}</dd>" in page
+    assert '<svg class="chart' not in page and "KL" not in page and "hidden-state" not in page
+    assert "none: the perplexity only" in page
+
+
+def test_eval_page_of_a_model_against_itself():
+    """Hidden states equal to the base's have no place on a log axis: a sentence says so."""
+    from qtool.html_report import render_eval
+    from tests.synthetic_reports import synthetic_evaluation
+
+    document = synthetic_evaluation(3)
+    for layer in document["layers"]:
+        layer["hidden_error"] = 0.0
+    page = render_eval(document)
+    assert 'svg class="chart depth' not in page
+    assert "The hidden states equal the base's after every layer (error 0)." in page
+    document["layers"][1]["hidden_error"] = 2e-3
+    page = render_eval(document)
+    assert [int(layer) for _, layer, _ in EVAL_MARK.findall(page)] == [1]
+    assert "The hidden states after layer 0, 2 equal the base" in page
+
+
+def test_eval_gates_give_the_verdict():
+    from qtool.evaluation.report import OutputGates
+    from qtool.html_report import render_eval
+    from tests.synthetic_reports import synthetic_evaluation
+
+    document = synthetic_evaluation(4, gates=OutputGates(max_kld=1e-4, min_top1=0.5))
+    assert len(document["violations"]) == 1
+    page = render_eval(document)
+    assert "✗ FAIL: 1 violation" in page
+    assert "max mean KL divergence 0.0001 · min top-1 agreement 0.5" in page
+    assert f"<li>{document['violations'][0]}</li>" in page
+    assert "✓ PASS" in render_eval(synthetic_evaluation(4, gates=OutputGates(min_top1=0.5)))
+
+
+def test_compare_page_shows_each_candidates_outputs():
+    """compare --text: the outputs section after the weights' charts, each candidate in its
+    series colour (s-N) as in the SQNR charts; the output gates with the others."""
+    from qtool.evaluation.report import OutputGates
+    from tests.synthetic_reports import synthetic_evaluation
+
+    documents = [synthetic_comparison(4, b="rtn/"), synthetic_comparison(4, seed=1, b="gptq/")]
+    for index, document in enumerate(documents):
+        document["outputs"] = synthetic_evaluation(
+            4, model=document["b"], base="synthetic/", seed=index, gates=OutputGates(max_kld=0.5)
+        )
+    single = render_compare(documents[:1])
+    assert single.index('id="distribution"') < single.index('id="outputs"') < single.index('id="weights"')
+    assert "max mean KL divergence 0.5" in single
+    outputs = documents[0]["outputs"]
+    assert f"<dd>{outputs['perplexity']:.4f}</dd>" in single
+    assert [float(v) for _, _, v in EVAL_MARK.findall(single)] == [layer["hidden_error"] for layer in outputs["layers"]]
+    assert [int(n) for _, _, n in KL_BAR.findall(single)] == [b["tokens"] for b in outputs["kld_histogram"]]
+    documents[1]["outputs"]["base"] = documents[0]["outputs"]["base"]  # one A, one base perplexity
+    page = render_compare(documents)
+    marks = EVAL_MARK.findall(page)
+    for series, document in enumerate(documents):
+        assert [float(v) for s, _, v in marks if s == str(series)] == [
+            layer["hidden_error"] for layer in document["outputs"]["layers"]
+        ]
+        bars = [(name, int(n)) for s, name, n in KL_BAR.findall(page) if s == str(series)]
+        assert [n for _, n in bars] == [b["tokens"] for b in document["outputs"]["kld_histogram"]]
+        assert all(name.startswith(document["b"] + ": ") for name, _ in bars)
+        # the facts that differ are named by candidate; the base's perplexity is one
+        assert f"<dt>perplexity ({document['b']})</dt><dd>{document['outputs']['perplexity']:.4f}</dd>" in page
+    assert page.count("<dt>base perplexity</dt>") == 1
+    assert page.count('id="outputs"') == 1
+    assert 'id="outputs"' not in render_compare([synthetic_comparison(4)])  # no --text: no section
+
+
+@pytest.fixture(scope="module")
+def tiny_text_model(tmp_path_factory) -> Path:
+    """A folder with a tiny random LLaMA (`model`, as tests/test_calibration_runner.py makes it),
+    a text to score, and the model quantized int4:g32 by the CLI (`w4`)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from tests.test_calibration_runner import TEXT, tiny_model
+
+    folder = tmp_path_factory.mktemp("eval-html")
+    tiny_model(folder / "model", "llama")
+    (folder / "text.txt").write_text(TEXT)
+    out = qtool("quantize", "model", "-o", "w4", "--scheme", "int4:g32", "-q", cwd=folder)
+    assert out.returncode == 0, out.stderr
+    return folder
+
+
+def test_eval_writes_its_html_page_through_the_cli(tiny_text_model):
+    """`qtool eval --html` through a real process: the page is written and carries the --json
+    document's perplexity (issue 38)."""
+    folder = tiny_text_model
+    out = qtool(
+        "eval", "model", "--base", "model", "--text", "text.txt", "--ctx", "32", "--windows", "2",
+        "--html", "out.html", "--json", "-q", cwd=folder,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    document = json.loads(out.stdout)
+    page = (folder / "out.html").read_text()
+    assert page.startswith("<!DOCTYPE html>")
+    assert f"<dd>{document['perplexity']:.4f}</dd>" in page
+    assert document["top1_agreement"] == 1.0 and "<dd>100.00 %</dd>" in page
+    assert "The hidden states equal the base's after every layer (error 0)." in page  # the model against itself
+
+
+def test_compare_text_writes_the_outputs_into_its_page(tiny_text_model):
+    """`qtool compare A B --text --html` through a real process: the page's outputs section
+    carries the --json document's `outputs`, layer by layer and bin by bin."""
+    folder = tiny_text_model
+    out = qtool(
+        "compare", "model", "w4", "--text", "text.txt", "--ctx", "32", "--windows", "2",
+        "--html", "compare.html", "--json", "-q", cwd=folder,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    outputs = json.loads(out.stdout)["outputs"]
+    page = (folder / "compare.html").read_text()
+    assert 'id="outputs"' in page and f"<dd>{outputs['perplexity']:.4f}</dd>" in page
+    assert [(int(layer), float(value)) for _, layer, value in EVAL_MARK.findall(page)] == [
+        (layer["index"], layer["hidden_error"]) for layer in outputs["layers"]
+    ]
+    assert all(layer["hidden_error"] > 0 for layer in outputs["layers"])
+    assert [int(n) for _, _, n in KL_BAR.findall(page)] == [b["tokens"] for b in outputs["kld_histogram"]]
+
+
+def test_log_axis_ticks_are_round_over_any_range():
+    """The hidden-state error's log axis: 1-2-5 ticks within a decade, decades over a few,
+    every fifth decade over thirty; each tick placed where its value lies."""
+    from qtool.html_report.depth_chart import Axis, Mark, depth_chart
+
+    def ticks(*values: float) -> list[str]:
+        marks = [Mark(0, layer, "hidden", None, value, f"layer {layer}", "") for layer, value in enumerate(values)]
+        svg = depth_chart(marks, Axis("hidden-state error", "", "high", log=True), ["m"], label="x")
+        return re.findall(r'<text class="tick" x="\d+" y="[\d.]+" text-anchor="end">([^<]*)</text>', svg)
+
+    assert ticks(1e-4) == ["5×10⁻⁵", "10⁻⁴", "2×10⁻⁴"]
+    assert ticks(1e-4, 1e-2) == ["10⁻⁴", "10⁻³", "10⁻²"]
+    assert ticks(1e-30, 1.0) == ["10⁻³⁰", "10⁻²⁵", "10⁻²⁰", "10⁻¹⁵", "10⁻¹⁰", "10⁻⁵", "1"]

@@ -1,6 +1,7 @@
 """Error along the depth of a model: one SVG chart, layer index on x, a per-weight figure on y
-(SQNR in dB, or bits per weight for `check`), one mark per projection kind per layer and per
-series (a quantized model; two when reports are overlaid).
+(SQNR in dB, bits per weight for `check`; on a log axis an evaluation's hidden-state error after
+each layer), one mark per projection kind per layer and per series (a quantized model; two when
+reports are overlaid).
 
 - Several weights at one (series, layer, kind), a mixture's experts above all, are one mark:
   the worst of them, its tooltip naming it, the best, and how many there are.
@@ -17,6 +18,7 @@ The chart only places figures the report document holds; it computes none.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from collections.abc import Sequence
 from urllib.parse import quote
@@ -26,6 +28,7 @@ from qtool.html_report.svg import (
     attr,
     display,
     fmt_number,
+    fmt_power,
     kind_class,
     kind_label,
     marker_for,
@@ -61,9 +64,36 @@ class Axis:
     worse: str  # "low" or "high": which end is worse
     threshold: float | None = None
     threshold_label: str = ""
+    log: bool = False  # a log10 y axis (ratios that span decades: the hidden-state error); values > 0
 
     def show(self, value: float) -> str:
         return f"{fmt_number(value, 4)} {self.unit}".strip()
+
+    def plot(self, value: float) -> float:
+        """Where a value lies along the y axis, in the axis' own units (log10 on a log axis)."""
+        return math.log10(value) if self.log else value
+
+    def tick_label(self, value: float) -> str:
+        return fmt_power(value) if self.log else fmt_number(value, 4)
+
+
+def _log_ticks(low: float, high: float) -> list[float]:
+    """Round values between 10**low and 10**high: decades where three or more fit, else 1, 2, 5
+    (and then 1-9) times a decade; a long range keeps every second, fifth... decade."""
+    decades = list(range(math.ceil(low - 1e-9), math.floor(high + 1e-9) + 1))
+    if len(decades) >= 3:
+        step = next(s for s in (1, 2, 5, 10, 20, 50, 100) if len(decades) / s <= 12)
+        return [10.0**d for d in decades if d % step == 0]
+    for mantissas in ((1, 2, 5), range(1, 10)):
+        ticks = [
+            m * 10.0**d
+            for d in range(math.floor(low) - 1, math.ceil(high) + 1)
+            for m in mantissas
+            if low - 1e-9 <= math.log10(m * 10.0**d) <= high + 1e-9
+        ]
+        if len(ticks) >= 3:
+            return ticks
+    return ticks or [10.0**low]
 
 
 @dataclass
@@ -117,6 +147,7 @@ def depth_chart(marks: Sequence[Mark], axis: Axis, series_names: Sequence[str], 
     if not marks:
         return f'<p class="empty">No weight has a finite {text(axis.title)} to plot.</p>'
     groups = _groups(marks, axis)
+    left = _LEFT + (14 if axis.log else 0)  # room for the log axis' longer ticks (5×10⁻³)
     kinds = sorted(
         {kind for _, _, kind in groups}, key=lambda k: (KINDS.index(k) if k in KINDS else len(KINDS), k or "")
     )
@@ -126,16 +157,22 @@ def depth_chart(marks: Sequence[Mark], axis: Axis, series_names: Sequence[str], 
     values = [g.worst.value for g in groups.values()] + [g.best.value for g in groups.values()]
     if axis.threshold is not None:
         values.append(axis.threshold)
+    values = [axis.plot(v) for v in values]
     low, high = min(values), max(values)
     span = high - low or max(abs(high), 1.0)
-    ticks = nice_ticks(low - 0.05 * span, high + 0.05 * span)
-    y_low, y_high = min(ticks[0], low - 0.05 * span), max(ticks[-1], high + 0.05 * span)
+    if axis.log:  # at least a decade shown, ticks inside it in decades or 1-2-5 steps
+        pad = max(0.05 * (high - low), (1.0 - (high - low)) / 2)
+        y_low, y_high = low - pad, high + pad
+        ticks = _log_ticks(y_low, y_high)
+    else:
+        ticks = nice_ticks(low - 0.05 * span, high + 0.05 * span)
+        y_low, y_high = min(ticks[0], low - 0.05 * span), max(ticks[-1], high + 0.05 * span)
 
     def y_of(value: float) -> float:
-        return _TOP + (y_high - value) / (y_high - y_low) * (_H - _TOP - _BOTTOM)
+        return _TOP + (y_high - axis.plot(value)) / (y_high - y_low) * (_H - _TOP - _BOTTOM)
 
     first, last = (min(layers), max(layers)) if layers else (0, 0)
-    band = (plot_right - _LEFT) / (last - first + 1)
+    band = (plot_right - left) / (last - first + 1)
     spread = min(band * 0.7, _MARK * 2.2 * len(kinds) * len(series_names))
 
     def offset(kind: str | None, series: int) -> float:
@@ -146,7 +183,7 @@ def depth_chart(marks: Sequence[Mark], axis: Axis, series_names: Sequence[str], 
     def x_of(layer: int | None, kind: str | None, series: int) -> float:
         if layer is None:
             return plot_right + _APART / 2 + offset(kind, series) * min(1.0, (_APART * 0.8) / max(spread, 1))
-        return _LEFT + (layer - first + 0.5) * band + offset(kind, series)
+        return left + (layer - first + 0.5) * band + offset(kind, series)
 
     scale = max(2.2, min(_MARK, band / max(len(kinds), 1)))
     out = [
@@ -155,9 +192,9 @@ def depth_chart(marks: Sequence[Mark], axis: Axis, series_names: Sequence[str], 
     ]
     for tick in ticks:  # y grid and labels
         y = y_of(tick)
-        out.append(f'<line class="grid" x1="{_LEFT}" x2="{plot_right}" y1="{y:.1f}" y2="{y:.1f}"/>')
+        out.append(f'<line class="grid" x1="{left}" x2="{plot_right}" y1="{y:.1f}" y2="{y:.1f}"/>')
         out.append(
-            f'<text class="tick" x="{_LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{text(fmt_number(tick, 4))}</text>'
+            f'<text class="tick" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{text(axis.tick_label(tick))}</text>'
         )
     out.append(
         f'<text class="axis-title" transform="translate(14 {(_TOP + _H - _BOTTOM) / 2:.0f}) rotate(-90)" text-anchor="middle">'
@@ -166,14 +203,14 @@ def depth_chart(marks: Sequence[Mark], axis: Axis, series_names: Sequence[str], 
     if layers:
         for tick in nice_ticks(first, last, max(2, min(last - first + 1, 16))):
             if float(tick).is_integer() and first <= tick <= last:
-                x = _LEFT + (tick - first + 0.5) * band
+                x = left + (tick - first + 0.5) * band
                 out.append(
                     f'<text class="tick" x="{x:.1f}" y="{_H - _BOTTOM + 16}" text-anchor="middle">{int(tick)}</text>'
                 )
         out.append(
-            f'<text class="axis-title" x="{(_LEFT + plot_right) / 2:.0f}" y="{_H - 8}" text-anchor="middle">layer</text>'
+            f'<text class="axis-title" x="{(left + plot_right) / 2:.0f}" y="{_H - 8}" text-anchor="middle">layer</text>'
         )
-    out.append(f'<line class="axis" x1="{_LEFT}" x2="{plot_right}" y1="{_H - _BOTTOM}" y2="{_H - _BOTTOM}"/>')
+    out.append(f'<line class="axis" x1="{left}" x2="{plot_right}" y1="{_H - _BOTTOM}" y2="{_H - _BOTTOM}"/>')
     if apart:
         x = plot_right + 8
         out.append(f'<line class="axis apart" x1="{x}" x2="{x}" y1="{_TOP}" y2="{_H - _BOTTOM}"/>')
@@ -183,9 +220,9 @@ def depth_chart(marks: Sequence[Mark], axis: Axis, series_names: Sequence[str], 
     if axis.threshold is not None:
         y = y_of(axis.threshold)
         out.append(
-            f'<line class="threshold" x1="{_LEFT}" x2="{plot_right}" y1="{y:.1f}" y2="{y:.1f}"><title>{text(axis.threshold_label)}</title></line>'
+            f'<line class="threshold" x1="{left}" x2="{plot_right}" y1="{y:.1f}" y2="{y:.1f}"><title>{text(axis.threshold_label)}</title></line>'
         )
-        out.append(f'<text class="threshold-label" x="{_LEFT + 6}" y="{y - 5:.1f}">{text(axis.threshold_label)}</text>')
+        out.append(f'<text class="threshold-label" x="{left + 6}" y="{y - 5:.1f}">{text(axis.threshold_label)}</text>')
     # one line per (series, kind) through its layers, in layer order
     for series in range(len(series_names)):
         for kind in kinds:

@@ -1,5 +1,6 @@
 """One self-contained HTML file from a `Page`: inline CSS and script (package data in `assets/`),
-inline SVG, the table's rows embedded (see `table_payload`). Nothing is fetched: the page's
+inline SVG, the table's rows embedded (see `table_payload`); a page without a depth chart or a
+table (an evaluation's) has no such section. Nothing is fetched: the page's
 Content-Security-Policy allows no network at all, and only its own style and script by hash,
 so a name from a file can never become markup or code, even if escaping were missed.
 """
@@ -11,9 +12,10 @@ import hashlib
 from functools import cache
 from importlib import resources
 
+from qtool.html_report.bar_charts import series_legend
 from qtool.html_report.svg import MARKERS, attr, fmt_bytes, kind_class, kind_label, marker_for, shown, text
 from qtool.html_report.table_payload import encode
-from qtool.html_report.views import Page
+from qtool.html_report.page_parts import Page
 
 __all__ = ["render_page"]
 
@@ -92,17 +94,6 @@ def _legend(page: Page) -> str:
     return defs + f'<ul class="legend">{"".join(items)}</ul>'
 
 
-def _series_legend(page: Page) -> str:
-    """Overlaid candidates' colours under the histogram (the depth chart's legend is above it)."""
-    if len(page.series_names) < 2:
-        return ""
-    items = "".join(
-        f'<li><svg viewBox="0 0 14 14" aria-hidden="true"><rect class="bar s-{series}" x="1" y="1" width="12" height="12"/></svg><span class="mono">{shown(name)}</span></li>'
-        for series, name in enumerate(page.series_names)
-    )
-    return f'<ul class="legend series">{items}</ul>'
-
-
 def _table(page: Page) -> str:
     cols = "".join(f'<col class="c-{c.type} c-{attr(c.key.split("@")[0])}">' for c in page.columns)
     heads = "".join(
@@ -132,7 +123,7 @@ def render_page(page: Page, *, version: str) -> str:
     distribution = []
     if page.histogram is not None:
         distribution.append(
-            f'<div><h2>Per-weight SQNR</h2>{page.histogram}{_series_legend(page)}<p class="caption">{text(page.histogram_caption or "Weights per 5 dB bin.")}</p></div>'
+            f'<div><h2>Per-weight SQNR</h2>{page.histogram}{series_legend(page.series_names)}<p class="caption">{text(page.histogram_caption or "Weights per 5 dB bin.")}</p></div>'
         )
     if page.bits:
         distribution.append(
@@ -148,13 +139,18 @@ def render_page(page: Page, *, version: str) -> str:
             f"<style>{css}</style></head>",
             f'<body class="report-{page.kind}{" overlay" if len(page.series_names) > 1 else ""}">',
             f"<header><h1>{shown(page.title)}</h1>{verdict}</header><main>",
-            f'<section id="summary"><h2>Models</h2>{_models(page)}<dl class="facts">{facts}</dl></section>',
+            f'<section id="summary"><h2>{text(page.summary_title)}</h2>{_models(page)}<dl class="facts">{facts}</dl></section>',
             _problems(page),
-            f'<section id="depth"><h2>{depth_title}</h2>{_legend(page)}{page.depth}<p class="caption">{text(page.depth_caption)} Hover a mark for its weight and figures.</p></section>',
+            f'<section id="depth"><h2>{depth_title}</h2>{_legend(page)}{page.depth}<p class="caption">{text(page.depth_caption)} Hover a mark for its weight and figures.</p></section>'
+            if page.depth
+            else "",
             f'<section class="two" id="distribution">{"".join(distribution)}</section>' if distribution else "",
-            _table(page),
+            *page.sections,
+            _table(page) if page.columns else "",
             f"</main><footer>qtool {text(version)}: rendered from the same document that --json prints.</footer>",
-            f'<script type="application/octet-stream" id="table-data">{encode(page.columns, page.rows)}</script>',
+            f'<script type="application/octet-stream" id="table-data">{encode(page.columns, page.rows)}</script>'
+            if page.columns
+            else "",
             f"<script>{js}</script></body></html>",
         ]
     )

@@ -23,6 +23,7 @@ __all__ = [
     "fmt_db",
     "fmt_bytes",
     "fmt_number",
+    "fmt_power",
     "kind_class",
     "MARKERS",
     "marker_for",
@@ -45,7 +46,8 @@ MARKERS = {
 _SHAPES = list(MARKERS)
 _LABELS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "qkv": "qkv (fused)", "kv": "kv (MLA)", "gate": "gate_proj",
            "up": "up_proj", "gate_up": "gate_up (fused)", "down": "down_proj", "experts": "experts (worst per layer)",
-           "router": "router", "norm": "norm", "embed": "embedding", "lm_head": "lm_head", "bias": "bias", "other": "other"}  # fmt: skip
+           "router": "router", "norm": "norm", "embed": "embedding", "lm_head": "lm_head", "bias": "bias", "other": "other",
+           "hidden": "hidden state"}  # fmt: skip
 
 
 def text(value: object) -> str:
@@ -106,6 +108,24 @@ def fmt_number(value: float, digits: int = 4) -> str:
     if abs(value) >= 1e5 or abs(value) < 1e-3:
         return f"{value:.{digits - 1}e}"
     return f"{value:.{digits}g}"
+
+
+_SUPERSCRIPT = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
+
+
+def fmt_power(value: float) -> str:
+    """A tick of a log axis: 10⁻⁶, 2×10⁻³, 1, 10 (a value that is not m×10ⁿ with an integer m:
+    `fmt_number`)."""
+    if not (math.isfinite(value) and value > 0):
+        return fmt_number(value) if math.isfinite(value) else str(value)
+    power = math.floor(math.log10(value) + 1e-9)
+    mantissa = value / 10.0**power
+    if abs(mantissa - round(mantissa)) > 1e-6:
+        return fmt_number(value)
+    head = "" if round(mantissa) == 1 else f"{round(mantissa)}×"
+    if power in (0, 1):
+        return f"{round(value):d}"
+    return f"{head}10{str(power).translate(_SUPERSCRIPT)}"
 
 
 def fmt_db(value: float | None) -> str:

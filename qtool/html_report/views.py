@@ -7,39 +7,19 @@ here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Sequence
 
 from qtool.html_report.bar_charts import bits_by_scheme_chart, sqnr_histogram_chart
 from qtool.html_report.depth_chart import Axis, Mark, depth_chart
+from qtool.html_report.eval_view import eval_page, output_gates, outputs_section
+from qtool.html_report.page_parts import Page
 from qtool.html_report.svg import attr, display, fmt_bytes, fmt_db, fmt_number, shown, text
 from qtool.html_report.table_payload import Column
 from qtool.message_text import counted
 from qtool.weight_position import KINDS
 
-__all__ = ["Page", "quantize_page", "compare_page", "check_page"]
-
-
-@dataclass
-class Page:
-    kind: str  # quantize, compare, check
-    title: str
-    verdict: tuple[str, bool] | None  # ("PASS", True), ("FAIL: 3 violations", False); None without a gate
-    models: list[tuple[str, dict[str, Any]]]  # (role, qtool.model_summary document)
-    facts: list[tuple[str, str]]  # (label, HTML)
-    problems_title: str = ""
-    problems: list[tuple[str, str | None]] = field(default_factory=list)  # (line, weight name to link, or None)
-    depth: str = ""  # SVG
-    depth_caption: str = ""
-    series_names: list[str] = field(default_factory=list)
-    kinds: list[str] = field(default_factory=list)
-    histogram: str | None = None
-    histogram_caption: str = ""
-    bits: str = ""
-    columns: list[Column] = field(default_factory=list)
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    table_caption: str = ""
+__all__ = ["Page", "quantize_page", "compare_page", "check_page", "eval_page"]
 
 
 def _sqnr_status(weight: dict[str, Any]) -> str:
@@ -235,6 +215,7 @@ def compare_page(documents: Sequence[dict[str, Any]]) -> Page:
             f"min SQNR {gates['min_sqnr']:g} dB" if gates["min_sqnr"] is not None else "",
             f"max relative RMSE {gates['max_rel_rmse']:g}" if gates["max_rel_rmse"] is not None else "",
             f"max missing {gates['max_missing']}" if gates["max_missing"] is not None else "",
+            *output_gates((first.get("outputs") or {}).get("gates") or {}),
         )
         if part
     )
@@ -324,6 +305,7 @@ def compare_page(documents: Sequence[dict[str, Any]]) -> Page:
         columns=columns,
         rows=rows,
         table_caption="Every matched weight, worst first" + (f" (in {names[0]})." if overlay else "."),
+        sections=[section for section in (outputs_section([d.get("outputs") for d in documents], names),) if section],
     )
 
 

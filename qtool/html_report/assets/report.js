@@ -7,6 +7,11 @@
 "use strict";
 (function () {
   const payload = document.getElementById("table-data");
+  if (!payload) {
+    // a page without a weights table (qtool eval's): nothing to draw, ready as it is
+    document.documentElement.dataset.ready = "1";
+    return;
+  }
   const scroller = document.getElementById("table-scroll");
   const table = document.getElementById("weights-table");
   const body = table.tBodies[0];
