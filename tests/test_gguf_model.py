@@ -135,19 +135,24 @@ def test_a_gguf_reads_back_as_the_hugging_face_model_it_was_written_from(tmp_pat
     assert config["num_key_value_heads"] == want["num_key_value_heads"]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "llama, no add_bos_token key", "qwen2"])
 def test_the_tokenizer_is_transformers_own_reading_of_the_gguf(tmp_path, monkeypatch, family):
     """The tokenizer built from qtool's reading of the vocabulary gives the ids (and the BOS)
     that transformers' `AutoTokenizer.from_pretrained(folder, gguf_file=...)` gives: a
-    sentencepiece-style "llama" vocabulary (BOS added) and a byte-level "gpt2" one (none)."""
+    sentencepiece-style "llama" vocabulary (BOS added, also where an older file does not say)
+    and a byte-level "gpt2" one (none)."""
     from transformers import AutoTokenizer
 
-    folder, _ = tiny_llama(tmp_path) if family == "llama" else tiny_qwen2(tmp_path, monkeypatch)
-    gguf_file = tmp_path / "model.gguf"
+    folder, _ = tiny_qwen2(tmp_path, monkeypatch) if family == "qwen2" else tiny_llama(tmp_path)
+    gguf_file = tmp_path / "out" / "model.gguf"
+    gguf_file.parent.mkdir()
     qtool.quantize(folder, gguf_file, "q8_0")
+    if family != "llama" and family != "qwen2":  # the key gone, as in files older than it
+        rewritten(gguf_file, gguf_file, entries=edited("tokenizer.ggml.add_bos_token"))
+        assert "tokenizer.ggml.add_bos_token" not in dict((k, v) for k, v, _ in read_gguf_key_values(str(gguf_file)))
     notes: list[str] = []
     tokenizer = gguf_as_hugging_face(open_checkpoint(gguf_file)).tokenizer(notes)
-    reference = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=gguf_file.name)
+    reference = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
     assert type(tokenizer) is type(reference)
     text = "The quick brown fox, then the thin thistle: 3 33 333 ünïcödé <|im_start|> and 🦙.\n\n  x"
     for special in (True, False):
@@ -156,7 +161,7 @@ def test_the_tokenizer_is_transformers_own_reading_of_the_gguf(tmp_path, monkeyp
             == reference(text, add_special_tokens=special).input_ids
         )
     with_bos = tokenizer(text).input_ids
-    assert (with_bos[0] == tokenizer.bos_token_id) == (family == "llama")
+    assert (with_bos[0] == tokenizer.bos_token_id) == family.startswith("llama")
 
 
 # -- the real SmolLM2 GGUF against transformers' reading of it ------------------------------------------
