@@ -279,6 +279,12 @@ BAD_METADATA = {
         "metadata key llama.embedding_length is a string, not an integer",
     ),
     "zero heads": (edited("llama.attention.head_count", 0, "UINT32"), "llama.attention.head_count is 0, not from 1"),
+    "more heads than width": (
+        lambda kv: edited("llama.attention.head_count", 512, "UINT32")(
+            [e for e in kv if e[0] not in ("llama.attention.key_length", "llama.rope.dimension_count")]
+        ),
+        "llama.attention.head_count is 512, more heads than the 256 wide embedding has",
+    ),
     "huge width": (edited("llama.feed_forward_length", 1 << 40, "UINT64"), "is 1099511627776, not from 1 to"),
     "integer epsilon": (
         edited("llama.attention.layer_norm_rms_epsilon", 1, "UINT32"),

@@ -86,6 +86,7 @@ def gguf_as_hugging_face(checkpoint: Checkpoint) -> GgufAsHuggingFace:
 
     if checkpoint.format != "gguf" or len(checkpoint.files) != 1:
         raise InternalError(f"{checkpoint.path} is not one GGUF file, so it has no Hugging Face names to map back")
+    checkpoint.require_local()  # the key-values are read from the file itself
     file = checkpoint.files[0]
     metadata = _Metadata(file, read_gguf_key_values(file))
     checkpoint.verify_unchanged()  # the key-values come from the file the tensors were listed from
@@ -330,6 +331,11 @@ def _head_dim(metadata: _Metadata, arch: str, config: dict[str, Any]) -> int:
     head_dim = (
         key_length or (rotary if arch == "llama" else None) or config["hidden_size"] // config["num_attention_heads"]
     )
+    if head_dim < 1:
+        raise metadata.fail(
+            f"{arch}.attention.head_count",
+            f"is {config['num_attention_heads']}, more heads than the {config['hidden_size']} wide embedding has",
+        )
     if value_length is not None and value_length != head_dim:
         raise metadata.fail(
             f"{arch}.attention.value_length",
