@@ -403,3 +403,25 @@ def test_a_token_that_is_not_utf8_is_refused_naming_the_key(llama_gguf, tmp_path
 
     path = rewritten(llama_gguf, tmp_path / "utf8.gguf", entries=edit)
     refused(path, CheckpointError, "metadata key tokenizer.ggml.tokens is not UTF-8 (item 0)", tokenizer=True)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 2.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+    ],
+)
+def test_rope_scaling_in_the_gguf_comes_back_in_the_config(tmp_path, rope):
+    from transformers import AutoConfig
+
+    from tests.test_gguf_hf import tiny_llama_copy
+
+    folder = tiny_llama_copy(tmp_path, config={"rope_scaling": rope})
+    gguf_file = tmp_path / "scaled.gguf"
+    qtool.quantize(folder, gguf_file, "q8_0")
+    config = gguf_as_hugging_face(open_checkpoint(gguf_file)).checkpoint.config
+    assert config["rope_scaling"] == rope
+    fields = dict(config)
+    built = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    assert built.rope_parameters == {**rope, "rope_theta": 10000.0}
