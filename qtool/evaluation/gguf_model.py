@@ -14,24 +14,26 @@ time, so it needs the pieces instead:
     config.json  built from the metadata with transformers' own table of GGUF key to config field
                  (`transformers.integrations.ggml.GGUF_CONFIG_MAPPING`), read by qtool's bounded
                  reader (`qtool.formats.gguf.read_gguf_key_values`), never gguf-py's GGUFReader
-    tokenizer    transformers' own GGUF converter (`convert_gguf_tokenizer`), fed the vocabulary
-                 from qtool's reader, built into the class `AutoTokenizer.from_pretrained(folder,
-                 gguf_file=...)` picks, so the ids (and whether a BOS is added) are transformers'
+    tokenizer    transformers' own GGUF converter, fed the vocabulary from qtool's reader
+                 (`qtool.evaluation.gguf_tokenizer`), so the ids (and whether a BOS is added) are
+                 those of `AutoTokenizer.from_pretrained(folder, gguf_file=...)`
 
 Only the architectures qtool maps back are read (llama, which covers Mistral, and qwen2); any
 other is a UsageError. Every value in the file is a stranger's: a missing key, a value of the
-wrong type, a size out of range, a tensor with no Hugging Face name, a vocabulary whose size is
-not the token embedding's, is one CheckpointError line naming the file and the key (exit 2).
+wrong type, a size out of range (each key read through `qtool.evaluation.gguf_metadata`), a tensor
+with no Hugging Face name, a vocabulary whose size is not the token embedding's, is one
+CheckpointError line naming the file and the key or tensor (exit 2).
 """
 
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from qtool.errors import CheckpointError, InternalError, QtoolError, UsageError
+from qtool.errors import CheckpointError, InternalError, UsageError
+from qtool.evaluation.gguf_metadata import HINT, SIZE_LIMIT, GgufMetadata
+from qtool.evaluation.gguf_tokenizer import GgufVocabulary
 from qtool.formats.checkpoint import Checkpoint
 from qtool.llamacpp.names import RotaryRows, hugging_face_names
 from qtool.message_text import excerpt
@@ -40,10 +42,6 @@ __all__ = ["GgufAsHuggingFace", "gguf_as_hugging_face", "MAPPED_ARCHITECTURES"]
 
 # GGUF architecture -> (config.json's model_type, architectures): what hugging_face_names maps back
 MAPPED_ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM")}
-_SIZE_LIMIT = 1 << 31  # a width, count or context length beyond this is no model's
-_HINT = "the GGUF's metadata does not describe its model; convert it again with llama.cpp's convert_hf_to_gguf.py"
-_INTEGERS = ("UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64")
-_FLOATS = ("FLOAT32", "FLOAT64")
 # config.json fields a llama or qwen2 GGUF must state (llama.cpp refuses to load one without them)
 _REQUIRED = ("num_hidden_layers", "max_position_embeddings", "hidden_size", "intermediate_size",
              "num_attention_heads", "rms_norm_eps")  # fmt: skip
@@ -62,7 +60,7 @@ class GgufAsHuggingFace:
 
     checkpoint: Checkpoint
     rows_back: dict[str, RotaryRows]
-    _vocabulary: _Vocabulary | None = field(default=None, repr=False, compare=False)
+    _vocabulary: GgufVocabulary | None = field(default=None, repr=False, compare=False)
 
     def tokenizer(self, notes: list[str]) -> Any:
         """transformers' tokenizer (a `PreTrainedTokenizerFast`) of the GGUF's vocabulary, as
@@ -88,7 +86,7 @@ def gguf_as_hugging_face(checkpoint: Checkpoint) -> GgufAsHuggingFace:
         raise InternalError(f"{checkpoint.path} is not one GGUF file, so it has no Hugging Face names to map back")
     checkpoint.require_local()  # the key-values are read from the file itself
     file = checkpoint.files[0]
-    metadata = _Metadata(file, read_gguf_key_values(file))
+    metadata = GgufMetadata(file, read_gguf_key_values(file))
     checkpoint.verify_unchanged()  # the key-values come from the file the tensors were listed from
     arch = metadata.text("general.architecture", required=True)
     named = hugging_face_names(checkpoint)
@@ -100,7 +98,7 @@ def gguf_as_hugging_face(checkpoint: Checkpoint) -> GgufAsHuggingFace:
         )
     vocab_size = _embedding_rows(checkpoint)
     config = _config(metadata, arch, vocab_size, set(checkpoint.tensors))
-    vocabulary = _Vocabulary.read(metadata, vocab_size)
+    vocabulary = GgufVocabulary.read(metadata, vocab_size)
     tensors, rows_back = {}, {}
     taken: dict[str, str] = {}
     for name, stored in checkpoint.tensors.items():
@@ -140,110 +138,6 @@ def gguf_as_hugging_face(checkpoint: Checkpoint) -> GgufAsHuggingFace:
     return GgufAsHuggingFace(view, rows_back, vocabulary)
 
 
-# -- the metadata, every value checked --------------------------------------------------------------
-
-
-class _Metadata:
-    """A GGUF's key-values by key, each read with its type checked: what is wrong with one is a
-    CheckpointError naming the file and the key."""
-
-    def __init__(self, path: str, entries: list[tuple[str, object, str]]) -> None:
-        self.path = path
-        self.values = {key: (value, kind) for key, value, kind in entries}
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.values
-
-    def fail(self, key: str, problem: str) -> CheckpointError:
-        return CheckpointError(f"metadata key {key} {problem}", path=self.path, hint=_HINT)
-
-    def _get(self, key: str, required: bool) -> tuple[Any, str] | None:
-        if key not in self.values:
-            if required:
-                raise self.fail(key, "is missing")
-            return None
-        return self.values[key]
-
-    def size(self, key: str, *, required: bool = False, limit: int = _SIZE_LIMIT) -> int | None:
-        """A whole number from 1 to `limit` - 1."""
-        got = self._get(key, required)
-        if got is None:
-            return None
-        value, kind = got
-        if kind not in _INTEGERS:
-            raise self.fail(key, f"is {_kind_words(kind)}, not an integer")
-        if not 0 < value < limit:
-            raise self.fail(key, f"is {value}, not from 1 to {limit - 1}")
-        return value
-
-    def real(self, key: str, *, required: bool = False) -> float | None:
-        """A finite positive float (as transformers' reader gives it: the float32 widened)."""
-        got = self._get(key, required)
-        if got is None:
-            return None
-        value, kind = got
-        if kind not in _FLOATS:
-            raise self.fail(key, f"is {_kind_words(kind)}, not a float")
-        if not (math.isfinite(value) and value > 0):
-            raise self.fail(key, f"is {value!r}, not a finite positive number")
-        return float(value)
-
-    def text(self, key: str, *, required: bool = False) -> str | None:
-        got = self._get(key, required)
-        if got is None:
-            return None
-        value, kind = got
-        if kind != "STRING":
-            raise self.fail(key, f"is {_kind_words(kind)}, not a string")
-        return _utf8(self, key, value)
-
-    def flag(self, key: str) -> bool | None:
-        got = self._get(key, False)
-        if got is None:
-            return None
-        value, kind = got
-        if kind != "BOOL":
-            raise self.fail(key, f"is {_kind_words(kind)}, not a bool")
-        return bool(value)
-
-    def token_id(self, key: str, vocab_size: int) -> int | None:
-        got = self._get(key, False)
-        if got is None:
-            return None
-        value, kind = got
-        if kind not in _INTEGERS:
-            raise self.fail(key, f"is {_kind_words(kind)}, not an integer")
-        if not 0 <= value < vocab_size:
-            raise self.fail(key, f"is {value}, not a token id of the {vocab_size} the token embedding has")
-        return value
-
-    def array(self, key: str, kinds: tuple[str, ...]) -> tuple[Any, str] | None:
-        """An array of one of `kinds` (element type names), as the reader holds it."""
-        got = self._get(key, False)
-        if got is None:
-            return None
-        value, kind = got
-        if not kind.startswith("ARRAY:") or kind[6:] not in kinds:
-            raise self.fail(key, f"is {_kind_words(kind)}, not an array of {' or '.join(k.lower() for k in kinds)}")
-        return value, kind[6:]
-
-
-def _kind_words(kind: str) -> str:
-    """A GGUF value type as a message says it: "a uint32", "an array of str"."""
-    if kind.startswith("ARRAY:"):
-        return f"an array of {kind[6:].lower()}"
-    word = kind.lower()
-    return f"an {word}" if word.startswith("int") else f"a {word}"  # a uint32, an int32
-
-
-def _utf8(metadata: _Metadata, key: str, raw: bytes, index: int | None = None) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        where = "" if index is None else f" (item {index})"
-        raise metadata.fail(key, f"is not UTF-8{where}") from None
-
-
 # -- config.json ----------------------------------------------------------------------------------------
 
 
@@ -252,12 +146,12 @@ def _embedding_rows(checkpoint: Checkpoint) -> int:
     `vocab_size` and the tokenizer must both agree with."""
     stored = checkpoint.tensors.get("token_embd.weight")
     shape = None if stored is None else (stored.logical_shape or stored.shape)
-    if not shape or len(shape) != 2 or not 0 < shape[0] < _SIZE_LIMIT:
+    if not shape or len(shape) != 2 or not 0 < shape[0] < SIZE_LIMIT:
         raise CheckpointError(
             "has no token embedding (token_embd.weight, 2-D)" if not shape else
             f"token_embd.weight has shape {list(shape)}, not [vocabulary, hidden size]",
             path=checkpoint.path,
-            hint=_HINT,
+            hint=HINT,
         )  # fmt: skip
     return shape[0]
 
@@ -279,7 +173,7 @@ def _config_table(arch: str) -> dict[str, str]:
     return table
 
 
-def _config(metadata: _Metadata, arch: str, vocab_size: int, tensors: set[str]) -> dict[str, Any]:
+def _config(metadata: GgufMetadata, arch: str, vocab_size: int, tensors: set[str]) -> dict[str, Any]:
     """config.json of the model a llama or qwen2 GGUF came from, as transformers' GGUF loader
     makes it (its table of keys, its float32 values widened) where it knows the key, and where it
     does not: head_dim from `attention.key_length`, rope scaling, biases, `tie_word_embeddings`
@@ -321,7 +215,7 @@ def _config(metadata: _Metadata, arch: str, vocab_size: int, tensors: set[str]) 
     return config
 
 
-def _head_dim(metadata: _Metadata, arch: str, config: dict[str, Any]) -> int:
+def _head_dim(metadata: GgufMetadata, arch: str, config: dict[str, Any]) -> int:
     """The width of one attention head: `attention.key_length`, else the rotary width (llama,
     whose rotary covers the whole head), else hidden size / heads. transformers' decoder layers
     have one head width for q, k and v, rotated whole: a file saying otherwise is refused."""
@@ -349,7 +243,7 @@ def _head_dim(metadata: _Metadata, arch: str, config: dict[str, Any]) -> int:
     return head_dim
 
 
-def _rope_scaling(metadata: _Metadata, arch: str) -> dict[str, Any] | None:
+def _rope_scaling(metadata: GgufMetadata, arch: str) -> dict[str, Any] | None:
     """The rope scaling the GGUF records, as config.json's `rope_scaling`: linear (also the old
     `rope.scale_linear` key) and YaRN (factor, original context), what llama.cpp's converter and
     qtool write for these architectures; any other is refused rather than run without it."""
@@ -371,112 +265,3 @@ def _rope_scaling(metadata: _Metadata, arch: str) -> dict[str, Any] | None:
     if kind == "yarn" and original is not None:
         scaling["original_max_position_embeddings"] = original
     return scaling
-
-
-# -- the tokenizer ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Vocabulary:
-    """The `tokenizer.*` key-values, read and checked when the view is made (the token count
-    against token_embd's rows, every id in range), converted only when a tokenizer is asked for."""
-
-    metadata: _Metadata
-    architecture: str
-
-    @classmethod
-    def read(cls, metadata: _Metadata, vocab_size: int) -> _Vocabulary | None:
-        if "tokenizer.ggml.model" not in metadata and "tokenizer.ggml.tokens" not in metadata:
-            return None
-        metadata.text("tokenizer.ggml.model", required=True)
-        tokens, _ = metadata.array("tokenizer.ggml.tokens", ("STRING",)) or (None, "")
-        if tokens is None:
-            raise metadata.fail("tokenizer.ggml.tokens", "is missing")
-        if len(tokens) != vocab_size:
-            raise metadata.fail(
-                "tokenizer.ggml.tokens", f"holds {len(tokens)} tokens, but token_embd.weight has {vocab_size} rows"
-            )
-        for key, kinds in (("tokenizer.ggml.scores", _FLOATS), ("tokenizer.ggml.token_type", _INTEGERS)):
-            values = metadata.array(key, kinds)
-            if values is not None and len(values[0]) != vocab_size:
-                raise metadata.fail(key, f"holds {len(values[0])} values, not one per token ({vocab_size})")
-        metadata.array("tokenizer.ggml.merges", ("STRING",))
-        for key in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id"):
-            metadata.token_id(f"tokenizer.ggml.{key}", vocab_size)
-        for key in ("add_bos_token", "add_eos_token", "add_space_prefix"):
-            metadata.flag(f"tokenizer.ggml.{key}")
-        metadata.text("tokenizer.ggml.pre")
-        metadata.text("tokenizer.chat_template")
-        return cls(metadata, metadata.text("general.architecture", required=True))
-
-    def _value(self, key: str) -> Any:
-        """One key's value as transformers' GGUF reader gives it: text as str, arrays as lists."""
-        value, kind = self.metadata.values[key]
-        if kind == "STRING":
-            return _utf8(self.metadata, key, value)
-        if kind == "ARRAY:STRING":
-            return [_utf8(self.metadata, key, item, index) for index, item in enumerate(value)]
-        return list(value) if kind.startswith("ARRAY:") else value
-
-    def inputs(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(tokenizer_dict, tokenizer_config) as transformers' `get_gguf_tokenizer` makes them
-        from a file (its GGUF_TOKENIZER_MAPPING; a "llama" vocabulary adds BOS unless it says
-        not to; the special tokens as text), from qtool's reading of the key-values."""
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING
-
-        grouped = {
-            group: {name: self._value(f"tokenizer.{key}") for key, name in renames.items() if f"tokenizer.{key}" in self.metadata}
-            for group, renames in GGUF_TOKENIZER_MAPPING.items()
-        }  # fmt: skip
-        tokenizer, tokenizer_config = grouped["tokenizer"], grouped["tokenizer_config"]
-        if tokenizer.get("tokenizer_type") == "llama":
-            tokenizer_config.setdefault("add_bos_token", True)
-        for name, key in (
-            ("bos_token", "bos"),
-            ("eos_token", "eos"),
-            ("unk_token", "unknown"),
-            ("pad_token", "padding"),
-        ):
-            token_id = self.metadata.values.get(f"tokenizer.ggml.{key}_token_id", (None,))[0]
-            tokenizer_config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
-        return tokenizer, tokenizer_config
-
-    def build(self, path: str, model_type: str, notes: list[str]) -> Any:
-        """transformers' converter on the vocabulary, in the tokenizer class AutoTokenizer picks
-        for `model_type` (its TOKENIZER_MAPPING, else TokenizersBackend). Whatever it raises,
-        a Rust panic included, is one CheckpointError naming the file."""
-        from qtool.formats.transformers_boundary import collected, tokenizer_panics
-
-        tokenizer_dict, tokenizer_config = self.inputs()
-        try:
-            with collected(notes, "transformers: "), tokenizer_panics(path):
-                from transformers.integrations.gguf import convert_gguf_tokenizer
-
-                backend, extra = convert_gguf_tokenizer(self.architecture, tokenizer_dict)
-                return _tokenizer_class(model_type)(tokenizer_object=backend, **tokenizer_config, **extra)
-        except QtoolError:
-            raise
-        except ImportError as exc:
-            raise UsageError(
-                f"reading a GGUF's tokenizer needs transformers ({exc})", hint="pip install 'qtool[calibrate]'"
-            ) from None
-        except Exception as exc:
-            detail = excerpt(" ".join(str(exc).split())) or type(exc).__name__
-            raise CheckpointError(
-                f"transformers cannot build its tokenizer: {detail}",
-                path=path,
-                hint="the GGUF's tokenizer.ggml.* keys do not describe a tokenizer transformers has",
-            ) from None
-
-
-def _tokenizer_class(model_type: str) -> type:
-    """The class `AutoTokenizer` builds a GGUF's tokenizer in for this model type (a folder
-    holding the GGUF has no tokenizer_config.json to say otherwise)."""
-    from transformers import TokenizersBackend
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
-
-    chosen = TOKENIZER_MAPPING.get(CONFIG_MAPPING[model_type], TokenizersBackend)
-    if chosen is None or getattr(chosen, "__name__", None) == "MistralCommonBackend":
-        return TokenizersBackend
-    return chosen
