@@ -425,3 +425,33 @@ def test_rope_scaling_in_the_gguf_comes_back_in_the_config(tmp_path, rope):
     fields = dict(config)
     built = AutoConfig.for_model(fields.pop("model_type"), **fields)
     assert built.rope_parameters == {**rope, "rope_theta": 10000.0}
+
+
+WRONG_VALUES = [
+    (b"x", "STRING"),
+    (0, "UINT32"),
+    (1 << 63, "UINT64"),
+    (-1, "INT32"),
+    (float("inf"), "FLOAT32"),
+    (True, "BOOL"),
+    ([1, 2], "ARRAY:INT32"),
+]
+
+
+def test_any_key_given_any_wrong_value_is_a_qtool_error_or_reads(llama_gguf, tmp_path):
+    """Each key of a real file, given each kind of wrong value: the view and its tokenizer are
+    built, or one QtoolError line says why; never another exception."""
+    from qtool.errors import QtoolError
+
+    keys = [key for key, _, _ in read_gguf_key_values(str(llama_gguf)) if key != "general.alignment"]
+    outcomes = {"read": 0, "refused": 0}
+    for key in keys:
+        for value, kind in WRONG_VALUES:
+            path = rewritten(llama_gguf, tmp_path / "wrong.gguf", entries=edited(key, value, kind))
+            try:
+                gguf_as_hugging_face(open_checkpoint(path)).tokenizer([])
+                outcomes["read"] += 1
+            except QtoolError as exc:
+                assert "\n" not in str(exc), (key, value, str(exc))
+                outcomes["refused"] += 1
+    assert outcomes["refused"] > 5 * len(keys) and outcomes["read"] > 0, outcomes
