@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import qtool
 from qtool.conventions import decoder_for, resolve
@@ -134,6 +135,27 @@ def test_a_gguf_reads_back_as_the_hugging_face_model_it_was_written_from(tmp_pat
             assert config[name] == expected, name
     assert config["num_key_value_heads"] == want["num_key_value_heads"]
 
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.arange(0, 96).unsqueeze(0) * 7 % config["vocab_size"]
+    reference = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    assert_same_logits(view, weights, reference, ids)
+
+
+def assert_same_logits(view, weights: dict[str, np.ndarray], reference, ids) -> None:
+    """transformers' model built from the view's config.json, holding the view's decoded
+    weights, gives `reference`'s logits on `ids`: the config describes the model the weights
+    came from (head width, rotary base, epsilon, tied head), not just its shapes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(view.checkpoint.config)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields)).float()
+    missing = model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=False).missing_keys
+    assert missing == (["lm_head.weight"] if view.checkpoint.config["tie_word_embeddings"] else [])
+    with torch.no_grad():
+        got, want = model(ids).logits, reference(ids).logits
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
 
 @pytest.mark.parametrize("family", ["llama", "llama, no add_bos_token key", "qwen2"])
 def test_the_tokenizer_is_transformers_own_reading_of_the_gguf(tmp_path, monkeypatch, family):
@@ -148,7 +170,10 @@ def test_the_tokenizer_is_transformers_own_reading_of_the_gguf(tmp_path, monkeyp
     gguf_file.parent.mkdir()
     qtool.quantize(folder, gguf_file, "q8_0")
     if family != "llama" and family != "qwen2":  # the key gone, as in files older than it
-        rewritten(gguf_file, gguf_file, entries=edited("tokenizer.ggml.add_bos_token"))
+        gguf_file = rewritten(
+            gguf_file, gguf_file.with_name("older.gguf"), entries=edited("tokenizer.ggml.add_bos_token")
+        )
+        (gguf_file.parent / "model.gguf").unlink()
         assert "tokenizer.ggml.add_bos_token" not in dict((k, v) for k, v, _ in read_gguf_key_values(str(gguf_file)))
     notes: list[str] = []
     tokenizer = gguf_as_hugging_face(open_checkpoint(gguf_file)).tokenizer(notes)
@@ -208,6 +233,18 @@ def test_smollm2s_config_and_tokenizer_are_transformers(tmp_path):
         ids = tokenizer(text, add_special_tokens=special).input_ids
         assert ids == reference(text, add_special_tokens=special).input_ids and len(ids) > 3000
     assert (tokenizer.bos_token, tokenizer.eos_token) == (reference.bos_token, reference.eos_token)
+
+
+def test_smollm2s_weights_and_config_give_transformers_own_logits():
+    """The real Q4_1 file decoded by qtool under the view's names, q/k rows put back, in a model
+    built from the view's config.json: the logits of transformers' own loading of the GGUF."""
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2_gguf()
+    view = gguf_as_hugging_face(open_checkpoint(path))
+    reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    ids = torch.tensor([view.tokenizer([])(pydoc_text(2_000)).input_ids[:32]])
+    assert_same_logits(view, decoded(view), reference, ids)
 
 
 # -- hostile files: one error line each ---------------------------------------------------------------
@@ -446,8 +483,8 @@ def test_any_key_given_any_wrong_value_is_a_qtool_error_or_reads(llama_gguf, tmp
     keys = [key for key, _, _ in read_gguf_key_values(str(llama_gguf)) if key != "general.alignment"]
     outcomes = {"read": 0, "refused": 0}
     for key in keys:
-        for value, kind in WRONG_VALUES:
-            path = rewritten(llama_gguf, tmp_path / "wrong.gguf", entries=edited(key, value, kind))
+        for number, (value, kind) in enumerate(WRONG_VALUES):  # a file each: the key-values are cached by identity
+            path = rewritten(llama_gguf, tmp_path / f"{key}-{number}.gguf", entries=edited(key, value, kind))
             try:
                 gguf_as_hugging_face(open_checkpoint(path)).tokenizer([])
                 outcomes["read"] += 1
