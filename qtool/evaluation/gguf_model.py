@@ -46,7 +46,7 @@ MAPPED_ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2
 _REQUIRED = ("num_hidden_layers", "max_position_embeddings", "hidden_size", "intermediate_size",
              "num_attention_heads", "rms_norm_eps")  # fmt: skip
 _REALS = ("rms_norm_eps", "rope_theta")  # the float fields; every other one the table maps is a size
-_DEFAULT_ROPE_THETA = 10000.0  # llama.cpp's when the file states none (llama_model_loader: rope_freq_base_train)
+_DEFAULT_ROPE_THETA = 10000.0  # llama.cpp's rope_freq_base_train when the file states none (load_hparams)
 
 
 @dataclass(frozen=True)
