@@ -226,3 +226,26 @@ def test_tokenizers_that_disagree_are_named_at_the_first_difference(tmp_path, te
     llama = tiny_model(tmp_path / "llama", "llama", dtype=torch.float32)
     line = one_error_line(qtool("eval", qwen, "--base", llama, "--text", text, "--ctx", CTX))
     assert "disagree on the text: token 0 is" in line
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_a_gguf_qtool_wrote_evaluates_as_the_hugging_face_model_it_came_from(tmp_path, family, text):
+    pytest.importorskip("gguf")
+    folder = tiny_model(tmp_path / family, family, dtype=torch.float32)
+    gguf = tmp_path / "model.gguf"
+    api.quantize(folder, gguf, scheme="q8_0")
+    document = api.evaluate(gguf, text, base=folder, ctx=CTX, windows=WINDOWS)
+    assert document["perplexity"] == pytest.approx(document["base"]["perplexity"], rel=1e-2)
+    assert document["kld"]["mean"] < 1e-3 and document["top1_agreement"] > 0.9
+    assert 0 < max(layer["hidden_error"] for layer in document["layers"]) < 1e-3  # Q8_0's error, q/k rows in order
+
+
+def test_a_gguf_of_an_architecture_not_mapped_back_is_one_line(tmp_path, text):
+    pytest.importorskip("gguf")
+    from tests.test_gguf_model import edited, rewritten
+
+    gguf = tmp_path / "model.gguf"
+    api.quantize(TINY, gguf, scheme="q8_0")
+    gemma = rewritten(gguf, tmp_path / "gemma.gguf", entries=edited("general.architecture", b"gemma2", "STRING"))
+    line = one_error_line(qtool("eval", gemma, "--text", text, "--ctx", CTX))
+    assert "a GGUF of architecture 'gemma2' is not mapped back" in line
