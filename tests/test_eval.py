@@ -249,3 +249,14 @@ def test_a_gguf_of_an_architecture_not_mapped_back_is_one_line(tmp_path, text):
     gemma = rewritten(gguf, tmp_path / "gemma.gguf", entries=edited("general.architecture", b"gemma2", "STRING"))
     line = one_error_line(qtool("eval", gemma, "--text", text, "--ctx", CTX))
     assert "a GGUF of architecture 'gemma2' is not mapped back" in line
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_lower_compute_dtype_gives_nearly_float32s_figures(text, dtype):
+    w4 = TINY.parent / "tiny-llama-w4a16"
+    exact = api.evaluate(w4, text, base=TINY, ctx=CTX, windows=WINDOWS)
+    lower = api.evaluate(w4, text, base=TINY, ctx=CTX, windows=WINDOWS, dtype=dtype)
+    assert lower["dtype"] == dtype
+    assert lower["perplexity"] == pytest.approx(exact["perplexity"], rel=2e-2)
+    assert lower["perplexity"] != exact["perplexity"]  # computed in the lower dtype, not float32
+    assert "dtype 'float64' is not one of" in one_error_line(qtool("eval", TINY, "--text", text, "--dtype", "float64"))
