@@ -260,3 +260,18 @@ def test_a_lower_compute_dtype_gives_nearly_float32s_figures(text, dtype):
     assert lower["perplexity"] == pytest.approx(exact["perplexity"], rel=2e-2)
     assert lower["perplexity"] != exact["perplexity"]  # computed in the lower dtype, not float32
     assert "dtype 'float64' is not one of" in one_error_line(qtool("eval", TINY, "--text", text, "--dtype", "float64"))
+
+
+def test_two_formats_of_one_model_compare(tmp_path, text):
+    """A compressed-tensors model against a GGUF of the same model: the GGUF's tokenizer (from its
+    vocabulary) and the folder's give the same tokens, and the two run in lockstep."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("compressed_tensors")
+    folder = tiny_model(tmp_path / "float", "llama", dtype=torch.float32)
+    api.quantize(folder, tmp_path / "w4", scheme="int4:g32")
+    api.quantize(folder, tmp_path / "q4_0.gguf", scheme="q4_0")
+    document = api.evaluate(tmp_path / "q4_0.gguf", text, base=tmp_path / "w4", ctx=CTX, windows=WINDOWS)
+    assert 0 < document["kld"]["mean"] < 0.05
+    assert document["base"]["perplexity"] == pytest.approx(
+        api.evaluate(tmp_path / "w4", text, ctx=CTX, windows=WINDOWS)["perplexity"], rel=1e-12
+    )
