@@ -117,3 +117,29 @@ def test_gguf_codes_refuse_types_without_one_scale_per_32(tmp_path):
     checkpoint, weights = quantized_weights(path)
     with pytest.raises(UsageError, match="Q4_0, Q4_1, Q8_0"):
         gguf.codes(checkpoint, weights[0])
+
+
+# -- hostile tensors: codes refuses them as decode does, in one line -----------------------------
+
+
+def _loaded(path: Path) -> tuple[dict, dict]:
+    import json
+
+    from safetensors.torch import load_file
+
+    side = {p.name: json.loads(p.read_text()) for p in path.glob("*.json") if p.name != "manifest.json"}
+    return load_file(str(path / "model.safetensors")), side
+
+
+def test_a_gptq_g_idx_naming_a_missing_group_is_one_checkpoint_error():
+    from qtool.errors import CheckpointError
+    from qtool.formats.memory import MemoryCheckpoint
+
+    tensors, side = _loaded(FIXTURES / "gptq/gptq_4bit_desc_act_g64")
+    key = next(k for k in tensors if k.endswith("g_idx"))
+    tensors[key] = tensors[key].clone()
+    tensors[key][3] = 999
+    checkpoint = MemoryCheckpoint(tensors, side)
+    weight = next(w for w in resolve(checkpoint) if w.quantized and w.name == key.replace("g_idx", "weight"))
+    with pytest.raises(CheckpointError, match="g_idx holds groups 0..999"):
+        gptq.codes(checkpoint, weight)
