@@ -66,6 +66,19 @@ class IntCodes:
     def compute_dtype(self) -> torch.dtype:
         return self.arithmetic or self.scale.dtype
 
+    def take_rows(self, index: torch.Tensor) -> IntCodes:
+        """The weight with its output rows reordered, `new[r] = old[index[r]]` for the codes and
+        every per-row grid alike: how a GGUF's permuted llama q/k rows are put back in Hugging
+        Face order (or the other way)."""
+        import dataclasses
+
+        def rows(grid: torch.Tensor | None) -> torch.Tensor | None:
+            return None if grid is None else grid.index_select(0, index.to(grid.device)).contiguous()
+
+        return dataclasses.replace(
+            self, codes=rows(self.codes), scale=rows(self.scale), zero=rows(self.zero), minimum=rows(self.minimum)
+        )
+
     def group_index(self) -> torch.Tensor:
         """int64 [I]: the group of each input."""
         import torch

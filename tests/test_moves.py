@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-import json
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +21,6 @@ from qtool.formats.memory import MemoryCheckpoint
 from qtool.kernels.gguf_blocks import block_codes
 from qtool.layouts import compressed_tensors as ct_layout
 from qtool.layouts.moves import in_column_groups, to_compressed_tensors, to_gguf
-from qtool.qtypes import qtype
-from qtool.scheme import QScheme, group
 from qtool.weight_codes import IntCodes
 from tests.test_weight_codes import MODULES, bits_of, quantized_weights, write_gguf_with_gguf_py
 
@@ -167,23 +164,24 @@ def test_a_v1_zero_point_of_16_has_no_compressed_tensors_code():
 # -- compressed-tensors to GGUF ------------------------------------------------------------------
 
 
-def qtool_ct_file(tmp_path: Path, label: str, seed: int = 0) -> Path:
-    """A compressed-tensors checkpoint written by qtool's encoder (what `qtool quantize
-    --scheme <label>` writes) from float16 weights."""
-    from safetensors.torch import save_file
+def qtool_ct_file(tmp_path: Path, scheme: str) -> Path:
+    """A compressed-tensors checkpoint written by `qtool quantize --scheme <scheme>` from a
+    float16 copy of sample_models/tiny-llama."""
+    import shutil
 
-    bits = 8 if label.startswith("int8") else 4
-    scheme = QScheme(qtype(f"int{bits}"), group(32), True, "auto")
-    generator = torch.Generator().manual_seed(seed)
-    tensors, schemes = {}, {}
-    for module, shape in {"q_proj": (16, 128), "down_proj": (8, 96)}.items():
-        weight = (torch.randn(shape, generator=generator) * 0.02).half()
-        tensors.update(ct_layout.encode(f"{module}.weight", weight, scheme))
-        schemes[module] = scheme
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    config = {"quantization_config": ct_layout.config_for(schemes, [], "F16")}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    return tmp_path
+    from safetensors.torch import load_file, save_file
+    from typer.testing import CliRunner
+
+    from qtool.cli import app
+
+    source, f16 = FIXTURES.parent.parent / "sample_models" / "tiny-llama", tmp_path / "f16"
+    shutil.copytree(source, f16)
+    tensors = load_file(str(f16 / "model.safetensors"))
+    save_file({k: v.half() for k, v in tensors.items()}, str(f16 / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "ct"
+    result = CliRunner().invoke(app, ["quantize", str(f16), "-o", str(out), "--scheme", scheme, "-q"])
+    assert result.exit_code == 0, result.output
+    return out
 
 
 def gguf_py_dequantize(raw: bytes, type_name: str, shape: tuple[int, int]) -> torch.Tensor:
@@ -198,7 +196,8 @@ def test_compressed_tensors_to_gguf_keeps_the_grid_and_names_the_rounding(tmp_pa
     a float16; where one is not, the strict move says so and `grid_only` writes the blocks,
     which gguf-py dequantizes to the exact float32 products."""
     checkpoint, weights = quantized_weights(qtool_ct_file(tmp_path, label))
-    for weight in weights:
+    assert len(weights) == 14 and all(w.members["scale"].dtype.name == "F16" for w in weights)
+    for weight in weights[:4]:
         grid = compressed_tensors.codes(checkpoint, weight)
         strict = to_gguf(grid, type_name)
         assert isinstance(strict, str) and strict.startswith("same grid, but the source rounds products to F16")

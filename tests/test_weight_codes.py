@@ -143,3 +143,17 @@ def test_a_gptq_g_idx_naming_a_missing_group_is_one_checkpoint_error():
     weight = next(w for w in resolve(checkpoint) if w.quantized and w.name == key.replace("g_idx", "weight"))
     with pytest.raises(CheckpointError, match="g_idx holds groups 0..999"):
         gptq.codes(checkpoint, weight)
+
+
+def test_take_rows_moves_each_row_with_its_scales(tmp_path):
+    pytest.importorskip("gguf")
+    rng = np.random.default_rng(6)
+    path = write_gguf_with_gguf_py(
+        tmp_path / "m.gguf", {"w": ((rng.standard_normal((8, 64)) * 0.1).astype(np.float32), "Q4_1")}
+    )
+    checkpoint, weights = quantized_weights(path)
+    grid = gguf.codes(checkpoint, weights[0])
+    order = torch.tensor([3, 1, 7, 0, 2, 6, 5, 4])
+    moved = grid.take_rows(order)
+    assert torch.equal(bits_of(moved.dequantized()), bits_of(grid.dequantized()[order]))
+    assert torch.equal(bits_of(moved.take_rows(torch.argsort(order)).dequantized()), bits_of(grid.dequantized()))

@@ -73,6 +73,8 @@ def in_column_groups(codes: IntCodes) -> IntCodes | str:
         return codes
     g_idx = codes.g_idx.to(torch.int64)
     inputs = g_idx.numel()
+    if not inputs:
+        return dataclasses.replace(codes, g_idx=None)
     starts = (torch.nonzero(g_idx[1:] != g_idx[:-1]).flatten() + 1).tolist()
     size = math.gcd(inputs, *starts) if starts else inputs
     if size < min(codes.group, inputs):
