@@ -411,3 +411,19 @@ def test_gguf_pack_and_unpack_give_back_the_grid(grid, type_name):
     assert torch.equal(d.reshape(rows, -1), grid.scale.repeat_interleave(grid.group // 32, dim=1)[:, : cols // 32])
     exact = dataclasses.replace(grid, arithmetic=torch.float32).dequantized()
     assert torch.equal(bits_of(gguf_py_dequantize(raw, type_name, grid.shape)), bits_of(exact))
+
+
+@settings(max_examples=40, deadline=None)
+@given(random_grids(), st.randoms(use_true_random=False))
+def test_a_g_idx_that_permutes_whole_groups_reads_as_plain_groups(grid, rng):
+    """Any permutation of whole groups (desc_act that keeps each group's inputs together) is
+    plain groups with the scale and zero columns reordered: the same values, bit for bit."""
+    rows, cols = grid.shape
+    groups = cols // grid.group
+    order = list(range(groups))
+    rng.shuffle(order)
+    g_idx = torch.tensor(order, dtype=torch.int32).repeat_interleave(grid.group)
+    permuted = dataclasses.replace(grid, g_idx=g_idx)
+    plain = in_column_groups(permuted)
+    assert not isinstance(plain, str) and plain.g_idx is None
+    assert torch.equal(bits_of(plain.dequantized()), bits_of(permuted.dequantized()))
