@@ -98,6 +98,10 @@ class GgmlType:
     native_encoder: str | None = None  # qtool.native.encode_gguf / transcode_gguf (C: gguf_encode.c's qt_encoders)
     native_decoder: str | None = None  # qtool.native.decode_gguf (C: gguf.c's qt_gguf_types)
     torch_decoder: str | None = None  # qtool.kernels.gguf_blocks.decode
+    # a plain integer grid: one float16 d (and, asymmetric, one float16 m) per block and codes
+    # as they are, q - 2^(b-1) (symmetric) or q (W = d*q + m): qtool.kernels.gguf_blocks.block_codes
+    # reads them and qtool.layouts.moves writes them, so codes move in and out without requantizing
+    plain_grid: bool = False
 
     def nbytes(self, numel: int) -> int:
         return numel // self.block_size * self.type_size
@@ -137,7 +141,8 @@ def _row(
     kernels: str = "", by: str | None = None, imatrix: str = OPTIONAL, fallback: str | None = None, **details: str,
 ) -> GgmlType:  # fmt: skip
     """`kernels`: which kernels have the type, "e" qtool.native's encoder, "d" its decoder, "t"
-    the torch decoder; `by`: whose quantizer the bytes follow."""
+    the torch decoder, "g" a plain integer grid (`GgmlType.plain_grid`); `by`: whose quantizer
+    the bytes follow."""
     entry = {kind: name if kind in kernels else None for kind in "edt"}
     return GgmlType(
         id,
@@ -153,6 +158,7 @@ def _row(
         entry["e"],
         entry["d"],
         entry["t"],
+        "g" in kernels,
     )
 
 
@@ -217,11 +223,11 @@ def _iq(
 _ROWS = (
     _row(0, "F32", 1, 4, file_type="ALL_F32"),
     _row(1, "F16", 1, 2, file_type="MOSTLY_F16"),
-    _row(2, "Q4_0", 32, 18, _llama("Q4_0", "int4", 32), "MOSTLY_Q4_0", kernels="edt", by=GGUF_PY),
-    _row(3, "Q4_1", 32, 20, _llama("Q4_1", "uint4", 32, symmetric=False), "MOSTLY_Q4_1", kernels="edt", by=GGUF_PY),
+    _row(2, "Q4_0", 32, 18, _llama("Q4_0", "int4", 32), "MOSTLY_Q4_0", kernels="edtg", by=GGUF_PY),
+    _row(3, "Q4_1", 32, 20, _llama("Q4_1", "uint4", 32, symmetric=False), "MOSTLY_Q4_1", kernels="edtg", by=GGUF_PY),
     _row(6, "Q5_0", 32, 22, _llama("Q5_0", "int5", 32), "MOSTLY_Q5_0", kernels="edt", by=GGUF_PY),
     _row(7, "Q5_1", 32, 24, _llama("Q5_1", "uint5", 32, symmetric=False), "MOSTLY_Q5_1", kernels="edt", by=GGUF_PY),
-    _row(8, "Q8_0", 32, 34, _llama("Q8_0", "int8", 32), "MOSTLY_Q8_0", kernels="edt", by=GGUF_PY, imatrix=IGNORED),
+    _row(8, "Q8_0", 32, 34, _llama("Q8_0", "int8", 32), "MOSTLY_Q8_0", kernels="edtg", by=GGUF_PY, imatrix=IGNORED),
     _row(9, "Q8_1", 32, 40, _llama("Q8_1", "int8", 32), sum="f16 d·Σq per block, for dot products"),
     # a K-quant file is named by its commonest type as llama.cpp's loader names it (the _M mixes)
     _k(10, "Q2_K", 84, "uint2", False, "16 × 16, 4-bit scales and mins", "MOSTLY_Q2_K", fallback="Q4_0"),

@@ -40,11 +40,14 @@ from qtool.formats.checkpoint import Checkpoint, StoredTensor
 from qtool.qtypes import qtype
 from qtool.scheme import CHANNEL, QScheme, group
 from qtool.weight import DATA, Provenance, Weight
+from qtool.weight_codes import IntCodes
 
 if TYPE_CHECKING:  # torch is imported where data is touched, never at import time
+    from collections.abc import Callable
+
     import torch
 
-__all__ = ["NAME", "ORDER", "Awq", "awq_layout_fits", "decode", "zeros_width"]
+__all__ = ["NAME", "ORDER", "Awq", "awq_layout_fits", "codes", "decode", "zeros_width"]
 
 NAME = "awq"
 VERSIONS = ("gemm", "gemv")
@@ -187,6 +190,9 @@ class Awq:
     ) -> torch.Tensor:
         return decode(checkpoint, weight, device, dtype)
 
+    def codes(self, checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu") -> IntCodes:
+        return codes(checkpoint, weight, device)
+
 
 @dataclass(frozen=True)
 class _Settings:
@@ -284,16 +290,22 @@ def _unreadable(name: str, members: dict[str, StoredTensor], settings: _Settings
 # -- decode ---------------------------------------------------------------------------------------
 
 
-def decode(
-    checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """The float weight [O, I] in the scales' dtype unless `dtype` says otherwise; bit for bit
-    AutoAWQ's `dequantize_gemm` (GEMM) and its GEMV kernel's float32 products (GEMV)."""
+@dataclass(frozen=True)
+class _Parts:
+    """What decode and codes both read: the layout, scales and zero points [O, G] in output
+    order (GEMV's padding columns cut), and a function giving the codes of rows start..stop."""
+
+    layout: _Layout
+    scales: torch.Tensor
+    zeros: torch.Tensor  # uint8 [O, G]
+    rows: Callable[[int, int], torch.Tensor]  # (start, stop) -> uint8 [stop - start, I]; GEMM: multiples of 8
+
+
+def _parts(checkpoint: Checkpoint, weight: Weight, device: str | torch.device) -> _Parts:
     import torch
 
     from qtool import kernels
     from qtool.errors import CheckpointError
-    from qtool.kernels.grouped import dequantize_grouped
 
     scheme = weight.require_scheme()
     require_convention(weight, NAME)
@@ -312,37 +324,74 @@ def decode(
             f"{weight.name}: AWQ tensors hold a {layout.version} [{layout.out_features}, {layout.in_features}] weight, not {list(weight.shape)}",
             path=weight.data.file,
         )
-    out_features, in_features, groups, size = layout.out_features, layout.in_features, layout.groups, layout.group_size
+    out_features, in_features, groups = layout.out_features, layout.in_features, layout.groups
 
     def load(role: str) -> torch.Tensor:
         return checkpoint.load(weight.members[role]).to(device)
 
     scales, qzeros, qweight = load("scale"), load("zero_point"), load(DATA)
-    out = torch.empty(out_features, in_features, dtype=dtype or scales.dtype, device=scales.device)
+    reverse = torch.tensor([ORDER.index(k) for k in range(8)], device=qweight.device)  # [0, 4, 1, 5, 2, 6, 3, 7]
     if layout.version == "gemv":
         zeros = kernels.unpack_int32(qzeros, 4, qzeros.shape[1] * 8, dim=-1)[:, :groups]  # [O, G], natural order
         scales = scales[:, :groups]  # the padding columns are zeros
+
+        def rows(start: int, stop: int) -> torch.Tensor:
+            return kernels.unpack_int32(qweight[start:stop], 4, in_features, dim=-1)  # [n, I]
     else:
-        reverse = torch.tensor([ORDER.index(k) for k in range(8)], device=qweight.device)  # [0, 4, 1, 5, 2, 6, 3, 7]
         zeros = kernels.unpack_int32(qzeros, 4, out_features, dim=-1)  # [G, O] in nibble order
         zeros = zeros.view(groups, -1, 8).index_select(2, reverse).reshape(groups, out_features).t()
         scales = scales.t()
-    step = max(8, CHUNK_ELEMENTS // max(in_features, 1) // 8 * 8)
-    for start in range(0, out_features, step):  # row blocks of up to 16 M elements, not rows
-        stop = min(out_features, start + step)
-        if layout.version == "gemv":
-            values = kernels.unpack_int32(qweight[start:stop], 4, in_features, dim=-1)  # [n, I]
-        else:
+
+        def rows(start: int, stop: int) -> torch.Tensor:
             packed = qweight[:, start // 8 : stop // 8]  # [I, n/8]
             nibbles = kernels.unpack_int32(packed, 4, stop - start, dim=-1)  # [I, n] in nibble order
             # [n/8, 8, I] in output order: one gather does the de-interleave and the transpose
-            values = (
+            return (
                 nibbles.view(in_features, -1, 8)
                 .permute(1, 2, 0)
                 .index_select(1, reverse)
                 .reshape(stop - start, in_features)
             )
+
+    return _Parts(layout, scales, zeros, rows)
+
+
+def decode(
+    checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The float weight [O, I] in the scales' dtype unless `dtype` says otherwise; bit for bit
+    AutoAWQ's `dequantize_gemm` (GEMM) and its GEMV kernel's float32 products (GEMV)."""
+    import torch
+
+    from qtool.kernels.grouped import dequantize_grouped
+
+    parts = _parts(checkpoint, weight, device)
+    out_features, in_features, size = parts.layout.out_features, parts.layout.in_features, parts.layout.group_size
+    scales, zeros = parts.scales, parts.zeros
+    out = torch.empty(out_features, in_features, dtype=dtype or scales.dtype, device=scales.device)
+    step = max(8, CHUNK_ELEMENTS // max(in_features, 1) // 8 * 8)
+    for start in range(0, out_features, step):  # row blocks of up to 16 M elements, not rows
+        stop = min(out_features, start + step)
         dequantize_grouped(
-            values, scales[start:stop], zeros[start:stop], group_size=size, bits=4, dtype=out.dtype, out=out[start:stop],
+            parts.rows(start, stop), scales[start:stop], zeros[start:stop], group_size=size, bits=4, dtype=out.dtype,
+            out=out[start:stop],
         )  # fmt: skip
     return out
+
+
+def codes(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu") -> IntCodes:
+    """The weight's 4-bit grid as stored: codes [O, I] de-interleaved (GEMM) as `decode` does,
+    scales [O, G] in their file dtype, zero points [O, G] as stored (AutoAWQ stores them
+    without an offset). The product is formed in the scales' dtype, as `dequantize_gemm` does."""
+    import torch
+
+    parts = _parts(checkpoint, weight, device)
+    layout = parts.layout
+    return IntCodes(
+        codes=parts.rows(0, layout.out_features).to(torch.int16),
+        scale=parts.scales.contiguous(),
+        zero=parts.zeros.to(torch.int32).contiguous(),
+        minimum=None,
+        bits=4,
+        group=layout.group_size,
+    )

@@ -58,6 +58,7 @@ from qtool.patterns import BoundedRegex, compile_regex
 from qtool.qtypes import qtype
 from qtool.scheme import QScheme
 from qtool.weight import DATA, Provenance, Weight
+from qtool.weight_codes import IntCodes
 
 if TYPE_CHECKING:  # torch is imported where data is touched, never at import time
     import torch
@@ -67,6 +68,7 @@ __all__ = [
     "METADATA_KEY",
     "quantization_config",
     "config_rules",
+    "codes",
     "decode",
 ]
 
@@ -234,6 +236,9 @@ class CompressedTensors:
 
     def decode(self, checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu") -> torch.Tensor:
         return decode(checkpoint, weight, device)
+
+    def codes(self, checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu") -> IntCodes:
+        return codes(checkpoint, weight, device)
 
     def detect(self, checkpoint: Checkpoint, pool: Pool) -> list[Weight]:
         raw_config = quantization_config(checkpoint)
@@ -471,14 +476,7 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
             return unsigned.sub_(offset).view(torch.int8)  # a fresh tensor: wraps to exactly u - offset
 
         if zero_point is not None and zero_point.dtype == torch.int32:
-            packed_rows = math.ceil(rows * bits / 32)
-            if zero_point.dim() != 2 or zero_point.shape[0] != packed_rows:
-                raise CheckpointError(
-                    f"{weight.name}: weight_zero_point {list(zero_point.shape)} is not {bits}-bit zero points "
-                    f"for {rows} rows packed along dim 0 ([{packed_rows}, groups])",
-                    path=data.file,
-                )
-            zero_point = kernels.unpack_int32(zero_point, bits, rows, dim=0).to(torch.int16) - offset
+            zero_point = _unpacked_zero_points(weight, zero_point, bits, rows) - offset
     elif data.name.endswith("weight_packed"):  # U8: fp4 pairs, or fp6 quads
         if value_type.name == "fp6_e2m3":
             codes_type = value_type
@@ -535,3 +533,86 @@ def decode(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = 
             out = torch.empty((rows, cols), dtype=piece.dtype, device=piece.device)
         out[begin:end] = piece
     return out
+
+
+def _unpacked_zero_points(weight: Weight, zero_point: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
+    """int16 [rows, groups]: a packed asymmetric zero point unpacked along dim 0, as stored
+    (zp + 2^(b-1), unsigned), as compressed-tensors' `PackedQuantizationCompressor.decompress`
+    unpacks it."""
+    import torch
+
+    from qtool import kernels
+    from qtool.errors import CheckpointError
+
+    packed_rows = math.ceil(rows * bits / 32)
+    if zero_point.dim() != 2 or zero_point.shape[0] != packed_rows:
+        raise CheckpointError(
+            f"{weight.name}: weight_zero_point {list(zero_point.shape)} is not {bits}-bit zero points "
+            f"for {rows} rows packed along dim 0 ([{packed_rows}, groups])",
+            path=weight.data.file,
+        )
+    return kernels.unpack_int32(zero_point, bits, rows, dim=0).to(torch.int16)
+
+
+def codes(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu") -> IntCodes:
+    """A pack-quantized int weight's grid as stored, grid mapping of compressed-tensors 0.20.1
+    (`compressors/pack_quantized/base.py`, `decompress`; `quantization/lifecycle/
+    forward_helpers.py`, `_dequantize`): the stored words hold u = q + 2^(b-1), and so do
+    packed asymmetric zero points, so `codes` = u and `zero` = stored zero point (an unpacked
+    I8 zero point + 2^(b-1)), or 2^(b-1) everywhere for a symmetric weight. Group and channel
+    strategies (a tensor-wide scale is spread to every row); an old `weight_g_idx` is kept.
+    The product is formed in the scale's dtype (`_dequantize`). Other layouts (float codes,
+    2-D blocks, int8 unpacked) raise a UsageError."""
+    import torch
+
+    from qtool import kernels
+
+    scheme = weight.require_scheme()
+    require_convention(weight, NAME)
+    data = weight.data
+    if not (data.name.endswith("weight_packed") and data.dtype.name == "I32") or scheme.qtype.kind != "int":
+        raise _usage(
+            f"{weight.name}: only pack-quantized int weights have integer codes qtool reads, not {scheme.label}"
+        )
+    rows, cols = weight.shape
+    block = scheme.block_for((rows, cols))
+    if block[0] not in (1, rows) or (block[0] == rows and rows > 1 and block[1] != cols):
+        raise _usage(f"{weight.name}: {scheme.granularity_label} blocks span rows; integer codes need row groups")
+
+    def load(role: str):
+        return checkpoint.load(weight.members[role]).to(device)
+
+    bits = scheme.bits
+    offset = 1 << (bits - 1)
+    unsigned = kernels.unpack_int32(load(DATA), bits, cols, dim=-1).to(torch.int16)
+    if tuple(unsigned.shape) != (rows, cols):
+        raise _checkpoint_error(weight, f"data unpacks to {list(unsigned.shape)}, not {[rows, cols]}")
+    scale = load("scale")
+    groups = math.ceil(cols / block[1])
+    scale = scale.reshape(-1, groups).expand(rows, groups) if scale.numel() in (groups, rows * groups) else None
+    if scale is None:
+        raise _checkpoint_error(weight, f"weight_scale {list(weight.members['scale'].shape)} is not [{rows}, {groups}]")
+    if "zero_point" in weight.members:
+        zero_point = load("zero_point")
+        if zero_point.dtype == torch.int32:
+            zero = _unpacked_zero_points(weight, zero_point, bits, rows).reshape(rows, groups).to(torch.int32)
+        else:
+            zero = zero_point.to(torch.int32).reshape(-1, groups).expand(rows, groups) + offset
+    else:
+        zero = torch.full((rows, groups), offset, dtype=torch.int32, device=scale.device)
+    g_idx = load("g_idx").to(torch.int32) if "g_idx" in weight.members else None
+    return IntCodes(
+        codes=unsigned,
+        scale=scale.contiguous(),
+        zero=zero.contiguous(),
+        minimum=None,
+        bits=bits,
+        group=block[1],
+        g_idx=g_idx,
+    )
+
+
+def _checkpoint_error(weight: Weight, message: str) -> Exception:
+    from qtool.errors import CheckpointError
+
+    return CheckpointError(f"{weight.name}: {message}", path=weight.data.file)

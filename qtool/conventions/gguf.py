@@ -19,12 +19,13 @@ import math
 from qtool.conventions.base import Pool, require_convention
 from qtool.errors import QtoolError
 from qtool.formats.checkpoint import Checkpoint, StoredTensor
-from qtool.ggml_types import GgmlType, ggml_type, ggml_type_named
+from qtool.ggml_types import GGML_TYPES, GgmlType, ggml_type, ggml_type_named
 from qtool.qtypes import unknown_qtype
 from qtool.scheme import TENSOR, QScheme, group
 from qtool.weight import DATA, Provenance, Weight
+from qtool.weight_codes import IntCodes
 
-__all__ = ["Gguf", "NAME", "scheme_for_type", "decode_blocks"]
+__all__ = ["Gguf", "NAME", "codes", "scheme_for_type", "decode_blocks"]
 
 NAME = "gguf"
 
@@ -62,6 +63,9 @@ class Gguf:
         encoding = weight.data.encoding or ""
         raw = checkpoint.load(weight.data)
         return decode_blocks(raw, encoding, weight.shape, device, name=weight.name)
+
+    def codes(self, checkpoint: Checkpoint, weight: Weight, device: str = "cpu") -> IntCodes:
+        return codes(checkpoint, weight, device)
 
 
 def _weight(tensor: StoredTensor) -> Weight:
@@ -140,4 +144,52 @@ def _decode_numpy(raw, gtype: GgmlType, shape: tuple[int, ...], name: str):
     raise QtoolError(
         f"weight {name!r}: qtool cannot decode GGUF {gtype.name} yet, nor can the installed gguf package",
         hint="inspect shows it; decoding it needs a newer qtool",
+    )
+
+
+def codes(checkpoint: Checkpoint, weight: Weight, device: str = "cpu") -> IntCodes:
+    """A plain-grid weight's codes as stored (`GgmlType.plain_grid`: Q4_0, Q4_1, Q8_0), one
+    group per 32-value block, in the FILE's row order: a GGUF of the llama architecture stores
+    attn_q / attn_k rows permuted for its rotary layout, and these codes keep that order (the
+    caller undoes it). Grid mapping, as gguf-py (`gguf/quants.py`, `Q4_0` / `Q4_1` / `Q8_0`
+    `dequantize_blocks`) and ggml (`ggml-quants.c`, `dequantize_row_q4_0` ...) compute it, in
+    float32 after widening the float16 d and m:
+
+        Q4_0  codes = nibble (low j, high j+16)   zero = 8     W = d * (q - 8)
+        Q8_0  codes = int8 q + 128                zero = 128   W = d * q
+        Q4_1  codes = nibble                      minimum = m  W = d * q + m (two roundings)
+
+    A symmetric type's zero is 2^(b-1) (its scheme's qtype is signed); an asymmetric one has a
+    float minimum instead. Other types, and tensors that are not 2-D, raise a UsageError."""
+    import torch
+
+    from qtool.errors import UsageError
+    from qtool.kernels import gguf_blocks
+
+    require_convention(weight, NAME)
+    encoding = weight.data.encoding or ""
+    gtype = _type_of(encoding) if encoding and not encoding.startswith("unknown(") else None
+    if gtype is None or not gtype.plain_grid or gtype.scheme is None or len(weight.shape) != 2:
+        plain = ", ".join(row.name for row in GGML_TYPES.values() if row.plain_grid)
+        raise UsageError(
+            f"weight {weight.name!r}: integer codes are read from 2-D {plain} tensors, "
+            f"not a {len(weight.shape)}-D {encoding or 'plain'} one"
+        )
+    rows, cols = weight.shape
+    raw = checkpoint.load(weight.data).to(device)
+    if raw.numel() != gtype.nbytes(rows * cols) or cols % gtype.block_size:
+        raise QtoolError(f"weight {weight.name!r}: {raw.numel()} bytes do not hold {rows}x{cols} {gtype.name} values")
+    scheme = gtype.scheme
+    symmetric = scheme.symmetric
+    values, d, m = gguf_blocks.block_codes(raw, gtype.type_size, scheme.bits, minimum=not symmetric)
+    groups = cols // gtype.block_size
+    zero = torch.full((rows, groups), 1 << (scheme.bits - 1), dtype=torch.int32, device=raw.device)
+    return IntCodes(
+        codes=values.reshape(rows, cols),
+        scale=d.reshape(rows, groups),
+        zero=zero if symmetric else None,
+        minimum=None if m is None else m.reshape(rows, groups),
+        bits=scheme.bits,
+        group=gtype.block_size,
+        arithmetic=torch.float32,
     )

@@ -52,11 +52,12 @@ from qtool.formats.checkpoint import SMALL_TENSOR_LIMIT, Checkpoint, StoredTenso
 from qtool.qtypes import qtype
 from qtool.scheme import CHANNEL, QScheme, group
 from qtool.weight import DATA, Provenance, Weight
+from qtool.weight_codes import IntCodes
 
 if TYPE_CHECKING:  # torch is imported where data is touched, never at import time
     import torch
 
-__all__ = ["BITS", "NAME", "Gptq", "decode"]
+__all__ = ["BITS", "NAME", "Gptq", "codes", "decode"]
 
 NAME = "gptq"
 BITS = (2, 3, 4, 8)
@@ -292,6 +293,9 @@ class Gptq:
     ) -> torch.Tensor:
         return decode(checkpoint, weight, device, dtype)
 
+    def codes(self, checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu") -> IntCodes:
+        return codes(checkpoint, weight, device)
+
 
 def _scheme(layout_bits: int, group_size: int | None, symmetric: bool, scale_dtype: str) -> QScheme:
     value_type = qtype(f"int{layout_bits}" if symmetric else f"uint{layout_bits}")
@@ -395,17 +399,25 @@ def _decode_layout(weight: Weight) -> _Layout:
     return layout
 
 
-def decode(
-    checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """The float weight [O, I], in the scales' dtype unless `dtype` says otherwise, always
-    indexing through g_idx. Bit for bit AutoGPTQ's torch dequantization (see kernels/grouped.py
-    for the precision), for every width, v1 and v2, with and without desc_act."""
+@dataclass(frozen=True)
+class _Parts:
+    """What decode and codes both read: the layout, the scales and zero points [G, O] (the v1
+    offset applied), the group of each input, and the packed codes still in their words."""
+
+    layout: _Layout
+    scales: torch.Tensor
+    zeros: torch.Tensor  # int16 [G, O]
+    g_idx: torch.Tensor  # int64 [I]
+    group_size: int | None  # set where g_idx is i // group_size with full groups
+    qweight: torch.Tensor  # I32 [I*b/32, O]
+
+
+def _parts(checkpoint: Checkpoint, weight: Weight, device: str | torch.device) -> _Parts:
     import torch
 
     from qtool import kernels
     from qtool.errors import CheckpointError
-    from qtool.kernels.grouped import dequantize_grouped, uniform_group_size
+    from qtool.kernels.grouped import uniform_group_size
 
     require_convention(weight, NAME)
     layout = _decode_layout(weight)
@@ -428,16 +440,57 @@ def decode(
     else:
         size = layout.group_size or in_features
         g_idx = torch.arange(in_features, device=scales.device) // size
-    group_size = uniform_group_size(g_idx, groups)
-    qweight = load(DATA)  # [I*b/32, O]
+    return _Parts(layout, scales, zeros, g_idx, uniform_group_size(g_idx, groups), load(DATA))
+
+
+def decode(
+    checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The float weight [O, I], in the scales' dtype unless `dtype` says otherwise, always
+    indexing through g_idx. Bit for bit AutoGPTQ's torch dequantization (see kernels/grouped.py
+    for the precision), for every width, v1 and v2, with and without desc_act."""
+    import torch
+
+    from qtool import kernels
+    from qtool.kernels.grouped import dequantize_grouped
+
+    parts = _parts(checkpoint, weight, device)
+    bits, out_features, in_features = parts.layout.bits, parts.layout.out_features, parts.layout.in_features
+    scales, qweight = parts.scales, parts.qweight  # qweight [I*b/32, O]
     out = torch.empty(out_features, in_features, dtype=dtype or scales.dtype, device=scales.device)
     step = max(1, CHUNK_ELEMENTS // max(in_features, 1))
-    scales_t, zeros_t = scales.t(), zeros.t()  # [O, G]
+    scales_t, zeros_t = scales.t(), parts.zeros.t()  # [O, G]
     for start in range(0, out_features, step):  # row blocks of up to 16 M elements, not rows
         stop = min(out_features, start + step)
         values = kernels.unpack_int32(qweight[:, start:stop].t(), bits, in_features, dim=-1)  # [n, I] uint8
         dequantize_grouped(
-            values, scales_t[start:stop], zeros_t[start:stop], g_idx,
-            group_size=group_size, bits=bits, dtype=out.dtype, out=out[start:stop],
+            values, scales_t[start:stop], zeros_t[start:stop], parts.g_idx,
+            group_size=parts.group_size, bits=bits, dtype=out.dtype, out=out[start:stop],
         )  # fmt: skip
     return out
+
+
+def codes(checkpoint: Checkpoint, weight: Weight, device: str | torch.device = "cpu") -> IntCodes:
+    """The weight's grid as stored: unsigned codes [O, I] (unpacked as `decode` does), the
+    scales [O, G] in their file dtype, the zero points [O, G] with v1's +1 applied (so a
+    symmetric 4-bit file gives 8, and a v1 file that stored 15 gives 16, a value outside the
+    4-bit range that only some targets hold), and `g_idx` where it is not `i // group_size`
+    (desc_act). The product is formed in the scales' dtype, as AutoGPTQ's torch path does."""
+    import torch
+
+    from qtool import kernels
+
+    parts = _parts(checkpoint, weight, device)
+    layout = parts.layout
+    group = layout.group_size or layout.in_features
+    values = kernels.unpack_int32(parts.qweight.t(), layout.bits, layout.in_features, dim=-1).to(torch.int16)
+    trivial = torch.equal(parts.g_idx, torch.arange(layout.in_features, device=parts.g_idx.device) // group)
+    return IntCodes(
+        codes=values,
+        scale=parts.scales.t().contiguous(),
+        zero=parts.zeros.t().to(torch.int32).contiguous(),
+        minimum=None,
+        bits=layout.bits,
+        group=group,
+        g_idx=None if trivial else parts.g_idx.to(torch.int32),
+    )

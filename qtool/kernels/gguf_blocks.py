@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-__all__ = ["decode", "torch_decodable", "CHUNK_ELEMENTS"]
+__all__ = ["decode", "block_codes", "torch_decodable", "CHUNK_ELEMENTS"]
 
 #
 # Each decoder takes a chunk of blocks `b` [n, type_size] uint8 and writes `out` [n, block_size]
@@ -355,3 +355,22 @@ def _empty(nbytes: int, device):
 
         return torch.frombuffer(allocate(nbytes), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def block_codes(raw, type_size: int, bits: int, minimum: bool):
+    """The fields of a plain-grid block type (`GgmlType.plain_grid`: Q4_0, Q4_1, Q8_0), cut as
+    their decoders above cut them: [d f16][m f16 if `minimum`][codes], the codes one int8 a byte
+    (`bits` 8) or nibbles, low nibble j then high nibble j + 16 (`bits` 4). Returns (codes int16
+    [n, block] unsigned, d float16 [n], m float16 [n] or None); signed int8 codes come back
+    plus 128, so every type's codes are unsigned and its offset is the caller's zero point."""
+    import torch
+
+    blocks = raw.reshape(-1, type_size)
+    d = blocks[:, 0:2].contiguous().view(torch.float16).reshape(-1)
+    m = blocks[:, 2:4].contiguous().view(torch.float16).reshape(-1) if minimum else None
+    at = 4 if minimum else 2
+    if bits == 8:
+        return blocks[:, at:].contiguous().view(torch.int8).to(torch.int16) + 128, d, m
+    if bits != 4:
+        raise ValueError(f"block_codes reads 4- and 8-bit codes, not {bits}-bit")
+    return _nibbles(blocks, at, _Scratch(blocks.device)).to(torch.int16), d, m
