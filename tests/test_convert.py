@@ -300,3 +300,19 @@ def test_a_qwen2_gguf_converts_too(tmp_path, monkeypatch):
     assert type(model).__name__ == "Qwen2ForCausalLM"
     assert not any(info[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     assert np.isfinite(model(torch.tensor([[1, 2, 3]])).logits.detach().numpy()).all()
+    # the byte-level BPE comes back giving the original folder's ids
+    from transformers import AutoTokenizer
+
+    ours, source = AutoTokenizer.from_pretrained(tmp_path / "back"), AutoTokenizer.from_pretrained(folder)
+    ids = ours(PARAGRAPH).input_ids
+    assert ids == source(PARAGRAPH).input_ids and len(ids) > len(PARAGRAPH) // 2
+
+
+def test_a_gguf_without_a_tokenizer_is_one_line(tiny_gguf, tmp_path):
+    gguf = rewritten(
+        tiny_gguf, tmp_path / "bare.gguf", entries=lambda kv: [e for e in kv if not e[0].startswith("tokenizer.")]
+    )
+    before = set(os.listdir(tmp_path))
+    line = one_error_line(qtool_cli("convert", gguf, "-o", tmp_path / "back"))
+    assert "holds no tokenizer" in line and str(gguf) in line, line
+    nothing_left(tmp_path, before)
