@@ -186,6 +186,15 @@ def _conversion_row(plan: Plan, job: Job, exact: bool | None) -> dict[str, Any]:
     }
 
 
+def _side_files(plan: Plan) -> list[str]:
+    """The names of the files a conversion writes beside the weights: the layout's (config.json,
+    a sharded output's index), the plan's own (a GGUF's tokenizer), the input folder's carried over."""
+    from qtool.side_files import carried_over
+
+    carried = [] if plan.single_file else [name for _, name in carried_over(plan.source)]
+    return sorted({*plan.layout.side_files(plan), *(name for name, _ in plan.side_bytes), *carried})
+
+
 def conversion_plan_document(plan: Plan, target: str) -> dict[str, Any]:
     """`qtool convert --dry-run`'s document: the plan's, each weight's row saying what it becomes
     (name, dtype) and whether it is exact by construction (`exact` true) or is measured when
@@ -196,7 +205,7 @@ def conversion_plan_document(plan: Plan, target: str) -> dict[str, Any]:
         **document,
         "target": target,
         "weights": rows,
-        "side_files": sorted({*plan.layout.side_files(plan), *(name for name, _ in plan.side_bytes)}),
+        "side_files": _side_files(plan),
     }
 
 
@@ -239,7 +248,7 @@ class ConvertReport:
         return {
             **document,
             "target": self.target,
-            "side_files": sorted({*plan.layout.side_files(plan), *(name for name, _ in plan.side_bytes)}),
+            "side_files": _side_files(plan),
             "summary": summary,
             "weights": rows,
         }

@@ -166,6 +166,23 @@ def test_a_folder_with_hugging_face_names_is_written_as_dequantize_writes_it(tmp
     assert set(ours) == set(theirs) and all(torch.equal(ours[n], theirs[n]) for n in ours)
     assert json.loads((tmp_path / "back" / "config.json").read_text())["dtype"] == "float32"
     assert (tmp_path / "back" / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+    plan = api.prepare_convert(source, tmp_path / "again")
+    plan.source.close()
+    dry = api.convert_plan_document(plan)
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(dry["side_files"])
+
+
+def test_a_sharded_folder_loads_as_one(tiny_gguf, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    document = api.convert(tiny_gguf, tmp_path / "back", max_shard_size="600KB").to_json()
+    assert len(document["files"]) > 1 and "model.safetensors.index.json" in document["side_files"]
+    assert set(os.listdir(tmp_path / "back")) >= {*document["files"], *document["side_files"]}
+    api.dequantize(tiny_gguf, tmp_path / "dq.safetensors", dtype="f32")
+    ours, theirs = tensors(tmp_path / "back"), load_file(str(tmp_path / "dq.safetensors"))
+    assert set(ours) == set(theirs) and all(torch.equal(ours[n], theirs[n]) for n in ours)
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "back", output_loading_info=True)
+    assert not any(info[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
 
 
 # -- SmolLM2's real Q4_1 GGUF ----------------------------------------------------------------------
