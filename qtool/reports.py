@@ -236,7 +236,12 @@ class ConvertReport:
             row = _conversion_row(plan, job, exact)
             if exact is False:
                 stats = measured.written[job.weight.name]
-                row["why"] = f"its float32 values are not all representable in {job.out_dtype}"
+                non_finite = measured.non_finite.get(job.weight.name)
+                row["why"] = (
+                    f"its float32 values hold {non_finite}, which no error figure measures: not counted as exact"
+                    if non_finite
+                    else f"its float32 values are not all representable in {job.out_dtype}"
+                )
                 row.update(stats.to_json())
             row["non_finite_decoded"] = measured.non_finite.get(job.weight.name)
             rows.append(row)

@@ -139,6 +139,28 @@ def test_a_narrower_dtype_is_exact_where_every_value_fits_and_says_so(tiny_gguf,
     assert config["dtype"] == {"bf16": "bfloat16", "f16": "float16"}[dtype]
 
 
+def test_a_weight_decoding_to_nan_is_written_as_it_decodes_and_named(tiny_gguf, tmp_path):
+    """A Q8_0 block whose f16 scale is NaN: float32 writes it as it decodes (exact, and named as
+    non-finite); a narrower dtype is not counted exact, and says why."""
+    from qtool.formats.loader import open_checkpoint
+
+    checkpoint = open_checkpoint(tiny_gguf)
+    begin = checkpoint.tensors["blk.0.attn_k.weight"].begin
+    checkpoint.close()
+    data = bytearray(tiny_gguf.read_bytes())
+    data[begin : begin + 2] = b"\x00\x7e"  # the first block's scale: an f16 NaN
+    gguf = tmp_path / "nan.gguf"
+    gguf.write_bytes(bytes(data))
+    for dtype, exact in (("f32", True), ("bf16", False)):
+        document = api.convert(gguf, tmp_path / dtype, dtype=dtype).to_json()
+        row = next(w for w in document["weights"] if w["input_name"] == "blk.0.attn_k.weight")
+        assert (row["exact"], row["non_finite_decoded"]) == (exact, "NaN"), row
+        assert document["summary"]["non_finite_weights"] == ["blk.0.attn_k.weight"]
+        assert exact or "NaN" in row["why"]
+    values = tensors(tmp_path / "f32")["model.layers.0.self_attn.k_proj.weight"]
+    assert torch.isnan(values).sum() == 32  # one block of 32, wherever the q/k rows put it
+
+
 def test_the_dry_run_lists_what_each_weight_becomes_and_writes_nothing(tiny_gguf, tmp_path):
     result = qtool_cli("convert", tiny_gguf, "-o", tmp_path / "back", "--dtype", "bf16", "--dry-run", "--json")
     assert result.returncode == 0, result.stderr
