@@ -68,6 +68,7 @@ _LAZY = {
     "collect_stats": "qtool.api",
     "quantize": "qtool.api",
     "dequantize": "qtool.api",
+    "convert": "qtool.api",
     "compare": "qtool.api",
     "check": "qtool.api",
     "QtoolError": "qtool.errors",
@@ -88,6 +89,7 @@ __all__ = [
     "collect_stats",
     "quantize",
     "dequantize",
+    "convert",
     "QtoolError",
     "UsageError",
     "CheckpointError",
@@ -104,7 +106,7 @@ __all__ = [
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time these load on first use
     from typing import Any
 
-    from qtool.api import check, collect_stats, compare, dequantize, inspect, open_checkpoint, quantize
+    from qtool.api import check, collect_stats, compare, convert, dequantize, inspect, open_checkpoint, quantize
     from qtool.errors import CheckpointError, InternalError, NotQuantizedError, QtoolError, UsageError, ViolationError
     from qtool.qtypes import QType
     from qtool.scheme import QScheme

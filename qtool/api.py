@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from qtool.formats.imatrix import Imatrix
     from qtool.plan import Plan
     from qtool.policy import Policy
-    from qtool.reports import RunReport
+    from qtool.reports import ConvertReport, RunReport
 
 __all__ = [
     "import_transformers_lean",
@@ -41,6 +41,10 @@ __all__ = [
     "OutputGates",
     "prepare_quantize",
     "prepare_dequantize",
+    "prepare_convert",
+    "convert_plan_document",
+    "run_convert",
+    "convert",
     "worker_pool",
     "run",
     "quantize",
@@ -199,6 +203,7 @@ def run(
     max_retries: int | None = None,
     worker_setup: Callable[[], None] | None = None,
     on_layer: Callable[[Any, int], None] | None = None,
+    exactness: bool = False,
 ) -> RunReport:
     """Stream a plan to its output, atomically, and write its report (if the plan names one)
     before the output is committed: on `device` (cpu, cuda, cuda:N, auto), with `threads` CPU
@@ -214,7 +219,10 @@ def run(
     same, byte for byte, and so is the report, but for timings and its `execution` part.
 
     A calibrated plan calibrates first (`on_layer(layer result, layers)` after each decoder
-    layer), in this process, then streams."""
+    layer), in this process, then streams.
+
+    `exactness` (with `measure`) measures each float weight written against its float32
+    values (`RunReport.measured.written`), as `run_convert` reports them; in one process only."""
     from qtool.formats.revision import revision_of
     from qtool.formats.writer import Output
     from qtool.pipeline import ExecOptions, execute, resolve_device
@@ -224,6 +232,8 @@ def run(
     if threads is not None and threads < 1:
         raise UsageError(f"threads {threads} must be at least 1", option="threads")
     spread = executor != "local" or workers != 1
+    if spread and exactness:
+        raise UsageError("a conversion's exactness is measured in one process", option="workers")
     if spread and plan.calibration is not None:
         raise UsageError(
             "a calibrated quantization runs layer by layer in one process",
@@ -255,7 +265,9 @@ def run(
             threads = threads_per_worker(threads, workers)
         else:
             threads = threads or 1
-    options = ExecOptions(device=resolve_device(device), threads=threads, measure=measure, on_progress=on_progress)
+    options = ExecOptions(
+        device=resolve_device(device), threads=threads, measure=measure, on_progress=on_progress, exactness=exactness
+    )
     staged: list = []
     revision = revision_of(plan.source.path)  # read now: the report's lookup never runs after the commit (issue 42)
 
@@ -349,6 +361,67 @@ def dequantize(
         measure=False,
         overwrite=overwrite,
     )
+
+
+# -- convert ---------------------------------------------------------------------------------------
+
+
+def prepare_convert(
+    path: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    *,
+    to: str = "hf",
+    dtype: str = "f32",
+    max_shard_size: str | None = None,
+) -> Plan:
+    """Plan converting a checkpoint to another toolchain's format (`to`; "hf" is built: a
+    Hugging Face model folder, from a llama or qwen2 GGUF: its weights decoded to `dtype` under
+    their Hugging Face names, config.json from its metadata, its tokenizer as transformers
+    writes it; any other checkpoint through `prepare_dequantize`'s plan). Writes nothing;
+    refuses a target not built, a GGUF not mapped back, and every unsafe output path here."""
+    from qtool.planning.convert import plan_convert
+
+    return plan_convert(path, os.fspath(output), to, dtype, max_shard_size)
+
+
+def convert_plan_document(plan: Plan, to: str = "hf") -> dict[str, Any]:
+    """The `convert --dry-run` document: what each weight becomes, and whether it is exact by
+    construction or measured when written."""
+    from qtool.reports import conversion_plan_document
+
+    return conversion_plan_document(plan, to)
+
+
+def run_convert(
+    plan: Plan,
+    *,
+    to: str = "hf",
+    threads: int | None = None,
+    overwrite: bool = False,
+    on_progress: Callable[[int], None] | None = None,
+) -> ConvertReport:
+    """Write a prepared conversion, atomically, on the CPU, each weight's exactness measured:
+    `.to_json()` is the `convert --json` document."""
+    from qtool.reports import ConvertReport
+
+    written = run(plan, threads=threads, measure=True, on_progress=on_progress, overwrite=overwrite, exactness=True)
+    return ConvertReport(written, to)
+
+
+def convert(
+    path: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    *,
+    to: str = "hf",
+    dtype: str = "f32",
+    max_shard_size: str | None = None,
+    overwrite: bool = False,
+    threads: int | None = None,
+) -> ConvertReport:
+    """Convert a checkpoint into `output` (see `prepare_convert`) and say, per weight, whether
+    it is exact: its written values the input's float32 values bit for bit."""
+    plan = prepare_convert(path, output, to=to, dtype=dtype, max_shard_size=max_shard_size)
+    return run_convert(plan, to=to, threads=threads, overwrite=overwrite)
 
 
 # -- the importance matrix ---------------------------------------------------------------------

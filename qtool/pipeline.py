@@ -20,7 +20,7 @@ import math
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from collections.abc import Callable, Iterator
 
@@ -57,6 +57,9 @@ class ExecOptions:
     threads: int | None = None  # CPU threads for the kernels (native and torch); None: every CPU
     measure: bool = True  # report each weight's error against the original (the overflow check runs either way)
     on_progress: Callable[[int], None] | None = None  # called with input bytes done, per weight
+    # measure, per float weight written (decoded, cast or copied), its values against the input's
+    # float32 values (`Measurements.written`): qtool convert's per-weight exactness; needs `measure`
+    exactness: bool = False
 
 
 @dataclass
@@ -68,6 +71,9 @@ class Measurements:
     # quantized weight -> "NaN" | "inf" its input held; dequantized weight -> what its decoded values hold
     non_finite: dict[str, str] = field(default_factory=dict)
     unquantized: ErrorStats = field(default_factory=ErrorStats)
+    # with ExecOptions.exactness: per weight written as float, its written values against its float32
+    # values (a quantized input's decoding, a float input's own), taken before any row permutation
+    written: dict[str, ErrorStats] = field(default_factory=dict)
     seconds: float = 0.0
     bytes_read: int = 0
     bytes_written: int = 0  # the weight files' sizes, headers included
@@ -178,10 +184,12 @@ class _Runner:
         # them to the driver to merge in the same order (float sums: the order is the result)
         self.kept: list[ErrorStats] | None = None
 
-    def _keep(self, stats: ErrorStats) -> None:
+    def _keep(self, stats: ErrorStats, name: str) -> None:
         self.measured.unquantized = self.measured.unquantized.merge(stats)
         if self.kept is not None:
             self.kept.append(stats)
+        if self.options.exactness:
+            self.measured.written[name] = self.measured.written.get(name, ErrorStats()).merge(stats)
 
     def encoder(self, job: Job):
         key = id(job)
@@ -197,7 +205,9 @@ class _Runner:
         if job.action in (COPY, CAST) and job.transform is None:
             return None  # streamed in pieces as it is written
         self.measured.bytes_read += job.weight.nbytes
-        if job.action == DEQUANTIZE or job.weight.quantized:
+        if job.action == DEQUANTIZE and self.options.exactness and self.options.measure:
+            values = self._decoded_exactly(job)
+        elif job.action == DEQUANTIZE or job.weight.quantized:
             values = self._decode(job)
         else:
             values = self.source.read_bytes(job.weight.data)
@@ -241,6 +251,20 @@ class _Runner:
             return tensor_bytes(decoded.to(storage_dtype(wanted).torch_dtype()))
         return decoded
 
+    def _decoded_exactly(self, job: Job):
+        """A DEQUANTIZE job's values in its dtype by way of their float32 decoding, the
+        rounding measured against it (`Measurements.written`): float32 is what llama.cpp's and
+        every toolchain's dequantization gives, so that is what a conversion is exact against.
+        Rounded to nearest even, as a direct decoding to that dtype rounds."""
+        wanted = _dequantized_dtype(job)
+        decoded = self._decode(replace(job, out_dtype="F32"))
+        if wanted == "F32":
+            self.measured.written[job.weight.name] = kept_error(decoded, decoded, "F32", "F32")
+            return decoded
+        narrowed = self._converted(replace(job, out_dtype=wanted), decoded, source="F32")
+        self.measured.written[job.weight.name] = kept_error(decoded, narrowed, "F32", wanted)
+        return narrowed
+
     def pieces(self, job: Job, loaded) -> Iterator[Piece]:
         name = job.outputs[0].name
         if job.action == QUANTIZE:
@@ -257,7 +281,7 @@ class _Runner:
             data = loaded if job.action == DEQUANTIZE else self._converted(job, loaded)
             if self.options.measure and job.action != DEQUANTIZE:
                 dtype = job.weight.data.dtype.name
-                self._keep(kept_error(loaded, data, dtype, job.out_dtype or dtype))
+                self._keep(kept_error(loaded, data, dtype, job.out_dtype or dtype), job.weight.name)
             yield name, job.transform.apply(data, job.weight.shape[0]), 0
         elif job.action == DEQUANTIZE:
             self._check_decoded(job, loaded)
@@ -303,16 +327,18 @@ class _Runner:
             self.measured.bytes_read += len(data)
             piece = data if job.action == COPY else self._converted(job, data)
             if self.options.measure:
-                self._keep(kept_error(data, piece, stored.dtype.name, job.out_dtype or stored.dtype.name))
+                self._keep(
+                    kept_error(data, piece, stored.dtype.name, job.out_dtype or stored.dtype.name), job.weight.name
+                )
             yield job.outputs[0].name, piece, written
             written += memoryview(piece).nbytes
 
-    def _converted(self, job: Job, data):
-        """`data` (the weight's stored bytes) as the job's output dtype: numpy for the common
-        floats, torch for the rest (and for inf/NaN, whose bytes torch defines)."""
+    def _converted(self, job: Job, data, source: str | None = None):
+        """`data` (the weight's stored bytes, or `source` bytes) as the job's output dtype: numpy
+        for the common floats, torch for the rest (and for inf/NaN, whose bytes torch defines)."""
         from qtool.float_casts import NUMPY_FLOATS, cast
 
-        source = job.weight.data.dtype.name
+        source = source or job.weight.data.dtype.name
         target = job.out_dtype or source
         if job.action == COPY or source == target:
             return data
@@ -322,7 +348,7 @@ class _Runner:
                 return converted
         import torch
 
-        values = torch.frombuffer(data, dtype=torch.uint8).view(job.weight.data.dtype.torch_dtype())
+        values = torch.frombuffer(data, dtype=torch.uint8).view(storage_dtype(source).torch_dtype())
         return tensor_bytes(values.to(storage_dtype(target).torch_dtype()))
 
 
@@ -426,6 +452,8 @@ def write_side_files(plan: Plan, layout, output: Output) -> None:
     the output; the same for one process and for a driver of shard jobs."""
     for filename, content in layout.side_files(plan).items():
         output.side_file(filename, content)
+    for filename, data in plan.side_bytes:
+        output.carry_side_file(filename, data)
     for source, filename in side_file_copies(plan.source, output.single_file):
         output.carry_side_file(filename, read_side_file(plan.source, source))
 

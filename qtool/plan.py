@@ -202,6 +202,9 @@ class Plan:
     html: str | None = None  # where the HTML report is written, if anywhere
     warnings: tuple[str, ...] = ()  # for the user: requantizing, side files left behind, the notes
     calibration: CalibrationRequest | ImatrixRequest | None = None  # a calibration stage to run before the executor
+    # files written beside the weights as they are, after the layout's own (qtool convert's tokenizer
+    # and generation config, rendered while planning): (file name, bytes)
+    side_bytes: tuple[tuple[str, bytes], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """The `--dry-run` document: what each weight becomes, and the sizes before and after."""

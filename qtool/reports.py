@@ -15,15 +15,15 @@ from collections.abc import Mapping
 
 from qtool.error_measures import ErrorStats
 from qtool.model_summary import describe_model
-from qtool.plan import QUANTIZE
+from qtool.plan import CAST, COPY, DEQUANTIZE, QUANTIZE
 from qtool.sqnr_histogram import sqnr_histogram
 from qtool.weight_position import weight_position
 
 if TYPE_CHECKING:
     from qtool.pipeline import Measurements
-    from qtool.plan import Plan
+    from qtool.plan import Job, Plan
 
-__all__ = ["RunReport", "REPORT_SCHEMA_VERSION"]
+__all__ = ["RunReport", "REPORT_SCHEMA_VERSION", "ConvertReport", "conversion_plan_document", "exact_by_construction"]
 
 REPORT_SCHEMA_VERSION = 1
 _PAST = {"quantize": "quantized", "dequantize": "dequantized", "copy": "copied", "cast": "cast"}
@@ -151,3 +151,109 @@ def _parameters(shape: list[int]) -> int:
     for dim in shape:
         count *= dim
     return count
+
+
+# -- qtool convert -------------------------------------------------------------------------------
+
+
+def exact_by_construction(job: Job) -> bool | None:
+    """True where a converted weight's written values are the input's float32 values bit for bit
+    whatever they are: a copy (its own bytes), and anything written as float32 (every float
+    widens exactly, and a quantized weight's decoding is float32, as llama.cpp's dequantization
+    gives it). None where it depends on the values (a narrower dtype): measured when written."""
+    if job.action == COPY:
+        return True
+    if job.action in (DEQUANTIZE, CAST) and job.out_dtype == "F32":
+        return True
+    return None
+
+
+def _conversion_row(plan: Plan, job: Job, exact: bool | None) -> dict[str, Any]:
+    tensor = job.outputs[0]
+    stored = job.weight.data
+    return {
+        "name": tensor.name,
+        "input_name": job.weight.name,
+        "action": job.action,
+        "from": job.weight.scheme.label if job.weight.scheme else stored.dtype.name,
+        "stored_as": stored.encoding or stored.dtype.name,
+        "dtype": tensor.dtype,
+        "shape": list(tensor.shape),
+        "bytes_before": job.bytes_in,
+        "bytes_after": job.bytes_out,
+        "file": plan.files[job.shard],
+        "exact": exact,
+    }
+
+
+def _side_files(plan: Plan) -> list[str]:
+    """The names of the files a conversion writes beside the weights: the layout's (config.json,
+    a sharded output's index), the plan's own (a GGUF's tokenizer), the input folder's carried over."""
+    from qtool.side_files import carried_over
+
+    carried = [] if plan.single_file else [name for _, name in carried_over(plan.source)]
+    return sorted({*plan.layout.side_files(plan), *(name for name, _ in plan.side_bytes), *carried})
+
+
+def conversion_plan_document(plan: Plan, target: str) -> dict[str, Any]:
+    """`qtool convert --dry-run`'s document: the plan's, each weight's row saying what it becomes
+    (name, dtype) and whether it is exact by construction (`exact` true) or is measured when
+    written (`exact` null)."""
+    document = plan.to_json()
+    rows = [_conversion_row(plan, job, exact_by_construction(job)) for job in plan.jobs]
+    return {
+        **document,
+        "target": target,
+        "weights": rows,
+        "side_files": _side_files(plan),
+    }
+
+
+@dataclass(frozen=True)
+class ConvertReport:
+    """What `qtool convert` reports: the run's document (`RunReport`'s) with every weight written,
+    each `exact` (its written values the input's float32 values bit for bit) or, where not, its
+    error against them (`qtool.pipeline.Measurements.written`)."""
+
+    run: RunReport
+    target: str
+
+    def exactness(self, job: Job) -> bool | None:
+        by_construction = exact_by_construction(job)
+        if by_construction:
+            return True
+        stats = self.run.measured.written.get(job.weight.name)
+        if stats is None:
+            return None  # not measured
+        return stats.noise == 0.0  # a NaN noise (a NaN value cast) is not exact either
+
+    def to_json(self) -> dict[str, Any]:
+        document = self.run.to_json()
+        plan, measured = self.run.plan, self.run.measured
+        rows = []
+        for job in plan.jobs:
+            exact = self.exactness(job)
+            row = _conversion_row(plan, job, exact)
+            if exact is False:
+                stats = measured.written[job.weight.name]
+                non_finite = measured.non_finite.get(job.weight.name)
+                row["why"] = (
+                    f"its float32 values hold {non_finite}, which no error figure measures: not counted as exact"
+                    if non_finite
+                    else f"its float32 values are not all representable in {job.out_dtype}"
+                )
+                row.update(stats.to_json())
+            row["non_finite_decoded"] = measured.non_finite.get(job.weight.name)
+            rows.append(row)
+        summary = {
+            **document["summary"],
+            "exact_weights": sum(1 for row in rows if row["exact"]),
+            "inexact_weights": [row["name"] for row in rows if row["exact"] is False],
+        }
+        return {
+            **document,
+            "target": self.target,
+            "side_files": _side_files(plan),
+            "summary": summary,
+            "weights": rows,
+        }

@@ -183,6 +183,20 @@ def test_a_string_array_cut_short_is_one_error():
         _Cursor(raw, len(raw), "x.gguf").string_array(2, "the array 'tokens'")
 
 
+@pytest.mark.parametrize("length", [2**63 - 1, 2**64 - 1], ids=["2^63-1", "2^64-1"])
+def test_a_string_length_past_any_offset_is_one_error(length):
+    """A string of a skipped array whose length carries the walk past what an offset holds: the
+    next length's read overflowed (an OverflowError, exit 70, found fuzzing `qtool convert`)."""
+    import struct
+
+    from qtool.formats.gguf import _Cursor
+
+    raw = struct.pack("<Q", length) + b"abc" + struct.pack("<Q", 1) + b"d" + b"\0" * 32
+    cursor = _Cursor(raw, len(raw), "x.gguf")
+    with pytest.raises(CheckpointError, match="cut short"):
+        cursor.skip_strings(2, "the array 'tokens'")
+
+
 def test_a_vocabulary_walked_by_the_listing_is_not_walked_again_until_the_file_changes(tmp_path, monkeypatch):
     """Planning a GGUF requantize reads the header twice (listing, then key-values): the second
     read takes each string array's end from the first walk, keyed by the file's identity, so

@@ -43,7 +43,8 @@ __all__ = ["app", "main", "COMMANDS", "DEBUG_ENV", "COMPLETE_ENV"]
 PROG = "qtool"
 DEBUG_ENV = "QTOOL_DEBUG"
 COMPLETE_ENV = "_QTOOL_COMPLETE"  # Typer's shell completion: `source_bash`, `complete_zsh`, ...
-COMMANDS = ("inspect", "quantize", "dequantize", "schemes", "compare", "check", "imatrix", "eval")  # qtool.cli.<name>
+# qtool.cli.<name>
+COMMANDS = ("inspect", "quantize", "dequantize", "convert", "schemes", "compare", "check", "imatrix", "eval")
 _SHELLS = ("bash", "zsh", "fish", "powershell", "pwsh")
 
 

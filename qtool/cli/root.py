@@ -69,7 +69,7 @@ def build_app(only: str | None = None) -> typer.Typer:
     built = typer.Typer(
         name="qtool",
         cls=_ErrorBoundary,
-        help="Inspect, quantize, dequantize and compare model checkpoints (safetensors, GGUF, PyTorch pickles), and check "
+        help="Inspect, quantize, dequantize, convert and compare model checkpoints (safetensors, GGUF, PyTorch pickles), and check "
         "one against a policy: every weight's shape, dtype and quantization scheme, in the layouts real loaders accept.",
         epilog="Exit codes: 0 ok, 1 a check found a violation, 2 bad usage or unreadable input, "
         "70 a bug in qtool, 130 interrupted, 143 terminated. Set QTOOL_DEBUG=1 for tracebacks.",

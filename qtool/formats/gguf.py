@@ -143,7 +143,7 @@ class _Cursor:
             try:
                 for _ in range(count):  # a 49k-entry vocabulary walks in ~15 ms
                     pos += 8 + length_at(buf, pos)[0]
-            except struct.error:  # a length before the last one ran past the end
+            except (struct.error, OverflowError):  # a length before the last one ran past the end (or past any offset)
                 raise self.fail(past_end) from None
             if pos > size:
                 raise self.fail(past_end)

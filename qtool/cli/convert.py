@@ -1,0 +1,124 @@
+"""`qtool convert`: a model moved to another toolchain's format, each weight saying whether it
+moved exactly. Built so far: a GGUF back to a Hugging Face model folder (`--to hf`)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from qtool.cli.options import (
+    CheckpointArg,
+    DryRunOpt,
+    FormatOpt,
+    JsonOpt,
+    MaxShardOpt,
+    OutputFormat,
+    OverwriteOpt,
+    QuietOpt,
+    ThreadsOpt,
+)
+from qtool.cli.output import Column, Output, Rows, Section, print_warning, progress
+from qtool.cli.text import human_bytes
+
+__all__ = ["HELP", "convert_command"]
+
+HELP = """Convert a model to another toolchain's format, saying per weight whether it is exact.
+
+--to hf: a GGUF (llama, mistral or qwen2) back to the Hugging Face model folder that
+transformers' from_pretrained loads: model.safetensors with every weight decoded to --dtype
+under its Hugging Face name (a llama's q/k rows back in Hugging Face's order), config.json
+from the GGUF's metadata, the tokenizer from its vocabulary (tokenizer.json,
+tokenizer_config.json, the chat template), generation_config.json with its BOS and EOS.
+A weight is exact when its written values are the GGUF's float32 dequantization (llama.cpp's)
+bit for bit: always with the default --dtype f32; with bf16 or f16 where every value fits, else
+the report gives its error. Any other checkpoint is written as `qtool dequantize` writes it.
+
+The other targets (compressed-tensors, gguf, mlx, bitsandbytes) are not built yet.
+
+\b
+Examples:
+  qtool convert model-q4_0.gguf -o model-hf/ --to hf
+  qtool convert model-q4_0.gguf -o model-hf/ --to hf --dtype bf16 --json
+  qtool convert model-q4_0.gguf -o model-hf/ --to hf --dry-run
+"""
+
+
+def convert_command(
+    path: CheckpointArg,
+    output_path: Annotated[
+        str, typer.Option("--output", "-o", help="The folder to write (a Hugging Face model).", show_default=False)
+    ],
+    to: Annotated[
+        str,
+        typer.Option(
+            "--to", help="The format to write: hf (built); compressed-tensors, gguf, mlx, bitsandbytes (not yet)."
+        ),
+    ] = "hf",
+    dtype: Annotated[
+        str, typer.Option("--dtype", help="f32 (exact), bf16 or f16: the dtype every weight is written in.")
+    ] = "f32",
+    dry_run: DryRunOpt = False,
+    max_shard_size: MaxShardOpt = None,
+    overwrite: OverwriteOpt = False,
+    threads: ThreadsOpt = None,
+    fmt: FormatOpt = OutputFormat.auto,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    from qtool import api
+
+    sink = Output("json" if json_ else fmt.value)
+    plan = api.prepare_convert(path, output_path, to=to, dtype=dtype, max_shard_size=max_shard_size)
+    if dry_run:
+        plan.source.close()
+        document = api.convert_plan_document(plan, to)
+        sink.emit(document, _weight_rows(document, f"Plan: {plan.output}"), [_facts(document, plan.output)])
+        return
+    for warning in plan.warnings:
+        print_warning(warning)
+    with progress("converting", sum(job.bytes_in for job in plan.jobs), quiet) as advance:
+        report = api.run_convert(plan, to=to, threads=threads, overwrite=overwrite, on_progress=advance)
+    document = report.to_json()
+    for name, value in sorted(report.run.measured.non_finite.items()):
+        print_warning(f"{name} decodes to {value} values: written as they decode (see `qtool check --no-nan`)")
+    sink.emit(document, _weight_rows(document, "Converted weights"), [_facts(document, plan.output)])
+
+
+def _exact(value) -> str:
+    return "exact" if value else "measured when written" if value is None else "not exact"
+
+
+def _weight_rows(document: dict, title: str) -> Rows:
+    return Rows(
+        [
+            Column("weight"),
+            Column("from"),
+            Column("action"),
+            Column("dtype"),
+            Column("shape"),
+            Column("exact", human=_exact),
+            Column("SQNR dB", human=lambda v: "—" if v is None else f"{v:.2f}", justify="right"),
+        ],
+        [
+            [w["name"], w["stored_as"], w["action"], w["dtype"], w["shape"], w["exact"], w.get("sqnr_db")]
+            for w in document["weights"]
+        ],
+        collapse_keys=(1, 2, 3, 4, 5, 6),
+        title=title,
+    )
+
+
+def _facts(document: dict, output: str | None) -> Section:
+    summary = document["summary"]
+    rows = [
+        ["output", output],
+        ["target", document["target"]],
+        ["files", ", ".join([*document["files"], *document["side_files"]])],
+    ]
+    if "exact_weights" in summary:
+        rows.append(["exact weights", f"{summary['exact_weights']} of {summary['weights']}"])
+    rows.append(["size", f"{human_bytes(summary['bytes_before'])} -> {human_bytes(summary['bytes_after'])}"])
+    if "seconds" in document:
+        rows.append(["time", f"{document['seconds']:.1f} s"])
+    return Section("Summary", [Column("fact"), Column("value", justify="right")], rows, show_header=False)
