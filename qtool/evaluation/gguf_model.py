@@ -16,7 +16,7 @@ time, so it needs the pieces instead:
                  reader (`qtool.formats.gguf.read_gguf_key_values`), never gguf-py's GGUFReader
     tokenizer    transformers' own GGUF converter, fed the vocabulary from qtool's reader
                  (`qtool.evaluation.gguf_tokenizer`), so the ids (and whether a BOS is added) are
-                 those of `AutoTokenizer.from_pretrained(folder, gguf_file=...)`
+                 those of transformers' `AutoTokenizer` given `gguf_file=`
 
 Only the architectures qtool maps back are read (llama, which covers Mistral, and qwen2); any
 other is a UsageError. Every value in the file is a stranger's: a missing key, a value of the
@@ -64,7 +64,7 @@ class GgufAsHuggingFace:
 
     def tokenizer(self, notes: list[str]) -> Any:
         """transformers' tokenizer (a `PreTrainedTokenizerFast`) of the GGUF's vocabulary, as
-        `AutoTokenizer.from_pretrained(folder, gguf_file=name)` builds it; what transformers logs
+        transformers' `AutoTokenizer` given `gguf_file=` builds it; what transformers logs
         meanwhile becomes `notes`. A GGUF without a vocabulary, or one transformers' converter
         refuses, is one CheckpointError line."""
         path = self.checkpoint.path

@@ -1,7 +1,6 @@
 """A GGUF's vocabulary as transformers' tokenizer, read by qtool.
 
-transformers builds a tokenizer from a GGUF (`AutoTokenizer.from_pretrained(folder,
-gguf_file=name)`) by reading the file with its own reader. qtool reads the `tokenizer.*`
+transformers builds a tokenizer from a GGUF (`AutoTokenizer` given `gguf_file=`) by reading the file with its own reader. qtool reads the `tokenizer.*`
 key-values with its bounded reader and checks them (`GgufMetadata`: the token count against the
 token embedding's rows, every id in range, every string UTF-8), then hands them to transformers'
 own converter (`convert_gguf_tokenizer`) in the form transformers' reader gives them, and builds
