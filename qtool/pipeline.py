@@ -205,6 +205,15 @@ class _Runner:
         if job.action in (COPY, CAST) and job.transform is None:
             return None  # streamed in pieces as it is written
         self.measured.bytes_read += job.weight.nbytes
+        if (
+            job.action == QUANTIZE and self.encoder(job).takes == encoders.CODES
+        ):  # moved as they are; the encoder permutes rows
+            from qtool.conventions import convention_named
+
+            values = convention_named(job.weight.convention).codes(self.source, job.weight, self.options.device)
+            for member in job.weight.members.values():
+                self.source.release(member)
+            return values
         if job.action == DEQUANTIZE and self.options.exactness and self.options.measure:
             values = self._decoded_exactly(job)
         elif job.action == DEQUANTIZE or job.weight.quantized:

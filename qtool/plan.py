@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "QUANTIZE", "DEQUANTIZE", "COPY", "CAST",
-    "Chosen", "Piece", "OutputTensor", "Transform", "IntRows", "GgmlBlocks", "Precomputed", "Encoding", "Job", "PlanOptions", "Plan",
+    "Chosen", "Piece", "OutputTensor", "Transform", "IntRows", "GgmlBlocks", "Precomputed", "Mover", "Moved", "Encoding", "Job", "PlanOptions", "Plan",
     "GgufEntry", "Metadata", "Calibrated", "TensorLayout",
 ]  # fmt: skip
 
@@ -137,7 +137,29 @@ class Precomputed:
     algorithm: str = "gptq"
 
 
-Encoding = IntRows | GgmlBlocks | Precomputed
+class Mover(Protocol):
+    """How a quantized weight's own codes become a target's bytes (`qtool.layouts.moves`),
+    declared in the plan as a transform is; the encoder calls it and knows nothing more."""
+
+    target: str  # "compressed-tensors", or a GGML type name
+
+    def move(self, name: str, codes: Any) -> Any:
+        """`codes` (`qtool.weight_codes.IntCodes`) as the target holds them exactly: (scheme,
+        tensors by name) for a safetensors layout, the blocks' bytes for GGUF; or, as a str,
+        why they cannot be."""
+        ...
+
+
+@dataclass(frozen=True)
+class Moved:
+    """A quantized weight's own integer codes, scales and zero points moved into the target as
+    they are, never decoded and quantized again (`qtool convert`): the encoder asks `mover`,
+    and refuses a weight whose move would not be exact, naming why."""
+
+    mover: Mover
+
+
+Encoding = IntRows | GgmlBlocks | Precomputed | Moved
 
 
 @dataclass(frozen=True)

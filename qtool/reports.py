@@ -222,7 +222,10 @@ class ConvertReport:
         by_construction = exact_by_construction(job)
         if by_construction:
             return True
-        stats = self.run.measured.written.get(job.weight.name)
+        measured = self.run.measured
+        stats = (measured.errors if job.action == QUANTIZE else measured.written).get(
+            job.weight.name
+        )  # a moved weight: its encoder measured it
         if stats is None:
             return None  # not measured
         return stats.noise == 0.0  # a NaN noise (a NaN value cast) is not exact either
@@ -235,7 +238,7 @@ class ConvertReport:
             exact = self.exactness(job)
             row = _conversion_row(plan, job, exact)
             if exact is False:
-                stats = measured.written[job.weight.name]
+                stats = (measured.errors if job.action == QUANTIZE else measured.written)[job.weight.name]
                 non_finite = measured.non_finite.get(job.weight.name)
                 row["why"] = (
                     f"its float32 values hold {non_finite}, which no error figure measures: not counted as exact"

@@ -355,3 +355,114 @@ def test_a_gguf_without_a_tokenizer_is_one_line(tiny_gguf, tmp_path):
     line = one_error_line(qtool_cli("convert", gguf, "-o", tmp_path / "back"))
     assert "holds no tokenizer" in line and str(gguf) in line, line
     nothing_left(tmp_path, before)
+
+
+# -- --to compressed-tensors: codes moved as they are -------------------------------------------
+
+
+def compressed_tensors_decompressed(folder: Path) -> dict[str, torch.Tensor]:
+    """compressed-tensors' own decompression of a converted folder's quantized weights, by
+    weight name (tests/test_moves.py's way: the package's ModelCompressor on bare Linears)."""
+    from tests.test_moves import package_decompress
+
+    stored = tensors(folder)
+    config = json.loads((folder / "config.json").read_text())
+    modules = {name[: -len(".weight_packed")] for name in stored if name.endswith(".weight_packed")}
+    shapes = {m.replace(".", "__"): tuple(int(d) for d in stored[f"{m}.weight_shape"]) for m in modules}
+    renamed = {
+        f"{m.replace('.', '__')}.{key[len(m) + 1 :]}": value
+        for m in modules
+        for key, value in stored.items()
+        if key.startswith(m + ".weight_")
+    }
+    quantization = json.loads(json.dumps(config["quantization_config"]))
+    for group in quantization["config_groups"].values():
+        group["targets"] = [t.replace(".", "__") if not t.startswith("re:") else t for t in group["targets"]]
+    quantization["ignore"] = []
+    dtype = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}[config["dtype"]]
+    out = package_decompress(renamed, quantization, shapes, dtype)
+    return {m.replace("__", ".") + ".weight": value for m, value in out.items()}
+
+
+def decoded_source(path: Path) -> dict[str, torch.Tensor]:
+    from qtool.conventions import decoder_for
+    from qtool.formats.loader import open_checkpoint
+    from qtool.inspection import inspect_checkpoint
+
+    checkpoint = open_checkpoint(path)
+    try:
+        return {
+            w.name: decoder_for(w).decode(checkpoint, w, "cpu")
+            for w in inspect_checkpoint(checkpoint).weights
+            if w.quantized
+        }
+    finally:
+        checkpoint.close()
+
+
+@pytest.mark.parametrize(
+    "fixture",
+    ["gptq/gptq_4bit_sym_g128", "gptq/gptq_4bit_asym_g128", "gptq/gptq_v2_4bit_asym_g128", "gptq/gptq_8bit_sym_g128",
+     "awq/awq_gemm_g128", "awq/awq_gemv_g64"],
+)  # fmt: skip
+def test_gptq_and_awq_move_into_compressed_tensors_bit_for_bit(tmp_path, fixture):
+    pytest.importorskip("compressed_tensors")
+    source = REPO / "tests" / "fixtures" / fixture
+    out = tmp_path / "ct"
+    result = qtool_cli("convert", source, "-o", out, "--to", "compressed-tensors", "--json")
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["target"] == "compressed-tensors"
+    assert all(row["exact"] for row in document["weights"]), document["weights"]
+    expected = decoded_source(source)
+    decompressed = compressed_tensors_decompressed(out)
+    assert set(decompressed) == set(expected)
+    for name, values in expected.items():
+        got = decompressed[name]
+        assert got.dtype == values.dtype and torch.equal(got.view(torch.int16), values.view(torch.int16)), name
+
+
+def test_a_gguf_moves_into_compressed_tensors_and_evaluates_as_the_gguf_itself(tmp_path):
+    """Q4_0 codes moved, q/k rows put back: the folder's outputs are the GGUF's, KL 0 at every token
+    and the hidden states equal after every layer; transformers with compressed-tensors loads it."""
+    pytest.importorskip("compressed_tensors")
+    transformers = pytest.importorskip("transformers")
+    gguf = tmp_path / "model-q4_0.gguf"
+    api.quantize(TINY, gguf, scheme="q4_0")
+    out = tmp_path / "ct"
+    result = qtool_cli("convert", gguf, "-o", out, "--to", "compressed-tensors", "--json")
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["summary"]["inexact_weights"] == [] and document["summary"]["exact_weights"] == len(
+        document["weights"]
+    )
+    assert {"tokenizer.json", "config.json"} <= set(os.listdir(out))
+    text = tmp_path / "text.txt"
+    text.write_text(pydoc_text(20_000))
+    evaluated = api.evaluate(out, text, base=gguf, ctx=64, windows=2)
+    assert evaluated["kld"]["max"] == 0.0 and evaluated["top1_agreement"] == 1.0
+    assert all(layer["hidden_error"] == 0.0 for layer in evaluated["layers"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    hf = tmp_path / "hf"
+    assert qtool_cli("convert", gguf, "-o", hf, "--to", "hf").returncode == 0
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf)
+    ids = torch.tensor([[1, 45, 199, 17, 170, 29]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+def test_a_grid_compressed_tensors_cannot_hold_is_one_line_and_nothing_written(tmp_path):
+    gguf = tmp_path / "model-q5_0.gguf"
+    api.quantize(TINY, gguf, scheme="q5_0")
+    before = set(os.listdir(tmp_path))
+    line = one_error_line(qtool_cli("convert", gguf, "-o", tmp_path / "ct", "--to", "compressed-tensors"))
+    assert "cannot move exactly to compressed-tensors: its GGUF Q5_0 blocks are not one of the grids" in line, line
+    nothing_left(tmp_path, before)
+
+
+def test_a_move_that_would_not_be_exact_is_one_line_and_nothing_written(tmp_path):
+    """desc_act whose g_idx interleaves groups: compressed-tensors 0.20 reads no g_idx."""
+    source = REPO / "tests" / "fixtures" / "gptq" / "gptq_4bit_desc_act_g64"
+    line = one_error_line(qtool_cli("convert", source, "-o", tmp_path / "ct", "--to", "compressed-tensors"))
+    assert "cannot move exactly to compressed-tensors" in line and "g_idx" in line, line
+    assert os.listdir(tmp_path) == []

@@ -1,5 +1,6 @@
 """`qtool convert`: a model moved to another toolchain's format, each weight saying whether it
-moved exactly. Built so far: a GGUF back to a Hugging Face model folder (`--to hf`)."""
+moved exactly. Built so far: a GGUF back to a Hugging Face model folder (`--to hf`), and
+quantized codes moved as they are into compressed-tensors (`--to compressed-tensors`)."""
 
 from __future__ import annotations
 
@@ -34,13 +35,24 @@ A weight is exact when its written values are the GGUF's float32 dequantization 
 bit for bit: always with the default --dtype f32; with bf16 or f16 where every value fits, else
 the report gives its error. Any other checkpoint is written as `qtool dequantize` writes it.
 
-The other targets (compressed-tensors, gguf, mlx, bitsandbytes) are not built yet.
+--to compressed-tensors: a quantized model's own integer codes, scales and zero points moved
+as they are into compressed-tensors' pack-quantized tensors, never decoded and rounded again:
+GPTQ (v1, v2; desc_act when its g_idx keeps each group's inputs together), AutoAWQ (GEMM,
+GEMV), compressed-tensors int, and GGUF Q4_0, Q8_0 (and Q4_1 where its minimum is an integer
+zero point), a GGUF read under its Hugging Face names with its config and tokenizer. The model
+dtype is the one the source dequantizes in (float16 for GPTQ and AWQ, float32 for GGUF), so
+compressed-tensors' own dequantization gives the source's values bit for bit; a weight whose
+move would not be exact is refused, naming why, and nothing is written.
+
+The other targets (gguf, mlx, bitsandbytes) are not built yet.
 
 \b
 Examples:
   qtool convert model-q4_0.gguf -o model-hf/ --to hf
   qtool convert model-q4_0.gguf -o model-hf/ --to hf --dtype bf16 --json
   qtool convert model-q4_0.gguf -o model-hf/ --to hf --dry-run
+  qtool convert model-gptq/ -o model-ct/ --to compressed-tensors
+  qtool convert model-q4_0.gguf -o model-ct/ --to compressed-tensors --json
 """
 
 
@@ -52,11 +64,13 @@ def convert_command(
     to: Annotated[
         str,
         typer.Option(
-            "--to", help="The format to write: hf (built); compressed-tensors, gguf, mlx, bitsandbytes (not yet)."
+            "--to",
+            help="The format to write: hf or compressed-tensors (built); gguf, mlx, bitsandbytes (not yet).",
         ),
     ] = "hf",
     dtype: Annotated[
-        str, typer.Option("--dtype", help="f32 (exact), bf16 or f16: the dtype every weight is written in.")
+        str,
+        typer.Option("--dtype", help="--to hf: f32 (exact), bf16 or f16, the dtype every weight is written in."),
     ] = "f32",
     dry_run: DryRunOpt = False,
     max_shard_size: MaxShardOpt = None,

@@ -3,6 +3,7 @@
 kernel) is one entry in `_BACKENDS`.
 
     backend        writes                                   where
+    moved          a quantized input's own codes, repacked for the target (`Moved`, qtool convert)  any device
     precomputed    the tensors a calibration stage encoded before the run (`Precomputed`)   any device
     native-int     compressed-tensors pack-quantized int2/4/8 rows (`IntRows`), fused   CPU, float input
     native-gguf    GGML blocks qtool's C kernels have (Q8_0 ... Q6_K, IQ2/3/4 types)     CPU; any device for the
@@ -22,15 +23,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 from collections.abc import Callable, Iterator
 
-from qtool.plan import QUANTIZE, GgmlBlocks, IntRows, Job, Piece, Precomputed, TensorLayout
+from qtool.plan import QUANTIZE, GgmlBlocks, IntRows, Job, Moved, Piece, Precomputed, TensorLayout
 
 if TYPE_CHECKING:
     from qtool.error_measures import ErrorStats
     from qtool.layouts.base import Layout
 
-__all__ = ["WeightEncoder", "choose", "can_encode", "why_not_encodable", "RAW", "TENSOR", "StoredBlocks"]
+__all__ = ["WeightEncoder", "choose", "can_encode", "why_not_encodable", "RAW", "TENSOR", "CODES", "StoredBlocks"]
 
-RAW, TENSOR = "raw", "tensor"  # what an encoder takes: the weight's stored bytes, or float values in torch
+# what an encoder takes: the weight's stored bytes, float values in torch, or a quantized weight's
+# own integer codes (`qtool.weight_codes.IntCodes`, from its convention's `codes`)
+RAW, TENSOR, CODES = "raw", "tensor", "codes"
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,16 @@ class _Backend:
     name: str
     can: Callable[[Any, Job, str | None], bool]  # (layout, job, device or None for any) -> capable
     build: Callable[[Any, Job, str, bool], WeightEncoder]  # (layout, job, device, measure)
+
+
+def _moved(layout, job: Job, device: str | None) -> bool:
+    return isinstance(job.encoding, Moved) and job.weight.quantized
+
+
+def _build_moved(layout, job: Job, device: str, measure: bool) -> WeightEncoder:
+    from qtool.encoders.moved import MovedEncoder
+
+    return MovedEncoder(layout, job, measure)
 
 
 def _precomputed(layout, job: Job, device: str | None) -> bool:
@@ -132,6 +145,7 @@ def _build_torch(layout, job: Job, device: str, measure: bool) -> WeightEncoder:
 
 
 _BACKENDS = (
+    _Backend("moved", _moved, _build_moved),
     _Backend("precomputed", _precomputed, _build_precomputed),
     _Backend("native-int", _native_int, _build_native_int),
     _Backend("native-gguf", _native_gguf, _build_ggml_blocks(native=True)),

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from qtool.ggml_types import GGML_TYPES, ggml_type_named
@@ -53,7 +54,7 @@ from qtool.weight_codes import IntCodes
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["in_column_groups", "to_compressed_tensors", "to_gguf"]
+__all__ = ["in_column_groups", "to_compressed_tensors", "to_gguf", "ToCompressedTensors", "ToGguf"]
 
 _FLOAT_NAMES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
 
@@ -135,7 +136,7 @@ def _mismatch(expected: torch.Tensor, got: torch.Tensor, target: str, arithmetic
 
 
 def to_compressed_tensors(
-    codes: IntCodes, name: str, dtype: str, *, grid_only: bool = False
+    codes: IntCodes, name: str, dtype: str, *, grid_only: bool = False, symmetric: bool | None = None
 ) -> tuple[QScheme, dict[str, torch.Tensor]] | str:
     """The pack-quantized tensors of `name` ("<module>.weight") holding these codes, and their
     scheme (for `qtool.layouts.compressed_tensors.config_for`), or the reason the move would
@@ -146,7 +147,9 @@ def to_compressed_tensors(
     stored in `dtype`, must be exactly `dtype` values, and the products are formed in `dtype`:
     a GPTQ, AWQ or compressed-tensors float16 weight moves exactly into a float16 model, a GGUF
     weight (float32 arithmetic) into a float32 one. With `grid_only`, a move whose codes and
-    scales are the same but whose products round differently is accepted."""
+    scales are the same but whose products round differently is accepted. `symmetric`, where a
+    plan fixed it: True refuses codes with any zero point off the midpoint, False stores zero
+    points even where every one is the midpoint; None decides from the zero points."""
     import torch
 
     from qtool.dtypes import storage_dtype
@@ -184,7 +187,10 @@ def to_compressed_tensors(
             f"dtype compressed-tensors casts weight_scale to"
         )
     offset = 1 << (codes.bits - 1)
-    symmetric = bool((grid.zero == offset).all())
+    centred = bool((grid.zero == offset).all())
+    if symmetric and not centred:
+        return f"asymmetric codes (zero points off {offset}) planned as symmetric"
+    symmetric = centred if symmetric is None else symmetric
     scheme = QScheme(
         qtype=qtype(f"int{codes.bits}"),
         block=CHANNEL if grid.group == cols else group(grid.group),
@@ -295,3 +301,29 @@ def to_gguf(codes: IntCodes, gtype_name: str, *, grid_only: bool = False) -> byt
             source = _dtype_name(codes.compute_dtype)
             return f"same grid, but the source rounds products to {source} and {reason}"
     return raw.cpu().numpy().tobytes()
+
+
+# -- what a plan declares ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToCompressedTensors:
+    """A plan's mover (`qtool.plan.Moved`) into compressed-tensors: a model of `model_dtype`,
+    the weight's symmetry as planned (its tensors are sized by it)."""
+
+    model_dtype: str
+    symmetric: bool
+    target: str = "compressed-tensors"
+
+    def move(self, name: str, codes: IntCodes) -> tuple[QScheme, dict[str, torch.Tensor]] | str:
+        return to_compressed_tensors(codes, name, self.model_dtype, symmetric=self.symmetric)
+
+
+@dataclass(frozen=True)
+class ToGguf:
+    """A plan's mover into GGUF blocks of GGML type `target`."""
+
+    target: str
+
+    def move(self, name: str, codes: IntCodes) -> bytes | str:
+        return to_gguf(codes, self.target)

@@ -42,7 +42,7 @@ from qtool.planning.paths import check_paths, refuse_remote_data, side_file_warn
 __all__ = ["TARGETS", "WRITTEN_TARGETS", "plan_convert"]
 
 TARGETS = ("hf", "compressed-tensors", "gguf", "mlx", "bitsandbytes")  # what issue 39 names
-WRITTEN_TARGETS = ("hf",)  # what is built
+WRITTEN_TARGETS = ("hf", "compressed-tensors")  # what is built
 _TORCH_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # config.json's dtype spelling
 _TOKENIZER_FILE_LIMIT = 64 << 20  # as qtool.side_files.SIDE_FILE_LIMIT: a tokenizer is a few MB
 
@@ -66,6 +66,15 @@ def plan_convert(path: str | os.PathLike[str], output: str, to: str, dtype: str,
             hint="name a folder, e.g. model-hf/",
             option="output",
         )
+    if to == "compressed-tensors":
+        refuse_remote_data(path)
+        checkpoint = open_checkpoint(path)
+        try:
+            checkpoint.require_local()
+            return _moved(checkpoint, output, max_shard_size)
+        except BaseException:
+            checkpoint.close()
+            raise
     out_dtype = parse_dtype(dtype)
     refuse_remote_data(path)
     checkpoint = open_checkpoint(path)
@@ -155,3 +164,111 @@ def _tokenizer_files(tokenizer: Any, path: str) -> list[tuple[str, bytes]]:
                 raise CheckpointError(f"its tokenizer's {name} is over {_TOKENIZER_FILE_LIMIT >> 20} MiB", path=path)
             files.append((name, data))
     return files
+
+
+# -- codes moved as they are ------------------------------------------------------------------
+
+
+def _moved_scheme(weight, model_dtype: str):
+    """The compressed-tensors scheme a quantized weight's own grid becomes (its bits, group and
+    symmetry; scales in the model dtype), or why its codes cannot move: no integer grid qtool
+    reads out (`codes`), or a GGUF type whose blocks hold more than codes and one scale."""
+    from qtool.conventions import convention_named
+    from qtool.ggml_types import ggml_type_named
+    from qtool.qtypes import qtype
+    from qtool.scheme import CHANNEL, QScheme, group
+
+    scheme = weight.scheme
+    convention = convention_named(weight.convention)
+    if convention is None or not hasattr(convention, "codes") or scheme.qtype.kind not in ("int", "uint"):
+        return f"its {scheme.label} ({weight.convention}) is not an integer grid qtool moves"
+    encoding = weight.data.encoding
+    if encoding is not None:
+        try:
+            plain = ggml_type_named(encoding).plain_grid
+        except KeyError:
+            plain = False
+        if not plain:
+            from qtool.ggml_types import GGML_TYPES
+
+            moved = ", ".join(row.name for row in GGML_TYPES.values() if row.plain_grid)
+            return f"its GGUF {encoding} blocks are not one of the grids qtool moves as they are ({moved})"
+    bits = scheme.qtype.bits
+    block = CHANNEL if scheme.granularity == "channel" else group(scheme.group_size)
+    return QScheme(qtype(f"int{bits}"), block, scheme.symmetric, model_dtype, zero_point=not scheme.symmetric)
+
+
+def _model_dtype(checkpoint, weights) -> str:
+    """The dtype of the compressed-tensors model: the one its loader dequantizes in, so it must
+    be the source's own arithmetic (`IntCodes.arithmetic`): float32 for a GGUF (ggml widens its
+    float16 scales), else the quantized weights' scale dtype (float16 for GPTQ and AWQ)."""
+    if checkpoint.format == "gguf":
+        return "F32"
+    scales = {
+        member.dtype.name
+        for weight in weights
+        if weight.quantized
+        for role, member in weight.members.items()
+        if role == "scale"
+    }
+    return scales.pop() if len(scales) == 1 else "F16"
+
+
+def _moved(checkpoint, output: str, max_shard_size: str | None) -> Plan:
+    """Every quantized weight's codes, scales and zero points moved into compressed-tensors'
+    pack-quantized tensors as they are (`qtool.plan.Moved`), every other tensor copied; a GGUF
+    read under its Hugging Face names (q/k rows put back), with its config and tokenizer. A
+    weight whose grid compressed-tensors cannot hold is refused here, before anything is read;
+    one whose values would not come back bit for bit is refused when it is moved."""
+    from qtool.layouts import LAYOUTS
+    from qtool.layouts.moves import ToCompressedTensors
+    from qtool.pipeline import parse_size
+    from qtool.plan import QUANTIZE, Chosen, Moved, PlanOptions
+
+    source, rows_back, files, notes = checkpoint, {}, [], []
+    config = checkpoint.config
+    if checkpoint.format == "gguf":
+        from qtool.evaluation.gguf_model import gguf_as_hugging_face
+
+        view = gguf_as_hugging_face(checkpoint)
+        source, rows_back = view.checkpoint, dict(view.rows_back)
+        files = _tokenizer_files(view.tokenizer(notes), checkpoint.path)
+        config = view.checkpoint.config
+    check_paths(checkpoint, output, None, container="safetensors")
+    weights = inspect_checkpoint(source).weights
+    model_dtype = _model_dtype(checkpoint, weights)
+    schemes, refused = {}, []
+    for weight in weights:
+        if weight.quantized:
+            scheme = _moved_scheme(weight, model_dtype)
+            if isinstance(scheme, str):
+                refused.append((weight.name, scheme))
+            else:
+                schemes[weight.name] = scheme
+    if refused:
+        name, why = refused[0]
+        more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+        raise UsageError(
+            f"{checkpoint.path}: {name} cannot move exactly to compressed-tensors: {why}{more}",
+            hint="qtool moves GPTQ, AWQ, compressed-tensors int and GGUF Q4_0, Q4_1, Q8_0 codes; dequantize the rest",
+            option="to",
+        )
+    options = PlanOptions(single_file=False, max_shard_size=parse_size(max_shard_size) if max_shard_size else None)
+    plan = LAYOUTS["compressed-tensors"].plan(source, weights, Chosen(schemes), options)
+    jobs = [
+        replace(
+            job,
+            encoding=Moved(ToCompressedTensors(model_dtype, job.scheme.symmetric))
+            if job.action == QUANTIZE
+            else job.encoding,
+            transform=rows_back.get(job.weight.name, job.transform),
+        )
+        for job in plan.jobs
+    ]
+    written = {
+        **(plan.config or config or {}),
+        "dtype": _TORCH_NAMES[model_dtype],
+        "torch_dtype": _TORCH_NAMES[model_dtype],
+    }
+    warnings = [*notes, *side_file_warnings(checkpoint, True)]
+    return replace(plan, jobs=jobs, output=output, config=written, side_bytes=tuple(files), warnings=tuple(warnings))
