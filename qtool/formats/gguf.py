@@ -150,7 +150,7 @@ class _Cursor:
             try:
                 for _ in range(count):  # a 49k-entry vocabulary walks in ~15 ms
                     pos += 8 + length_at(buf, pos)[0]
-            except (struct.error, OverflowError):  # a length before the last one ran past the end (far: OverflowError)
+            except (struct.error, OverflowError):  # a length before the last one ran past the end
                 raise self.fail(past_end) from None
             if pos > size:
                 raise self.fail(past_end)
