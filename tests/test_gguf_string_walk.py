@@ -161,3 +161,22 @@ def test_a_length_past_any_file_is_exit_2_in_one_line_not_an_overflow(tmp_path, 
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "runs past the end of the file" in errors[0], done.stderr
     assert "internal error" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_extension_built_before_the_walk_falls_back_to_python(tmp_path, monkeypatch):
+    """A checkout whose compiled extension predates `skip_prefixed` (not rebuilt after a pull)
+    reads GGUF headers with the Python walk instead of failing on every one."""
+
+    class Stale:  # an extension module without the function
+        pass
+
+    path = tmp_path / "vocab.gguf"
+    _vocabulary_file(path, 500)
+    monkeypatch.setattr(native, "_kernels", Stale())
+    assert native.skip_prefixed(packed([b"ab"]), 0, 1) is None
+    qtool_gguf._walked.clear()
+    try:
+        tensors, metadata = qtool_gguf.read_gguf_file(str(path))
+    finally:
+        qtool_gguf._walked.clear()
+    assert metadata["tokenizer.ggml.tokens"] == "[500 × str]" and metadata["after.the.vocabulary"] == "7"

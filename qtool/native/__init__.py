@@ -274,10 +274,9 @@ SUM_SLICE = 1 << 15  # error_measures' slice: the float64 partial sums are added
 def skip_prefixed(buf, pos: int, count: int) -> int | None:
     """The offset just past `count` strings from `pos` in `buf`, each a little-endian u64
     length then its bytes; -1 where one runs past the end of `buf`; None without the extension
-    (the caller walks them itself)."""
-    if not available():
-        return None
-    return _kernels.skip_prefixed(buf, pos, count)
+    (the caller walks them itself), as with an extension built before it had this function."""
+    walk = getattr(_kernels, "skip_prefixed", None) if available() else None
+    return None if walk is None else walk(buf, pos, count)
 
 
 def sum_squares(src, dtype: str, count: int) -> float:
