@@ -16,6 +16,7 @@ from qtool.errors import UsageError
 from qtool.evaluation.report import OutputGates
 from qtool.formats import Checkpoint
 from qtool.formats import open_checkpoint as _open_checkpoint
+from qtool.formats.gguf import use_prefixed_walk
 from qtool.inspection import Inspection, inspect_checkpoint
 from qtool.planning.paths import refuse_remote_data
 
@@ -59,6 +60,17 @@ __all__ = [
     "write_report",
     "overlay_document",
 ]
+
+
+def _prefixed_walk(buf, pos: int, count: int) -> int | None:
+    """qtool.native's walk over a GGUF header's string arrays (a 49k-token vocabulary: ~15 ms
+    in Python), imported on the first GGUF header read; None without the extension."""
+    from qtool import native
+
+    return native.skip_prefixed(buf, pos, count)
+
+
+use_prefixed_walk(_prefixed_walk)  # formats may not import qtool.native: it is handed in here
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:

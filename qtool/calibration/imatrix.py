@@ -10,7 +10,8 @@
 llama-imatrix collects the matrix multiplications of `blk.*` weights only (the output head only
 with --process-output), and so does this: every Linear of a decoder layer. The layers run on
 float weights (nothing is quantized here), so each layer's float outputs feed the next, as in
-llama.cpp's one forward pass per chunk. Each call's sum over its tokens is float32 (squared once
+llama.cpp's one forward pass per chunk (each layer runs over a batch of chunks at once, which
+gives the same values, `ImatrixStep`). Each chunk's sum over its tokens is float32 (squared once
 for the Linears that share an input, q/k/v and gate/up), the running sums float64, stored as
 float32 (llama.cpp adds float32 token by token: the last bits differ, nothing else).
 """
@@ -108,20 +109,46 @@ def chunk_tokens(text: CalibrationText, tokenizer, chunk_size: int, chunks: int 
     return tokens
 
 
+# the most float32 values one activation of a batch of chunks may hold (128 MiB): the batch's
+# tokens times a token's values in the layer's widest Linear or attention scores
+BATCH_VALUES = 1 << 25
+
+
+def chunks_per_batch(chunks: int, chunk_size: int, token_values: int) -> int:
+    """How many chunks one layer run takes at once: all of them where an activation of
+    `token_values` values a token stays within `BATCH_VALUES`, else as many as fit (at least
+    one)."""
+    return max(1, min(chunks, BATCH_VALUES // max(1, chunk_size * token_values)))
+
+
+class _Unbatched(Exception):
+    """A Linear's input is not [chunks, chunk size, columns] (a mixture's experts see their
+    routed tokens): the layer is run again a chunk at a time."""
+
+
 class ImatrixStep:
     """The importance matrix's `LayerStep` (`qtool.calibration.layers`): each decoder Linear
     that `gguf_name` names, its squared inputs summed per column over the float layer's run
     into `result` by GGUF name; the float layer's outputs feed the next layer. Nothing is
-    quantized."""
+    quantized.
 
-    def __init__(self, gguf_name: Callable[[str], str | None], result: ImatrixStatistics) -> None:
+    The layer runs over `batch` chunks at once (one forward of [batch, chunk size, hidden]
+    rather than one per chunk: the same values, as each token's arithmetic does not depend on
+    its neighbours in the batch, with a batch's fixed costs paid once). Each chunk's sums are
+    still its own float32 sum over its tokens, added to the float64 running sums chunk by
+    chunk in order, so the file is the one a chunk-at-a-time run writes, byte for byte. A
+    layer whose Linears do not all see [chunks, chunk size, columns] (a mixture of experts)
+    runs a chunk at a time, as do the layers after it."""
+
+    def __init__(self, gguf_name: Callable[[str], str | None], result: ImatrixStatistics, batch: int = 1) -> None:
         self.gguf_name, self.result = gguf_name, result
+        self.batch = max(1, batch)
         self.spare: torch.Tensor | None = None  # the buffer the float outputs go to
 
     def layer(self, caught: CaughtLayer) -> LayerMade:
         import torch
 
-        from qtool.calibration.layers import LayerMade, run
+        from qtool.calibration.layers import LayerMade
 
         hidden = caught.hidden
         linears = {}
@@ -130,31 +157,14 @@ class ImatrixStep:
                 out_name = self.gguf_name(weight_name)
                 if out_name is not None:
                     linears[out_name] = module
-        sums = {
-            name: torch.zeros(m.in_features, dtype=torch.float64, device=hidden.device) for name, m in linears.items()
-        }
-        seen = dict.fromkeys(linears, 0)
-        hooks = []
-        last: list[Any] = [None, None, 0]  # q, k and v (gate and up) see one input tensor: squared once
-
-        for name, module in linears.items():
-
-            def accumulate(module, args, name=name):
-                x = args[0]
-                if last[0] is not x:
-                    flat = x.reshape(-1, x.shape[-1])
-                    last[:] = [x, flat.float().square().sum(dim=0).double(), flat.shape[0]]
-                sums[name] += last[1]
-                seen[name] += last[2]
-
-            hooks.append(module.register_forward_pre_hook(accumulate))
         outputs = self.spare if self.spare is not None else torch.empty_like(hidden)
-        try:
-            run(caught.module, hidden, caught.kwargs, outputs)
-        finally:
-            for hook in hooks:
-                hook.remove()
-            last[:] = [None, None, 0]
+        if self.batch > 1:
+            try:
+                sums, seen = self._run(caught, linears, outputs, self.batch)
+            except (_Unbatched, RuntimeError):  # RuntimeError: kwargs that do not broadcast, memory
+                self.batch = 1
+        if self.batch == 1:
+            sums, seen = self._run(caught, linears, outputs, 1)
         for name in linears:
             values = sums[name].float().cpu().numpy()
             if not (values == values).all() or (abs(values) == float("inf")).any():
@@ -165,8 +175,67 @@ class ImatrixStep:
         self.spare = hidden  # the float layer's outputs feed the next
         return LayerMade(outputs, sorted(linears))
 
+    def _run(self, caught: CaughtLayer, linears: dict[str, Any], outputs: torch.Tensor, batch: int):
+        """The layer over every chunk, `batch` at a time, into `outputs` (never `caught.hidden`,
+        which a batch that turns out `_Unbatched` runs again from); the sums and counts."""
+        import torch
+
+        from qtool.calibration.layers import LayerKwargs
+
+        hidden = caught.hidden
+        sums = {
+            name: torch.zeros(m.in_features, dtype=torch.float64, device=hidden.device) for name, m in linears.items()
+        }
+        seen = dict.fromkeys(linears, 0)
+        hooks = []
+        last: list[Any] = [None, [], 0]  # q, k and v (gate and up) see one input tensor: squared once
+
+        for name, module in linears.items():
+
+            def accumulate(module, args, name=name):
+                x = args[0]
+                if last[0] is not x:
+                    if batch > 1 and (x.dim() != 3 or x.shape[:2] != current[0].shape[:2]):
+                        raise _Unbatched
+                    per_chunk = x if batch > 1 else x.reshape(1, -1, x.shape[-1])
+                    # each chunk's float32 sum over its tokens: the values `sum(dim=0)` of that
+                    # chunk alone gives (tests/test_imatrix_compute.py checks they are equal)
+                    chunk_sums = per_chunk.float().square().sum(dim=1).double()
+                    last[:] = [x, list(chunk_sums.unbind(0)), per_chunk.shape[1]]
+                for chunk_sum in last[1]:
+                    sums[name] += chunk_sum
+                seen[name] += last[2] * len(last[1])
+
+            hooks.append(module.register_forward_pre_hook(accumulate))
+        kwargs = caught.kwargs.for_layer(caught.module) if isinstance(caught.kwargs, LayerKwargs) else caught.kwargs
+        current: list[Any] = [None]
+        try:
+            with torch.no_grad():
+                for start in range(0, hidden.shape[0], batch):
+                    current[0] = hidden[start : start + batch]
+                    result = caught.module(current[0], **kwargs)
+                    outputs[start : start + batch] = result[0] if isinstance(result, tuple) else result
+        finally:
+            for hook in hooks:
+                hook.remove()
+            last[:] = [None, [], 0]
+        return sums, seen
+
     def close(self) -> None:
         self.spare = None
+
+
+def _token_values(skeleton: Skeleton, chunk_size: int) -> int:
+    """Values one token holds in a layer's widest activation: its widest Linear's, or its
+    attention scores' (heads x chunk size, where attention materializes them)."""
+    config = getattr(skeleton.config, "text_config", None) or skeleton.config
+
+    def number(key: str) -> int:
+        value = getattr(config, key, None)
+        return value if isinstance(value, int) and value > 0 else 0
+
+    widest = max(number("hidden_size"), number("intermediate_size"), number("moe_intermediate_size"))
+    return max(1, widest, number("num_attention_heads") * chunk_size)
 
 
 def collect_imatrix(
@@ -191,7 +260,11 @@ def collect_imatrix(
     if skeleton is None:
         skeleton = Skeleton.build(checkpoint)
     result = ImatrixStatistics(int(tokens.shape[0]), int(tokens.shape[1]))
-    step = ImatrixStep(gguf_name, result)
+    step = ImatrixStep(
+        gguf_name,
+        result,
+        chunks_per_batch(result.chunks, result.chunk_size, _token_values(skeleton, result.chunk_size)),
+    )
 
     def done(index: int, seconds: float, made: LayerMade, count: int) -> None:
         layer_result = ImatrixLayer(index, seconds, made.weights)

@@ -21,6 +21,8 @@ callers use torch. QTOOL_NATIVE=0 turns it off, to compare the two paths or to d
     decode_gguf     GGUF blocks (the types in `gguf_types()`) to bf16 / f16 / f32
     sum_squares     sum x^2 of bf16 / f16 / f32 values in float64: the signal of a weight
                     copied unchanged, for the report, without numpy
+    skip_prefixed   the end of u64-length-prefixed strings laid back to back (a GGUF
+                    vocabulary's), for the header reader (`qtool.api` hands it to qtool.formats)
     encode_gguf     bf16 / f16 / f32 rows to GGUF blocks (the types in `gguf_encode_types()`),
                     byte for byte gguf.quants.quantize (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, which
                     are llama.cpp's bytes too) or llama.cpp's reference quantizers (Q2_K..Q6_K,
@@ -59,6 +61,7 @@ __all__ = [
     "set_threads",
     "threads",
     "sum_squares",
+    "skip_prefixed",
 ]
 
 try:
@@ -266,6 +269,14 @@ def decode_gguf(type_name: str, src, blocks: int, block_size: int, out_dtype: st
 
 
 SUM_SLICE = 1 << 15  # error_measures' slice: the float64 partial sums are added in this order
+
+
+def skip_prefixed(buf, pos: int, count: int) -> int | None:
+    """The offset just past `count` strings from `pos` in `buf`, each a little-endian u64
+    length then its bytes; -1 where one runs past the end of `buf`; None without the extension
+    (the caller walks them itself), as with an extension built before it had this function."""
+    walk = getattr(_kernels, "skip_prefixed", None) if available() else None
+    return None if walk is None else walk(buf, pos, count)
 
 
 def sum_squares(src, dtype: str, count: int) -> float:

@@ -41,12 +41,12 @@ def prepare(plan: Plan, calibration: Calibration) -> Plan:
 def run(plan: Plan, device: str, threads: int | None, on_layer: Callable[[Any, int], None] | None) -> Calibrated | None:
     """Run the plan's calibration stage (with `threads` kernel threads, restored after) and
     return what it made; None without one."""
+    stage = plan.calibration
+    if stage is None:  # before the imports: a plain run never loads the calibration modules
+        return None
     from qtool.calibration import imatrix, request
     from qtool.pipeline import kernel_threads
 
-    stage = plan.calibration
-    if stage is None:
-        return None
     with kernel_threads(threads):
         if isinstance(stage, imatrix.ImatrixRequest):
             return imatrix.apply_request(plan, stage, device, on_layer)

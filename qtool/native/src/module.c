@@ -16,6 +16,44 @@ static PyObject *qt_py_uninitialized(PyObject *self, PyObject *args) {
     return PyByteArray_FromStringAndSize(NULL, n);
 }
 
+/* skip_prefixed(buf, pos, count) -> the offset just past `count` byte strings laid back to back
+ * from `pos`, each a little-endian u64 length then that many bytes (GGUF's strings: a 49k-token
+ * vocabulary is walked in ~0.1 ms, where the Python loop takes ~15), or -1 where one runs past
+ * the end of `buf`. Every length is checked against what is left before it is added. */
+static PyObject *qt_py_skip_prefixed(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer buf;
+    Py_ssize_t pos, count;
+    if (!PyArg_ParseTuple(args, "y*nn", &buf, &pos, &count)) return NULL;
+    if (pos < 0 || count < 0 || pos > buf.len) {
+        PyBuffer_Release(&buf);
+        PyErr_SetString(PyExc_ValueError, "skip_prefixed: a negative count or a position outside the buffer");
+        return NULL;
+    }
+    const uint8_t *data = (const uint8_t *)buf.buf;
+    const uint64_t size = (uint64_t)buf.len;
+    uint64_t at = (uint64_t)pos;
+    int past_end = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (size - at < 8) {
+            past_end = 1;
+            break;
+        }
+        uint64_t length = 0;
+        for (int b = 7; b >= 0; b--) length = length << 8 | data[at + b]; /* little-endian on any host */
+        at += 8;
+        if (length > size - at) {
+            past_end = 1;
+            break;
+        }
+        at += length;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&buf);
+    return PyLong_FromSsize_t(past_end ? -1 : (Py_ssize_t)at);
+}
+
 static PyMethodDef methods[] = {
     {"encode_int", qt_py_encode_int, METH_VARARGS,
      "encode_int(src, dtype, cols, group, packed, scale, zero_point|None, bits, row0, row1, mse=False) -> (xx, xe, ee, max_abs_err, finite)"},
@@ -36,6 +74,8 @@ static PyMethodDef methods[] = {
     {"gptq_sweep", qt_py_gptq_sweep, METH_VARARGS,
      "gptq_sweep(w, u, b, scale, zero_point|None, gidx, groups, bits, codes, errors, col0, col1, row0, row1): GPTQ's sweep of block columns [col0, col1)"},
     {"uninitialized", qt_py_uninitialized, METH_VARARGS, "uninitialized(n) -> bytearray of n bytes, not zeroed"},
+    {"skip_prefixed", qt_py_skip_prefixed, METH_VARARGS,
+     "skip_prefixed(buf, pos, count) -> offset past count u64-length-prefixed strings from pos, or -1 past the end"},
     {"gguf_encoders", qt_py_gguf_encoders, METH_NOARGS, "gguf_encoders() -> {type name: (values, bytes) per block}"},
     {"gguf_decoders", qt_py_gguf_decoders, METH_NOARGS, "gguf_decoders() -> {type name: (values, bytes) per block}"},
     {NULL, NULL, 0, NULL},
