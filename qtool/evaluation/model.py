@@ -104,6 +104,7 @@ def open_model(path: str | os.PathLike[str], *, dtype: str = "float32") -> EvalM
             from qtool.evaluation.gguf_model import gguf_as_hugging_face
 
             view = gguf_as_hugging_face(checkpoint)
+            checkpoint.close()  # the view reads the same files through descriptors of its own
             checkpoint, rows_back = view.checkpoint, dict(view.rows_back)
             tokenizer = view.tokenizer(notes)
         elif not checkpoint.config:
