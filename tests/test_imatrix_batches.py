@@ -17,11 +17,11 @@ from tests.test_calibration_runner import TINY, calibrate_plan, text_file  # noq
 
 def _collect(model, tmp_path, monkeypatch, *, chunk_at_a_time: bool):
     """The statistics of `model` on 4 chunks of 32 tokens, and the decoder layers' forward calls."""
-    from qtool.calibration import imatrix
+    from qtool.calibration import imatrix, layers
     from qtool.calibration.skeleton import Skeleton
 
     if chunk_at_a_time:
-        monkeypatch.setattr(imatrix, "BATCH_VALUES", 1)
+        monkeypatch.setattr(layers, "BATCH_VALUES", 1)
     plan = calibrate_plan(model, tmp_path / f"out-{chunk_at_a_time}", text_file(tmp_path), samples=4, seq_len=32)
     calls: list[tuple[int, int]] = []
     try:
@@ -90,7 +90,7 @@ def test_a_chunks_float32_sum_alone_equals_its_row_of_the_batchs(threads):
 
 
 def test_a_batch_is_as_many_chunks_as_the_activation_budget_holds():
-    from qtool.calibration.imatrix import BATCH_VALUES, chunks_per_batch
+    from qtool.calibration.layers import BATCH_VALUES, per_batch as chunks_per_batch
 
     assert chunks_per_batch(8, 512, 4608) == 8  # SmolLM2-135M: 9 heads x 512, all 8 chunks at once
     assert chunks_per_batch(100, 512, 32 * 512) == BATCH_VALUES // (512 * 32 * 512) == 4

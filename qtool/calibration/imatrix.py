@@ -109,18 +109,6 @@ def chunk_tokens(text: CalibrationText, tokenizer, chunk_size: int, chunks: int 
     return tokens
 
 
-# the most float32 values one activation of a batch of chunks may hold (128 MiB): the batch's
-# tokens times a token's values in the layer's widest Linear or attention scores
-BATCH_VALUES = 1 << 25
-
-
-def chunks_per_batch(chunks: int, chunk_size: int, token_values: int) -> int:
-    """How many chunks one layer run takes at once: all of them where an activation of
-    `token_values` values a token stays within `BATCH_VALUES`, else as many as fit (at least
-    one)."""
-    return max(1, min(chunks, BATCH_VALUES // max(1, chunk_size * token_values)))
-
-
 class _Unbatched(Exception):
     """A Linear's input is not [chunks, chunk size, columns] (a mixture's experts see their
     routed tokens): the layer is run again a chunk at a time."""
@@ -225,19 +213,6 @@ class ImatrixStep:
         self.spare = None
 
 
-def _token_values(skeleton: Skeleton, chunk_size: int) -> int:
-    """Values one token holds in a layer's widest activation: its widest Linear's, or its
-    attention scores' (heads x chunk size, where attention materializes them)."""
-    config = getattr(skeleton.config, "text_config", None) or skeleton.config
-
-    def number(key: str) -> int:
-        value = getattr(config, key, None)
-        return value if isinstance(value, int) and value > 0 else 0
-
-    widest = max(number("hidden_size"), number("intermediate_size"), number("moe_intermediate_size"))
-    return max(1, widest, number("num_attention_heads") * chunk_size)
-
-
 def collect_imatrix(
     checkpoint: Checkpoint,
     weights: list[Weight],
@@ -252,6 +227,7 @@ def collect_imatrix(
     decoder Linear's squared inputs per column. `gguf_name` maps a weight's name to its GGUF
     tensor name (None: not written). `skeleton`: the checkpoint's, where the caller has built
     it already (built here otherwise)."""
+    from qtool.calibration.layers import per_batch, token_values
     from qtool.calibration.runner import run_layers
     from qtool.calibration.skeleton import Skeleton
 
@@ -263,7 +239,7 @@ def collect_imatrix(
     step = ImatrixStep(
         gguf_name,
         result,
-        chunks_per_batch(result.chunks, result.chunk_size, _token_values(skeleton, result.chunk_size)),
+        per_batch(result.chunks, result.chunk_size, token_values(skeleton, result.chunk_size)),
     )
 
     def done(index: int, seconds: float, made: LayerMade, count: int) -> None:

@@ -30,6 +30,9 @@ __all__ = [
     "relative_error",
     "error_on_a_share",
     "ERROR_SHARE",
+    "BATCH_VALUES",
+    "per_batch",
+    "token_values",
 ]
 
 
@@ -125,3 +128,28 @@ def error_on_a_share(layer, hidden: torch.Tensor, kwargs, reference: torch.Tenso
     quantized = torch.empty_like(hidden[:measured])
     run(layer, hidden[:measured], kwargs, quantized)
     return relative_error(quantized, reference[:measured])
+
+
+# the most float32 values one activation of a batch of samples may hold (128 MiB): the batch's
+# tokens times a token's values in the layer's widest Linear or attention scores
+BATCH_VALUES = 1 << 25
+
+
+def per_batch(samples: int, seq_len: int, values_per_token: int) -> int:
+    """How many samples one layer run takes at once: all of them where an activation of
+    `values_per_token` values a token stays within `BATCH_VALUES`, else as many as fit (at
+    least one)."""
+    return max(1, min(samples, BATCH_VALUES // max(1, seq_len * values_per_token)))
+
+
+def token_values(skeleton, seq_len: int) -> int:
+    """Values one token holds in a layer's widest activation: its widest Linear's, or its
+    attention scores' (heads x seq_len, where attention materializes them)."""
+    config = getattr(skeleton.config, "text_config", None) or skeleton.config
+
+    def number(key: str) -> int:
+        value = getattr(config, key, None)
+        return value if isinstance(value, int) and value > 0 else 0
+
+    widest = max(number("hidden_size"), number("intermediate_size"), number("moe_intermediate_size"))
+    return max(1, widest, number("num_attention_heads") * seq_len)

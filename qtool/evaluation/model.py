@@ -38,6 +38,7 @@ class EvalModel:
     skeleton: Skeleton
     tokenizer: Any
     notes: list[str] = field(default_factory=list)  # transformers' talk, for the user's warnings
+    batch: int = 1  # windows each decoder layer runs over at once (set by the run, from its sizes)
 
     @property
     def config(self):
