@@ -275,3 +275,27 @@ def test_two_formats_of_one_model_compare(tmp_path, text):
     assert document["base"]["perplexity"] == pytest.approx(
         api.evaluate(tmp_path / "w4", text, ctx=CTX, windows=WINDOWS)["perplexity"], rel=1e-12
     )
+
+
+@pytest.mark.parametrize(
+    "candidate",
+    [
+        pytest.param(lambda tmp: TINY.parent / "tiny-llama-fp8", id="fp8"),
+        pytest.param(
+            lambda tmp: api.quantize(TINY, tmp / "nf4", scheme="nf4:g64") and tmp / "nf4", id="bitsandbytes-nf4"
+        ),
+        pytest.param(
+            lambda tmp: api.quantize(TINY, tmp / "asym", scheme="int4:g64:asym") and tmp / "asym", id="int4-asym"
+        ),
+        pytest.param(
+            lambda tmp: api.quantize(TINY, tmp / "q5_1.gguf", scheme="q5_1") and tmp / "q5_1.gguf", id="gguf-q5_1"
+        ),
+    ],
+)
+def test_every_format_qtool_writes_evaluates_against_its_original(tmp_path, text, candidate):
+    """Each weight decoded by its own convention when its layer's turn comes: a small, nonzero
+    loss against the original, growing along the depth from the first layer on."""
+    path = candidate(tmp_path)
+    document = api.evaluate(path, text, base=TINY, ctx=CTX, windows=WINDOWS)
+    assert 0 < document["kld"]["mean"] < 0.05, document["kld"]
+    assert all(0 < layer["hidden_error"] < 0.5 for layer in document["layers"])
