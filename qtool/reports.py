@@ -240,11 +240,17 @@ class ConvertReport:
             if exact is False:
                 stats = (measured.errors if job.action == QUANTIZE else measured.written)[job.weight.name]
                 non_finite = measured.non_finite.get(job.weight.name)
-                row["why"] = (
-                    f"its float32 values hold {non_finite}, which no error figure measures: not counted as exact"
-                    if non_finite
-                    else f"its float32 values are not all representable in {job.out_dtype}"
-                )
+                if non_finite:
+                    row["why"] = (
+                        f"its float32 values hold {non_finite}, which no error figure measures: not counted as exact"
+                    )
+                elif job.action == QUANTIZE:  # moved with its grid: the same codes and scales, other arithmetic
+                    row["why"] = (
+                        "the same codes and scales, but the source rounds each product to its scales' dtype "
+                        "where the target forms it in float32"
+                    )
+                else:
+                    row["why"] = f"its float32 values are not all representable in {job.out_dtype}"
                 row.update(stats.to_json())
             row["non_finite_decoded"] = measured.non_finite.get(job.weight.name)
             rows.append(row)

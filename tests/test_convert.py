@@ -466,3 +466,50 @@ def test_a_move_that_would_not_be_exact_is_one_line_and_nothing_written(tmp_path
     line = one_error_line(qtool_cli("convert", source, "-o", tmp_path / "ct", "--to", "compressed-tensors"))
     assert "cannot move exactly to compressed-tensors" in line and "g_idx" in line, line
     assert os.listdir(tmp_path) == []
+
+
+# -- --to gguf: codes moved into GGUF blocks ---------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme, gguf_type", [("W4A16", "Q4_0"), ("int4:g64:asym", "Q8_0"), ("int8:g32", "Q8_0")])
+def test_compressed_tensors_codes_move_into_gguf_blocks(tmp_path, scheme, gguf_type):
+    """The same codes and scales as GGUF blocks (nibble = code + 8; int8 = code - zero point),
+    measured per weight: ggml forms each product in float32 where compressed-tensors rounds it
+    to the scales' dtype, so a weight is exact only where every product fits that dtype. The
+    GGUF evaluates as its source does, to that rounding."""
+    pytest.importorskip("gguf")
+    from gguf import GGUFReader
+
+    source = tmp_path / "ct"
+    api.quantize(TINY, source, scheme=scheme)
+    out = tmp_path / "model.gguf"
+    result = qtool_cli("convert", source, "-o", out, "--to", "gguf", "--json")
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    moved = [row for row in document["weights"] if row["action"] == "quantize"]
+    assert moved and all(row["dtype"] == gguf_type for row in moved)
+    for row in moved:
+        assert row["exact"] is True or ("same codes and scales" in row["why"] and row["max_abs_err"] < 1e-2), row
+    types = {t.name: t.tensor_type.name for t in GGUFReader(out).tensors}
+    assert {types[row["name"]] for row in moved} == {gguf_type}
+    text = tmp_path / "text.txt"
+    text.write_text(pydoc_text(20_000))
+    evaluated = api.evaluate(out, text, base=source, ctx=64, windows=2)
+    assert evaluated["kld"]["max"] < 1e-4 and all(layer["hidden_error"] < 1e-3 for layer in evaluated["layers"])
+
+
+@pytest.mark.parametrize(
+    "make, needle",
+    [
+        (lambda tmp: api.quantize(TINY, tmp / "in.gguf", scheme="q8_0") and tmp / "in.gguf", "is a GGUF already"),
+        (lambda tmp: api.quantize(TINY, tmp / "nf4", scheme="nf4:g64") and tmp / "nf4", "cannot move to GGUF: its nf4"),
+    ],
+    ids=["a GGUF", "nf4"],
+)
+def test_what_gguf_blocks_cannot_hold_is_one_line(tmp_path, make, needle):
+    source = make(tmp_path)
+    before = set(os.listdir(tmp_path))
+    line = one_error_line(qtool_cli("convert", source, "-o", tmp_path / "out.gguf", "--to", "gguf"))
+    assert needle in line, line
+    nothing_left(tmp_path, before)
+    assert "should end in .gguf" in one_error_line(qtool_cli("convert", source, "-o", tmp_path / "out", "--to", "gguf"))

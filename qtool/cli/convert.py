@@ -44,7 +44,14 @@ dtype is the one the source dequantizes in (float16 for GPTQ and AWQ, float32 fo
 compressed-tensors' own dequantization gives the source's values bit for bit; a weight whose
 move would not be exact is refused, naming why, and nothing is written.
 
-The other targets (gguf, mlx, bitsandbytes) are not built yet.
+--to gguf: a GPTQ, AWQ or compressed-tensors int model's codes and scales written as GGUF
+blocks (-o NAME.gguf), named and described as quantize writes a GGUF: symmetric 4-bit groups
+as Q4_0 (nibble = code + 8), symmetric 8-bit and codes with zero points as Q8_0 (int8 = code -
+zero point); groups must be whole blocks of 32. ggml forms each product in float32 where those
+toolchains round it to their scales' dtype, so a weight is exact only where every product fits
+that dtype; the report measures each weight either way.
+
+The other targets (mlx, bitsandbytes) are not built yet.
 
 \b
 Examples:
@@ -53,19 +60,21 @@ Examples:
   qtool convert model-q4_0.gguf -o model-hf/ --to hf --dry-run
   qtool convert model-gptq/ -o model-ct/ --to compressed-tensors
   qtool convert model-q4_0.gguf -o model-ct/ --to compressed-tensors --json
+  qtool convert model-w4/ -o model-q4_0.gguf --to gguf
 """
 
 
 def convert_command(
     path: CheckpointArg,
     output_path: Annotated[
-        str, typer.Option("--output", "-o", help="The folder to write (a Hugging Face model).", show_default=False)
+        str,
+        typer.Option("--output", "-o", help="The folder to write (a .gguf file for --to gguf).", show_default=False),
     ],
     to: Annotated[
         str,
         typer.Option(
             "--to",
-            help="The format to write: hf or compressed-tensors (built); gguf, mlx, bitsandbytes (not yet).",
+            help="The format to write: hf, compressed-tensors or gguf (built); mlx, bitsandbytes (not yet).",
         ),
     ] = "hf",
     dtype: Annotated[

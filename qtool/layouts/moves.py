@@ -321,9 +321,11 @@ class ToCompressedTensors:
 
 @dataclass(frozen=True)
 class ToGguf:
-    """A plan's mover into GGUF blocks of GGML type `target`."""
+    """A plan's mover into GGUF blocks of GGML type `target`; `grid_only` accepts a source whose
+    products round to float16 where ggml forms them in float32 (the report measures how far)."""
 
     target: str
+    grid_only: bool = False
 
     def move(self, name: str, codes: IntCodes) -> bytes | str:
-        return to_gguf(codes, self.target)
+        return to_gguf(codes, self.target, grid_only=self.grid_only)

@@ -42,7 +42,7 @@ from qtool.planning.paths import check_paths, refuse_remote_data, side_file_warn
 __all__ = ["TARGETS", "WRITTEN_TARGETS", "plan_convert"]
 
 TARGETS = ("hf", "compressed-tensors", "gguf", "mlx", "bitsandbytes")  # what issue 39 names
-WRITTEN_TARGETS = ("hf", "compressed-tensors")  # what is built
+WRITTEN_TARGETS = ("hf", "compressed-tensors", "gguf")  # what is built
 _TORCH_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # config.json's dtype spelling
 _TOKENIZER_FILE_LIMIT = 64 << 20  # as qtool.side_files.SIDE_FILE_LIMIT: a tokenizer is a few MB
 
@@ -60,6 +60,17 @@ def plan_convert(path: str | os.PathLike[str], output: str, to: str, dtype: str,
         raise UsageError(
             f"converting to {to} is not built yet", hint="convert to hf (a Hugging Face model folder)", option="to"
         )
+    if to == "gguf":
+        if not output.endswith(".gguf"):
+            raise UsageError(f"{output}: a GGUF is one file, and its name should end in .gguf", option="output")
+        refuse_remote_data(path)
+        checkpoint = open_checkpoint(path)
+        try:
+            checkpoint.require_local()
+            return _moved_to_gguf(checkpoint, output)
+        except BaseException:
+            checkpoint.close()
+            raise
     if output.endswith((".safetensors", ".gguf")):
         raise UsageError(
             f"a Hugging Face model is a folder: {output} names a file",
@@ -272,3 +283,71 @@ def _moved(checkpoint, output: str, max_shard_size: str | None) -> Plan:
     }
     warnings = [*notes, *side_file_warnings(checkpoint, True)]
     return replace(plan, jobs=jobs, output=output, config=written, side_bytes=tuple(files), warnings=tuple(warnings))
+
+
+def _gguf_type_of(weight) -> str:
+    """The GGML type whose blocks hold a quantized weight's own grid (`qtool.layouts.moves`):
+    symmetric 4-bit codes are Q4_0's (nibble = code + 8), symmetric 8-bit Q8_0's; codes with zero
+    points (AWQ, asymmetric GPTQ) go to Q8_0, whose int8 holds code minus zero point for any
+    grid of up to 7 bits (Q4_1 holds them only where d times the zero point is a float16, which
+    few files give). Groups must be whole blocks of 32. Else why not."""
+    from qtool.conventions import convention_named
+
+    scheme = weight.scheme
+    convention = convention_named(weight.convention)
+    if convention is None or not hasattr(convention, "codes") or scheme.qtype.kind not in ("int", "uint"):
+        return f"its {scheme.label} ({weight.convention}) is not an integer grid qtool moves"
+    if weight.data.encoding is not None:
+        return "it is a GGUF tensor already: convert a Hugging Face checkpoint"
+    cols = weight.shape[-1] if weight.shape else 0
+    group_size = cols if scheme.granularity == "channel" else scheme.group_size
+    if not group_size or group_size % 32 or cols % 32:
+        return f"its groups of {group_size} are not whole GGUF blocks of 32"
+    bits = scheme.qtype.bits
+    if scheme.symmetric and bits == 4:
+        return "Q4_0"
+    if (scheme.symmetric and bits == 8) or (not scheme.symmetric and bits <= 7):
+        return "Q8_0"
+    return f"{bits}-bit codes with zero points do not fit Q8_0's int8"
+
+
+def _moved_to_gguf(checkpoint, output: str) -> Plan:
+    """Every quantized weight's codes and scales written as GGUF blocks of the type whose grid
+    holds them (`_gguf_type_of`), every other tensor as the gguf layout keeps it, named, permuted
+    and described as `quantize -o x.gguf` does. Whether each weight is exact is measured: ggml
+    forms each product in float32, where GPTQ, AWQ and compressed-tensors round it to their
+    scales' float16, so the same codes and scales may decode a rounding apart."""
+    from qtool.ggml_types import ggml_type_named
+    from qtool.layouts import LAYOUTS
+    from qtool.layouts.moves import ToGguf
+    from qtool.plan import QUANTIZE, Chosen, Moved, PlanOptions
+
+    if checkpoint.format == "gguf":
+        raise UsageError(
+            f"{checkpoint.path} is a GGUF already", hint="qtool quantize requantizes a GGUF to other types", option="to"
+        )
+    check_paths(checkpoint, output, None, container="gguf")
+    weights = inspect_checkpoint(checkpoint).weights
+    schemes, types, refused = {}, {}, []
+    for weight in weights:
+        if weight.quantized:
+            chosen = _gguf_type_of(weight)
+            if chosen not in ("Q4_0", "Q8_0"):
+                refused.append((weight.name, chosen))
+                continue
+            types[weight.name] = chosen
+            schemes[weight.name] = ggml_type_named(chosen).scheme
+    if refused:
+        name, why = refused[0]
+        more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+        raise UsageError(
+            f"{checkpoint.path}: {name} cannot move to GGUF: {why}{more}",
+            hint="qtool moves GPTQ, AWQ and compressed-tensors int codes in groups of 32, 64, 128 ...",
+            option="to",
+        )
+    plan = LAYOUTS["gguf"].plan(checkpoint, weights, Chosen(schemes), PlanOptions(single_file=True))
+    jobs = [
+        replace(job, encoding=Moved(ToGguf(types[job.weight.name], grid_only=True))) if job.action == QUANTIZE else job
+        for job in plan.jobs
+    ]
+    return replace(plan, jobs=jobs, output=output, single_file=True)
