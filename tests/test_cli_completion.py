@@ -10,6 +10,8 @@ import subprocess
 import sys
 
 import pytest
+
+from qtool.cli import COMMANDS
 from typer.testing import CliRunner
 
 from qtool.cli import app
@@ -51,7 +53,7 @@ def test_completing_commands_and_options():
     ).stdout.split() == ["inspect"]
     assert qtool_with(
         {"_QTOOL_COMPLETE": "bash_complete", "COMP_WORDS": "qtool c", "COMP_CWORD": "1"}
-    ).stdout.split() == ["compare", "check"]
+    ).stdout.split() == [name for name in COMMANDS if name.startswith("c")]
     options = qtool_with(
         {"_QTOOL_COMPLETE": "complete_bash", "COMP_WORDS": "qtool inspect --fo", "COMP_CWORD": "2"}
     ).stdout.split()
