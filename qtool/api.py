@@ -385,15 +385,19 @@ def prepare_convert(
     to: str = "hf",
     dtype: str = "f32",
     max_shard_size: str | None = None,
+    requantize: str | None = None,
 ) -> Plan:
-    """Plan converting a checkpoint to another toolchain's format (`to`; "hf" is built: a
-    Hugging Face model folder, from a llama or qwen2 GGUF: its weights decoded to `dtype` under
-    their Hugging Face names, config.json from its metadata, its tokenizer as transformers
-    writes it; any other checkpoint through `prepare_dequantize`'s plan). Writes nothing;
-    refuses a target not built, a GGUF not mapped back, and every unsafe output path here."""
+    """Plan converting a checkpoint to another toolchain's format (`to`): "hf", a Hugging Face
+    model folder, from a llama or qwen2 GGUF (its weights decoded to `dtype` under their
+    Hugging Face names, config.json from its metadata, its tokenizer as transformers writes
+    it; any other checkpoint through `prepare_dequantize`'s plan); "compressed-tensors" and
+    "gguf", each quantized weight's own codes moved as they are (`qtool.layouts.moves`), with
+    `requantize` (compressed-tensors: a scheme, or "auto") quantizing again the weights whose
+    codes cannot move. Writes nothing; refuses a target not built, a GGUF not mapped back, a
+    weight whose codes cannot move, and every unsafe output path here."""
     from qtool.planning.convert import plan_convert
 
-    return plan_convert(path, os.fspath(output), to, dtype, max_shard_size)
+    return plan_convert(path, os.fspath(output), to, dtype, max_shard_size, requantize)
 
 
 def convert_plan_document(plan: Plan, to: str = "hf") -> dict[str, Any]:
@@ -427,12 +431,13 @@ def convert(
     to: str = "hf",
     dtype: str = "f32",
     max_shard_size: str | None = None,
+    requantize: str | None = None,
     overwrite: bool = False,
     threads: int | None = None,
 ) -> ConvertReport:
     """Convert a checkpoint into `output` (see `prepare_convert`) and say, per weight, whether
     it is exact: its written values the input's float32 values bit for bit."""
-    plan = prepare_convert(path, output, to=to, dtype=dtype, max_shard_size=max_shard_size)
+    plan = prepare_convert(path, output, to=to, dtype=dtype, max_shard_size=max_shard_size, requantize=requantize)
     return run_convert(plan, to=to, threads=threads, overwrite=overwrite)
 
 

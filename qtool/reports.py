@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from qtool.error_measures import ErrorStats
 from qtool.model_summary import describe_model
-from qtool.plan import CAST, COPY, DEQUANTIZE, QUANTIZE
+from qtool.plan import CAST, COPY, DEQUANTIZE, QUANTIZE, Moved
 from qtool.sqnr_histogram import sqnr_histogram
 from qtool.weight_position import weight_position
 
@@ -244,11 +244,13 @@ class ConvertReport:
                     row["why"] = (
                         f"its float32 values hold {non_finite}, which no error figure measures: not counted as exact"
                     )
-                elif job.action == QUANTIZE:  # moved with its grid: the same codes and scales, other arithmetic
+                elif job.action == QUANTIZE and isinstance(job.encoding, Moved):  # its grid, other arithmetic
                     row["why"] = (
                         "the same codes and scales, but the source rounds each product to its scales' dtype "
                         "where the target forms it in float32"
                     )
+                elif job.action == QUANTIZE:
+                    row["why"] = f"its codes could not move: decoded and quantized again as {job.scheme.label}"
                 else:
                     row["why"] = f"its float32 values are not all representable in {job.out_dtype}"
                 row.update(stats.to_json())

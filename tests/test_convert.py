@@ -513,3 +513,34 @@ def test_what_gguf_blocks_cannot_hold_is_one_line(tmp_path, make, needle):
     assert needle in line, line
     nothing_left(tmp_path, before)
     assert "should end in .gguf" in one_error_line(qtool_cli("convert", source, "-o", tmp_path / "out", "--to", "gguf"))
+
+
+def test_allow_requantize_quantizes_again_only_what_cannot_move(tmp_path):
+    """A Q5_0 GGUF's codes fit no compressed-tensors grid qtool moves: refused, or with
+    --allow-requantize decoded and quantized again (int8 g32 from 5 bits), each such weight not
+    exact and its error reported; the plain tensors stay exact copies."""
+    gguf = tmp_path / "model-q5_0.gguf"
+    api.quantize(TINY, gguf, scheme="q5_0")
+    out = tmp_path / "ct"
+    result = qtool_cli("convert", gguf, "-o", out, "--to", "compressed-tensors", "--allow-requantize", "--json")
+    assert result.returncode == 0, result.stderr
+    assert "quantized again" in result.stderr
+    rows = json.loads(result.stdout)["weights"]
+    quantized = [row for row in rows if row["action"] == "quantize"]
+    assert quantized and all(
+        row["exact"] is False and "quantized again as int8 sym g32" in row["why"] for row in quantized
+    )
+    assert all(row["sqnr_db"] > 30 for row in quantized)
+    assert all(row["exact"] for row in rows if row["action"] != "quantize")
+    line = one_error_line(qtool_cli("convert", gguf, "-o", tmp_path / "x.gguf", "--to", "gguf", "--allow-requantize"))
+    assert "requantizing what cannot move is built for compressed-tensors" in line, line
+
+
+def test_quantize_allow_requantize_takes_a_gguf_to_compressed_tensors(tmp_path):
+    """A GGUF's tensors are stored as blocks (dtype U8): quantized again from their float32
+    decoding, with float32 scales, planned and written alike (was: 'the model dtype must be a
+    float dtype, got U8', then a scale written twice its planned size)."""
+    gguf = tmp_path / "model-q5_0.gguf"
+    api.quantize(TINY, gguf, scheme="q5_0")
+    report = api.quantize(gguf, tmp_path / "ct", scheme="int4:g32:asym", allow_requantize=True)
+    assert report.errors and all(stats.sqnr_db > 10 for stats in report.errors.values())

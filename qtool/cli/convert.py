@@ -42,7 +42,9 @@ GEMV), compressed-tensors int, and GGUF Q4_0, Q8_0 (and Q4_1 where its minimum i
 zero point), a GGUF read under its Hugging Face names with its config and tokenizer. The model
 dtype is the one the source dequantizes in (float16 for GPTQ and AWQ, float32 for GGUF), so
 compressed-tensors' own dequantization gives the source's values bit for bit; a weight whose
-move would not be exact is refused, naming why, and nothing is written.
+move would not be exact is refused, naming why, and nothing is written; with
+--allow-requantize, a weight whose grid compressed-tensors cannot hold (a K-quant, nf4, fp8) is
+decoded and quantized again with --scheme instead, its error in the report.
 
 --to gguf: a GPTQ, AWQ or compressed-tensors int model's codes and scales written as GGUF
 blocks (-o NAME.gguf), named and described as quantize writes a GGUF: symmetric 4-bit groups
@@ -60,6 +62,7 @@ Examples:
   qtool convert model-q4_0.gguf -o model-hf/ --to hf --dry-run
   qtool convert model-gptq/ -o model-ct/ --to compressed-tensors
   qtool convert model-q4_0.gguf -o model-ct/ --to compressed-tensors --json
+  qtool convert model-q4_k_m.gguf -o model-ct/ --to compressed-tensors --allow-requantize
   qtool convert model-w4/ -o model-q4_0.gguf --to gguf
 """
 
@@ -81,6 +84,20 @@ def convert_command(
         str,
         typer.Option("--dtype", help="--to hf: f32 (exact), bf16 or f16, the dtype every weight is written in."),
     ] = "f32",
+    allow_requantize: Annotated[
+        bool,
+        typer.Option(
+            "--allow-requantize",
+            help="--to compressed-tensors: decode and quantize again the weights whose codes cannot move (reported as not exact).",
+        ),
+    ] = False,
+    scheme: Annotated[
+        str,
+        typer.Option(
+            "--scheme",
+            help="With --allow-requantize: the scheme those weights get (auto: int4:g32:asym from 4 bits or fewer, else int8:g32).",
+        ),
+    ] = "auto",
     dry_run: DryRunOpt = False,
     max_shard_size: MaxShardOpt = None,
     overwrite: OverwriteOpt = False,
@@ -92,7 +109,14 @@ def convert_command(
     from qtool import api
 
     sink = Output("json" if json_ else fmt.value)
-    plan = api.prepare_convert(path, output_path, to=to, dtype=dtype, max_shard_size=max_shard_size)
+    plan = api.prepare_convert(
+        path,
+        output_path,
+        to=to,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        requantize=scheme if allow_requantize else None,
+    )
     if dry_run:
         plan.source.close()
         document = api.convert_plan_document(plan, to)

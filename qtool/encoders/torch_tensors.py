@@ -13,6 +13,9 @@ from qtool.plan import Job, Piece, TensorLayout
 __all__ = ["TorchEncoder"]
 
 
+_FLOATS = ("F32", "F16", "BF16", "F64")
+
+
 class TorchEncoder:
     takes = "tensor"
 
@@ -32,11 +35,14 @@ class TorchEncoder:
         planned_by_name = {t.name: t for t in job.outputs}
         written = dict.fromkeys(planned_by_name, 0)
         rows = weight.shape[0] if weight.dim() else 1
+        # the dtype the codes decode to: the weight's own float dtype, float32 for a weight stored as
+        # blocks (a GGUF tensor's dtype is its storage's, U8; its decoding is float32)
+        dtype = job.weight.dtype if job.weight.dtype in _FLOATS else "F32"
         for start in range(0, rows, chunk or max(rows, 1)):
             part = weight[start : start + chunk] if chunk else weight
             encoded = layout.encode_tensors(name, part, scheme)
             if self.errors is not None:
-                self.errors.update(part, layout.reconstruct(name, encoded, scheme, tuple(part.shape), job.weight.dtype))
+                self.errors.update(part, layout.reconstruct(name, encoded, scheme, tuple(part.shape), dtype))
             for out_name, tensor in layout.whole_weight(encoded, tuple(weight.shape)).items():
                 if written[out_name] == planned_by_name[out_name].nbytes:
                     continue  # a per-weight tensor (compressed-tensors' weight_shape), written with the first chunk

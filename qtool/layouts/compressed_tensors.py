@@ -179,10 +179,11 @@ def _check_shape(name: str, shape: tuple[int, ...], args: _QuantArgs) -> tuple[i
 
 def scale_storage(scheme: QScheme, dtype: str) -> str:
     """The stored dtype of a float scale: the weight's dtype for "auto", as compressed-tensors
-    does (float16 for a weight that is not a float), else the dtype the scheme names."""
+    does, else the dtype the scheme names. A weight stored as blocks (a GGUF tensor, dtype U8)
+    is quantized from its float32 decoding: float32 scales, as the encoder makes them."""
     scale = scheme.scale_dtype.upper()
     if scale == "AUTO":
-        return dtype if dtype in WEIGHT_FLOATS else "F16"
+        return dtype if dtype in WEIGHT_FLOATS else "F32"
     return scale
 
 

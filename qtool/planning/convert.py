@@ -47,9 +47,19 @@ _TORCH_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # confi
 _TOKENIZER_FILE_LIMIT = 64 << 20  # as qtool.side_files.SIDE_FILE_LIMIT: a tokenizer is a few MB
 
 
-def plan_convert(path: str | os.PathLike[str], output: str, to: str, dtype: str, max_shard_size: str | None) -> Plan:
+def plan_convert(
+    path: str | os.PathLike[str],
+    output: str,
+    to: str,
+    dtype: str,
+    max_shard_size: str | None,
+    requantize: str | None = None,
+) -> Plan:
     """The plan of `convert` (see the module's docstring); its checkpoint open, as a quantize
-    plan's (the run closes it; a refusal here does)."""
+    plan's (the run closes it; a refusal here does). `requantize` (compressed-tensors only): the
+    scheme a weight whose codes cannot move is decoded and quantized again with ("auto": int4
+    groups of 32 with zero points for a source of 4 bits or fewer, int8 groups of 32 above),
+    instead of refusing it."""
     from qtool.pipeline import parse_dtype
 
     if to not in TARGETS:
@@ -59,6 +69,12 @@ def plan_convert(path: str | os.PathLike[str], output: str, to: str, dtype: str,
     if to not in WRITTEN_TARGETS:
         raise UsageError(
             f"converting to {to} is not built yet", hint="convert to hf (a Hugging Face model folder)", option="to"
+        )
+    if requantize is not None and to != "compressed-tensors":
+        raise UsageError(
+            f"requantizing what cannot move is built for compressed-tensors, not {to}",
+            hint="qtool quantize --allow-requantize requantizes a quantized model to any scheme",
+            option="allow_requantize",
         )
     if to == "gguf":
         if not output.endswith(".gguf"):
@@ -82,7 +98,7 @@ def plan_convert(path: str | os.PathLike[str], output: str, to: str, dtype: str,
         checkpoint = open_checkpoint(path)
         try:
             checkpoint.require_local()
-            return _moved(checkpoint, output, max_shard_size)
+            return _moved(checkpoint, output, max_shard_size, requantize)
         except BaseException:
             checkpoint.close()
             raise
@@ -225,12 +241,22 @@ def _model_dtype(checkpoint, weights) -> str:
     return scales.pop() if len(scales) == 1 else "F16"
 
 
-def _moved(checkpoint, output: str, max_shard_size: str | None) -> Plan:
+def _requantized_scheme(weight, requantize: str):
+    """The scheme a weight whose codes cannot move is quantized again with."""
+    from qtool.scheme_strings import parse_scheme
+
+    if requantize != "auto":
+        return parse_scheme(requantize)
+    return parse_scheme("int4:g32:asym" if weight.scheme.qtype.bits <= 4 else "int8:g32")
+
+
+def _moved(checkpoint, output: str, max_shard_size: str | None, requantize: str | None = None) -> Plan:
     """Every quantized weight's codes, scales and zero points moved into compressed-tensors'
     pack-quantized tensors as they are (`qtool.plan.Moved`), every other tensor copied; a GGUF
     read under its Hugging Face names (q/k rows put back), with its config and tokenizer. A
-    weight whose grid compressed-tensors cannot hold is refused here, before anything is read;
-    one whose values would not come back bit for bit is refused when it is moved."""
+    weight whose grid compressed-tensors cannot hold is refused here, before anything is read
+    (or, with `requantize`, decoded and quantized again: its job keeps the layout's own
+    encoding); one whose values would not come back bit for bit is refused when it is moved."""
     from qtool.layouts import LAYOUTS
     from qtool.layouts.moves import ToCompressedTensors
     from qtool.pipeline import parse_size
@@ -248,10 +274,13 @@ def _moved(checkpoint, output: str, max_shard_size: str | None) -> Plan:
     check_paths(checkpoint, output, None, container="safetensors")
     weights = inspect_checkpoint(source).weights
     model_dtype = _model_dtype(checkpoint, weights)
-    schemes, refused = {}, []
+    schemes, refused, requantized = {}, [], set()
     for weight in weights:
         if weight.quantized:
             scheme = _moved_scheme(weight, model_dtype)
+            if isinstance(scheme, str) and requantize is not None:
+                scheme = _requantized_scheme(weight, requantize)
+                requantized.add(weight.name)
             if isinstance(scheme, str):
                 refused.append((weight.name, scheme))
             else:
@@ -261,7 +290,7 @@ def _moved(checkpoint, output: str, max_shard_size: str | None) -> Plan:
         more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
         raise UsageError(
             f"{checkpoint.path}: {name} cannot move exactly to compressed-tensors: {why}{more}",
-            hint="qtool moves GPTQ, AWQ, compressed-tensors int and GGUF Q4_0, Q4_1, Q8_0 codes; dequantize the rest",
+            hint="qtool moves GPTQ, AWQ, compressed-tensors int and GGUF Q4_0, Q4_1, Q8_0 codes; allow requantizing the rest",
             option="to",
         )
     options = PlanOptions(single_file=False, max_shard_size=parse_size(max_shard_size) if max_shard_size else None)
@@ -270,7 +299,7 @@ def _moved(checkpoint, output: str, max_shard_size: str | None) -> Plan:
         replace(
             job,
             encoding=Moved(ToCompressedTensors(model_dtype, job.scheme.symmetric))
-            if job.action == QUANTIZE
+            if job.action == QUANTIZE and job.weight.name not in requantized
             else job.encoding,
             transform=rows_back.get(job.weight.name, job.transform),
         )
@@ -282,6 +311,12 @@ def _moved(checkpoint, output: str, max_shard_size: str | None) -> Plan:
         "torch_dtype": _TORCH_NAMES[model_dtype],
     }
     warnings = [*notes, *side_file_warnings(checkpoint, True)]
+    if requantized:
+        count = len(requantized)
+        warnings.append(
+            f"{count} weight{'s' if count != 1 else ''} cannot move exactly: decoded and quantized again "
+            "(each one's error in the report)"
+        )
     return replace(plan, jobs=jobs, output=output, config=written, side_bytes=tuple(files), warnings=tuple(warnings))
 
 
