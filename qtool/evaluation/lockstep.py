@@ -170,6 +170,7 @@ def run_models(
     after each layer of each pass."""
     import torch
 
+    from qtool.calibration.layers import per_batch, token_values
     from qtool.calibration.runner import embed
 
     device = options.device
@@ -177,8 +178,6 @@ def run_models(
     count = len(candidate.skeleton.layers)
     itemsize = torch.empty((), dtype=getattr(torch, candidate.skeleton.dtype)).element_size()
     cuts = passes(windows, int(candidate.config.hidden_size), itemsize, options.pass_bytes)
-    from qtool.calibration.layers import per_batch, token_values
-
     for model in models:
         model.batch = per_batch(windows.tokens.shape[0], windows.ctx, token_values(model.skeleton, windows.ctx))
     sums = [(0.0, 0.0)] * count

@@ -73,7 +73,7 @@ def plan_convert(
     if requantize is not None and to != "compressed-tensors":
         raise UsageError(
             f"requantizing what cannot move is built for compressed-tensors, not {to}",
-            hint="qtool quantize --allow-requantize requantizes a quantized model to any scheme",
+            hint="qtool quantize, with requantizing allowed, takes a quantized model to any scheme",
             option="allow_requantize",
         )
     if to == "gguf":
