@@ -241,6 +241,15 @@ def _model_dtype(checkpoint, weights) -> str:
     return scales.pop() if len(scales) == 1 else "F16"
 
 
+def _refuse_unmoved(path: str, refused: list[tuple[str, str]], verb: str, hint: str) -> None:
+    """One line for the weights whose codes cannot move: the first named with why, the rest counted."""
+    if not refused:
+        return
+    name, why = refused[0]
+    more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+    raise UsageError(f"{path}: {name} {verb}: {why}{more}", hint=hint, option="to")
+
+
 def _requantized_scheme(weight, requantize: str):
     """The scheme a weight whose codes cannot move is quantized again with."""
     from qtool.scheme_strings import parse_scheme
@@ -285,14 +294,12 @@ def _moved(checkpoint, output: str, max_shard_size: str | None, requantize: str 
                 refused.append((weight.name, scheme))
             else:
                 schemes[weight.name] = scheme
-    if refused:
-        name, why = refused[0]
-        more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
-        raise UsageError(
-            f"{checkpoint.path}: {name} cannot move exactly to compressed-tensors: {why}{more}",
-            hint="qtool moves GPTQ, AWQ, compressed-tensors int and GGUF Q4_0, Q4_1, Q8_0 codes; allow requantizing the rest",
-            option="to",
-        )
+    _refuse_unmoved(
+        checkpoint.path,
+        refused,
+        "cannot move exactly to compressed-tensors",
+        "qtool moves GPTQ, AWQ, compressed-tensors int and GGUF Q4_0, Q4_1, Q8_0 codes; allow requantizing the rest",
+    )
     options = PlanOptions(single_file=False, max_shard_size=parse_size(max_shard_size) if max_shard_size else None)
     plan = LAYOUTS["compressed-tensors"].plan(source, weights, Chosen(schemes), options)
     jobs = [
@@ -372,14 +379,12 @@ def _moved_to_gguf(checkpoint, output: str) -> Plan:
                 continue
             types[weight.name] = chosen
             schemes[weight.name] = ggml_type_named(chosen).scheme
-    if refused:
-        name, why = refused[0]
-        more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
-        raise UsageError(
-            f"{checkpoint.path}: {name} cannot move to GGUF: {why}{more}",
-            hint="qtool moves GPTQ, AWQ and compressed-tensors int codes in groups of 32, 64, 128 ...",
-            option="to",
-        )
+    _refuse_unmoved(
+        checkpoint.path,
+        refused,
+        "cannot move to GGUF",
+        "qtool moves GPTQ, AWQ and compressed-tensors int codes in groups of 32, 64, 128 ...",
+    )
     plan = LAYOUTS["gguf"].plan(checkpoint, weights, Chosen(schemes), PlanOptions(single_file=True))
     jobs = [
         replace(job, encoding=Moved(ToGguf(types[job.weight.name], grid_only=True))) if job.action == QUANTIZE else job
